@@ -1,0 +1,116 @@
+"""The ``psring`` command.
+
+    psring run --strategy allreduce --workers 2 --steps 50 --out runs/ar
+    psring report runs/ar runs/single [--json]
+    psring compare [--out DIR]
+    psring strategies
+
+Errors meant for the user (bad flags, a failed worker) print one paragraph and exit
+non-zero; see psring.errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import PsringError
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .config import config_from_args
+    from .launch import launch
+    from .report import render_table, summarize_all
+
+    cfg = config_from_args(args)
+    print(f"psring: running {cfg.strategy} with {cfg.workers} worker(s)", file=sys.stderr)
+    run_dir = launch(cfg, progress=_progress_printer(cfg.steps * cfg.workers))
+    print(render_table(summarize_all([str(run_dir)])))
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _progress_printer(total: int):
+    """A plain one-line progress display on stderr (only when it is a terminal)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int = total) -> None:
+        print(f"\r  {done}/{total} worker-steps", end="", file=sys.stderr, flush=True)
+        if done >= total:
+            print(file=sys.stderr)
+
+    return lambda done, total: show(done, total)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import render_table, summarize_all
+
+    rows = summarize_all(args.dirs)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(render_table(rows))
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import run_compare
+    from .report import render_table, summarize_all
+
+    root = run_compare(args.out, workers=args.workers)
+    print(render_table(summarize_all([str(root)])))
+    print(f"runs written to: {root}")
+    return 0
+
+
+def _cmd_strategies(args: argparse.Namespace) -> int:
+    from .strategies import STRATEGIES
+
+    for name in STRATEGIES:
+        cls = STRATEGIES.get(name)
+        doc = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip()
+        print(f"{name:<10} {doc.splitlines()[0] if doc else ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import add_config_flags
+
+    parser = argparse.ArgumentParser(
+        prog="psring", description="Compare data-parallel training strategies: parameter "
+        "server vs ring all-reduce, step by step.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train with one strategy; logs to a run directory")
+    add_config_flags(run)
+    run.set_defaults(func=_cmd_run)
+
+    rep = sub.add_parser("report", help="summarize run directories")
+    rep.add_argument("dirs", nargs="+", metavar="DIR",
+                     help="run directories, or directories containing them")
+    rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    rep.set_defaults(func=_cmd_report)
+
+    cmp_ = sub.add_parser("compare", help="run every strategy on a small default workload")
+    cmp_.add_argument("--out", default=None, help="directory for the runs "
+                      "(default runs/compare-<time>)")
+    cmp_.add_argument("--workers", type=int, default=2, help="workers per distributed run")
+    cmp_.set_defaults(func=_cmd_compare)
+
+    st = sub.add_parser("strategies", help="list the registered strategies")
+    st.set_defaults(func=_cmd_strategies)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PsringError as e:
+        print(f"psring: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("psring: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,182 @@
+"""One validated dataclass per run, and the command-line flags generated from it.
+
+Every field of :class:`RunConfig` is a flag of ``psring run`` (``batch_size`` is
+``--batch-size``), so the CLI, the worker entry point (which ``torchrun`` can start
+directly) and ``manifest.json`` can never disagree about what a run is. Validation
+happens in ``__post_init__``; a bad value raises :class:`ConfigError` with a message
+that names the fix.
+
+    >>> RunConfig(strategy="allreduce", workers=2, batch_size=64).per_worker_batch
+    32
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import ConfigError
+
+
+def _flag(help: str, **kw: Any) -> dict:
+    return {"help": help, **kw}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    strategy: str = field(default="single", metadata=_flag(
+        "training strategy (see `psring strategies`)"))
+    workers: int = field(default=1, metadata=_flag(
+        "number of worker processes (data-parallel ranks); under torchrun taken from WORLD_SIZE"))
+    model: str = field(default="mlp", metadata=_flag("built-in model: mlp or cnn"))
+    width: int = field(default=0, metadata=_flag(
+        "model width: hidden units (mlp) or channels (cnn); 0 = the model's default"))
+    depth: int = field(default=0, metadata=_flag(
+        "model depth: hidden layers (mlp) or conv blocks (cnn); 0 = the model's default"))
+    data: str = field(default="synthetic", metadata=_flag(
+        "data set: synthetic, digits (needs the [digits] extra) or a path to an .npz with arrays x and y"))
+    samples: int = field(default=4096, metadata=_flag("rows in the synthetic data set"))
+    features: int = field(default=256, metadata=_flag(
+        "input features of the synthetic data set (a perfect square for cnn)"))
+    classes: int = field(default=10, metadata=_flag("classes of the synthetic data set"))
+    batch_size: int = field(default=64, metadata=_flag(
+        "GLOBAL batch per micro-step, split evenly across the workers"))
+    steps: int = field(default=20, metadata=_flag("optimizer steps to run"))
+    accumulate: int = field(default=1, metadata=_flag(
+        "micro-batches per optimizer step; gradients are synchronized only on the last one"))
+    lr: float = field(default=0.05, metadata=_flag("learning rate"))
+    momentum: float = field(default=0.9, metadata=_flag("SGD momentum"))
+    weight_decay: float = field(default=0.0, metadata=_flag("SGD weight decay"))
+    seed: int = field(default=0, metadata=_flag("seed for the data and the initial parameters"))
+    device: str = field(default="auto", metadata=_flag(
+        "cpu, cuda, or auto (cuda when available)", choices=("auto", "cpu", "cuda")))
+    bucket_mb: float = field(default=25.0, metadata=_flag(
+        "gradient bucket size in MB for bucketed strategies (DDP's bucket_cap_mb)"))
+    out: str = field(default="", metadata=_flag(
+        "run directory (default: runs/<strategy>-w<workers>-<time>)"))
+    timeout: float = field(default=300.0, metadata=_flag(
+        "seconds any blocking wait may take before the run fails"))
+    master_addr: str = field(default="127.0.0.1", metadata=_flag(
+        "address of rank 0's rendezvous store"))
+    master_port: int = field(default=0, metadata=_flag(
+        "port of rank 0's rendezvous store; 0 = pick a free one"))
+    threads: int = field(default=0, metadata=_flag(
+        "torch threads per worker; 0 = cores divided by workers on this host (at least 1)"))
+
+    def __post_init__(self) -> None:
+        # Imported here: both registries import torch, and config must stay importable
+        # without building models or strategies.
+        from .models import MODELS
+        from .strategies import STRATEGIES
+
+        strategy_cls = STRATEGIES.get(self.strategy)
+        MODELS.get(self.model)
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1 (got {self.workers}).")
+        if strategy_cls.max_workers is not None and self.workers > strategy_cls.max_workers:
+            raise ConfigError(
+                f"strategy {self.strategy!r} runs at most {strategy_cls.max_workers} worker(s) "
+                f"(got --workers {self.workers}); use --workers 1, or a distributed strategy "
+                f"such as allreduce.")
+        if self.batch_size < 1 or self.batch_size % self.workers:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is the global batch and must be a positive "
+                f"multiple of --workers {self.workers}, so each worker gets an equal slice; "
+                f"try --batch-size {max(1, math.ceil(max(self.batch_size, 1) / self.workers)) * self.workers}.")
+        for name in ("steps", "accumulate", "samples", "features", "classes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 "
+                                  f"(got {getattr(self, name)}).")
+        if self.classes < 2:
+            raise ConfigError(f"--classes must be at least 2 (got {self.classes}).")
+        if self.width < 0 or self.depth < 0 or self.threads < 0:
+            raise ConfigError("--width, --depth and --threads must be >= 0 (0 = default).")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"--lr must be a positive number (got {self.lr}).")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum must be in [0, 1) (got {self.momentum}).")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be >= 0 (got {self.weight_decay}).")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive (got {self.bucket_mb}).")
+        if not self.timeout > 0:
+            raise ConfigError(f"--timeout must be positive seconds (got {self.timeout}).")
+        if not 0 <= self.master_port < 65536:
+            raise ConfigError(f"--master-port must be 0..65535 (got {self.master_port}).")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda (got {self.device!r}).")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "--device cuda was asked for but torch sees no CUDA device on this "
+                    "machine (torch.cuda.is_available() is False, torch "
+                    f"{torch.__version__}); use --device cpu (or auto), or install a CUDA "
+                    "build of torch on a machine with a GPU.")
+        self._check_data()
+
+    def _check_data(self) -> None:
+        if self.data in ("synthetic", "digits"):
+            if self.data == "digits":
+                try:
+                    import sklearn  # noqa: F401
+                except ImportError:
+                    raise ConfigError(
+                        "--data digits needs scikit-learn; install the optional extra "
+                        "with `pip install 'psring[digits]'`.") from None
+            return
+        if not self.data.endswith(".npz"):
+            raise ConfigError(f"--data must be synthetic, digits or a path to an .npz file "
+                              f"(got {self.data!r}).")
+        if not os.path.isfile(self.data):
+            raise ConfigError(f"--data {self.data!r}: no such file.")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def per_worker_batch(self) -> int:
+        return self.batch_size // self.workers
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_argv(self) -> list[str]:
+        """Flags that parse back to this config (used to start worker processes)."""
+        argv: list[str] = []
+        for f in fields(self):
+            argv += [_flag_name(f.name), str(getattr(self, f.name))]
+        return argv
+
+
+def _flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, defaults: RunConfig | None = None) -> None:
+    """Add one flag per RunConfig field, typed from the field's default."""
+    for f in fields(RunConfig):
+        default = getattr(defaults, f.name) if defaults else f.default
+        kw = dict(f.metadata)
+        parser.add_argument(_flag_name(f.name), dest=f.name, type=type(f.default),
+                            default=default, metavar=f.name.upper().split("_")[0], **kw)
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(RunConfig)}
+    values.update(overrides)
+    return RunConfig(**values)

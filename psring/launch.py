@@ -1,0 +1,254 @@
+"""Start a run's processes, watch them, and make the run fail-stop.
+
+``psring run`` starts one OS process per worker (``python -m psring.workers``) with the
+environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), so the same worker runs unchanged under ``torchrun`` across
+hosts. The :class:`Supervisor` is the process manager:
+
+- every child runs in its own session (so a terminal's Ctrl-C reaches only the
+  launcher, which then stops the children in order) and is told to die with its
+  parent (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no orphans;
+- its stdout and stderr go to ``DIR/logs/<name>.log``;
+- when any child exits non-zero, the others get SIGTERM, then SIGKILL after a grace
+  period, and the run fails with that child's name, exit status and last lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .config import RunConfig
+from .errors import ConfigError, RunFailed
+from .runlog import STEPS, count_lines
+
+GRACE_S = 5.0
+POLL_S = 0.05
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Fail before anything is spawned if ``port`` is already taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR: a port with only TIME_WAIT connections is free for a listener.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"{what} port {host}:{port} is already in use by another process; "
+                    f"pass a different port, or 0 to let psring pick a free one.") from None
+            raise ConfigError(f"cannot bind {what} address {host}:{port}: {e.strerror}; "
+                              f"check the address belongs to this host.") from None
+
+
+@dataclass
+class ProcessSpec:
+    name: str  # e.g. "worker-0"; also the log file's name
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Child:
+    spec: ProcessSpec
+    proc: subprocess.Popen
+    log_path: Path
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# Lines a process prints when it fails only because a peer already did; the launcher
+# blames the process that failed for a reason of its own when it can tell.
+_CASCADE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                    "exit code 143", "SIGTERM")
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.children: list[Child] = []
+
+    def start(self, spec: ProcessSpec) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{spec.name}.log"
+        env = {**os.environ, **spec.env, "PSRING_PARENT_PID": str(os.getpid()),
+               "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=logf,
+                                    stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        child = Child(spec, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.children]
+
+    def wait(self, on_tick: Callable[[], None] | None = None) -> None:
+        """Block until every child exited 0; raise RunFailed as soon as one fails."""
+        while True:
+            failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
+            if failed:
+                self.stop()
+                raise RunFailed(self._failure_message(failed))
+            if all(c.proc.poll() == 0 for c in self.children):
+                return
+            if on_tick is not None:
+                on_tick()
+            time.sleep(POLL_S)
+
+    def _failure_message(self, failed: list[Child]) -> str:
+        def own_fault(c: Child) -> bool:
+            text = tail(c.log_path, 20)
+            return not any(m in text for m in _CASCADE_MARKERS)
+
+        culprit = next((c for c in failed if own_fault(c)), failed[0])
+        others = [c.spec.name for c in failed if c is not culprit]
+        msg = (f"{culprit.spec.name} failed ({describe_exit(culprit.proc.returncode)}); "
+               f"the other processes were stopped. Its log is {culprit.log_path}")
+        if others:
+            msg += f" (also failed: {', '.join(others)})"
+        last = tail(culprit.log_path)
+        return msg + (f"; its last lines:\n{last}" if last else ".")
+
+    def stop(self, grace: float = GRACE_S) -> None:
+        """SIGTERM every live child's process group, then SIGKILL after ``grace``."""
+        live = [c for c in self.children if c.proc.poll() is None]
+        for c in live:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in live:
+            # Only children not yet reaped: a reaped pid may already belong to someone else.
+            if c.proc.poll() is None:
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    # The child leads its own session, so its pid is its process group's id.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+class _Terminated(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM raises inside the launcher, so cleanup runs as for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(*_: object) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def default_out(cfg: RunConfig) -> str:
+    return os.path.join("runs", f"{cfg.strategy}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def prepare(cfg: RunConfig) -> RunConfig:
+    """Resolve the run directory and the rendezvous port, checking both up front."""
+    out = cfg.out or default_out(cfg)
+    if Path(out, STEPS).exists():
+        raise ConfigError(f"run directory {out} already holds a run (steps.jsonl); pass a new "
+                          f"--out, or remove the old one.")
+    port = cfg.master_port
+    if port:
+        check_port_free(cfg.master_addr, port, "--master-port")
+    else:
+        port = free_port(cfg.master_addr)
+    return cfg.replace(out=out, master_port=port)
+
+
+def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
+    argv = [sys.executable, "-m", "psring.workers", *cfg.to_argv()]
+    specs = []
+    for rank in range(cfg.workers):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(cfg.workers), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(cfg.workers), "MASTER_ADDR": cfg.master_addr,
+               "MASTER_PORT": str(cfg.master_port),
+               # Before torch is imported, so its thread pools are sized right from start.
+               "OMP_NUM_THREADS": str(max(1, cfg.threads or (os.cpu_count() or 1) // cfg.workers))}
+        specs.append(ProcessSpec(f"worker-{rank}", argv, env))
+    return specs
+
+
+def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Run ``cfg`` to completion; return its run directory. Raises RunFailed."""
+    cfg = prepare(cfg)
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(run_dir / "logs")
+    total = cfg.steps * cfg.workers
+    steps_path = run_dir / STEPS
+    last_report = [0.0]
+
+    def tick() -> None:
+        if progress is not None and time.monotonic() - last_report[0] > 0.2:
+            last_report[0] = time.monotonic()
+            progress(min(count_lines(steps_path), total), total)
+
+    with _signals_raise():
+        try:
+            for spec in worker_specs(cfg):
+                sup.start(spec)
+            sup.wait(tick)
+        except KeyboardInterrupt:
+            sup.stop()
+            raise RunFailed(f"interrupted; all {len(sup.children)} processes of the run in "
+                            f"{run_dir} were stopped.", exit_code=130) from None
+        except _Terminated:
+            sup.stop()
+            raise RunFailed(f"terminated (SIGTERM); all {len(sup.children)} processes of the "
+                            f"run in {run_dir} were stopped.", exit_code=143) from None
+        finally:
+            sup.stop()
+    if progress is not None:
+        progress(min(count_lines(steps_path), total), total)
+    return run_dir

@@ -1,0 +1,120 @@
+"""Summaries of run directories: ``psring report DIR [DIR...] [--json]``.
+
+For each run: samples/s, step time p50/p95, the share of the step spent computing
+(data + forward + backward + update) versus blocked on communication, and the speedup
+over a ``single`` run of the same workload when one is among the directories given.
+The first steps (warm-up: allocator, connection set-up) are left out of the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .runlog import PHASES, iter_run_dirs, read_manifest, read_steps
+
+#: config keys that define "the same workload" for speedups
+WORKLOAD_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",
+                 "batch_size", "accumulate", "seed")
+
+
+def warmup_steps(steps: int) -> int:
+    return 0 if steps < 5 else max(1, steps // 10)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * (len(s) - 1)))))
+    return s[k]
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    manifest = read_manifest(run_dir)
+    cfg = manifest["config"]
+    records = read_steps(run_dir)
+    if not records:
+        raise ConfigError(f"{run_dir}: no step records in steps.jsonl (the run did not get "
+                          f"through a step); see {run_dir}/logs.")
+    skip = warmup_steps(cfg["steps"])
+    kept = [r for r in records if r["step"] >= skip] or records
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    by_worker: dict[int, list[dict]] = defaultdict(list)
+    for r in kept:
+        by_step[r["step"]].append(r)
+        by_worker[r["worker"]].append(r)
+    # A synchronous step lasts as long as its slowest worker.
+    step_times = [max(r["step_s"] for r in rs) for rs in by_step.values()]
+    per_worker_samples = cfg["batch_size"] // cfg["workers"] * cfg["accumulate"]
+    samples_per_s = sum(per_worker_samples / statistics.median(r["step_s"] for r in rs)
+                        for rs in by_worker.values())
+    total = sum(r["step_s"] for r in kept)
+    phase_share = {p: sum(r[p] for r in kept) / total for p in PHASES}
+    last_step = max(r["step"] for r in records)
+    final = [r["loss"] for r in records if r["step"] == last_step]
+    first = [r["loss"] for r in records if r["step"] == 0]
+    return {
+        "run": str(run_dir),
+        "strategy": cfg["strategy"],
+        "workers": cfg["workers"],
+        "model": cfg["model"],
+        "batch_size": cfg["batch_size"],
+        "steps": last_step + 1,
+        "samples_per_s": samples_per_s,
+        "step_p50_s": statistics.median(step_times),
+        "step_p95_s": percentile(step_times, 95),
+        "compute_share": 1.0 - phase_share["comm_s"],
+        "comm_share": phase_share["comm_s"],
+        "phase_share": phase_share,
+        "loss_first": statistics.fmean(first) if first else None,
+        "loss_final": statistics.fmean(final),
+        "parameter_bytes": manifest.get("parameter_bytes"),
+        "arithmetic_intensity": manifest.get("arithmetic_intensity"),
+        "workload": {k: cfg.get(k) for k in WORKLOAD_KEYS},
+        "speedup_vs_single": None,
+    }
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    baselines = {json.dumps(r["workload"], sort_keys=True): r for r in rows
+                 if r["strategy"] == "single"}
+    for r in rows:
+        base = baselines.get(json.dumps(r["workload"], sort_keys=True))
+        if base is not None:
+            r["speedup_vs_single"] = r["samples_per_s"] / base["samples_per_s"]
+
+
+def summarize_all(paths: list[str]) -> list[dict[str, Any]]:
+    dirs = list(iter_run_dirs(paths))
+    if not dirs:
+        raise ConfigError(f"no run directories (with a manifest.json) in {', '.join(paths)}; "
+                          f"pass the --out of a finished `psring run` or `psring compare`.")
+    rows = [summarize(d) for d in dirs]
+    add_speedups(rows)
+    return rows
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="psring report (medians exclude warm-up steps)")
+    for col in ("strategy", "workers", "samples/s", "step p50 ms", "step p95 ms",
+                "compute %", "comm %", "speedup", "loss first→final", "run"):
+        table.add_column(col, justify="left" if col in ("strategy", "run") else "right")
+    for r in rows:
+        speed = f"{r['speedup_vs_single']:.2f}x" if r["speedup_vs_single"] is not None else "-"
+        loss = (f"{r['loss_first']:.3f}→{r['loss_final']:.3f}" if r["loss_first"] is not None
+                else f"{r['loss_final']:.3f}")
+        table.add_row(r["strategy"], str(r["workers"]), f"{r['samples_per_s']:.0f}",
+                      f"{r['step_p50_s'] * 1e3:.1f}", f"{r['step_p95_s'] * 1e3:.1f}",
+                      f"{r['compute_share'] * 100:.0f}", f"{r['comm_share'] * 100:.0f}",
+                      speed, loss, r["run"])
+    console = Console(width=160, record=True, force_terminal=False)
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get()

@@ -1,0 +1,159 @@
+"""The run directory: what a run leaves behind, and the helpers that write and read it.
+
+    DIR/manifest.json   config, versions, host, sizes, FLOPs, bytes per step (rank 0)
+    DIR/steps.jsonl     one JSON object per worker per step (every worker appends)
+    DIR/model.pt        final parameters, a plain state_dict (rank 0)
+    DIR/logs/*.log      each process's stdout and stderr (written by the launcher)
+
+Files that must survive a crash (manifest, model) are written atomically: a temporary
+file in the same directory, fsync, rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST = "manifest.json"
+STEPS = "steps.jsonl"
+MODEL = "model.pt"
+
+#: fields every step record has (docs/architecture.md explains each)
+STEP_FIELDS = ("strategy", "worker", "step", "time", "data_s", "forward_s", "backward_s",
+               "comm_s", "update_s", "step_s", "bytes_sent", "bytes_recv", "loss")
+PHASES = ("data_s", "forward_s", "backward_s", "comm_s", "update_s")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # make the rename itself durable
+    finally:
+        os.close(dfd)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def save_state_dict(path: Path, state: dict) -> None:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_state_dict(path: Path) -> dict:
+    import torch
+
+    # weights_only: never unpickle arbitrary objects from a file.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class StepLog:
+    """Appends step records to steps.jsonl, one write() per record.
+
+    Several workers (processes) append to the same file: O_APPEND makes each write
+    land whole at the end, so lines never interleave.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.fd = os.open(Path(run_dir) / STEPS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict) -> None:
+        os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / STEPS
+    if not path.exists():
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a killed process
+    return out
+
+
+def read_manifest(run_dir: Path) -> dict:
+    with open(Path(run_dir) / MANIFEST) as f:
+        return json.load(f)
+
+
+def count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 16), b""))
+    except FileNotFoundError:
+        return 0
+
+
+def versions() -> dict[str, str]:
+    import msgpack
+    import numpy
+    import torch
+    import zmq
+
+    from . import __version__
+
+    return {"psring": __version__, "python": platform.python_version(),
+            "torch": torch.__version__, "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(), "msgpack": ".".join(map(str, msgpack.version)),
+            "numpy": numpy.__version__}
+
+
+def git_commit() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def host_facts() -> dict[str, Any]:
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "cores": os.cpu_count(), "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def iter_run_dirs(paths: list[str]) -> Iterator[Path]:
+    """Run directories among ``paths``: each path itself, or its subdirectories that hold
+    a manifest (so a comparison or sweep directory can be passed as one argument)."""
+    for p in map(Path, paths):
+        if (p / MANIFEST).exists():
+            yield p
+        elif p.is_dir():
+            yield from sorted(d for d in p.iterdir() if (d / MANIFEST).exists())

@@ -1,0 +1,148 @@
+"""The strategy protocol: what the one worker loop calls, and nothing else.
+
+A strategy is everything that differs between data-parallel algorithms; the loop
+(``psring.workers.loop``) is what they share. The loop never asks which strategy it
+runs: it calls these hooks in this order every optimizer step and reads the capability
+flags below.
+
+    handle = strategy.begin_step(step)     # e.g. a PS pull of fresh parameters
+    handle.wait()                          # timed as comm_s
+    for each micro-batch:
+        with strategy.no_sync() unless it is the last one:
+            forward, backward              # gradient hooks may start communication
+    handle = strategy.finish_backward()    # covers everything started during backward
+    handle.wait()                          # timed as comm_s (blocked time only)
+    strategy.update(optimizer)             # timed as update_s
+
+The handle-and-wait shape is ps-lite's Push/Pull -> timestamp -> Wait and Horovod's
+async handle + synchronize: communication starts as early as the data exists, and the
+loop blocks only where the next computation needs the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, ContextManager, Iterable, Protocol
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..registry import Registry
+
+STRATEGIES: Registry = Registry("strategy")
+
+
+class Handle(Protocol):
+    def wait(self) -> None: ...
+
+
+class Done:
+    """A handle for work that is already complete."""
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = Done()
+
+
+class WaitAll:
+    """A handle over several handles (one per bucket, shard, ...)."""
+
+    def __init__(self, handles: Iterable[Handle]):
+        self.handles = list(handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
+@dataclass
+class WorkerContext:
+    """What a strategy may know about the process it runs in."""
+
+    cfg: RunConfig
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    run_dir: Path
+    log: logging.Logger
+
+
+@dataclass
+class StepStats:
+    """Per-step communication facts a strategy reports to the loop's step record.
+
+    Times are ``time.perf_counter()`` values (CLOCK_MONOTONIC: one clock for all
+    processes on a host); the loop turns them into offsets from the step's start.
+    """
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    bucket_launch: list[float] = field(default_factory=list)
+    bucket_done: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Strategy:
+    """Base class: a no-communication strategy. Subclasses override what differs."""
+
+    name: ClassVar[str] = ""
+    #: largest --workers the strategy supports (None = any)
+    max_workers: ClassVar[int | None] = None
+    #: the worker entry point must initialize torch.distributed before setup()
+    uses_process_group: ClassVar[bool] = False
+    #: the loop builds a torch.optim.SGD and update() applies it; False when a server
+    #: applies the update and workers only receive parameters
+    local_optimizer: ClassVar[bool] = True
+    #: gradient communication is waited on inside backward() (DDP's reducer does this);
+    #: the loop then splits backward at the last gradient hook so comm_s stays honest
+    syncs_inside_backward: ClassVar[bool] = False
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.stats = StepStats()
+
+    # -- lifecycle ---------------------------------------------------------------
+    def setup(self, model: nn.Module) -> nn.Module:
+        """Called once with the initialized model; returns the module to run forward on."""
+        return model
+
+    def close(self) -> None:
+        """Release sockets, process groups, shared memory. Called even after a failure."""
+
+    # -- per step ----------------------------------------------------------------
+    def begin_step(self, step: int) -> Handle:
+        return DONE
+
+    def no_sync(self) -> ContextManager[None]:
+        """Context for micro-batches whose gradients must only accumulate locally."""
+        return contextlib.nullcontext()
+
+    def finish_backward(self) -> Handle:
+        return DONE
+
+    def update(self, optimizer: torch.optim.Optimizer | None) -> None:
+        assert optimizer is not None
+        optimizer.step()
+
+    def take_stats(self) -> StepStats:
+        """This step's communication facts; resets them for the next step."""
+        stats, self.stats = self.stats, StepStats()
+        return stats
+
+    # -- end of run ----------------------------------------------------------------
+    def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The trained parameters as a CPU state_dict (rank 0 saves it as model.pt)."""
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    # -- facts for the manifest ------------------------------------------------------
+    @classmethod
+    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+        """(sent, received) bytes per worker per synchronized step, by the algorithm."""
+        return 0, 0

@@ -1,0 +1,44 @@
+"""``ddp``: torch's DistributedDataParallel, the reference for ``allreduce``.
+
+Same algorithm (bucketed ring all-reduce overlapped with backward, ``bucket_cap_mb``
+from ``--bucket-mb``); DDP waits for its buckets inside ``backward()``, so this
+strategy sets ``syncs_inside_backward`` and the loop counts the time after the last
+gradient hook as communication.
+"""
+
+from __future__ import annotations
+
+from typing import ContextManager
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .allreduce import ring_bytes
+from .base import STRATEGIES, Strategy
+
+
+@STRATEGIES.register("ddp")
+class DDP(Strategy):
+    name = "ddp"
+    uses_process_group = True
+    syncs_inside_backward = True
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids,
+                                           bucket_cap_mb=self.ctx.cfg.bucket_mb)
+        self._bytes = ring_bytes(sum(p.numel() * p.element_size()
+                                     for p in model.parameters()), self.ctx.world)
+        return self.ddp
+
+    def no_sync(self) -> ContextManager[None]:
+        return self.ddp.no_sync()
+
+    def finish_backward(self):
+        self.stats.bytes_sent = self.stats.bytes_recv = self._bytes
+        return super().finish_backward()
+
+    @classmethod
+    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+        b = ring_bytes(param_bytes, world)
+        return b, b

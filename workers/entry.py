@@ -1,0 +1,144 @@
+"""Worker process entry point: parse, build, run, always clean up.
+
+Started by ``psring run`` (one process per worker) or directly by ``torchrun``, which
+sets the same environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT). Two hosts, one worker each:
+
+    # on host A (reachable as hostA from host B)
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
+        --master-addr hostA --master-port 29500 \\
+        -m psring.workers --strategy allreduce --out runs/two-hosts
+    # on host B: the same with --node-rank 1
+
+Takes every flag of ``psring run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+from psring.config import RunConfig, add_config_flags, config_from_args
+from psring.errors import ConfigError, PsringError
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when the launcher dies (even by SIGKILL),
+    so a killed ``psring run`` leaves no orphans. Linux only; elsewhere a no-op."""
+    parent = os.environ.get("PSRING_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(143)
+
+
+def threads_for(cfg: RunConfig, local_world: int) -> int:
+    """torch threads per process: the host's cores shared by its local workers."""
+    return cfg.threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
+    # SIGTERM (from the launcher or torchrun) unwinds through finally blocks.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    parser = argparse.ArgumentParser(prog="python -m psring.workers",
+                                     description="one psring worker process")
+    add_config_flags(parser)
+    args = parser.parse_args(argv)
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world or 1)
+    prefix = f"[worker {rank}/{world or args.workers}]"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prefix} %(message)s",
+                        stream=sys.stderr)
+    log = logging.getLogger("psring.worker")
+    try:
+        cfg = config_from_args(args, **({"workers": world} if world else {}))
+        if not cfg.out:
+            raise ConfigError("a worker needs a run directory: pass --out DIR (psring run "
+                              "does this for you; under torchrun give every node the same "
+                              "--out).")
+        run_worker(cfg, rank, cfg.workers, local_rank, local_world, log)
+    except PsringError as e:
+        print(f"{prefix} error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - last line must name the failure
+        traceback.print_exc()
+        print(f"{prefix} error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world: int,
+               log: logging.Logger) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from psring import data as datasets
+    from psring.models import build_model
+    from psring.runlog import MODEL, StepLog, save_state_dict
+    from psring.strategies import STRATEGIES, WorkerContext
+
+    from .loop import train
+    from .manifest import write_manifest
+
+    threads = threads_for(cfg, local_world)
+    torch.set_num_threads(threads)
+    device = torch.device(cfg.resolved_device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    strategy_cls = STRATEGIES.get(cfg.strategy)
+    ctx = WorkerContext(cfg=cfg, rank=rank, world=world, local_rank=local_rank,
+                        device=device, run_dir=run_dir, log=log)
+    ds = datasets.load(cfg.data, cfg.samples, cfg.features, cfg.classes, cfg.seed)
+    model = build_model(cfg.model, ds.features, ds.classes, cfg.width, cfg.depth, cfg.seed)
+    if rank == 0:
+        write_manifest(run_dir, cfg, model, ds, strategy_cls, threads)
+    model.to(device)
+
+    strategy = None
+    steps = StepLog(run_dir)
+    try:
+        if strategy_cls.uses_process_group:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            log.info("joining process group (%s, %s:%s)", backend,
+                     os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=cfg.timeout))
+        strategy = strategy_cls(ctx)
+        log.info("training %s on %s, %d steps, %d threads", cfg.strategy, device,
+                 cfg.steps, threads)
+        train(ctx, strategy, model, ds, steps)
+        if rank == 0:
+            save_state_dict(run_dir / MODEL, strategy.final_state(model))
+        log.info("done")
+    finally:
+        steps.close()
+        if strategy is not None:
+            strategy.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

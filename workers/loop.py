@@ -1,0 +1,114 @@
+"""The one worker training loop every strategy runs in.
+
+It knows phases, not strategies: it calls the strategy's hooks (see
+``psring.strategies.base``) and reads its capability flags, and times each segment of
+the step into exactly one of five phases, so ``data_s + forward_s + backward_s +
+comm_s + update_s == step_s`` (up to clock reads). ``comm_s`` is time spent *blocked*
+on communication; communication that overlaps backward is inside ``backward_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from psring.data import Dataset, worker_batch
+from psring.runlog import StepLog
+from psring.strategies.base import Strategy, WorkerContext
+
+now = time.perf_counter
+
+
+def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                           weight_decay=cfg.weight_decay)
+
+
+def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Dataset,
+          log: StepLog | None, on_step: Callable[[dict], None] | None = None) -> None:
+    cfg = ctx.cfg
+    device = ctx.device
+    module = strategy.setup(model)
+    optimizer = make_optimizer(model, cfg) if strategy.local_optimizer else None
+    loss_fn = nn.CrossEntropyLoss()
+    micro = cfg.accumulate
+    # On CUDA, kernels run asynchronously: synchronize at phase boundaries so time lands
+    # in the phase that caused it. On CPU this is a no-op.
+    sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    last_grad = [0.0]
+    if strategy.syncs_inside_backward:
+        # The strategy waits for communication inside backward(); the moment the last
+        # gradient is final marks the end of backward's compute.
+        def stamp(_: torch.Tensor) -> None:
+            last_grad[0] = now()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(stamp)
+
+    for step in range(cfg.steps):
+        ph = dict.fromkeys(("data_s", "forward_s", "backward_s", "comm_s", "update_s"), 0.0)
+        t0 = mark = now()
+
+        def lap(phase: str) -> None:
+            nonlocal mark
+            sync()
+            t = now()
+            ph[phase] += t - mark
+            mark = t
+
+        model.zero_grad(set_to_none=True)
+        lap("update_s")
+        strategy.begin_step(step).wait()
+        lap("comm_s")
+
+        loss_sum = torch.zeros((), device=device)
+        backward_end = 0.0
+        for m in range(micro):
+            x, y = worker_batch(data, cfg.batch_size, step * micro + m, ctx.rank, ctx.world)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            lap("data_s")
+            last = m == micro - 1
+            with contextlib.nullcontext() if last else strategy.no_sync():
+                loss = loss_fn(module(x), y) / micro
+                lap("forward_s")
+                last_grad[0] = 0.0
+                loss.backward()
+                backward_start = mark
+                lap("backward_s")
+                backward_end = mark
+            if last and strategy.syncs_inside_backward and last_grad[0] > backward_start:
+                blocked = backward_end - last_grad[0]
+                ph["backward_s"] -= blocked
+                ph["comm_s"] += blocked
+                backward_end = last_grad[0]
+            loss_sum += loss.detach()
+
+        handle = strategy.finish_backward()
+        lap("backward_s")
+        handle.wait()
+        lap("comm_s")
+        strategy.update(optimizer)
+        lap("update_s")
+
+        stats = strategy.take_stats()
+        record = {
+            "strategy": cfg.strategy, "worker": ctx.rank, "step": step, "time": time.time(),
+            **{k: round(v, 7) for k, v in ph.items()},
+            "step_s": round(mark - t0, 7),
+            "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv,
+            "loss": float(loss_sum),
+            "backward_end_s": round(backward_end - t0, 7),
+        }
+        if stats.bucket_launch:
+            record["bucket_launch_s"] = [round(t - t0, 7) for t in stats.bucket_launch]
+            record["bucket_done_s"] = [round(t - t0, 7) for t in stats.bucket_done]
+        record.update(stats.extra)
+        if log is not None:
+            log.write(record)
+        if on_step is not None:
+            on_step(record)

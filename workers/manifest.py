@@ -1,0 +1,46 @@
+"""manifest.json: everything needed to interpret a run's step log later."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from torch import nn
+
+from psring.config import RunConfig
+from psring.data import Dataset
+from psring.models import flops_per_sample, parameter_bytes
+from psring.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
+
+
+def build_manifest(cfg: RunConfig, model: nn.Module, ds: Dataset, strategy_cls,
+                   threads: int) -> dict:
+    pbytes = parameter_bytes(model)
+    sent, recv = strategy_cls.bytes_per_step(pbytes, cfg.workers)
+    fps = flops_per_sample(model, ds.features)
+    flops_worker_step = fps * cfg.per_worker_batch * cfg.accumulate
+    return {
+        "config": cfg.to_dict(),
+        "versions": versions(),
+        "host": host_facts(),
+        "threads_per_process": threads,
+        "git_commit": git_commit(),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "device": cfg.resolved_device,
+        "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameter_bytes": pbytes,
+        "bytes_per_step": {"sent": sent, "recv": recv},
+        "flops_per_sample": fps,
+        "flops_per_worker_step": flops_worker_step,
+        # FLOPs a worker computes per byte it communicates in one optimizer step.
+        "arithmetic_intensity": (flops_worker_step / (sent + recv)) if sent + recv else None,
+    }
+
+
+def write_manifest(run_dir: Path, cfg: RunConfig, model: nn.Module, ds: Dataset,
+                   strategy_cls, threads: int) -> dict:
+    m = build_manifest(cfg, model, ds, strategy_cls, threads)
+    atomic_write_json(Path(run_dir) / MANIFEST, m)
+    return m
