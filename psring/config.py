@@ -74,7 +74,7 @@ class RunConfig:
         from .strategies import STRATEGIES
 
         strategy_cls = STRATEGIES.get(self.strategy)
-        MODELS.get(self.model)
+        model_fn = MODELS.get(self.model)
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1 (got {self.workers}).")
         if strategy_cls.max_workers is not None and self.workers > strategy_cls.max_workers:
@@ -119,6 +119,13 @@ class RunConfig:
                     f"{torch.__version__}); use --device cpu (or auto), or install a CUDA "
                     "build of torch on a machine with a GPU.")
         self._check_data()
+        if self.data == "synthetic":
+            # Build the model on the meta device (no memory, no compute) so a model that
+            # can't take these inputs is refused here, before any process starts.
+            import torch
+
+            with torch.device("meta"):
+                model_fn(self.features, self.classes, width=self.width, depth=self.depth)
 
     def _check_data(self) -> None:
         if self.data in ("synthetic", "digits"):

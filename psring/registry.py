@@ -34,7 +34,7 @@ class Registry(Generic[T]):
             return self._items[name]
         except KeyError:
             raise ConfigError(
-                f"unknown {self.kind} {name!r}; valid {self.kind}s are: "
+                f"unknown {self.kind} {name!r}; valid {self.kind} names are: "
                 f"{', '.join(self.names())}.") from None
 
     def names(self) -> list[str]:

@@ -1,0 +1,30 @@
+# Set-up is shared by every target: a .venv with torch==2.13.0 installed *before* the
+# project, so pyproject's torch range is already satisfied and pip never pulls a
+# multi-GB CUDA build. An existing torch in the venv is kept.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.psring-installed
+TORCH ?= torch==2.13.0
+
+.PHONY: setup test compare bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+compare: $(STAMP)
+	$(BIN)/psring compare
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_foundation.py
+
+clean:
+	rm -rf runs .pytest_cache build *.egg-info

@@ -1,0 +1,105 @@
+"""Shared helpers: run psring as a user would (a subprocess), and prove that a run's
+processes are gone afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+PSRING = [sys.executable, "-m", "psring"]
+
+
+def env_with_plugins() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "plugins"),
+                                                      env.get("PYTHONPATH", "")]))
+    env["PSRING_PLUGINS"] = "faulty"
+    return env
+
+
+def psring(*args: str, timeout: float = 120, env: dict | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """Run the psring CLI; the run's own hard deadline is ``timeout`` seconds."""
+    proc = subprocess.run([*PSRING, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"psring {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """Live processes whose command line contains ``text`` (e.g. a test's run directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().split(") ", 1)[1][0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append((int(entry.name), cmd))
+    return found
+
+
+def assert_no_processes(text: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        left = processes_mentioning(str(text))
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes left behind: {left}")
+        time.sleep(0.1)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def load_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(run_dir) / "model.pt", map_location="cpu", weights_only=True)
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest per-tensor max|a-b| / max|b| over all parameters."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item()
+               for k in a)
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "steps.jsonl").read_text().splitlines()]
+
+
+#: a small, fast workload shared by the multi-process tests
+SMALL = ("--model", "mlp", "--width", "256", "--depth", "2", "--features", "64",
+         "--batch-size", "32", "--steps", "12", "--lr", "0.1", "--bucket-mb", "0.1")
+
+
+@pytest.fixture(scope="session")
+def small_runs(tmp_path_factory) -> dict[str, Path]:
+    """single (1 worker), allreduce and ddp (2 workers) on SMALL, run once per session."""
+    root = tmp_path_factory.mktemp("small")
+    runs = {}
+    for strategy, workers in (("single", 1), ("allreduce", 2), ("ddp", 2)):
+        out = root / strategy
+        psring("run", "--strategy", strategy, "--workers", workers, *SMALL, "--out", out,
+               timeout=120)
+        runs[strategy] = out
+    assert_no_processes(root)
+    return runs

@@ -1,0 +1,85 @@
+"""The CLI as a user meets it: bad input is one paragraph and a non-zero exit, never a
+traceback; a failing worker fails the run quickly and leaves no process behind."""
+
+import socket
+import time
+
+import pytest
+import torch
+
+from conftest import SMALL, assert_no_processes, env_with_plugins, psring
+
+
+def assert_clean_error(proc, needle):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    err_lines = [l for l in proc.stderr.splitlines() if l.startswith("psring: error:")]
+    assert len(err_lines) == 1, proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, needle", [
+    (["--strategy", "warp-drive"], "valid strategy names are: single, allreduce, ddp"),
+    (["--model", "gpt"], "valid model names are: mlp, cnn"),
+    (["--strategy", "allreduce", "--workers", "0"], "--workers must be at least 1"),
+    (["--strategy", "allreduce", "--workers", "3", "--batch-size", "32"], "multiple of --workers 3"),
+    (["--model", "cnn", "--features", "50"], "perfect square"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, args, needle):
+    proc = psring("run", *args, "--out", tmp_path / "r", check=False, timeout=60)
+    assert proc.returncode == 2
+    assert_clean_error(proc, needle)
+    assert not (tmp_path / "r" / "steps.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+def test_cuda_requested_without_cuda(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA; this one has a GPU")
+    proc = psring("run", "--device", "cuda", "--out", tmp_path / "r", check=False)
+    assert proc.returncode == 2
+    assert_clean_error(proc, "--device cpu")
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use_is_reported_before_spawning(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = psring("run", "--strategy", "allreduce", "--workers", 2, "--master-port", port,
+                      "--out", tmp_path / "r", check=False)
+    assert proc.returncode == 2
+    assert_clean_error(proc, f"127.0.0.1:{port} is already in use")
+    assert not (tmp_path / "r" / "logs").exists()  # nothing was started
+
+
+@pytest.mark.timeout(120)
+def test_failing_worker_fails_the_run_quickly_with_its_error(tmp_path):
+    out = tmp_path / "faulty"
+    t0 = time.monotonic()
+    proc = psring("run", "--strategy", "faulty", "--workers", 2, *SMALL, "--steps", "50",
+                  "--timeout", "600", "--out", out, check=False, env=env_with_plugins())
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 1
+    assert "worker-1 failed (exit code 1)" in proc.stderr, proc.stderr
+    assert "injected failure in worker 1 at step 3" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("its last lines:")[0]
+    # worker 0 sat in an all-reduce with a 600 s timeout: the launcher stopped it
+    assert elapsed < 60
+    assert_no_processes(out)
+
+
+@pytest.mark.timeout(60)
+def test_strategies_lists_the_registry():
+    out = psring("strategies").stdout
+    for name in ("single", "allreduce", "ddp"):
+        assert name in out
+
+
+@pytest.mark.timeout(60)
+def test_report_on_nothing_is_a_clear_error(tmp_path):
+    proc = psring("report", tmp_path, check=False)
+    assert proc.returncode == 2
+    assert_clean_error(proc, "no run directories")

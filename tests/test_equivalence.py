@@ -1,0 +1,88 @@
+"""The multi-process harness checks numbers: every synchronous strategy ends with the
+parameters `single` ends with, on the same seed and global batch."""
+
+import pytest
+
+from psring.models import build_model
+
+from conftest import SMALL, assert_no_processes, load_model, max_rel_diff, psring, read_steps
+
+PHASES = ("data_s", "forward_s", "backward_s", "comm_s", "update_s")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["allreduce", "ddp"])
+def test_same_parameters_as_single(small_runs, strategy):
+    ref = load_model(small_runs["single"])
+    got = load_model(small_runs[strategy])
+    assert max_rel_diff(got, ref) < 1e-4
+    # and training moved the parameters: the match is not between two initializations
+    init = build_model("mlp", 64, 10, 256, 2, seed=0).state_dict()
+    assert max_rel_diff(got, init) > 1e-3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["single", "allreduce", "ddp"])
+def test_loss_falls_and_records_are_complete(small_runs, strategy):
+    records = read_steps(small_runs[strategy])
+    workers = 1 if strategy == "single" else 2
+    assert len(records) == 12 * workers
+    assert {(r["worker"], r["step"]) for r in records} == {
+        (w, s) for w in range(workers) for s in range(12)}
+    by_step = {}
+    for r in records:
+        by_step.setdefault(r["step"], []).append(r["loss"])
+    first, last = sum(by_step[0]) / workers, sum(by_step[11]) / workers
+    assert last < first
+    for r in records:
+        assert r["strategy"] == strategy
+        total = sum(r[p] for p in PHASES)
+        assert abs(total - r["step_s"]) <= 0.05 * r["step_s"], r
+        assert all(r[p] >= 0 for p in PHASES)
+    if strategy != "single":
+        assert all(r["bytes_sent"] > 0 and r["bytes_recv"] > 0 for r in records)
+
+
+@pytest.mark.timeout(300)
+def test_allreduce_first_bucket_starts_before_backward_ends(small_runs):
+    records = read_steps(small_runs["allreduce"])
+    for r in records:
+        assert len(r["bucket_launch_s"]) >= 2  # SMALL's --bucket-mb makes several buckets
+        # recorded times, not a threshold: bucket 0 went out while backward still ran
+        assert r["bucket_launch_s"][0] < r["backward_end_s"], r
+        assert r["bucket_launch_s"] == sorted(r["bucket_launch_s"])
+        assert all(d >= s for s, d in zip(r["bucket_launch_s"], r["bucket_done_s"]))
+
+
+@pytest.mark.timeout(300)
+def test_manifest_and_model_file(small_runs):
+    import json
+
+    m = json.loads((small_runs["allreduce"] / "manifest.json").read_text())
+    assert m["config"]["strategy"] == "allreduce" and m["config"]["workers"] == 2
+    for key in ("python", "torch", "pyzmq", "msgpack"):
+        assert m["versions"][key]
+    assert m["host"]["cores"] >= 1 and m["threads_per_process"] >= 1
+    params = load_model(small_runs["allreduce"])
+    n = sum(v.numel() for v in params.values())
+    assert m["parameters"] == n and m["parameter_bytes"] == 4 * n
+    # ring all-reduce: each rank sends and receives 2(n-1)/n of the gradient bytes
+    assert m["bytes_per_step"] == {"sent": 4 * n, "recv": 4 * n}
+    assert m["flops_per_sample"] > 0
+    assert m["arithmetic_intensity"] == pytest.approx(
+        m["flops_per_sample"] * 16 / (8 * n))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_gradient_accumulation_matches_single(tmp_path):
+    """--accumulate 2 synchronizes only every 2nd micro-batch and still matches single."""
+    args = [*SMALL, "--accumulate", "2", "--steps", "10"]
+    psring("run", "--strategy", "single", *args, "--out", tmp_path / "s")
+    ref = load_model(tmp_path / "s")
+    for strategy in ("allreduce", "ddp"):
+        psring("run", "--strategy", strategy, "--workers", 2, *args, "--out", tmp_path / strategy)
+        assert max_rel_diff(load_model(tmp_path / strategy), ref) < 1e-4
+        r = read_steps(tmp_path / strategy)[-1]
+        assert r["bytes_sent"] > 0
+    assert_no_processes(tmp_path)
