@@ -135,6 +135,10 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         train(ctx, strategy, model, ds, steps)
         if rank == 0:
             save_state_dict(run_dir / MODEL, strategy.final_state(model))
+        if dist.is_initialized():
+            # Rank 0 hosts the rendezvous store: no rank may tear down while another
+            # still talks to it (that aborts the process in C++).
+            dist.barrier()
         log.info("done")
     finally:
         steps.close()

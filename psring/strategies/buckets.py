@@ -1,7 +1,7 @@
 """Gradient bucketing driven by gradient hooks: the piece that makes overlap happen.
 
 Parameters are grouped, in reverse registration order (roughly the order backward
-produces their gradients), into flat buffers of at most ``cap_bytes`` (the first one
+produces their gradients), into flat buffers of about ``cap_bytes`` (the first one
 smaller, ``first_cap_bytes``, so communication starts early; DDP uses 1 MB and 25 MB).
 ``Tensor.register_post_accumulate_grad_hook`` fires when a parameter's gradient is
 final; the hook copies it, pre-scaled, into its bucket's slot, and when a bucket is
@@ -158,19 +158,28 @@ def _group(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> 
     current: list[nn.Parameter] = []
     size = 0
     cap = first_cap_bytes
+    # As DDP's compute_bucket_assignment_by_size: a bucket closes once it reaches its
+    # cap (so it may exceed it by one tensor), and only holds one dtype and device.
     for p in reversed([p for p in params if p.requires_grad]):
-        nbytes = p.numel() * p.element_size()
-        same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
-        if current and (size + nbytes > cap or not same_kind):
+        if current and (p.dtype != current[0].dtype or p.device != current[0].device):
             buckets.append(Bucket(len(buckets), current))
             current, size, cap = [], 0, cap_bytes
         current.append(p)
-        size += nbytes
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append(Bucket(len(buckets), current))
+            current, size, cap = [], 0, cap_bytes
     if current:
         buckets.append(Bucket(len(buckets), current))
     return buckets
 
 
+DEFAULT_BUCKET_MB = 25.0
+
+
 def bucket_caps(bucket_mb: float) -> tuple[int, int]:
+    """(cap, first-bucket cap) in bytes, by DDP's own rule (torch 2.x): the small 1 MB
+    first bucket applies only with the default 25 MB cap; an explicit cap applies to
+    every bucket. ``ddp`` is given the same, so the two always bucket alike."""
     cap = max(1, int(bucket_mb * _MB))
-    return cap, min(cap, _MB)
+    return cap, (min(cap, _MB) if bucket_mb == DEFAULT_BUCKET_MB else cap)

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .allreduce import ring_bytes
 from .base import STRATEGIES, Strategy
+from .buckets import DEFAULT_BUCKET_MB
 
 
 @STRATEGIES.register("ddp")
@@ -25,8 +26,12 @@ class DDP(Strategy):
 
     def setup(self, model: nn.Module) -> nn.Module:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(model, device_ids=device_ids,
-                                           bucket_cap_mb=self.ctx.cfg.bucket_mb)
+        # DDP's default (bucket_cap_mb=None) is 25 MB with a 1 MB first bucket; an explicit
+        # cap makes every bucket that size. allreduce follows the same rule (bucket_caps).
+        cap = self.ctx.cfg.bucket_mb
+        self.ddp = DistributedDataParallel(
+            model, device_ids=device_ids,
+            bucket_cap_mb=None if cap == DEFAULT_BUCKET_MB else cap)
         self._bytes = ring_bytes(sum(p.numel() * p.element_size()
                                      for p in model.parameters()), self.ctx.world)
         return self.ddp

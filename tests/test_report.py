@@ -1,0 +1,54 @@
+"""`psring report` and `psring compare` as a user runs them."""
+
+import json
+
+import pytest
+
+from conftest import assert_no_processes, psring, read_steps
+from psring.report import percentile, warmup_steps
+
+
+def test_percentile_and_warmup():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(list(map(float, range(101))), 95) == 95.0
+    assert warmup_steps(3) == 0 and warmup_steps(12) == 1 and warmup_steps(50) == 5
+
+
+@pytest.mark.timeout(120)
+def test_report_reads_values_from_the_logs(small_runs):
+    proc = psring("report", *small_runs.values(), "--json")
+    rows = {r["strategy"]: r for r in json.loads(proc.stdout)}
+    assert set(rows) == {"single", "allreduce", "ddp"}
+    for name, row in rows.items():
+        records = read_steps(small_runs[name])
+        kept = [r for r in records if r["step"] >= warmup_steps(12)]
+        comm = sum(r["comm_s"] for r in kept) / sum(r["step_s"] for r in kept)
+        assert row["comm_share"] == pytest.approx(comm)
+        assert row["compute_share"] == pytest.approx(1 - comm)
+        step_max = {}
+        for r in kept:
+            step_max[r["step"]] = max(step_max.get(r["step"], 0), r["step_s"])
+        assert row["step_p50_s"] == pytest.approx(sorted(step_max.values())[len(step_max) // 2],
+                                                  rel=0.5)
+        assert row["samples_per_s"] > 0 and row["loss_final"] < row["loss_first"]
+    assert rows["single"]["speedup_vs_single"] == pytest.approx(1.0)
+    assert rows["allreduce"]["speedup_vs_single"] == pytest.approx(
+        rows["allreduce"]["samples_per_s"] / rows["single"]["samples_per_s"])
+    assert rows["single"]["comm_share"] < 0.01  # nothing to wait for
+    table = psring("report", *small_runs.values()).stdout
+    for name in rows:
+        assert name in table
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_compare_runs_every_strategy(tmp_path):
+    out = tmp_path / "cmp"
+    proc = psring("compare", "--out", out, timeout=280)
+    from psring.strategies import STRATEGIES
+
+    for name in STRATEGIES:
+        assert (out / name / "model.pt").exists()
+        assert f"│ {name}" in proc.stdout
+    assert f"runs written to: {out}" in proc.stdout
+    assert_no_processes(out)
