@@ -83,3 +83,34 @@ def test_report_on_nothing_is_a_clear_error(tmp_path):
     proc = psring("report", tmp_path, check=False)
     assert proc.returncode == 2
     assert_clean_error(proc, "no run directories")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_signal_to_launcher_stops_everything(tmp_path, sig, code):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "psring", "run", "--strategy", "allreduce",
+                             "--workers", "2", *SMALL, "--steps", "100000", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "steps.jsonl").exists() or (out / "steps.jsonl").stat().st_size == 0:
+            assert time.monotonic() < deadline, "the run never started training"
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        os.kill(proc.pid, getattr(signal, sig))
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, err
+    assert time.monotonic() - t0 < 15
+    assert "were stopped" in err
+    assert_no_processes(out)

@@ -86,3 +86,26 @@ def test_gradient_accumulation_matches_single(tmp_path):
         r = read_steps(tmp_path / strategy)[-1]
         assert r["bytes_sent"] > 0
     assert_no_processes(tmp_path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_cnn_on_a_user_npz_matches_single(tmp_path):
+    """The compute-bound model and a user's .npz data set go through the same path."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 8, 8)).astype(np.float32)
+    y = (x.reshape(256, -1).sum(axis=1) > 0).astype(np.int64)
+    npz = tmp_path / "task.npz"
+    np.savez(npz, x=x, y=y)
+    args = ["--model", "cnn", "--width", "8", "--depth", "2", "--data", npz,
+            "--batch-size", "32", "--steps", "10", "--lr", "0.1"]
+    psring("run", "--strategy", "single", *args, "--out", tmp_path / "s")
+    psring("run", "--strategy", "allreduce", "--workers", 2, *args, "--out", tmp_path / "ar")
+    assert max_rel_diff(load_model(tmp_path / "ar"), load_model(tmp_path / "s")) < 1e-4
+    import json
+
+    m = json.loads((tmp_path / "ar" / "manifest.json").read_text())
+    assert m["data"] == {"samples": 256, "features": 64, "classes": 2}
+    assert_no_processes(tmp_path)
