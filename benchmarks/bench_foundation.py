@@ -75,9 +75,10 @@ def bench_loop_overhead(rounds: int, steps: int) -> dict:
 
     res: dict[str, list[float]] = {"bare": [], "psring": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(rounds):
-            res["bare"].append(st.median(bare()[2:]))
-            res["psring"].append(st.median(psring_loop(tmp)[2:]))
+        for i in range(rounds):
+            for name in (("bare", "psring") if i % 2 == 0 else ("psring", "bare")):
+                times = bare() if name == "bare" else psring_loop(tmp)
+                res[name].append(st.median(times[2:]))
     bare_ms, ps_ms = st.median(res["bare"]) * 1e3, st.median(res["psring"]) * 1e3
     return {"bare_ms": bare_ms, "psring_single_ms": ps_ms, "ratio": ps_ms / bare_ms}
 
@@ -92,6 +93,7 @@ def _worker(rank: int, port: int, rounds: int, steps: int, queue) -> None:
                          for name, (width, depth) in BUSBW_MODELS.items()}}
         if rank == 0:
             queue.put(out)
+        dist.barrier()  # rank 0 hosts the store: nobody tears down while others use it
     finally:
         dist.destroy_process_group()
 
@@ -99,8 +101,9 @@ def _worker(rank: int, port: int, rounds: int, steps: int, queue) -> None:
 def _ar_vs_ddp(rank: int, rounds: int, steps: int) -> dict:
     ds = data.synthetic(4096, MODEL["features"], 10, 0)
     res: dict[str, list[float]] = {"allreduce": [], "ddp": []}
-    for _ in range(rounds):
-        for name in res:
+    for i in range(rounds):
+        # alternate which goes first, so warm caches or a noisy neighbour favour neither
+        for name in (list(res) if i % 2 == 0 else list(res)[::-1]):
             cfg = RunConfig(strategy=name, workers=2, steps=steps, out="unused", **MODEL)
             ctx = WorkerContext(cfg, rank, 2, rank, torch.device("cpu"), Path("."),
                                 logging.getLogger())
@@ -162,8 +165,8 @@ def _busbw(rank: int, rounds: int, width: int, depth: int, iters: int = 25) -> d
 
     res: dict[str, list[float]] = {"raw": [], "bucketed": [], "with_copy": []}
     fns = {"raw": raw, "bucketed": bucketed, "with_copy": with_copy}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for i in range(rounds):
+        for name, fn in (list(fns.items()) if i % 2 == 0 else list(fns.items())[::-1]):
             times = [fn() for _ in range(iters)]
             t = torch.tensor(times[2:])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
