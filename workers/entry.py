@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -55,6 +56,8 @@ def threads_for(cfg: RunConfig, local_world: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash in C++ (SIGSEGV, SIGABRT) still prints where Python was, into the log.
+    faulthandler.enable(all_threads=True)
     _die_with_parent()
     # SIGTERM (from the launcher or torchrun) unwinds through finally blocks.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
