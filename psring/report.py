@@ -95,6 +95,11 @@ def summarize_all(paths: list[str]) -> list[dict[str, Any]]:
                           f"pass the --out of a finished `psring run` or `psring compare`.")
     rows = [summarize(d) for d in dirs]
     add_speedups(rows)
+    from .strategies import STRATEGIES
+
+    order = {name: i for i, name in enumerate(STRATEGIES)}
+    rows.sort(key=lambda r: (json.dumps(r["workload"], sort_keys=True),
+                             order.get(r["strategy"], len(order)), r["workers"]))
     return rows
 
 

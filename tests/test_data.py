@@ -40,3 +40,13 @@ def test_npz_loading_and_rejection(tmp_path):
     np.savez(obj, x=np.array([{"a": 1}], dtype=object), y=np.array([0]))
     with pytest.raises(ConfigError, match="not a readable .npz"):
         data.from_npz(str(obj))
+
+
+def test_digits_is_scikit_learns_bundled_set():
+    pytest.importorskip("sklearn", reason="the [digits] extra (scikit-learn) is not installed")
+    ds = data.load("digits", 0, 0, 0, 0)
+    assert ds.x.shape == (1797, 64) and ds.classes == 10
+    assert 0.0 <= float(ds.x.min()) and float(ds.x.max()) <= 1.0
+    from psring.config import RunConfig
+
+    assert RunConfig(data="digits", model="cnn").data == "digits"
