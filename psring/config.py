@@ -56,6 +56,15 @@ class RunConfig:
         "cpu, cuda, or auto (cuda when available)", choices=("auto", "cpu", "cuda")))
     bucket_mb: float = field(default=25.0, metadata=_flag(
         "gradient bucket size in MB for bucketed strategies (DDP's bucket_cap_mb)"))
+    servers: int = field(default=1, metadata=_flag(
+        "parameter servers the launcher starts for ps/async-ps (parameters sharded across them)"))
+    server_addrs: str = field(default="", metadata=_flag(
+        "comma-separated addresses of running parameter servers (psring server) to use "
+        "instead of starting them, e.g. tcp://10.0.0.5:5555,tcp://10.0.0.6:5555"))
+    max_staleness: int = field(default=-1, metadata=_flag(
+        "async-ps: most updates a worker's gradient may be behind (-1 = unbounded)"))
+    slow_worker: str = field(default="", metadata=_flag(
+        "I:FACTOR makes worker I's compute FACTOR times slower (straggler experiments)"))
     out: str = field(default="", metadata=_flag(
         "run directory (default: runs/<strategy>-w<workers>-<time>)"))
     timeout: float = field(default=300.0, metadata=_flag(
@@ -119,6 +128,8 @@ class RunConfig:
                     f"{torch.__version__}); use --device cpu (or auto), or install a CUDA "
                     "build of torch on a machine with a GPU.")
         self._check_data()
+        self._check_servers(strategy_cls)
+        self._check_slow_worker()
         if self.data == "synthetic":
             # Build the model on the meta device (no memory, no compute) so a model that
             # can't take these inputs is refused here, before any process starts.
@@ -126,6 +137,56 @@ class RunConfig:
 
             with torch.device("meta"):
                 model_fn(self.features, self.classes, width=self.width, depth=self.depth)
+
+    def _check_servers(self, strategy_cls) -> None:
+        if self.servers < 1:
+            raise ConfigError(f"--servers must be at least 1 (got {self.servers}).")
+        addrs = self.server_addr_list
+        if (self.servers != 1 or addrs) and not strategy_cls.uses_servers:
+            raise ConfigError(f"--servers and --server-addrs apply to parameter-server "
+                              f"strategies (ps, async-ps), not {self.strategy!r}.")
+        if self.max_staleness != -1 and not strategy_cls.supports_staleness_bound:
+            raise ConfigError(f"--max-staleness applies to async-ps, not {self.strategy!r}.")
+        if self.max_staleness < -1:
+            raise ConfigError(f"--max-staleness must be >= 0, or -1 for no bound "
+                              f"(got {self.max_staleness}).")
+        if addrs:
+            from urllib.parse import urlparse
+
+            for a in addrs:
+                u = urlparse(a)
+                if u.scheme not in ("tcp", "ipc") or (u.scheme == "tcp" and not u.port):
+                    raise ConfigError(f"--server-addrs entry {a!r} is not an address like "
+                                      f"tcp://127.0.0.1:5555.")
+            if self.servers not in (1, len(addrs)):
+                raise ConfigError(f"--servers {self.servers} disagrees with the "
+                                  f"{len(addrs)} --server-addrs; give one or the other.")
+            object.__setattr__(self, "servers", len(addrs))
+
+    def _check_slow_worker(self) -> None:
+        if not self.slow_worker:
+            return
+        try:
+            rank, factor = self.slow_worker.split(":")
+            rank_i, factor_f = int(rank), float(factor)
+        except ValueError:
+            raise ConfigError(f"--slow-worker {self.slow_worker!r} must be I:FACTOR, e.g. "
+                              f"1:3 for worker 1 three times slower.") from None
+        if not 0 <= rank_i < self.workers or not factor_f >= 1:
+            raise ConfigError(f"--slow-worker {self.slow_worker!r}: I must be a worker "
+                              f"(0..{self.workers - 1}) and FACTOR >= 1.")
+
+    @property
+    def server_addr_list(self) -> list[str]:
+        return [a.strip() for a in self.server_addrs.split(",") if a.strip()]
+
+    @property
+    def slow(self) -> tuple[int, float]:
+        """(worker, factor) of --slow-worker; (-1, 1.0) when none is slowed."""
+        if not self.slow_worker:
+            return -1, 1.0
+        rank, factor = self.slow_worker.split(":")
+        return int(rank), float(factor)
 
     def _check_data(self) -> None:
         if self.data in ("synthetic", "digits"):

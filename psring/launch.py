@@ -16,6 +16,7 @@ hosts. The :class:`Supervisor` is the process manager:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import signal
@@ -34,6 +35,21 @@ from .runlog import STEPS, count_lines
 
 GRACE_S = 5.0
 POLL_S = 0.05
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when the launcher dies (even by SIGKILL),
+    so a killed ``psring run`` leaves no orphans. Linux only; elsewhere a no-op."""
+    parent = os.environ.get("PSRING_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(143)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,6 +79,8 @@ class ProcessSpec:
     name: str  # e.g. "worker-0"; also the log file's name
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    #: a service (a parameter server) runs until the workers are done; then it is stopped
+    service: bool = False
 
 
 @dataclass
@@ -117,13 +135,15 @@ class Supervisor:
         return [c.proc.pid for c in self.children]
 
     def wait(self, on_tick: Callable[[], None] | None = None) -> None:
-        """Block until every child exited 0; raise RunFailed as soon as one fails."""
+        """Block until every non-service child exited 0; raise RunFailed as soon as any
+        child (services included) fails or a service exits before the workers are done."""
         while True:
-            failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
+            failed = [c for c in self.children if c.proc.poll() not in (None, 0)
+                      or (c.spec.service and c.proc.poll() == 0)]
             if failed:
                 self.stop()
                 raise RunFailed(self._failure_message(failed))
-            if all(c.proc.poll() == 0 for c in self.children):
+            if all(c.proc.poll() == 0 for c in self.children if not c.spec.service):
                 return
             if on_tick is not None:
                 on_tick()
@@ -219,11 +239,28 @@ def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
     return specs
 
 
+def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[ProcessSpec]]:
+    """Parameter servers to start for ``cfg`` (none when it names running ones), and
+    the config the workers get, with the servers' addresses filled in."""
+    from .strategies import STRATEGIES
+
+    if not STRATEGIES.get(cfg.strategy).uses_servers or cfg.server_addrs:
+        return cfg, []
+    addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(cfg.servers)]
+    specs = [ProcessSpec(f"server-{k}", [sys.executable, "-m", "psring.servers",
+                                         "--bind", addr, "--name", f"server-{k}",
+                                         "--log", str(run_dir / "servers.jsonl")],
+                         env={"OMP_NUM_THREADS": "1"}, service=True)
+             for k, addr in enumerate(addrs)]
+    return cfg.replace(server_addrs=",".join(addrs)), specs
+
+
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
     """Run ``cfg`` to completion; return its run directory. Raises RunFailed."""
     cfg = prepare(cfg)
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg, services = server_specs(cfg, run_dir)
     sup = Supervisor(run_dir / "logs")
     total = cfg.steps * cfg.workers
     steps_path = run_dir / STEPS
@@ -236,7 +273,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
 
     with _signals_raise():
         try:
-            for spec in worker_specs(cfg):
+            for spec in services + worker_specs(cfg):
                 sup.start(spec)
             sup.wait(tick)
         except KeyboardInterrupt:

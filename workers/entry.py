@@ -16,7 +16,6 @@ Takes every flag of ``psring run``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import faulthandler
 import logging
 import os
@@ -28,26 +27,12 @@ from pathlib import Path
 
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
+from psring.launch import die_with_parent
 
 
 def _env_int(name: str, default: int) -> int:
     v = os.environ.get(name)
     return int(v) if v not in (None, "") else default
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when the launcher dies (even by SIGKILL),
-    so a killed ``psring run`` leaves no orphans. Linux only; elsewhere a no-op."""
-    parent = os.environ.get("PSRING_PARENT_PID")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):  # the launcher died before prctl took effect
-        os._exit(143)
 
 
 def threads_for(cfg: RunConfig, local_world: int) -> int:
@@ -58,7 +43,7 @@ def threads_for(cfg: RunConfig, local_world: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     # A crash in C++ (SIGSEGV, SIGABRT) still prints where Python was, into the log.
     faulthandler.enable(all_threads=True)
-    _die_with_parent()
+    die_with_parent()
     # SIGTERM (from the launcher or torchrun) unwinds through finally blocks.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(prog="python -m psring.workers",

@@ -40,6 +40,10 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
     # in the phase that caused it. On CPU this is a no-op.
     sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
+    slow_rank, slow_factor = cfg.slow
+    slowed = slow_rank == ctx.rank and slow_factor > 1
+
+    last_compute = 0.0
     last_grad = [0.0]
     if strategy.syncs_inside_backward:
         # The strategy waits for communication inside backward(); the moment the last
@@ -73,13 +77,20 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lap("data_s")
             last = m == micro - 1
+            compute_start = mark
             with contextlib.nullcontext() if last else strategy.no_sync():
                 loss = loss_fn(module(x), y) / micro
+                if slowed:
+                    # --slow-worker: a straggler's gradients come late, so stretch the
+                    # compute before backward, by the previous micro-batch's compute time
+                    # (3x this forward for the first one).
+                    time.sleep((slow_factor - 1) * (last_compute or 3 * (now() - compute_start)))
                 lap("forward_s")
+                backward_start = mark
                 last_grad[0] = 0.0
                 loss.backward()
-                backward_start = mark
                 lap("backward_s")
+                last_compute = (mark - compute_start) / (slow_factor if slowed else 1)
                 backward_end = mark
             if last and strategy.syncs_inside_backward and last_grad[0] > backward_start:
                 blocked = backward_end - last_grad[0]

@@ -100,6 +100,11 @@ class Strategy:
     #: the loop builds a torch.optim.SGD and update() applies it; False when a server
     #: applies the update and workers only receive parameters
     local_optimizer: ClassVar[bool] = True
+    #: the launcher starts --servers parameter-server processes (unless --server-addrs
+    #: names running ones) and passes their addresses to the workers
+    uses_servers: ClassVar[bool] = False
+    #: --max-staleness means something to this strategy
+    supports_staleness_bound: ClassVar[bool] = False
     #: gradient communication is waited on inside backward() (DDP's reducer does this);
     #: the loop then splits backward at the last gradient hook so comm_s stays honest
     syncs_inside_backward: ClassVar[bool] = False

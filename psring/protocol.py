@@ -1,0 +1,197 @@
+"""The parameter-server wire protocol: the only place that knows the message format.
+
+A message is a ZeroMQ multipart message::
+
+    frame 0      msgpack map: the header (fields below)
+    frame 1..n   raw tensor bytes, one frame per tensor, little-endian, C order
+
+Frames of 64 KB and more are sent zero-copy (pyzmq ``copy=False`` with the socket's
+``copy_threshold``) and received as ``zmq.Frame`` whose buffer becomes a tensor
+without another copy (``torch.frombuffer``). Nothing is pickled: msgpack carries only
+maps, strings, numbers, booleans and lists, and is unpacked with hard size limits.
+
+Every message is validated by :func:`decode` before anything uses it: protocol version,
+op, the exact set of header fields and their types for that op, dtype, and that each
+tensor frame carries exactly the bytes its header entry claims. A failure raises
+:class:`ProtocolError` (and only that); the server answers it with an ``error`` message
+and goes on serving. docs/protocol.md describes every op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import torch
+
+VERSION = 1
+
+#: header frame limit: a header is a few hundred bytes
+MAX_HEADER_BYTES = 16 * 1024
+#: the most tensor frames one message may carry
+MAX_TENSORS = 16
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ProtocolError(Exception):
+    """A message that breaks the protocol; the text says which rule."""
+
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+
+#: fields every message has
+COMMON = {"v": _INT, "op": _STR, "run": _STR, "worker": _INT, "seq": _INT, "shard": _INT}
+
+#: op -> {field: accepted types}; a message must have exactly COMMON + these fields
+SCHEMAS: dict[str, dict[str, tuple]] = {
+    # worker 0 -> server: take this shard [lo, hi) of the flat parameters and the run's
+    # settings; one tensor frame: the shard's initial values
+    "init": {"lo": _INT, "hi": _INT, "workers": _INT, "mode": _STR, "lr": _NUM,
+             "momentum": _NUM, "weight_decay": _NUM, "max_staleness": _INT,
+             "tensors": (list,)},
+    # worker -> server: gradient for flat elements [offset, offset+len) of step `step`
+    "push": {"step": _INT, "offset": _INT, "tensors": (list,)},
+    # worker -> server: send me the shard once its version is >= `min_version`
+    "pull": {"min_version": _INT, "tensors": (list,)},
+    # worker -> server: this worker is done with the run (it stops counting as in flight)
+    "leave": {"tensors": (list,)},
+    # server -> worker replies
+    "ack": {"version": _INT, "staleness": _INT, "tensors": (list,)},
+    "params": {"version": _INT, "tensors": (list,)},
+    "ok": {"tensors": (list,)},
+    "error": {"message": _STR, "tensors": (list,)},
+}
+REQUESTS = ("init", "push", "pull", "leave")
+MODES = ("sync", "async")
+
+#: a tensor entry in the header: [dtype name, shape list]
+_MAX_DIMS = 8
+
+
+@dataclass
+class Message:
+    header: dict[str, Any]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def op(self) -> str:
+        return self.header["op"]
+
+
+def tensor_entry(t: torch.Tensor) -> list:
+    return [DTYPE_NAMES[t.dtype], list(t.shape)]
+
+
+def encode(op: str, fields: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> list:
+    """Frames for one message. Tensors must be contiguous CPU tensors; their memory is
+    handed to ZeroMQ without a copy, so the caller must not modify it until the peer
+    has answered (every request gets exactly one reply)."""
+    header = {"v": VERSION, "op": op, **fields,
+              "tensors": [tensor_entry(t) for t in tensors]}
+    frames: list = [msgpack.packb(header, use_bin_type=True)]
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("protocol tensors must be contiguous CPU tensors")
+        frames.append(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
+    return frames
+
+
+def _buffer(frame: Any) -> memoryview:
+    if isinstance(frame, (bytes, bytearray)):
+        return memoryview(frame)
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    if buf is None:
+        raise ProtocolError(f"frame of unexpected type {type(frame).__name__}")
+    return buf
+
+
+def decode(frames: Sequence[Any], expect: Iterable[str] | None = None) -> Message:
+    """Validate and decode one message; raise ProtocolError on any violation."""
+    if not frames:
+        raise ProtocolError("empty message")
+    head = _buffer(frames[0])
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        # The size check above bounds the input; these bound what it can expand into.
+        header = msgpack.unpackb(
+            head, raw=False, strict_map_key=True, use_list=True, max_str_len=4096,
+            max_bin_len=0, max_array_len=256, max_map_len=64, max_ext_len=0)
+    except (ValueError, TypeError) as e:  # msgpack's errors (FormatError, ExtraData, limits,
+        # bad UTF-8, unhashable keys) all derive from these: all mean "bad header"
+        raise ProtocolError(f"header is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header is a {type(header).__name__}, not a map")
+    if header.get("v") != VERSION:
+        raise ProtocolError(f"protocol version {header.get('v')!r} is not {VERSION}; "
+                            f"the worker and server run different psring versions")
+    op = header.get("op")
+    if op not in SCHEMAS:
+        raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(SCHEMAS)}")
+    if expect is not None and op not in expect:
+        raise ProtocolError(f"op {op!r} is not expected here")
+    schema = {**COMMON, **SCHEMAS[op]}
+    missing = schema.keys() - header.keys()
+    extra = header.keys() - schema.keys()
+    if missing or extra:
+        raise ProtocolError(f"op {op!r}: missing fields {sorted(missing)}, "
+                            f"unexpected fields {sorted(map(str, extra))}")
+    for name, types in schema.items():
+        value = header[name]
+        # bool is an int in Python; a boolean where a number belongs is still wrong
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ProtocolError(f"op {op!r}: field {name!r} has type "
+                                f"{type(value).__name__}")
+    entries = header["tensors"]
+    if len(entries) > MAX_TENSORS or len(entries) != len(frames) - 1:
+        raise ProtocolError(f"header lists {len(entries)} tensors but "
+                            f"{len(frames) - 1} tensor frames arrived")
+    tensors = [_tensor(entry, _buffer(f)) for entry, f in zip(entries, frames[1:])]
+    return Message(header, tensors)
+
+
+def _tensor(entry: Any, buf: memoryview) -> torch.Tensor:
+    if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
+            or not isinstance(entry[1], list)):
+        raise ProtocolError(f"tensor entry {entry!r} is not [dtype, shape]")
+    dtype_name, shape = entry
+    dtype = DTYPES.get(dtype_name)
+    if dtype is None:
+        raise ProtocolError(f"dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
+    if len(shape) > _MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool)
+                                         and 0 <= d < 2**40 for d in shape):
+        raise ProtocolError(f"shape {shape!r} is not a list of at most {_MAX_DIMS} "
+                            f"non-negative ints")
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # Compare the claim with what arrived before touching the data: a header that
+    # claims more bytes than its frame carries costs nothing.
+    if numel * itemsize != len(buf):
+        raise ProtocolError(f"tensor {dtype_name}{shape} needs {numel * itemsize} bytes, "
+                            f"its frame carries {len(buf)}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def error_frames(message: str, request: dict[str, Any] | None = None) -> list:
+    """An error reply; echoes what it can of the request so the sender can match it."""
+    req = request if isinstance(request, dict) else {}
+
+    def pick(name: str, types: tuple, default: Any) -> Any:
+        v = req.get(name, default)
+        return v if isinstance(v, types) and not isinstance(v, bool) else default
+
+    return encode("error", {"run": pick("run", _STR, ""), "worker": pick("worker", _INT, -1),
+                            "seq": pick("seq", _INT, -1), "shard": pick("shard", _INT, -1),
+                            "message": message[:1000]})

@@ -1,0 +1,283 @@
+"""``ps`` and ``async-ps``: data-parallel SGD through parameter servers over ZeroMQ.
+
+The model's parameters live in one flat vector (in gradient-bucket order), split by the
+partitioner (``psring.partition``) into K shards, one per server. Each step:
+
+- gradient hooks fill buckets (pre-scaled by 1/N, as ``allreduce``); a full bucket is
+  pushed at once, in pieces, to every server whose range it overlaps, so pushes overlap
+  backward exactly as ``allreduce``'s all-reduces do;
+- ``finish_backward`` then sends the pull for the next parameters right behind the
+  pushes on each connection (the earliest moment correctness allows) and returns a
+  handle on the pushes' acknowledgements;
+- the next ``begin_step`` waits for the pulled shards and writes them into the model.
+
+``ps`` (synchronous): a server answers the pull for version ``s + 1`` once all N
+workers' gradients of step ``s`` are summed and applied — the same SGD as ``allreduce``,
+so the same final parameters. ``--servers K`` shards it across K servers.
+
+``async-ps`` (Downpour): servers apply every push on arrival and answer pulls at once;
+workers never wait for each other. Each step logs ``staleness``: updates the server
+(shard 0) applied between the worker's pull and its push. ``--max-staleness S`` bounds
+it: shard 0 holds back a pull that could let any worker see more than S updates.
+
+    psring run --strategy ps --workers 2 --servers 2
+    psring run --strategy async-ps --workers 4 --max-staleness 2
+    psring run --strategy ps --workers 2 --server-addrs tcp://hostA:5555,tcp://hostB:5555
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Callable, ClassVar
+
+import torch
+import zmq
+from torch import nn
+
+from ..errors import PsringError
+from ..partition import even_split, overlaps
+from ..protocol import Message, ProtocolError, decode, encode
+from .base import STRATEGIES, Handle, Strategy
+from .buckets import Bucket, GradientBuckets, bucket_caps
+
+#: replies a worker accepts
+_REPLIES = ("ack", "params", "ok", "error")
+
+
+class PSClient:
+    """One DEALER socket per server; requests are matched to replies by (shard, seq)."""
+
+    def __init__(self, addrs: list[str], run: str, worker: int, timeout: float):
+        self.addrs = addrs
+        self.run = run
+        self.worker = worker
+        self.timeout = timeout
+        self.ctx = zmq.Context()
+        self.socks = []
+        self.poller = zmq.Poller()
+        for addr in addrs:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)  # never hang on exit with unsent messages
+            s.connect(addr)
+            self.poller.register(s, zmq.POLLIN)
+            self.socks.append(s)
+        self.index = {s: k for k, s in enumerate(self.socks)}
+        self.seq = 0
+        self.replies: dict[tuple[int, int], Message] = {}
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+
+    def send(self, shard: int, op: str, fields: dict, tensors=()) -> tuple[int, int]:
+        self.seq += 1
+        frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
+                             "shard": shard, **fields}, tensors)
+        self.socks[shard].send_multipart(frames, copy=False)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        return shard, self.seq
+
+    def wait(self, keys: list[tuple[int, int]], what: str,
+             timeout: float | None = None) -> list[Message]:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while any(k not in self.replies for k in keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted({self.addrs[k[0]] for k in keys if k not in self.replies})
+                raise PsringError(
+                    f"worker {self.worker}: no answer to {what} from parameter server(s) "
+                    f"{', '.join(missing)} within {timeout or self.timeout:.0f} s; check "
+                    f"that they run and are reachable, or raise --timeout.")
+            for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
+                self._receive(sock)
+        return [self.replies.pop(k) for k in keys]
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart(copy=False)
+        shard = self.index[sock]
+        try:
+            msg = decode(frames, expect=_REPLIES)
+        except ProtocolError as e:
+            raise PsringError(f"worker {self.worker}: malformed reply from "
+                              f"{self.addrs[shard]}: {e}") from None
+        h = msg.header
+        if msg.op == "error":
+            raise PsringError(f"parameter server {self.addrs[shard]} refused a request of "
+                              f"worker {self.worker}: {h['message']}")
+        if h["run"] != self.run:
+            return  # a late answer meant for an earlier run on the same server
+        self.bytes_recv += sum(t.numel() * t.element_size() for t in msg.tensors)
+        self.replies[(shard, h["seq"])] = msg
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(linger=0)
+        self.ctx.term()
+
+
+class Replies:
+    """The handle for requests in flight: wait() blocks until all are answered."""
+
+    def __init__(self, client: PSClient, keys: list[tuple[int, int]], what: str,
+                 on_done: Callable[[list[Message]], None] | None = None):
+        self.client, self.keys, self.what, self.on_done = client, keys, what, on_done
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        msgs = self.client.wait(self.keys, self.what)
+        self.done = True
+        if self.on_done is not None:
+            self.on_done(msgs)
+
+
+@STRATEGIES.register("ps")
+class ParameterServer(Strategy):
+    name = "ps"
+    uses_servers = True
+    local_optimizer = False
+    mode: ClassVar[str] = "sync"
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        cfg, ctx = self.ctx.cfg, self.ctx
+        params = [p for p in model.parameters() if p.requires_grad]
+        cap, first = bucket_caps(cfg.bucket_mb)
+        self.buckets = GradientBuckets(params, cap, first, scale=1.0 / ctx.world,
+                                       launch=self._push, stats_of=lambda: self.stats)
+        order = [p for b in self.buckets.buckets for p in b.params]
+        total = sum(p.numel() for p in order)
+        cuda = ctx.device.type == "cuda"
+        # The flat vector in bucket order: bucket i is one contiguous range of it. On the
+        # CPU the parameters *are* views of it, so a pull lands in the model directly; on
+        # a GPU it is a pinned host mirror copied to the device after each pull.
+        self.host_flat = torch.empty(total, dtype=torch.float32, pin_memory=cuda)
+        self.dev_flat = torch.empty(total, dtype=torch.float32, device=ctx.device) \
+            if cuda else self.host_flat
+        off = 0
+        for p in order:
+            n = p.numel()
+            self.host_flat[off:off + n].copy_(p.detach().reshape(-1))
+            self.dev_flat[off:off + n].copy_(p.detach().reshape(-1))
+            p.data = self.dev_flat[off:off + n].view_as(p)
+            off += n
+        self.bucket_start, start = [], 0
+        for b in self.buckets.buckets:
+            self.bucket_start.append(start)
+            start += b.numel
+        self.host_buckets = [torch.empty(b.numel, pin_memory=True) if cuda else None
+                             for b in self.buckets.buckets]
+        self.ranges = even_split(total, len(cfg.server_addr_list))
+        self.client = PSClient(cfg.server_addr_list, run=_run_id(cfg), worker=ctx.rank,
+                               timeout=cfg.timeout)
+        self.step = 0
+        self._staleness = -1
+        if ctx.rank == 0:
+            self._initialize_servers()
+        self.pull = self._send_pull(min_version=0)
+        return model
+
+    # -- servers ------------------------------------------------------------------
+    def _initialize_servers(self) -> None:
+        cfg = self.ctx.cfg
+        keys = [self.client.send(k, "init", {
+            "lo": lo, "hi": hi, "workers": self.ctx.world, "mode": self.mode, "lr": cfg.lr,
+            "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+            "max_staleness": cfg.max_staleness}, [self.host_flat[lo:hi]])
+            for k, (lo, hi) in enumerate(self.ranges)]
+        # A server that is not there fails here, quickly, naming its address.
+        self.client.wait(keys, "initialization", timeout=min(self.ctx.cfg.timeout, 30.0))
+
+    def _send_pull(self, min_version: int) -> Replies:
+        keys = [self.client.send(k, "pull", {"min_version": min_version})
+                for k in range(len(self.ranges))]
+        return Replies(self.client, keys, "a pull of parameters", self._apply_pull)
+
+    def _apply_pull(self, msgs: list[Message]) -> None:
+        for (lo, hi), msg in zip(self.ranges, msgs):
+            self.host_flat[lo:hi].copy_(msg.tensors[0])
+            if self.dev_flat is not self.host_flat:
+                self.dev_flat[lo:hi].copy_(self.host_flat[lo:hi], non_blocking=True)
+
+    def _push(self, bucket: Bucket) -> Handle:
+        start = self.bucket_start[bucket.index]
+        data = bucket.buffer
+        if self.host_buckets[bucket.index] is not None:  # GPU gradients go via the host
+            data = self.host_buckets[bucket.index].copy_(bucket.buffer)
+        keys = [self.client.send(k, "push", {"step": self.step, "offset": s},
+                                 [data[s - start:e - start]])
+                for k, s, e in overlaps(start, start + bucket.numel, self.ranges)]
+        return Replies(self.client, keys, "a gradient push", self._on_acks)
+
+    def _on_acks(self, msgs: list[Message]) -> None:
+        for m in msgs:
+            if m.header["shard"] == 0:
+                self._staleness = max(self._staleness, m.header["staleness"])
+
+    # -- the loop's hooks -------------------------------------------------------------
+    def begin_step(self, step: int) -> Handle:
+        self.step = step
+        self._staleness = -1
+        sent, recv = self.client.bytes_sent, self.client.bytes_recv
+        self._bytes_at_start = (sent, recv)
+        return self.pull
+
+    def finish_backward(self) -> Handle:
+        acks = self.buckets.finish()
+        # Right behind the pushes on every connection: a server sees the pull after
+        # this worker's gradients, and answers it as soon as the rules allow.
+        self.pull = self._send_pull(self.step + 1 if self.mode == "sync" else 0)
+        return _Then(acks, self._account)
+
+    def _account(self) -> None:
+        sent0, recv0 = self._bytes_at_start
+        self.stats.bytes_sent = self.client.bytes_sent - sent0
+        self.stats.bytes_recv = self.client.bytes_recv - recv0
+        if self.mode == "async":
+            self.stats.extra["staleness"] = self._staleness
+
+    def update(self, optimizer) -> None:
+        """Nothing to do: the servers applied the update; the next pull brings it."""
+
+    def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        self.pull.wait()  # the parameters after the last step
+        if self.dev_flat is not self.host_flat:
+            torch.cuda.synchronize()
+        return super().final_state(model)
+
+    def close(self) -> None:
+        if hasattr(self, "buckets"):
+            self.buckets.remove_hooks()
+        if hasattr(self, "client"):
+            try:
+                keys = [self.client.send(k, "leave", {}) for k in range(len(self.ranges))]
+                self.client.wait(keys, "leaving", timeout=min(self.ctx.cfg.timeout, 5.0))
+            except PsringError:
+                pass  # closing anyway; a server that is gone needs no goodbye
+            finally:
+                self.client.close()
+
+    @classmethod
+    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+        return param_bytes, param_bytes  # push every gradient, pull every parameter
+
+
+@STRATEGIES.register("async-ps")
+class AsyncParameterServer(ParameterServer):
+    name = "async-ps"
+    mode = "async"
+    supports_staleness_bound = True
+
+
+class _Then:
+    def __init__(self, handles: list, then: Callable[[], None]):
+        self.handles, self.then = handles, then
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+        self.then()
+
+
+def _run_id(cfg) -> str:
+    """Identifies a run to the servers; the same in every worker of the run."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"psring:{cfg.out}:{cfg.master_port}:{cfg.seed}"))

@@ -1,0 +1,62 @@
+"""Parameter-server process entry point: parse, bind, serve, always clean up.
+
+    python -m psring.servers --bind tcp://127.0.0.1:5555 [--name server-0] [--log FILE]
+
+(``psring server`` is the same command.) The server starts empty; worker 0 of a run
+initializes it with its shard of the parameters and the run's settings, so one server
+process serves any model, one run after another. SIGTERM or Ctrl-C stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from psring.errors import PsringError
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default="tcp://127.0.0.1:0",
+                        help="ZeroMQ endpoint to listen on (default: loopback, a free port)")
+    parser.add_argument("--name", default="server", help="name in logs and errors")
+    parser.add_argument("--log", default=None, help="append one JSON line per request here")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from .server import Server, is_loopback
+
+    stop = {"now": False}
+
+    def on_signal(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = Server(args.bind, args.name, Path(args.log) if args.log else None)
+    try:
+        if not is_loopback(server.endpoint):
+            print(f"[{args.name}] warning: listening beyond loopback on {server.endpoint} "
+                  f"without authentication; anyone who can reach it can change the model.",
+                  file=sys.stderr, flush=True)
+        print(f"[{args.name}] listening on {server.endpoint}", flush=True)
+        server.serve(lambda: stop["now"])
+    finally:
+        server.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from psring.launch import die_with_parent
+
+    die_with_parent()
+    parser = argparse.ArgumentParser(prog="python -m psring.servers",
+                                     description="a psring parameter server")
+    add_server_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_server(args)
+    except PsringError as e:
+        print(f"[{args.name}] error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code

@@ -1,0 +1,248 @@
+"""A parameter server's request handler: the rules of sync and async SGD, no sockets.
+
+``Handler.handle(peer, message)`` takes one validated request and returns the replies
+to send now, as ``(peer, frames, record)``; a reply may be held back (a pull waiting
+for the next version) and released by a later request. The socket loop
+(``psring.servers.server``) does the I/O. Keeping the rules here makes them testable
+without a network.
+
+sync   pushes for step ``s`` are summed; when all N workers have pushed every element of
+       this shard, the SGD update is applied and the version becomes ``s + 1``. A pull
+       for ``min_version`` is answered once the version reaches it.
+async  every push is applied as it arrives (Downpour). When a worker's push for a step
+       covers the whole shard, the version goes up by one and its staleness is the
+       number of updates applied since the version it pulled. With ``max_staleness S``
+       (on shard 0, which admits workers for all shards) a pull is answered only if no
+       worker could then see more than S updates between its pull and its push.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from psring.protocol import MODES, Message, encode, error_frames
+
+from .store import ShardStore
+
+#: pulls held back at once, beyond which new ones are refused (bounded memory)
+MAX_DEFERRED = 4096
+
+
+class RequestError(Exception):
+    """A valid message that the server's state can't accept (answered with an error)."""
+
+
+@dataclass
+class Reply:
+    peer: bytes
+    frames: list
+    record: dict[str, Any]
+
+
+@dataclass
+class _Deferred:
+    peer: bytes
+    msg: Message
+    since: float
+
+
+@dataclass
+class _Run:
+    run: str
+    shard: int
+    workers: int
+    mode: str
+    store: ShardStore
+    max_staleness: int
+    version: int = 0
+    grad_sum: torch.Tensor | None = None
+    received: dict[int, int] = field(default_factory=dict)  # worker -> elements this step
+    base: dict[int, int] = field(default_factory=dict)      # worker -> version it pulled
+    in_flight: set[int] = field(default_factory=set)        # pulled, not yet pushed all
+
+
+class Handler:
+    def __init__(self, name: str = "server"):
+        self.name = name
+        self.state: _Run | None = None
+        self.deferred: list[_Deferred] = []
+        self.counts = {"requests": 0, "errors": 0}
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, peer: bytes, msg: Message) -> list[Reply]:
+        self.counts["requests"] += 1
+        t0 = time.perf_counter()
+        try:
+            replies = getattr(self, "_" + msg.op)(peer, msg, t0)
+        except RequestError as e:
+            self.counts["errors"] += 1
+            return [Reply(peer, error_frames(str(e), msg.header),
+                          self._record(msg, t0, error=str(e)))]
+        return replies + self._release()
+
+    def _record(self, msg: Message, t0: float, wait: float = 0.0, **extra: Any) -> dict:
+        h = msg.header
+        return {"time": time.time(), "server": self.name, "op": h["op"],
+                "worker": h["worker"], "step": h.get("step"),
+                "bytes_in": sum(t.numel() * t.element_size() for t in msg.tensors),
+                "wait_s": round(wait, 7), "apply_s": round(time.perf_counter() - t0, 7),
+                "version": self.state.version if self.state else None, **extra}
+
+    def _reply(self, peer: bytes, msg: Message, op: str, fields: dict, tensors=(),
+               t0: float = 0.0, wait: float = 0.0, **extra: Any) -> Reply:
+        h = msg.header
+        frames = encode(op, {"run": h["run"], "worker": h["worker"], "seq": h["seq"],
+                             "shard": h["shard"], **fields}, tensors)
+        out = sum(t.numel() * t.element_size() for t in tensors)
+        return Reply(peer, frames, self._record(msg, t0 or time.perf_counter(), wait,
+                                                bytes_out=out, **extra))
+
+    def _current(self, msg: Message) -> _Run:
+        st = self.state
+        if st is None or st.run != msg.header["run"]:
+            raise RequestError(f"{self.name} holds no run {msg.header['run']!r}; worker 0 "
+                               f"must initialize it first")
+        w = msg.header["worker"]
+        if not 0 <= w < st.workers:
+            raise RequestError(f"worker {w} is outside 0..{st.workers - 1}")
+        return st
+
+    # ------------------------------------------------------------------ ops
+    def _init(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
+        h = msg.header
+        lo, hi = h["lo"], h["hi"]
+        if not (0 <= lo < hi) or len(msg.tensors) != 1 or msg.tensors[0].numel() != hi - lo:
+            raise RequestError(f"init needs one tensor of hi - lo elements (lo={lo}, hi={hi})")
+        if msg.tensors[0].dtype != torch.float32 or msg.tensors[0].dim() != 1:
+            raise RequestError("init parameters must be a 1-d float32 tensor")
+        if h["mode"] not in MODES or h["workers"] < 1 or not h["lr"] > 0 \
+                or not 0 <= h["momentum"] < 1 or h["weight_decay"] < 0:
+            raise RequestError(f"bad run settings: mode {h['mode']!r}, workers {h['workers']}, "
+                               f"lr {h['lr']}, momentum {h['momentum']}, "
+                               f"weight_decay {h['weight_decay']}")
+        if h["worker"] != 0:
+            raise RequestError("only worker 0 initializes a server")
+        store = ShardStore(lo, hi, msg.tensors[0], h["lr"], h["momentum"], h["weight_decay"])
+        self.state = _Run(run=h["run"], shard=h["shard"], workers=h["workers"], mode=h["mode"],
+                          store=store, max_staleness=h["max_staleness"])
+        if self.state.mode == "sync":
+            self.state.grad_sum = torch.zeros_like(store.params)
+        # pulls held for an older run will never be answered: refuse them now
+        stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
+        self.deferred = [d for d in self.deferred if d.msg.header["run"] == h["run"]]
+        replies = [Reply(d.peer, error_frames(f"run {d.msg.header['run']!r} was replaced",
+                                              d.msg.header), self._record(d.msg, t0))
+                   for d in stale]
+        return replies + [self._reply(peer, msg, "ok", {}, t0=t0)]
+
+    def _push(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
+        st = self._current(msg)
+        h = msg.header
+        if len(msg.tensors) != 1 or msg.tensors[0].dim() != 1 \
+                or msg.tensors[0].dtype != torch.float32:
+            raise RequestError("a push carries one 1-d float32 tensor")
+        grad = msg.tensors[0]
+        start = h["offset"] - st.store.lo
+        if start < 0 or start + grad.numel() > st.store.numel or grad.numel() == 0:
+            raise RequestError(f"push [{h['offset']}, {h['offset'] + grad.numel()}) is outside "
+                               f"this shard [{st.store.lo}, {st.store.hi})")
+        w = h["worker"]
+        got = st.received.get(w, 0) + grad.numel()
+        if got > st.store.numel:
+            raise RequestError(f"worker {w} pushed more than one step's gradient for step "
+                               f"{h['step']}")
+        staleness = 0
+        if st.mode == "sync":
+            if h["step"] != st.version:
+                raise RequestError(f"push for step {h['step']} but the server is at step "
+                                   f"{st.version} (synchronous mode)")
+            st.grad_sum[start:start + grad.numel()].add_(grad)
+            st.received[w] = got
+            if len(st.received) == st.workers and all(
+                    n == st.store.numel for n in st.received.values()):
+                st.store.apply(st.grad_sum)
+                st.grad_sum.zero_()
+                st.received.clear()
+                st.version += 1
+        else:
+            st.store.apply(grad, start)
+            st.received[w] = got
+            staleness = st.version - st.base.get(w, st.version)
+            if got == st.store.numel:
+                st.received[w] = 0
+                st.version += 1
+                st.in_flight.discard(w)
+        return [self._reply(peer, msg, "ack", {"version": st.version, "staleness": staleness},
+                            t0=t0, staleness=staleness)]
+
+    def _pull(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
+        if len(msg.tensors) != 0:
+            raise RequestError("a pull carries no tensors")
+        st = self.state
+        if st is not None and st.run == msg.header["run"]:
+            self._current(msg)  # validates the worker index
+        if len(self.deferred) >= MAX_DEFERRED:
+            raise RequestError(f"{self.name} already holds {MAX_DEFERRED} pulls")
+        self.deferred.append(_Deferred(peer, msg, time.perf_counter()))
+        return []  # answered by _release, now or later
+
+    def _leave(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
+        st = self._current(msg)
+        # A finished worker's last (prefetched) pull made it "in flight"; it will never
+        # push again, so it must not hold back the others' admission.
+        w = msg.header["worker"]
+        st.in_flight.discard(w)
+        # and its pull still held back will never be waited for
+        self.deferred = [d for d in self.deferred
+                         if not (d.msg.header["run"] == st.run and d.msg.header["worker"] == w)]
+        return [self._reply(peer, msg, "ok", {}, t0=t0)]
+
+    # ------------------------------------------------------------------ deferred pulls
+    def _release(self) -> list[Reply]:
+        st = self.state
+        if st is None or not self.deferred:
+            return []
+        out, keep = [], []
+        for d in self.deferred:
+            if d.msg.header["run"] == st.run and self._can_answer(st, d.msg):
+                out.append(self._answer_pull(st, d))
+            else:
+                keep.append(d)
+        self.deferred = keep
+        return out
+
+    def _can_answer(self, st: _Run, msg: Message) -> bool:
+        if st.mode == "sync":
+            return st.version >= msg.header["min_version"]
+        if st.max_staleness < 0 or st.shard != 0:
+            return True
+        # Admission (shard 0 only): every worker x in flight must still be able to see
+        # all other in-flight workers push once more without exceeding the bound.
+        w = msg.header["worker"]
+        others = st.in_flight - {w}
+        if len(others) > st.max_staleness:
+            return False
+        for x in others:
+            applied = st.version - st.base[x]
+            if applied + (len(others - {x}) + 1) > st.max_staleness:
+                return False
+        return True
+
+    def _answer_pull(self, st: _Run, d: _Deferred) -> Reply:
+        w = d.msg.header["worker"]
+        st.base[w] = st.version
+        if st.mode == "async":
+            st.received[w] = 0
+            st.in_flight.add(w)
+            # async pushes change the parameters while ZeroMQ may still be sending them:
+            # send a snapshot. In sync mode nothing changes until every worker has its copy.
+            params = st.store.params.clone()
+        else:
+            params = st.store.params
+        t0 = time.perf_counter()
+        return self._reply(d.peer, d.msg, "params", {"version": st.version}, [params],
+                           t0=t0, wait=t0 - d.since)
