@@ -45,7 +45,7 @@ def bench_loop_overhead(rounds: int, steps: int) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = RunConfig(strategy="single", steps=steps, out="unused", **MODEL)
     ds = data.synthetic(cfg.samples, cfg.features, cfg.classes, cfg.seed)
-    ctx = WorkerContext(cfg, 0, 1, 0, torch.device("cpu"), Path("."), logging.getLogger())
+    ctx = WorkerContext(cfg, 0, 1, 0, 1, torch.device("cpu"), Path("."), logging.getLogger())
 
     def bare() -> list[float]:
         model = build_model("mlp", cfg.features, cfg.classes, cfg.width, cfg.depth, 0)
@@ -105,7 +105,7 @@ def _ar_vs_ddp(rank: int, rounds: int, steps: int) -> dict:
         # alternate which goes first, so warm caches or a noisy neighbour favour neither
         for name in (list(res) if i % 2 == 0 else list(res)[::-1]):
             cfg = RunConfig(strategy=name, workers=2, steps=steps, out="unused", **MODEL)
-            ctx = WorkerContext(cfg, rank, 2, rank, torch.device("cpu"), Path("."),
+            ctx = WorkerContext(cfg, rank, 2, rank, 2, torch.device("cpu"), Path("."),
                                 logging.getLogger())
             model = build_model("mlp", cfg.features, cfg.classes, cfg.width, cfg.depth, 0)
             strategy = STRATEGIES.get(name)(ctx)

@@ -286,6 +286,9 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
                             f"run in {run_dir} were stopped.", exit_code=143) from None
         finally:
             sup.stop()
+            from .strategies import STRATEGIES
+
+            STRATEGIES.get(cfg.strategy).cleanup_run(cfg)
     if progress is not None:
         progress(min(count_lines(steps_path), total), total)
     return run_dir

@@ -101,7 +101,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
 
     strategy_cls = STRATEGIES.get(cfg.strategy)
     ctx = WorkerContext(cfg=cfg, rank=rank, world=world, local_rank=local_rank,
-                        device=device, run_dir=run_dir, log=log)
+                        local_world=local_world, device=device, run_dir=run_dir, log=log)
     ds = datasets.load(cfg.data, cfg.samples, cfg.features, cfg.classes, cfg.seed)
     model = build_model(cfg.model, ds.features, ds.classes, cfg.width, cfg.depth, cfg.seed)
     if rank == 0:

@@ -69,6 +69,7 @@ class WorkerContext:
     rank: int
     world: int
     local_rank: int
+    local_world: int
     device: torch.device
     run_dir: Path
     log: logging.Logger
@@ -145,6 +146,11 @@ class Strategy:
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The trained parameters as a CPU state_dict (rank 0 saves it as model.pt)."""
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    @classmethod
+    def cleanup_run(cls, cfg: RunConfig) -> None:
+        """Remove what the run left outside its directory (shared memory files). The
+        launcher calls it once the run's processes are gone, whether it failed or not."""
 
     # -- facts for the manifest ------------------------------------------------------
     @classmethod

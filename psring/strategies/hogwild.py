@@ -1,0 +1,111 @@
+"""``hogwild``: Hogwild! — lock-free SGD on parameters in shared memory (one host).
+
+Worker 0 puts the initial parameters in a file under /dev/shm and publishes it with an
+atomic rename; every worker maps it (``torch.from_file(shared=True)``), points its
+model's parameters at it, and applies its own SGD steps (its own momentum) to it without
+locks, as Niu et al. (NIPS 2011) describe. Data is sharded as for the other strategies.
+
+What can be recorded without locks: shared per-worker counters of updates begun and
+finished (each worker writes only its own slots). A step's ``staleness`` is how many
+updates *other* workers began between this worker's forward and the end of its own
+update: each of them wrote parameters this step read, or raced with its write.
+
+    psring run --strategy hogwild --workers 2
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..errors import ConfigError, PsringError
+from .base import STRATEGIES, Strategy
+
+
+def shm_paths(cfg: RunConfig) -> tuple[Path, Path]:
+    """(parameters, counters) files of a run: derived from the run directory, so every
+    worker (and the launcher, to clean up) finds the same ones."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    key = hashlib.sha1(os.path.abspath(cfg.out).encode()).hexdigest()[:16]
+    return root / f"psring-hogwild-{key}.params", root / f"psring-hogwild-{key}.counters"
+
+
+def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+
+
+@STRATEGIES.register("hogwild")
+class Hogwild(Strategy):
+    name = "hogwild"
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        ctx = self.ctx
+        if ctx.device.type != "cpu":
+            raise ConfigError("hogwild shares CPU memory between worker processes; run it "
+                              "with --device cpu.")
+        if ctx.local_world != ctx.world:
+            raise ConfigError(f"hogwild needs every worker on one host (shared memory), "
+                              f"but only {ctx.local_world} of {ctx.world} are on this one.")
+        params = [p for p in model.parameters() if p.requires_grad]
+        total = sum(p.numel() for p in params)
+        self.params_path, self.counters_path = shm_paths(ctx.cfg)
+        if ctx.rank == 0:
+            tmp = self.params_path.with_name(self.params_path.name + f".{os.getpid()}.tmp")
+            _map(self.counters_path, 2 * ctx.world, torch.int64).zero_()
+            flat = _map(tmp, total, torch.float32)
+            flat.copy_(torch.cat([p.detach().reshape(-1) for p in params]))
+            os.replace(tmp, self.params_path)  # publish: other workers wait for this name
+        else:
+            deadline = time.monotonic() + ctx.cfg.timeout
+            while not self.params_path.exists():
+                if time.monotonic() > deadline:
+                    raise PsringError(f"worker {ctx.rank}: worker 0 did not publish the shared "
+                                      f"parameters ({self.params_path}) within "
+                                      f"{ctx.cfg.timeout:.0f} s.")
+                time.sleep(0.01)
+        self.flat = _map(self.params_path, total, torch.float32)
+        # [updates begun per worker..., updates finished per worker...]
+        self.counters = _map(self.counters_path, 2 * ctx.world, torch.int64)
+        off = 0
+        for p in params:
+            p.data = self.flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        return model
+
+    def begin_step(self, step: int):
+        self._seen = self.counters[:self.ctx.world].clone()
+        return super().begin_step(step)
+
+    def update(self, optimizer) -> None:
+        w, n = self.ctx.rank, self.ctx.world
+        self.counters[w] += 1  # update begun; only this worker writes its slots
+        optimizer.step()  # straight into shared memory, no lock
+        self.counters[n + w] += 1  # update done
+        begun = self.counters[:n] - self._seen
+        # other workers' updates begun since this step's forward: each one wrote the
+        # parameters this step read, or overlapped this update
+        self.stats.extra["staleness"] = int(begun.sum()) - int(begun[w])
+
+    def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        # The model is final when every worker has finished its last update.
+        want = self.ctx.world * self.ctx.cfg.steps
+        deadline = time.monotonic() + self.ctx.cfg.timeout
+        while int(self.counters[self.ctx.world:].sum()) < want:
+            if time.monotonic() > deadline:
+                raise PsringError(f"hogwild: workers finished "
+                                  f"{int(self.counters[self.ctx.world:].sum())} of {want} "
+                                  f"updates within {self.ctx.cfg.timeout:.0f} s.")
+            time.sleep(0.005)
+        return super().final_state(model)
+
+    @classmethod
+    def cleanup_run(cls, cfg: RunConfig) -> None:
+        for p in shm_paths(cfg):
+            p.unlink(missing_ok=True)
