@@ -3,6 +3,7 @@
     psring run --strategy allreduce --workers 2 --steps 50 --out runs/ar
     psring report runs/ar runs/single [--json]
     psring compare [--out DIR]
+    psring server --bind tcp://127.0.0.1:5555
     psring strategies
 
 Errors meant for the user (bad flags, a failed worker) print one paragraph and exit
@@ -65,6 +66,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_server(args: argparse.Namespace) -> int:
+    from .servers.entry import run_server
+
+    return run_server(args)
+
+
 def _cmd_strategies(args: argparse.Namespace) -> int:
     from .strategies import STRATEGIES
 
@@ -98,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default runs/compare-<time>)")
     cmp_.add_argument("--workers", type=int, default=2, help="workers per distributed run")
     cmp_.set_defaults(func=_cmd_compare)
+
+    srv = sub.add_parser("server", help="run one parameter server (for --server-addrs)")
+    from .servers.entry import add_server_flags
+
+    add_server_flags(srv)
+    srv.set_defaults(func=_cmd_server)
 
     st = sub.add_parser("strategies", help="list the registered strategies")
     st.set_defaults(func=_cmd_strategies)
