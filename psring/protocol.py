@@ -100,12 +100,16 @@ def encode(op: str, fields: dict[str, Any], tensors: Sequence[torch.Tensor] = ()
     for t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("protocol tensors must be contiguous CPU tensors")
-        frames.append(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
+        frames.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
     return frames
 
 
 def _buffer(frame: Any) -> memoryview:
-    if isinstance(frame, (bytes, bytearray)):
+    if isinstance(frame, bytes):
+        # torch wants writable memory; bytes only arrive from tests and fuzzers (the
+        # sockets give zmq.Frame), so this copy is off the hot path
+        return memoryview(bytearray(frame))
+    if isinstance(frame, (bytearray, memoryview)):
         return memoryview(frame)
     buf = getattr(frame, "buffer", None)  # zmq.Frame
     if buf is None:

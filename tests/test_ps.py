@@ -1,0 +1,124 @@
+"""Parameter-server strategies end to end, as a user runs them."""
+
+import collections
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import (SMALL, assert_no_processes, load_model, max_rel_diff, psring,
+                      read_steps)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_ps_matches_single_and_allreduce(small_runs, tmp_path, servers):
+    out = tmp_path / f"ps{servers}"
+    psring("run", "--strategy", "ps", "--workers", 2, "--servers", servers, *SMALL,
+           "--out", out)
+    got = load_model(out)
+    assert max_rel_diff(got, load_model(small_runs["single"])) < 1e-4
+    assert max_rel_diff(got, load_model(small_runs["allreduce"])) < 1e-4
+    records = read_steps(out)
+    assert len(records) == 24 and all(r["bytes_sent"] > 0 for r in records)
+    # several buckets (SMALL's --bucket-mb): the first push leaves during backward
+    assert all(r["bucket_launch_s"][0] < r["backward_end_s"] for r in records)
+    server_log = [json.loads(line) for line in (out / "servers.jsonl").read_text().splitlines()]
+    assert {r["server"] for r in server_log} == {f"server-{k}" for k in range(servers)}
+    pushes = [r for r in server_log if r["op"] == "push"]
+    assert sum(r["bytes_in"] for r in pushes) == sum(r["bytes_sent"] for r in records)
+    assert_no_processes(out)
+
+
+@pytest.mark.timeout(300)
+def test_standalone_servers_serve_a_run_and_keep_running(small_runs, tmp_path):
+    servers = []
+    try:
+        addrs = []
+        for k in range(2):
+            p = subprocess.Popen([sys.executable, "-m", "psring", "server", "--bind",
+                                  "tcp://127.0.0.1:0", "--name", f"standalone-{k}"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            servers.append(p)
+            line = p.stdout.readline()
+            addrs.append(re.search(r"tcp://[\d.]+:\d+", line).group(0))
+        out = tmp_path / "standalone"
+        psring("run", "--strategy", "ps", "--workers", 2, *SMALL,
+               "--server-addrs", ",".join(addrs), "--out", out)
+        assert max_rel_diff(load_model(out), load_model(small_runs["single"])) < 1e-4
+        assert not (out / "logs" / "server-0.log").exists()  # psring started none
+        assert all(p.poll() is None for p in servers)  # standalone servers outlive the run
+        # and serve the next run, from a fresh initialization
+        out2 = tmp_path / "standalone-again"
+        psring("run", "--strategy", "ps", "--workers", 2, *SMALL,
+               "--server-addrs", ",".join(addrs), "--out", out2)
+        assert max_rel_diff(load_model(out2), load_model(small_runs["single"])) < 1e-4
+    finally:
+        for p in servers:
+            p.terminate()
+        for p in servers:
+            assert p.wait(timeout=10) == 0  # SIGTERM is a clean stop
+    assert_no_processes("standalone-")
+
+
+@pytest.mark.timeout(120)
+def test_server_addrs_pointing_at_nothing_fails_fast(tmp_path):
+    from psring.launch import free_port
+
+    out = tmp_path / "nothing"
+    t0 = time.monotonic()
+    proc = psring("run", "--strategy", "ps", "--workers", 2, *SMALL, "--timeout", "5",
+                  "--server-addrs", f"tcp://127.0.0.1:{free_port()}", "--out", out,
+                  check=False)
+    assert proc.returncode == 1
+    assert "no answer to" in proc.stderr and "from parameter server(s) tcp://127.0.0.1" in proc.stderr
+    assert time.monotonic() - t0 < 40
+    assert_no_processes(out)
+
+
+def staleness_by_worker(out):
+    counts = collections.defaultdict(collections.Counter)
+    for r in read_steps(out):
+        counts[r["worker"]][r["staleness"]] += 1
+    return counts
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["async-ps", "hogwild"])
+def test_async_strategies_reduce_the_loss(tmp_path, strategy):
+    out = tmp_path / strategy
+    psring("run", "--strategy", strategy, "--workers", 2, *SMALL, "--steps", "40",
+           "--out", out)
+    records = read_steps(out)
+    for w in (0, 1):
+        losses = [r["loss"] for r in records if r["worker"] == w]
+        assert len(losses) == 40
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+        assert all(r["staleness"] >= 0 for r in records if r["worker"] == w)
+    assert (out / "model.pt").exists()
+    assert_no_processes(out)
+    if strategy == "hogwild":
+        from psring.config import RunConfig
+        from psring.strategies.hogwild import shm_paths
+
+        assert not any(p.exists() for p in shm_paths(RunConfig(out=str(out))))
+
+
+@pytest.mark.timeout(300)
+def test_async_staleness_unbounded_vs_bounded(tmp_path):
+    common = ("--strategy", "async-ps", "--workers", 3, "--model", "mlp", "--width", "256",
+              "--depth", "2", "--features", "64", "--batch-size", "48", "--steps", "24",
+              "--slow-worker", "2:4")
+    free = tmp_path / "free"
+    psring("run", *common, "--out", free)
+    seen = staleness_by_worker(free)
+    assert max(seen[2]) > 1  # the slowed worker's gradients are several updates old
+    bounded = tmp_path / "bounded"
+    psring("run", *common, "--max-staleness", "1", "--servers", "2", "--out", bounded)
+    seen = staleness_by_worker(bounded)
+    assert sum(sum(c.values()) for c in seen.values()) == 72
+    assert max(max(c) for c in seen.values()) <= 1
+    assert_no_processes(tmp_path)

@@ -1,0 +1,122 @@
+"""The parameter server's rules, without sockets: store math, sync aggregation,
+async staleness and its bound, partitioning."""
+
+import pytest
+import torch
+
+from psring.partition import even_split, overlaps
+from psring.protocol import decode, encode
+from psring.servers.handler import Handler
+from psring.servers.store import ShardStore
+
+
+def test_store_applies_exactly_torch_sgd():
+    torch.manual_seed(0)
+    p0 = torch.randn(1000)
+    grads = [torch.randn(1000) for _ in range(4)]
+    ref = p0.clone().requires_grad_()
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01)
+    store = ShardStore(0, 1000, p0, lr=0.1, momentum=0.9, weight_decay=0.01)
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+        store.apply(g[:600], 0)  # in two slices, as pushes arrive
+        store.apply(g[600:], 600)
+    assert torch.equal(store.params, ref.detach())
+
+
+def test_even_split_and_overlaps():
+    assert even_split(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    r = even_split(100, 2)
+    assert overlaps(40, 60, r) == [(0, 40, 50), (1, 50, 60)]
+    assert overlaps(0, 10, r) == [(0, 0, 10)]
+
+
+RUN = "run-1"
+
+
+def req(op, worker=0, seq=1, **fields):
+    tensors = fields.pop("tensors", [])
+    return decode(encode(op, {"run": RUN, "worker": worker, "seq": seq, "shard": fields.pop(
+        "shard", 0), **fields}, tensors))
+
+
+def init(h, workers, mode="sync", max_staleness=-1, n=4, shard=0, released=()):
+    out = h.handle(b"w0", req("init", lo=0, hi=n, workers=workers, mode=mode, lr=1.0,
+                              momentum=0.0, weight_decay=0.0, max_staleness=max_staleness,
+                              shard=shard, tensors=[torch.zeros(n)]))
+    assert ops(out) == [(b"w0", "ok"), *released]
+
+
+def ops(replies):
+    return [(r.peer, decode(r.frames).op) for r in replies]
+
+
+def test_sync_answers_pulls_only_when_all_workers_pushed():
+    h = Handler()
+    assert h.handle(b"w1", req("pull", worker=1, min_version=0)) == []  # before init: held
+    init(h, workers=2, released=[(b"w1", "params")])  # answered once initialized
+    out = h.handle(b"w0", req("pull", min_version=0))
+    assert ops(out) == [(b"w0", "params")]
+    h.handle(b"w0", req("push", step=0, offset=0, tensors=[torch.ones(4)]))
+    assert h.handle(b"w0", req("pull", seq=3, min_version=1)) == []  # waits for worker 1
+    out = h.handle(b"w1", req("push", worker=1, step=0, offset=0, tensors=[3 * torch.ones(4)]))
+    assert ops(out) == [(b"w1", "ack"), (b"w0", "params")]
+    params = decode(out[1].frames)
+    assert params.header["version"] == 1
+    assert torch.equal(params.tensors[0], -4 * torch.ones(4))  # lr 1, summed gradient 1 + 3
+
+
+def test_sync_refuses_bad_pushes_and_keeps_serving():
+    h = Handler()
+    init(h, workers=1)
+    for bad in (req("push", step=5, offset=0, tensors=[torch.ones(4)]),
+                req("push", step=0, offset=3, tensors=[torch.ones(4)]),
+                req("push", worker=7, step=0, offset=0, tensors=[torch.ones(4)])):
+        (r,) = h.handle(b"w0", bad)
+        assert decode(r.frames).op == "error"
+    assert h.counts["errors"] == 3
+    (r,) = h.handle(b"w0", req("push", step=0, offset=0, tensors=[torch.ones(4)]))
+    assert decode(r.frames).op == "ack"
+
+
+def _async_round(h, worker, seq):
+    out = h.handle(f"w{worker}".encode(), req("push", worker=worker, seq=seq, step=0, offset=0,
+                                              tensors=[torch.ones(4)]))
+    return decode(out[0].frames).header["staleness"], out
+
+
+def test_async_staleness_counts_updates_since_the_pull():
+    h = Handler()
+    init(h, workers=2, mode="async")
+    h.handle(b"w0", req("pull", worker=0, min_version=0))
+    h.handle(b"w1", req("pull", worker=1, min_version=0))
+    s0, _ = _async_round(h, 0, 2)
+    s1, _ = _async_round(h, 1, 2)
+    assert (s0, s1) == (0, 1)  # worker 1 computed on parameters one update old
+
+
+def test_async_bound_holds_back_pulls_and_leave_releases_them():
+    h = Handler()
+    init(h, workers=2, mode="async", max_staleness=0)
+    assert ops(h.handle(b"w0", req("pull", worker=0, min_version=0))) == [(b"w0", "params")]
+    # with S = 0 a second worker in flight could see worker 0's update: held back
+    assert h.handle(b"w1", req("pull", worker=1, min_version=0)) == []
+    s0, out = _async_round(h, 0, 2)
+    assert s0 == 0 and ops(out) == [(b"w0", "ack"), (b"w1", "params")]
+    assert h.handle(b"w0", req("pull", worker=0, seq=3, min_version=0)) == []
+    out = h.handle(b"w1", req("leave", worker=1, seq=3))
+    assert ops(out) == [(b"w1", "ok"), (b"w0", "params")]
+
+
+def test_init_replaces_a_previous_run():
+    h = Handler()
+    init(h, workers=1)
+    h.handle(b"old", req("pull", min_version=5))  # held: version 5 never comes
+    out = h.handle(b"w0", decode(encode("init", {
+        "run": "run-2", "worker": 0, "seq": 1, "shard": 0, "lo": 0, "hi": 4, "workers": 1,
+        "mode": "sync", "lr": 1.0, "momentum": 0.0, "weight_decay": 0.0,
+        "max_staleness": -1}, [torch.zeros(4)])))
+    # the old run's held pull can never be answered now: it is refused, not kept
+    assert ops(out) == [(b"old", "error"), (b"w0", "ok")]
+    assert h.deferred == []
