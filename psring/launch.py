@@ -239,6 +239,13 @@ def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
     return specs
 
 
+def server_threads(servers: int, workers: int) -> int:
+    """torch threads per parameter server started beside the workers: the cores the
+    workers leave, shared by the servers, at least 1. (On 2 cores with 2 workers a
+    second server thread measured slower: it competes with ZeroMQ's I/O threads.)"""
+    return max(1, ((os.cpu_count() or 1) - workers) // servers)
+
+
 def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[ProcessSpec]]:
     """Parameter servers to start for ``cfg`` (none when it names running ones), and
     the config the workers get, with the servers' addresses filled in."""
@@ -250,7 +257,8 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[Process
     specs = [ProcessSpec(f"server-{k}", [sys.executable, "-m", "psring.servers",
                                          "--bind", addr, "--name", f"server-{k}",
                                          "--log", str(run_dir / "servers.jsonl")],
-                         env={"OMP_NUM_THREADS": "1"}, service=True)
+                         env={"OMP_NUM_THREADS": str(server_threads(cfg.servers, cfg.workers))},
+                         service=True)
              for k, addr in enumerate(addrs)]
     return cfg.replace(server_addrs=",".join(addrs)), specs
 

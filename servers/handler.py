@@ -6,9 +6,10 @@ for the next version) and released by a later request. The socket loop
 (``psring.servers.server``) does the I/O. Keeping the rules here makes them testable
 without a network.
 
-sync   pushes for step ``s`` are summed; when all N workers have pushed every element of
-       this shard, the SGD update is applied and the version becomes ``s + 1``. A pull
-       for ``min_version`` is answered once the version reaches it.
+sync   pushes for step ``s`` are summed; each range is updated (SGD) as soon as all N
+       workers' pushes of it are in, and when every element is updated the version
+       becomes ``s + 1``. A pull for ``min_version`` is answered once the version
+       reaches it.
 async  every push is applied as it arrives (Downpour). When a worker's push for a step
        covers the whole shard, the version goes up by one and its staleness is the
        number of updates applied since the version it pulled. With ``max_staleness S``
@@ -63,6 +64,9 @@ class _Run:
     received: dict[int, int] = field(default_factory=dict)  # worker -> elements this step
     base: dict[int, int] = field(default_factory=dict)      # worker -> version it pulled
     in_flight: set[int] = field(default_factory=set)        # pulled, not yet pushed all
+    # (start, len) -> [pushes in, first push held until the second arrives]
+    covered: dict[tuple[int, int], list] = field(default_factory=dict)
+    applied: int = 0  # elements of this step already updated (sync)
 
 
 class Handler:
@@ -130,7 +134,7 @@ class Handler:
         self.state = _Run(run=h["run"], shard=h["shard"], workers=h["workers"], mode=h["mode"],
                           store=store, max_staleness=h["max_staleness"])
         if self.state.mode == "sync":
-            self.state.grad_sum = torch.zeros_like(store.params)
+            self.state.grad_sum = torch.empty_like(store.params)
         # pulls held for an older run will never be answered: refuse them now
         stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
         self.deferred = [d for d in self.deferred if d.msg.header["run"] == h["run"]]
@@ -160,13 +164,18 @@ class Handler:
             if h["step"] != st.version:
                 raise RequestError(f"push for step {h['step']} but the server is at step "
                                    f"{st.version} (synchronous mode)")
-            st.grad_sum[start:start + grad.numel()].add_(grad)
             st.received[w] = got
-            if len(st.received) == st.workers and all(
-                    n == st.store.numel for n in st.received.values()):
-                st.store.apply(st.grad_sum)
-                st.grad_sum.zero_()
+            if self._accumulate(st, start, grad) == st.workers:
+                # Every worker's share of this range is in: update it now, while the
+                # rest of the gradients may still be arriving (per-element SGD, so
+                # range by range is the same arithmetic as all at once).
+                n = grad.numel()
+                st.store.apply(st.grad_sum[start:start + n], start)
+                st.applied += n
+            if st.applied == st.store.numel:
+                st.covered.clear()
                 st.received.clear()
+                st.applied = 0
                 st.version += 1
         else:
             st.store.apply(grad, start)
@@ -200,6 +209,35 @@ class Handler:
         self.deferred = [d for d in self.deferred
                          if not (d.msg.header["run"] == st.run and d.msg.header["worker"] == w)]
         return [self._reply(peer, msg, "ok", {}, t0=t0)]
+
+    @staticmethod
+    def _accumulate(st: _Run, start: int, grad: torch.Tensor) -> int:
+        """Sum a push into this step's gradient; return how many workers' pushes of this
+        range are now in. The first push of a range is only held (a view of its received
+        frame), the second is added to it into the sum, later ones are added in place:
+        the same numbers as summing into zeros (0 + g is g exactly), with one pass less
+        and no pass to zero the sum. All workers of a run push the same ranges (same
+        buckets, same partition); a range overlapping a differently cut one means they
+        disagree."""
+        key = (start, grad.numel())
+        dst = st.grad_sum[start:start + grad.numel()]
+        entry = st.covered.get(key)
+        if entry is None:
+            end = start + grad.numel()
+            if any(s < end and start < s + n for s, n in st.covered):
+                raise RequestError(f"push range [{start}, {end}) overlaps a differently cut "
+                                   f"range: the run's workers disagree about the buckets")
+            st.covered[key] = [1, grad]
+            if st.workers == 1:
+                dst.copy_(grad)
+            return 1
+        if entry[1] is not None:
+            torch.add(entry[1], grad, out=dst)
+            entry[1] = None  # the held frame can go
+        else:
+            dst.add_(grad)
+        entry[0] += 1
+        return entry[0]
 
     # ------------------------------------------------------------------ deferred pulls
     def _release(self) -> list[Reply]:

@@ -1,0 +1,206 @@
+"""Parameter-server benchmarks: ratios measured side by side in one run.
+
+    .venv/bin/python benchmarks/bench_ps.py [--quick]      (make bench runs it too)
+
+1. A synchronous PS round, N=2 workers each pushing M bytes (in 4 MiB pieces, as
+   buckets) and pulling M bytes through one psring server (msgpack header,
+   validation, summation, SGD update, the copy into the worker's parameters), vs the
+   transport bound: raw pyzmq moving the same 2·N·M bytes through one relay process
+   (each client sends M, the relay answers with M; no header, no arithmetic). The
+   relay answers once all N messages are in, as a synchronous round must; the looser
+   full-duplex bound (each answered at once) is printed too. Target: <= 1.25x at
+   M >= 16 MB.
+2. The same round with M = 10 KB: median round time. Target: <= 1 ms.
+3. ``--servers 2`` vs ``--servers 1``: the same round with the M bytes sharded across
+   two server processes (on 2 cores they share the CPU with the workers).
+
+Workers are processes using psring's own client (``PSClient``); servers are
+``python -m psring.servers`` processes; rounds alternate between contenders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics as st
+import subprocess
+import sys
+import time
+
+import torch
+import zmq
+
+from psring.launch import free_port
+from psring.partition import even_split
+
+N = 2
+
+
+def start_server(port: int, servers: int) -> subprocess.Popen:
+    from psring.launch import server_threads
+
+    return subprocess.Popen([sys.executable, "-m", "psring.servers", "--bind",
+                             f"tcp://127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": str(server_threads(servers, N))})
+
+
+CHUNK = 2**20  # elements: 4 MiB of float32
+
+
+def chunks(lo: int, hi: int) -> list[tuple[int, int]]:
+    return [(a, min(a + CHUNK, hi)) for a in range(lo, hi, CHUNK)]
+
+
+def ps_worker(rank: int, addrs: list[str], numel: int, rounds: int, run: str, q) -> None:
+    from psring.strategies.ps import PSClient
+
+    torch.set_num_threads(1)
+    client = PSClient(addrs, run=run, worker=rank, timeout=60)
+    ranges = even_split(numel, len(addrs))
+    flat = torch.randn(numel)
+    grad = torch.full((numel,), 1e-6)
+    if rank == 0:
+        keys = [client.send(k, "init", {"lo": lo, "hi": hi, "workers": N, "mode": "sync",
+                                        "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0,
+                                        "max_staleness": -1}, [flat[lo:hi]])
+                for k, (lo, hi) in enumerate(ranges)]
+        client.wait(keys, "init")
+    client.wait([client.send(k, "pull", {"min_version": 0}) for k in range(len(ranges))], "pull")
+    times = []
+    for step in range(rounds):
+        t0 = time.perf_counter()
+        # pushed in 4 MiB pieces, as gradient buckets would be
+        keys = [client.send(k, "push", {"step": step, "offset": a}, [grad[a:b]])
+                for k, (lo, hi) in enumerate(ranges) for a, b in chunks(lo, hi)]
+        keys += [client.send(k, "pull", {"min_version": step + 1}) for k in range(len(ranges))]
+        for msg, k in zip(client.wait(keys, "round")[-len(ranges):], range(len(ranges))):
+            lo, hi = ranges[k]
+            flat[lo:hi].copy_(msg.tensors[0])
+        times.append(time.perf_counter() - t0)
+    client.close()
+    q.put((rank, times))
+
+
+def relay(port: int, nbytes: int, ready, barrier: bool) -> None:
+    """Raw transport: answer every message with nbytes (a preallocated buffer); with
+    ``barrier``, answer only once all N clients' messages are in (a synchronous round's
+    order of events), else answer each at once (full duplex, the looser bound)."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.bind(f"tcp://127.0.0.1:{port}")
+    out = bytearray(nbytes)
+    ready.set()
+    waiting = []
+    while True:
+        frames = s.recv_multipart(copy=False)
+        if len(frames[1]) == 0:
+            break
+        waiting.append(frames[0])
+        if not barrier or len(waiting) == N:
+            for peer in waiting:
+                s.send_multipart([peer, out], copy=False)
+            waiting = []
+    s.close(linger=0)
+    ctx.term()
+
+
+def raw_worker(rank: int, port: int, nbytes: int, rounds: int, q) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    buf = bytearray(nbytes)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        s.send(buf, copy=False)
+        reply = s.recv(copy=False)
+        assert len(reply) == nbytes
+        times.append(time.perf_counter() - t0)
+    q.put((rank, times))
+    s.close(linger=0)
+    ctx.term()
+
+
+def run_ps(numel: int, servers: int, rounds: int) -> float:
+    ports = [free_port() for _ in range(servers)]
+    procs = [start_server(p, servers) for p in ports]
+    try:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        run = f"bench-{time.time_ns()}"
+        ws = [ctx.Process(target=ps_worker, args=(r, [f"tcp://127.0.0.1:{p}" for p in ports],
+                                                   numel, rounds, run, q)) for r in range(N)]
+        for w in ws:
+            w.start()
+        res = dict(q.get(timeout=600) for _ in ws)
+        for w in ws:
+            w.join(timeout=30)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=10)
+    # a round lasts as long as its slower worker; skip the first (connection set-up)
+    per_round = [max(res[r][i] for r in range(N)) for i in range(1, rounds)]
+    return st.median(per_round)
+
+
+def run_raw(nbytes: int, rounds: int, barrier: bool) -> float:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    ready = ctx.Event()
+    rel = ctx.Process(target=relay, args=(port, nbytes, ready, barrier))
+    rel.start()
+    ready.wait(30)
+    q = ctx.Queue()
+    ws = [ctx.Process(target=raw_worker, args=(r, port, nbytes, rounds, q)) for r in range(N)]
+    for w in ws:
+        w.start()
+    res = dict(q.get(timeout=600) for _ in ws)
+    for w in ws:
+        w.join(timeout=30)
+    zc = zmq.Context()
+    s = zc.socket(zmq.DEALER)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    s.send(b"")
+    rel.join(timeout=30)
+    s.close(linger=0)
+    zc.term()
+    per_round = [max(res[r][i] for r in range(N)) for i in range(1, rounds)]
+    return st.median(per_round)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    reps = 2 if args.quick else 4
+    big_rounds, small_rounds = (8, 100) if args.quick else (15, 400)
+    mb = 16
+    numel = mb * 2**20 // 4
+    res: dict[str, list[float]] = {"ps1": [], "sync-raw": [], "raw": [], "ps2": []}
+    for i in range(reps):
+        for name in (list(res) if i % 2 == 0 else list(res)[::-1]):
+            if name.endswith("raw"):
+                res[name].append(run_raw(numel * 4, big_rounds, barrier=name == "sync-raw"))
+            else:
+                res[name].append(run_ps(numel, int(name[-1]), big_rounds))
+    ps1, sraw, raw, ps2 = (st.median(res[k]) for k in ("ps1", "sync-raw", "raw", "ps2"))
+    small = st.median(run_ps(10 * 1024 // 4, 1, small_rounds) for _ in range(reps))
+    small_raw = st.median(run_raw(10 * 1024, small_rounds, barrier=True) for _ in range(reps))
+    print(f"psring PS benchmark (N={N} workers, {os.cpu_count()} cores, loopback tcp, "
+          f"{reps} repetitions alternated)")
+    print(f"1. sync round, M = {mb} MiB, 1 server: {ps1 * 1e3:.1f} ms. Raw pyzmq moving the "
+          f"same 2*N*M bytes through one process, answering once all N are in (a "
+          f"synchronous round): {sraw * 1e3:.1f} ms -> ratio {ps1 / sraw:.2f} (target <= "
+          f"1.25); answering each at once (full duplex): {raw * 1e3:.1f} ms -> "
+          f"{ps1 / raw:.2f}")
+    print(f"2. sync round, M = 10 KiB, 1 server: median {small * 1e3:.3f} ms (target <= 1 ms); "
+          f"raw pyzmq (synchronous): {small_raw * 1e3:.3f} ms")
+    print(f"3. sync round, M = {mb} MiB: 2 servers {ps2 * 1e3:.1f} ms vs 1 server "
+          f"{ps1 * 1e3:.1f} ms -> 2 servers are {ps1 / ps2:.2f}x as fast")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
