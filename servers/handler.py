@@ -64,7 +64,7 @@ class _Run:
     received: dict[int, int] = field(default_factory=dict)  # worker -> elements this step
     base: dict[int, int] = field(default_factory=dict)      # worker -> version it pulled
     in_flight: set[int] = field(default_factory=set)        # pulled, not yet pushed all
-    # (start, len) -> [pushes in, first push held until the second arrives]
+    # (start, len) -> [pushes in, first push held until the second arrives, workers]
     covered: dict[tuple[int, int], list] = field(default_factory=dict)
     applied: int = 0  # elements of this step already updated (sync)
 
@@ -164,8 +164,9 @@ class Handler:
             if h["step"] != st.version:
                 raise RequestError(f"push for step {h['step']} but the server is at step "
                                    f"{st.version} (synchronous mode)")
+            pushed = self._accumulate(st, start, grad, w)  # may refuse: count after it
             st.received[w] = got
-            if self._accumulate(st, start, grad) == st.workers:
+            if pushed == st.workers:
                 # Every worker's share of this range is in: update it now, while the
                 # rest of the gradients may still be arriving (per-element SGD, so
                 # range by range is the same arithmetic as all at once).
@@ -211,7 +212,7 @@ class Handler:
         return [self._reply(peer, msg, "ok", {}, t0=t0)]
 
     @staticmethod
-    def _accumulate(st: _Run, start: int, grad: torch.Tensor) -> int:
+    def _accumulate(st: _Run, start: int, grad: torch.Tensor, worker: int) -> int:
         """Sum a push into this step's gradient; return how many workers' pushes of this
         range are now in. The first push of a range is only held (a view of its received
         frame), the second is added to it into the sum, later ones are added in place:
@@ -227,10 +228,14 @@ class Handler:
             if any(s < end and start < s + n for s, n in st.covered):
                 raise RequestError(f"push range [{start}, {end}) overlaps a differently cut "
                                    f"range: the run's workers disagree about the buckets")
-            st.covered[key] = [1, grad]
+            st.covered[key] = [1, grad, {worker}]
             if st.workers == 1:
                 dst.copy_(grad)
             return 1
+        if worker in entry[2]:
+            raise RequestError(f"worker {worker} pushed range [{start}, {start + grad.numel()}) "
+                               f"twice in step {st.version}")
+        entry[2].add(worker)
         if entry[1] is not None:
             torch.add(entry[1], grad, out=dst)
             entry[1] = None  # the held frame can go

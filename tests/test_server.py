@@ -80,6 +80,19 @@ def test_sync_refuses_bad_pushes_and_keeps_serving():
     assert decode(r.frames).op == "ack"
 
 
+def test_sync_refuses_a_duplicate_push_of_a_range():
+    h = Handler()
+    init(h, workers=2, n=8)
+    h.handle(b"w0", req("push", step=0, offset=0, tensors=[torch.ones(4)]))
+    # the same range again: as many elements as the shard holds, yet not its gradient
+    (r,) = h.handle(b"w0", req("push", seq=2, step=0, offset=0, tensors=[torch.ones(4)]))
+    assert "twice" in decode(r.frames).header["message"]
+    h.handle(b"w0", req("push", seq=3, step=0, offset=4, tensors=[torch.ones(4)]))
+    for offset in (0, 4):
+        h.handle(b"w1", req("push", worker=1, step=0, offset=offset, tensors=[torch.ones(4)]))
+    assert h.state.version == 1 and torch.equal(h.state.store.params, -2 * torch.ones(8))
+
+
 def _async_round(h, worker, seq):
     out = h.handle(f"w{worker}".encode(), req("push", worker=worker, seq=seq, step=0, offset=0,
                                               tensors=[torch.ones(4)]))
