@@ -74,6 +74,8 @@ MODES = ("sync", "async")
 
 #: a tensor entry in the header: [dtype name, shape list]
 _MAX_DIMS = 8
+#: largest single dimension (2**31 elements)
+MAX_DIM = 2**31
 
 
 @dataclass
@@ -177,6 +179,10 @@ def _tensor(entry: Any, buf: memoryview) -> torch.Tensor:
     numel = 1
     for d in shape:
         numel *= d
+    if any(d > MAX_DIM for d in shape):
+        # even with a zero elsewhere in the shape (no bytes at all), torch can't lay out
+        # dimensions this large: refuse them here, not with a RuntimeError later
+        raise ProtocolError(f"shape {shape!r} has a dimension above {MAX_DIM}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     # Compare the claim with what arrived before touching the data: a header that
     # claims more bytes than its frame carries costs nothing.

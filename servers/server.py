@@ -113,7 +113,17 @@ class Server:
                           "error": str(e)[:300]})
             self.sock.send_multipart([peer, *error_frames(f"protocol error: {e}")], copy=False)
             return
-        for reply in self.handler.handle(peer, msg):
+        try:
+            replies = self.handler.handle(peer, msg)
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+            self.invalid += 1
+            self.log.add({"time": time.time(), "server": self.handler.name, "op": "failed",
+                          "error": f"{type(e).__name__}: {e}"[:300]})
+            self.sock.send_multipart([peer, *error_frames(
+                f"the server could not handle this request ({type(e).__name__}: {e})",
+                msg.header)], copy=False)
+            return
+        for reply in replies:
             self.sock.send_multipart([reply.peer, *reply.frames], copy=False)
             self.log.add(reply.record)
 

@@ -76,6 +76,7 @@ BAD = {
     "shape disagrees": _push_frames(["float32", [2, 3]], b"\0" * 16),
     "claims more than it carries": _push_frames(["float32", [2**30]], b"\0" * 8),
     "negative dim": _push_frames(["float32", [-1]], b""),
+    "zero-size but huge dims": _push_frames(["float32", [0, 2**39, 2**39]], b""),
     "more frames than tensors": [msgpack.packb(_header()), b"x"],
     "huge header": [b"\x80" + b"\0" * (protocol.MAX_HEADER_BYTES + 1)],
     "map bomb": [b"\xdf\xff\xff\xff\xff"],  # map32 claiming 4G entries
