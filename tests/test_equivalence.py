@@ -80,7 +80,7 @@ def test_gradient_accumulation_matches_single(tmp_path):
     args = [*SMALL, "--accumulate", "2", "--steps", "10"]
     psring("run", "--strategy", "single", *args, "--out", tmp_path / "s")
     ref = load_model(tmp_path / "s")
-    for strategy in ("allreduce", "ddp"):
+    for strategy in ("allreduce", "ddp", "ps"):
         psring("run", "--strategy", strategy, "--workers", 2, *args, "--out", tmp_path / strategy)
         assert max_rel_diff(load_model(tmp_path / strategy), ref) < 1e-4
         r = read_steps(tmp_path / strategy)[-1]

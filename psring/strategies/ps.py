@@ -27,15 +27,16 @@ it: shard 0 holds back a pull that could let any worker see more than S updates.
 
 from __future__ import annotations
 
+import contextlib
 import time
-import uuid
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterator
 
 import torch
 import zmq
 from torch import nn
 
 from ..errors import PsringError
+from ..runlog import run_id
 from ..partition import even_split, overlaps
 from ..protocol import Message, ProtocolError, decode, encode
 from .base import STRATEGIES, Handle, Strategy
@@ -167,7 +168,7 @@ class ParameterServer(Strategy):
         self.host_buckets = [torch.empty(b.numel, pin_memory=True) if cuda else None
                              for b in self.buckets.buckets]
         self.ranges = even_split(total, len(cfg.server_addr_list))
-        self.client = PSClient(cfg.server_addr_list, run=_run_id(cfg), worker=ctx.rank,
+        self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout)
         self.step = 0
         self._staleness = -1
@@ -214,6 +215,15 @@ class ParameterServer(Strategy):
                 self._staleness = max(self._staleness, m.header["staleness"])
 
     # -- the loop's hooks -------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        # --accumulate: earlier micro-batches only accumulate; the last one is pushed
+        self.buckets.enabled = False
+        try:
+            yield
+        finally:
+            self.buckets.enabled = True
+
     def begin_step(self, step: int) -> Handle:
         self.step = step
         self._staleness = -1
@@ -276,8 +286,3 @@ class _Then:
         for h in self.handles:
             h.wait()
         self.then()
-
-
-def _run_id(cfg) -> str:
-    """Identifies a run to the servers; the same in every worker of the run."""
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"psring:{cfg.out}:{cfg.master_port}:{cfg.seed}"))
