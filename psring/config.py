@@ -108,7 +108,7 @@ class RunConfig:
             raise ConfigError(f"--lr must be a positive number (got {self.lr}).")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1) (got {self.momentum}).")
-        if self.weight_decay < 0:
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ConfigError(f"--weight-decay must be >= 0 (got {self.weight_decay}).")
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive (got {self.bucket_mb}).")

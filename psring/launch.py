@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -268,6 +269,8 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
     cfg = prepare(cfg)
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # A new id for every launch, inherited by the run's processes (psring.runlog.run_id)
+    os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
     cfg, services = server_specs(cfg, run_dir)
     sup = Supervisor(run_dir / "logs")
     total = cfg.steps * cfg.workers

@@ -149,6 +149,21 @@ def host_facts() -> dict[str, Any]:
             "cores": os.cpu_count(), "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def run_id(cfg) -> str:
+    """The same string in every process of one run, and a new one for every launch:
+    names the run to parameter servers and names its shared-memory files.
+
+    ``psring run`` sets PSRING_RUN_ID (random) for its processes; under torchrun the
+    rendezvous (TORCHELASTIC_RUN_ID, MASTER_ADDR:MASTER_PORT) and --out stand in — give
+    torchrun a fresh ``--rdzv-id`` (or a fresh --out) per run."""
+    import hashlib
+
+    parts = [os.environ.get(k, "") for k in ("PSRING_RUN_ID", "TORCHELASTIC_RUN_ID",
+                                            "MASTER_ADDR", "MASTER_PORT")]
+    parts.append(os.path.abspath(cfg.out))
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]
+
+
 def iter_run_dirs(paths: list[str]) -> Iterator[Path]:
     """Run directories among ``paths``: each path itself, or its subdirectories that hold
     a manifest (so a comparison or sweep directory can be passed as one argument)."""

@@ -19,6 +19,7 @@ async  every push is applied as it arrives (Downpour). When a worker's push for 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,8 +124,8 @@ class Handler:
             raise RequestError(f"init needs one tensor of hi - lo elements (lo={lo}, hi={hi})")
         if msg.tensors[0].dtype != torch.float32 or msg.tensors[0].dim() != 1:
             raise RequestError("init parameters must be a 1-d float32 tensor")
-        if h["mode"] not in MODES or h["workers"] < 1 or not h["lr"] > 0 \
-                or not 0 <= h["momentum"] < 1 or h["weight_decay"] < 0:
+        if h["mode"] not in MODES or h["workers"] < 1 or not 0 < h["lr"] < math.inf \
+                or not 0 <= h["momentum"] < 1 or not 0 <= h["weight_decay"] < math.inf:
             raise RequestError(f"bad run settings: mode {h['mode']!r}, workers {h['workers']}, "
                                f"lr {h['lr']}, momentum {h['momentum']}, "
                                f"weight_decay {h['weight_decay']}")
@@ -251,7 +252,14 @@ class Handler:
             return []
         out, keep = [], []
         for d in self.deferred:
-            if d.msg.header["run"] == st.run and self._can_answer(st, d.msg):
+            if d.msg.header["run"] != st.run:
+                keep.append(d)
+            elif not 0 <= d.msg.header["worker"] < st.workers:
+                # held before init, when the worker count was unknown
+                out.append(Reply(d.peer, error_frames(
+                    f"worker {d.msg.header['worker']} is outside 0..{st.workers - 1}",
+                    d.msg.header), self._record(d.msg, time.perf_counter())))
+            elif self._can_answer(st, d.msg):
                 out.append(self._answer_pull(st, d))
             else:
                 keep.append(d)

@@ -133,3 +133,10 @@ def test_init_replaces_a_previous_run():
     # the old run's held pull can never be answered now: it is refused, not kept
     assert ops(out) == [(b"old", "error"), (b"w0", "ok")]
     assert h.deferred == []
+
+
+def test_a_pull_held_before_init_from_an_unknown_worker_is_refused():
+    h = Handler()
+    h.handle(b"w9", req("pull", worker=9, min_version=0))
+    init(h, workers=2, released=[(b"w9", "error")])
+    assert h.deferred == []

@@ -15,7 +15,6 @@ update: each of them wrote parameters this step read, or raced with its write.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 import time
@@ -26,14 +25,15 @@ from torch import nn
 
 from ..config import RunConfig
 from ..errors import ConfigError, PsringError
+from ..runlog import run_id
 from .base import STRATEGIES, Strategy
 
 
 def shm_paths(cfg: RunConfig) -> tuple[Path, Path]:
-    """(parameters, counters) files of a run: derived from the run directory, so every
+    """(parameters, counters) files of a run: derived from the run's id, so every
     worker (and the launcher, to clean up) finds the same ones."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    key = hashlib.sha1(os.path.abspath(cfg.out).encode()).hexdigest()[:16]
+    key = run_id(cfg)  # new per launch: a rerun never maps a stale file
     return root / f"psring-hogwild-{key}.params", root / f"psring-hogwild-{key}.counters"
 
 
@@ -104,6 +104,14 @@ class Hogwild(Strategy):
                                   f"updates within {self.ctx.cfg.timeout:.0f} s.")
             time.sleep(0.005)
         return super().final_state(model)
+
+    def close(self) -> None:
+        # Worker 0 removes the files once the model is final (every worker has finished;
+        # their mappings stay valid after an unlink). Under psring run the launcher also
+        # removes them whatever happened; under torchrun this is the only cleanup.
+        if self.ctx.rank == 0 and hasattr(self, "counters") and \
+                int(self.counters[self.ctx.world:].sum()) >= self.ctx.world * self.ctx.cfg.steps:
+            self.cleanup_run(self.ctx.cfg)
 
     @classmethod
     def cleanup_run(cls, cfg: RunConfig) -> None:
