@@ -66,17 +66,21 @@ def ps_worker(rank: int, addrs: list[str], numel: int, rounds: int, run: str, q)
                                         "max_staleness": -1}, [flat[lo:hi]])
                 for k, (lo, hi) in enumerate(ranges)]
         client.wait(keys, "init")
-    client.wait([client.send(k, "pull", {"min_version": 0}) for k in range(len(ranges))], "pull")
+    def into_flat(msg) -> None:  # what the ps strategy does with each piece
+        a = msg.header["offset"]
+        flat[a:a + msg.tensors[0].numel()].copy_(msg.tensors[0])
+
+    client.wait([client.pull(k, 0, hi - lo, into_flat) for k, (lo, hi) in enumerate(ranges)],
+                "pull")
     times = []
     for step in range(rounds):
         t0 = time.perf_counter()
         # pushed in 4 MiB pieces, as gradient buckets would be
         keys = [client.send(k, "push", {"step": step, "offset": a}, [grad[a:b]])
                 for k, (lo, hi) in enumerate(ranges) for a, b in chunks(lo, hi)]
-        keys += [client.send(k, "pull", {"min_version": step + 1}) for k in range(len(ranges))]
-        for msg, k in zip(client.wait(keys, "round")[-len(ranges):], range(len(ranges))):
-            lo, hi = ranges[k]
-            flat[lo:hi].copy_(msg.tensors[0])
+        keys += [client.pull(k, step + 1, hi - lo, into_flat)
+                 for k, (lo, hi) in enumerate(ranges)]
+        client.wait(keys, "round")
         times.append(time.perf_counter() - t0)
     client.close()
     q.put((rank, times))

@@ -65,7 +65,9 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "leave": {"tensors": (list,)},
     # server -> worker replies
     "ack": {"version": _INT, "staleness": _INT, "tensors": (list,)},
-    "params": {"version": _INT, "tensors": (list,)},
+    # a pull is answered by one or more params messages, each a range starting at flat
+    # element `offset`; together they cover the shard
+    "params": {"version": _INT, "offset": _INT, "tensors": (list,)},
     "ok": {"tensors": (list,)},
     "error": {"message": _STR, "tensors": (list,)},
 }

@@ -8,8 +8,9 @@ without a network.
 
 sync   pushes for step ``s`` are summed; each range is updated (SGD) as soon as all N
        workers' pushes of it are in, and when every element is updated the version
-       becomes ``s + 1``. A pull for ``min_version`` is answered once the version
-       reaches it.
+       becomes ``s + 1``. A pull for ``min_version = s + 1`` is answered range by range:
+       each range is sent as soon as it is updated (so replies overlap the summing of
+       the rest), the pull is complete when the whole shard has been sent.
 async  every push is applied as it arrives (Downpour). When a worker's push for a step
        covers the whole shard, the version goes up by one and its staleness is the
        number of updates applied since the version it pulled. With ``max_staleness S``
@@ -50,6 +51,7 @@ class _Deferred:
     peer: bytes
     msg: Message
     since: float
+    sent: set = field(default_factory=set)  # ranges already streamed to it (sync)
 
 
 @dataclass
@@ -68,6 +70,8 @@ class _Run:
     # (start, len) -> [pushes in, first push held until the second arrives, workers]
     covered: dict[tuple[int, int], list] = field(default_factory=dict)
     applied: int = 0  # elements of this step already updated (sync)
+    done: list[tuple[int, int]] = field(default_factory=list)  # ranges updated this step
+    last_ranges: list[tuple[int, int]] = field(default_factory=list)  # of the last step
 
 
 class Handler:
@@ -174,10 +178,12 @@ class Handler:
                 n = grad.numel()
                 st.store.apply(st.grad_sum[start:start + n], start)
                 st.applied += n
+                st.done.append((start, n))
             if st.applied == st.store.numel:
                 st.covered.clear()
                 st.received.clear()
                 st.applied = 0
+                st.last_ranges, st.done = st.done, []
                 st.version += 1
         else:
             st.store.apply(grad, start)
@@ -260,8 +266,10 @@ class Handler:
                     f"worker {d.msg.header['worker']} is outside 0..{st.workers - 1}",
                     d.msg.header), self._record(d.msg, time.perf_counter())))
             elif self._can_answer(st, d.msg):
-                out.append(self._answer_pull(st, d))
+                out.extend(self._answer_pull(st, d))
             else:
+                if st.mode == "sync" and st.version == d.msg.header["min_version"] - 1:
+                    out.extend(self._stream(st, d, st.done, st.version + 1))
                 keep.append(d)
         self.deferred = keep
         return out
@@ -283,17 +291,35 @@ class Handler:
                 return False
         return True
 
-    def _answer_pull(self, st: _Run, d: _Deferred) -> Reply:
+    def _answer_pull(self, st: _Run, d: _Deferred) -> list[Reply]:
         w = d.msg.header["worker"]
         st.base[w] = st.version
         if st.mode == "async":
             st.received[w] = 0
             st.in_flight.add(w)
             # async pushes change the parameters while ZeroMQ may still be sending them:
-            # send a snapshot. In sync mode nothing changes until every worker has its copy.
-            params = st.store.params.clone()
-        else:
-            params = st.store.params
-        t0 = time.perf_counter()
-        return self._reply(d.peer, d.msg, "params", {"version": st.version}, [params],
-                           t0=t0, wait=t0 - d.since)
+            # send a snapshot.
+            return self._stream(st, d, [(0, st.store.numel)], st.version,
+                                snapshot=True)
+        if d.sent:  # part of this version was streamed already: send the rest
+            return self._stream(st, d, st.last_ranges, st.version)
+        return self._stream(st, d, [(0, st.store.numel)], st.version)
+
+    def _stream(self, st: _Run, d: _Deferred, ranges: list[tuple[int, int]], version: int,
+                snapshot: bool = False) -> list[Reply]:
+        """``params`` messages for the ranges not yet sent to this pull. In sync mode a
+        range is final for ``version`` as soon as it is updated, and nothing changes it
+        until every worker has pushed again — which each does only after its pull is
+        complete — so it is sent zero-copy, while other ranges are still being summed."""
+        out = []
+        for start, n in ranges:
+            if (start, n) in d.sent:
+                continue
+            d.sent.add((start, n))
+            params = st.store.params[start:start + n]
+            t0 = time.perf_counter()
+            out.append(self._reply(d.peer, d.msg, "params",
+                                   {"version": version, "offset": st.store.lo + start},
+                                   [params.clone() if snapshot else params],
+                                   t0=t0, wait=t0 - d.since))
+        return out

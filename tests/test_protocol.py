@@ -39,7 +39,8 @@ def test_round_trip_through_zmq_frames_without_copies():
         port = b.bind_to_random_port("tcp://127.0.0.1")
         a.connect(f"tcp://127.0.0.1:{port}")
         t = torch.arange(100_000, dtype=torch.float32)
-        a.send_multipart(encode("params", {**COMMON, "version": 4}, [t]), copy=False)
+        a.send_multipart(encode("params", {**COMMON, "version": 4, "offset": 0}, [t]),
+                        copy=False)
         msg = decode(b.recv_multipart(copy=False))
         assert msg.header["version"] == 4 and torch.equal(msg.tensors[0], t)
     finally:

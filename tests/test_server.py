@@ -140,3 +140,27 @@ def test_a_pull_held_before_init_from_an_unknown_worker_is_refused():
     h.handle(b"w9", req("pull", worker=9, min_version=0))
     init(h, workers=2, released=[(b"w9", "error")])
     assert h.deferred == []
+
+
+def test_sync_pulls_are_answered_range_by_range_as_ranges_are_updated():
+    h = Handler()
+    init(h, workers=2, n=8)
+    for offset in (0, 4):
+        h.handle(b"w0", req("push", seq=1 + offset, step=0, offset=offset,
+                            tensors=[torch.ones(4)]))
+    assert h.handle(b"w0", req("pull", seq=9, min_version=1)) == []
+    out = h.handle(b"w1", req("push", worker=1, step=0, offset=0, tensors=[torch.ones(4)]))
+    # range [0, 4) is final for version 1: worker 0 gets it while [4, 8) is still open
+    assert ops(out) == [(b"w1", "ack"), (b"w0", "params")]
+    piece = decode(out[1].frames)
+    assert piece.header["offset"] == 0 and piece.header["version"] == 1
+    assert torch.equal(piece.tensors[0], -2 * torch.ones(4))
+    # worker 1's own pull arrives in between: it gets the finished range at once
+    out = h.handle(b"w1", req("pull", worker=1, seq=2, min_version=1))
+    assert [decode(r.frames).header["offset"] for r in out] == [0]
+    out = h.handle(b"w1", req("push", worker=1, seq=3, step=0, offset=4,
+                              tensors=[torch.ones(4)]))
+    assert sorted(ops(out)) == [(b"w0", "params"), (b"w1", "ack"), (b"w1", "params")]
+    assert {decode(r.frames).header["offset"] for r in out if r.peer != b"w1" or
+            decode(r.frames).op == "params"} == {4}
+    assert h.deferred == [] and h.state.version == 1

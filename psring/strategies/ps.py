@@ -66,6 +66,8 @@ class PSClient:
         self.index = {s: k for k, s in enumerate(self.socks)}
         self.seq = 0
         self.replies: dict[tuple[int, int], Message] = {}
+        # pulls answered in pieces: key -> [elements still expected, callback per piece]
+        self.streams: dict[tuple[int, int], list] = {}
         self.bytes_sent = 0
         self.bytes_recv = 0
 
@@ -76,6 +78,15 @@ class PSClient:
         self.socks[shard].send_multipart(frames, copy=False)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         return shard, self.seq
+
+    def pull(self, shard: int, min_version: int, numel: int,
+             on_piece: Callable[[Message], None]) -> tuple[int, int]:
+        """Request a shard of ``numel`` elements; ``on_piece`` gets each ``params`` piece
+        as it arrives (the server streams ranges as they are updated); the request is
+        answered when the pieces cover the shard."""
+        key = self.send(shard, "pull", {"min_version": min_version})
+        self.streams[key] = [numel, on_piece]
+        return key
 
     def wait(self, keys: list[tuple[int, int]], what: str,
              timeout: float | None = None) -> list[Message]:
@@ -107,7 +118,19 @@ class PSClient:
         if h["run"] != self.run:
             return  # a late answer meant for an earlier run on the same server
         self.bytes_recv += sum(t.numel() * t.element_size() for t in msg.tensors)
-        self.replies[(shard, h["seq"])] = msg
+        key = (shard, h["seq"])
+        stream = self.streams.get(key)
+        if stream is None:
+            self.replies[key] = msg
+            return
+        if msg.op != "params" or sum(t.numel() for t in msg.tensors) > stream[0]:
+            raise PsringError(f"worker {self.worker}: parameter server {self.addrs[shard]} "
+                              f"answered a pull with more than the shard")
+        stream[1](msg)  # copy this piece into place now, while the others arrive
+        stream[0] -= msg.tensors[0].numel()
+        if stream[0] == 0:
+            del self.streams[key]
+            self.replies[key] = msg
 
     def close(self) -> None:
         for s in self.socks:
@@ -189,15 +212,19 @@ class ParameterServer(Strategy):
         self.client.wait(keys, "initialization", timeout=min(self.ctx.cfg.timeout, 30.0))
 
     def _send_pull(self, min_version: int) -> Replies:
-        keys = [self.client.send(k, "pull", {"min_version": min_version})
-                for k in range(len(self.ranges))]
-        return Replies(self.client, keys, "a pull of parameters", self._apply_pull)
+        keys = [self.client.pull(k, min_version, hi - lo, self._apply_piece)
+                for k, (lo, hi) in enumerate(self.ranges)]
+        return Replies(self.client, keys, "a pull of parameters")
 
-    def _apply_pull(self, msgs: list[Message]) -> None:
-        for (lo, hi), msg in zip(self.ranges, msgs):
-            self.host_flat[lo:hi].copy_(msg.tensors[0])
-            if self.dev_flat is not self.host_flat:
-                self.dev_flat[lo:hi].copy_(self.host_flat[lo:hi], non_blocking=True)
+    def _apply_piece(self, msg: Message) -> None:
+        a = msg.header["offset"]
+        b = a + msg.tensors[0].numel()
+        if a < 0 or b > self.host_flat.numel():
+            raise PsringError(f"worker {self.ctx.rank}: a parameter server sent elements "
+                              f"[{a}, {b}) of a {self.host_flat.numel()}-element model")
+        self.host_flat[a:b].copy_(msg.tensors[0])
+        if self.dev_flat is not self.host_flat:
+            self.dev_flat[a:b].copy_(self.host_flat[a:b], non_blocking=True)
 
     def _push(self, bucket: Bucket) -> Handle:
         start = self.bucket_start[bucket.index]
