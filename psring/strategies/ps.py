@@ -27,6 +27,7 @@ it: shard 0 holds back a pull that could let any worker see more than S updates.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from typing import Callable, ClassVar, Iterator
@@ -171,19 +172,22 @@ class ParameterServer(Strategy):
         order = [p for b in self.buckets.buckets for p in b.params]
         total = sum(p.numel() for p in order)
         cuda = ctx.device.type == "cuda"
-        # The flat vector in bucket order: bucket i is one contiguous range of it. On the
-        # CPU the parameters *are* views of it, so a pull lands in the model directly; on
-        # a GPU it is a pinned host mirror copied to the device after each pull.
+        # The flat vector in bucket order: bucket i is one contiguous range of it. On a
+        # GPU it is a pinned host mirror copied to the device after each pull; on the CPU
+        # pulled pieces become the parameters' storage directly (see _apply_piece).
         self.host_flat = torch.empty(total, dtype=torch.float32, pin_memory=cuda)
         self.dev_flat = torch.empty(total, dtype=torch.float32, device=ctx.device) \
             if cuda else self.host_flat
         off = 0
+        self.param_spans: list[tuple[int, int, nn.Parameter]] = []
         for p in order:
             n = p.numel()
             self.host_flat[off:off + n].copy_(p.detach().reshape(-1))
             self.dev_flat[off:off + n].copy_(p.detach().reshape(-1))
             p.data = self.dev_flat[off:off + n].view_as(p)
+            self.param_spans.append((off, off + n, p))
             off += n
+        self.span_starts = [a for a, _, _ in self.param_spans]
         self.bucket_start, start = [], 0
         for b in self.buckets.buckets:
             self.bucket_start.append(start)
@@ -222,9 +226,25 @@ class ParameterServer(Strategy):
         if a < 0 or b > self.host_flat.numel():
             raise PsringError(f"worker {self.ctx.rank}: a parameter server sent elements "
                               f"[{a}, {b}) of a {self.host_flat.numel()}-element model")
-        self.host_flat[a:b].copy_(msg.tensors[0])
+        piece = msg.tensors[0]
         if self.dev_flat is not self.host_flat:
+            self.host_flat[a:b].copy_(piece)
             self.dev_flat[a:b].copy_(self.host_flat[a:b], non_blocking=True)
+            return
+        # On the CPU a parameter that lies wholly inside the piece becomes a view of the
+        # received frame (no copy; the frame lives as long as the view). One that the
+        # piece only partly covers (cut by a shard boundary) is copied into the flat
+        # vector and points there.
+        i = max(0, bisect.bisect_right(self.span_starts, a) - 1)
+        while i < len(self.param_spans) and self.param_spans[i][0] < b:
+            pa, pb, p = self.param_spans[i]
+            if a <= pa and pb <= b:
+                p.data = piece[pa - a:pb - a].view_as(p)
+            elif pb > a:
+                lo, hi = max(a, pa), min(b, pb)
+                self.host_flat[lo:hi].copy_(piece[lo - a:hi - a])
+                p.data = self.host_flat[pa:pb].view_as(p)
+            i += 1
 
     def _push(self, bucket: Bucket) -> Handle:
         start = self.bucket_start[bucket.index]
