@@ -97,7 +97,7 @@ def tensor_entry(t: torch.Tensor) -> list:
 def encode(op: str, fields: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> list:
     """Frames for one message. Tensors must be contiguous CPU tensors; their memory is
     handed to ZeroMQ without a copy, so the caller must not modify it until the peer
-    has answered (every request gets exactly one reply)."""
+    has answered (every request is answered)."""
     header = {"v": VERSION, "op": op, **fields,
               "tensors": [tensor_entry(t) for t in tensors]}
     frames: list = [msgpack.packb(header, use_bin_type=True)]
