@@ -57,3 +57,14 @@ def test_registry_rejects_duplicates_and_lists_names():
         reg.register("a")(int)
     with pytest.raises(ConfigError, match="valid thing names are: a"):
         reg.get("b")
+
+
+def test_run_id_is_shared_within_a_launch_and_new_across_launches(monkeypatch):
+    from psring.runlog import run_id
+
+    cfg = RunConfig(out="runs/x")
+    monkeypatch.setenv("PSRING_RUN_ID", "launch-1")
+    a, b = run_id(cfg), run_id(cfg)
+    monkeypatch.setenv("PSRING_RUN_ID", "launch-2")
+    assert a == b != run_id(cfg)  # same --out, new launch: a new run for the servers
+    assert run_id(cfg.replace(out="runs/y")) != run_id(cfg)
