@@ -11,8 +11,7 @@ implementation of the same algorithm.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
+from typing import ContextManager
 
 import torch.distributed as dist
 from torch import nn
@@ -43,13 +42,8 @@ class AllReduce(Strategy):
     def _launch(self, bucket: Bucket) -> Handle:
         return dist.all_reduce(bucket.buffer, async_op=True)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.buckets.enabled = False
-        try:
-            yield
-        finally:
-            self.buckets.enabled = True
+    def no_sync(self) -> ContextManager[None]:
+        return self.buckets.paused()
 
     def finish_backward(self) -> Handle:
         self.stats.bytes_sent = self.stats.bytes_recv = self._bytes

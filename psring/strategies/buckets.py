@@ -15,9 +15,10 @@ After the handles complete, :meth:`GradientBuckets.assign_grads` points each
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -96,6 +97,16 @@ class GradientBuckets:
     @property
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No launches inside: gradients only accumulate (a strategy's no_sync for
+        --accumulate; the last micro-batch's hooks launch the buckets)."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -28,9 +28,8 @@ it: shard 0 holds back a pull that could let any worker see more than S updates.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import time
-from typing import Callable, ClassVar, Iterator
+from typing import Callable, ClassVar, ContextManager
 
 import torch
 import zmq
@@ -262,14 +261,9 @@ class ParameterServer(Strategy):
                 self._staleness = max(self._staleness, m.header["staleness"])
 
     # -- the loop's hooks -------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> ContextManager[None]:
         # --accumulate: earlier micro-batches only accumulate; the last one is pushed
-        self.buckets.enabled = False
-        try:
-            yield
-        finally:
-            self.buckets.enabled = True
+        return self.buckets.paused()
 
     def begin_step(self, step: int) -> Handle:
         self.step = step
