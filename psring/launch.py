@@ -235,9 +235,14 @@ def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
                "LOCAL_WORLD_SIZE": str(cfg.workers), "MASTER_ADDR": cfg.master_addr,
                "MASTER_PORT": str(cfg.master_port),
                # Before torch is imported, so its thread pools are sized right from start.
-               "OMP_NUM_THREADS": str(max(1, cfg.threads or (os.cpu_count() or 1) // cfg.workers))}
+               "OMP_NUM_THREADS": str(worker_threads(cfg, cfg.workers))}
         specs.append(ProcessSpec(f"worker-{rank}", argv, env))
     return specs
+
+
+def worker_threads(cfg: RunConfig, local_workers: int) -> int:
+    """torch threads per worker: --threads, or the host's cores shared by its workers."""
+    return cfg.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers))
 
 
 def server_threads(servers: int, workers: int) -> int:

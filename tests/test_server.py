@@ -1,7 +1,6 @@
 """The parameter server's rules, without sockets: store math, sync aggregation,
 async staleness and its bound, partitioning."""
 
-import pytest
 import torch
 
 from psring.partition import even_split, overlaps

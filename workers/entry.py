@@ -27,17 +27,12 @@ from pathlib import Path
 
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
-from psring.launch import die_with_parent
+from psring.launch import die_with_parent, worker_threads
 
 
 def _env_int(name: str, default: int) -> int:
     v = os.environ.get(name)
     return int(v) if v not in (None, "") else default
-
-
-def threads_for(cfg: RunConfig, local_world: int) -> int:
-    """torch threads per process: the host's cores shared by its local workers."""
-    return cfg.threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +85,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     from .loop import train
     from .manifest import write_manifest
 
-    threads = threads_for(cfg, local_world)
+    threads = worker_threads(cfg, local_world)
     torch.set_num_threads(threads)
     device = torch.device(cfg.resolved_device)
     if device.type == "cuda":

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from psring.data import Dataset, worker_batch
-from psring.runlog import StepLog
+from psring.runlog import PHASES, StepLog
 from psring.strategies.base import Strategy, WorkerContext
 
 now = time.perf_counter
@@ -55,7 +55,7 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
             p.register_post_accumulate_grad_hook(stamp)
 
     for step in range(cfg.steps):
-        ph = dict.fromkeys(("data_s", "forward_s", "backward_s", "comm_s", "update_s"), 0.0)
+        ph = dict.fromkeys(PHASES, 0.0)
         t0 = mark = now()
 
         def lap(phase: str) -> None:

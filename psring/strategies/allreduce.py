@@ -47,7 +47,8 @@ class AllReduce(Strategy):
 
     def finish_backward(self) -> Handle:
         self.stats.bytes_sent = self.stats.bytes_recv = self._bytes
-        return _AssignAfter(self.buckets.finish(), self.buckets)
+        # once every bucket is averaged, param.grad points at the buffers (no copy back)
+        return WaitAll(self.buckets.finish(), then=self.buckets.assign_grads)
 
     def close(self) -> None:
         if hasattr(self, "buckets"):
@@ -58,14 +59,3 @@ class AllReduce(Strategy):
         b = ring_bytes(param_bytes, world)
         return b, b
 
-
-class _AssignAfter(WaitAll):
-    """Waits on every bucket, then points param.grad at the averaged buffers."""
-
-    def __init__(self, handles, buckets: GradientBuckets):
-        super().__init__(handles)
-        self.buckets = buckets
-
-    def wait(self) -> None:
-        super().wait()
-        self.buckets.assign_grads()

@@ -25,7 +25,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager, Iterable, Protocol
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -51,14 +51,18 @@ DONE = Done()
 
 
 class WaitAll:
-    """A handle over several handles (one per bucket, shard, ...)."""
+    """A handle over several handles (one per bucket, shard, ...), and optionally what
+    to do once they are all complete."""
 
-    def __init__(self, handles: Iterable[Handle]):
+    def __init__(self, handles: Iterable[Handle], then: Callable[[], None] | None = None):
         self.handles = list(handles)
+        self.then = then
 
     def wait(self) -> None:
         for h in self.handles:
             h.wait()
+        if self.then is not None:
+            self.then()
 
 
 @dataclass

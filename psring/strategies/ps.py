@@ -39,7 +39,7 @@ from ..errors import PsringError
 from ..runlog import run_id
 from ..partition import even_split, overlaps
 from ..protocol import Message, ProtocolError, decode, encode
-from .base import STRATEGIES, Handle, Strategy
+from .base import STRATEGIES, Handle, Strategy, WaitAll
 from .buckets import Bucket, GradientBuckets, bucket_caps
 
 #: replies a worker accepts
@@ -277,7 +277,7 @@ class ParameterServer(Strategy):
         # Right behind the pushes on every connection: a server sees the pull after
         # this worker's gradients, and answers it as soon as the rules allow.
         self.pull = self._send_pull(self.step + 1 if self.mode == "sync" else 0)
-        return _Then(acks, self._account)
+        return WaitAll(acks, then=self._account)
 
     def _account(self) -> None:
         sent0, recv0 = self._bytes_at_start
@@ -318,12 +318,3 @@ class AsyncParameterServer(ParameterServer):
     mode = "async"
     supports_staleness_bound = True
 
-
-class _Then:
-    def __init__(self, handles: list, then: Callable[[], None]):
-        self.handles, self.then = handles, then
-
-    def wait(self) -> None:
-        for h in self.handles:
-            h.wait()
-        self.then()
