@@ -6,7 +6,8 @@ for the next version) and released by a later request. The socket loop
 (``psring.servers.server``) does the I/O. Keeping the rules here makes them testable
 without a network.
 
-sync   pushes for step ``s`` are summed; each range is updated (SGD) as soon as all N
+sync   pushes for step ``s`` are summed (into the momentum buffer, as they arrive:
+       see psring.servers.store); each range is updated (SGD) as soon as all N
        workers' pushes of it are in, and when every element is updated the version
        becomes ``s + 1``. A pull for ``min_version = s + 1`` is answered range by range:
        each range is sent as soon as it is updated (so replies overlap the summing of
@@ -63,11 +64,10 @@ class _Run:
     store: ShardStore
     max_staleness: int
     version: int = 0
-    grad_sum: torch.Tensor | None = None
     received: dict[int, int] = field(default_factory=dict)  # worker -> elements this step
     base: dict[int, int] = field(default_factory=dict)      # worker -> version it pulled
     in_flight: set[int] = field(default_factory=set)        # pulled, not yet pushed all
-    # (start, len) -> [pushes in, first push held until the second arrives, workers]
+    # (start, len) -> [pushes in, workers]
     covered: dict[tuple[int, int], list] = field(default_factory=dict)
     applied: int = 0  # elements of this step already updated (sync)
     done: list[tuple[int, int]] = field(default_factory=list)  # ranges updated this step
@@ -138,8 +138,6 @@ class Handler:
         store = ShardStore(lo, hi, msg.tensors[0], h["lr"], h["momentum"], h["weight_decay"])
         self.state = _Run(run=h["run"], shard=h["shard"], workers=h["workers"], mode=h["mode"],
                           store=store, max_staleness=h["max_staleness"])
-        if self.state.mode == "sync":
-            self.state.grad_sum = torch.empty_like(store.params)
         # pulls held for an older run will never be answered: refuse them now
         stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
         self.deferred = [d for d in self.deferred if d.msg.header["run"] == h["run"]]
@@ -172,11 +170,10 @@ class Handler:
             pushed = self._accumulate(st, start, grad, w)  # may refuse: count after it
             st.received[w] = got
             if pushed == st.workers:
-                # Every worker's share of this range is in: update it now, while the
-                # rest of the gradients may still be arriving (per-element SGD, so
-                # range by range is the same arithmetic as all at once).
+                # Every worker's share of this range is in and it is updated: it can be
+                # sent while the rest of the gradients may still be arriving
+                # (per-element SGD, so range by range is the same as all at once).
                 n = grad.numel()
-                st.store.apply(st.grad_sum[start:start + n], start)
                 st.applied += n
                 st.done.append((start, n))
             if st.applied == st.store.numel:
@@ -220,35 +217,32 @@ class Handler:
 
     @staticmethod
     def _accumulate(st: _Run, start: int, grad: torch.Tensor, worker: int) -> int:
-        """Sum a push into this step's gradient; return how many workers' pushes of this
-        range are now in. The first push of a range is only held (a view of its received
-        frame), the second is added to it into the sum, later ones are added in place:
-        the same numbers as summing into zeros (0 + g is g exactly), with one pass less
-        and no pass to zero the sum. All workers of a run push the same ranges (same
-        buckets, same partition); a range overlapping a differently cut one means they
-        disagree."""
+        """Add a push into this step's update of its range (the last of N pushes also
+        applies it); return how many workers' pushes of this range are now in. All
+        workers of a run push the same ranges (same buckets, same partition); a range
+        overlapping a differently cut one means they disagree, and a second push of a
+        range by one worker is refused before it touches anything."""
         key = (start, grad.numel())
-        dst = st.grad_sum[start:start + grad.numel()]
         entry = st.covered.get(key)
         if entry is None:
             end = start + grad.numel()
             if any(s < end and start < s + n for s, n in st.covered):
                 raise RequestError(f"push range [{start}, {end}) overlaps a differently cut "
                                    f"range: the run's workers disagree about the buckets")
-            st.covered[key] = [1, grad, {worker}]
-            if st.workers == 1:
-                dst.copy_(grad)
-            return 1
-        if worker in entry[2]:
+            entry = st.covered[key] = [0, set()]
+        elif worker in entry[1]:
             raise RequestError(f"worker {worker} pushed range [{start}, {start + grad.numel()}) "
                                f"twice in step {st.version}")
-        entry[2].add(worker)
-        if entry[1] is not None:
-            torch.add(entry[1], grad, out=dst)
-            entry[1] = None  # the held frame can go
-        else:
-            dst.add_(grad)
         entry[0] += 1
+        entry[1].add(worker)
+        if st.workers == 1:
+            st.store.apply(grad, start)
+        elif entry[0] == 1:
+            st.store.begin(grad, start)
+        elif entry[0] < st.workers:
+            st.store.add(grad, start)
+        else:
+            st.store.finish(grad, start)
         return entry[0]
 
     # ------------------------------------------------------------------ deferred pulls

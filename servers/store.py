@@ -1,13 +1,27 @@
 """A parameter server's store: one shard of the flat parameters and its optimizer state.
 
 The update is ``torch.optim.SGD``'s own arithmetic (lr, momentum, weight decay; no
-dampening, no Nesterov), applied elementwise with the same tensor ops in the same
-order, so a synchronous parameter server trains exactly the model ``allreduce`` trains.
+dampening, no Nesterov), so a synchronous parameter server trains exactly the model
+``allreduce`` trains. It runs as torch's fused SGD kernel (what ``SGD(fused=True)``
+calls): one pass over parameters, gradient and momentum instead of three, with
+bit-identical results (tests/test_server.py checks ``torch.equal``). Torch builds
+without that kernel get the same arithmetic as separate tensor ops.
+
+Synchronous steps with N > 1 workers sum the N pushes of a range straight into the
+momentum buffer instead of into a separate sum (``begin``/``add``/``finish``): the
+first push makes ``buf = m*buf + g_1 (+ wd*p)`` as soon as it arrives, and the last
+one is a single fused pass ``buf += g_N; p -= lr*buf``. That keeps one pass, not
+three, between the last gradient arriving and the range being ready to send, and
+frees each pushed frame at once. It is SGD's arithmetic with the additions in another
+order, so it agrees with ``torch.optim.SGD`` to float rounding (a few ulps), not bit
+for bit.
 """
 
 from __future__ import annotations
 
 import torch
+
+_FUSED = getattr(torch, "_fused_sgd_", None)
 
 
 class ShardStore:
@@ -21,6 +35,22 @@ class ShardStore:
         # SGD creates the buffer as a clone of the first gradient; 0 * m + g is the same
         # number, so a zero buffer gives identical results.
         self.buf = torch.zeros_like(self.params) if self.momentum else None
+        self._sum: torch.Tensor | None = None  # the running sum when there is no buf
+
+    def _fused(self, p: torch.Tensor, grad: torch.Tensor, buf: list[torch.Tensor],
+               momentum: float, weight_decay: float) -> None:
+        if _FUSED is not None:
+            _FUSED([p], [grad], buf, weight_decay=weight_decay, momentum=momentum,
+                   lr=self.lr, dampening=0.0, nesterov=False, maximize=False,
+                   is_first_step=False)
+            return
+        d_p = grad
+        if weight_decay:
+            d_p = d_p.add(p, alpha=weight_decay)
+        if buf:
+            buf[0].mul_(momentum).add_(d_p)
+            d_p = buf[0]
+        p.add_(d_p, alpha=-self.lr)
 
     @property
     def numel(self) -> int:
@@ -29,12 +59,33 @@ class ShardStore:
     def apply(self, grad: torch.Tensor, start: int = 0) -> None:
         """SGD step on elements [start, start + len(grad)) of this shard."""
         end = start + grad.numel()
-        p = self.params[start:end]
-        d_p = grad
-        if self.weight_decay:
-            d_p = d_p.add(p, alpha=self.weight_decay)
+        buf = [self.buf[start:end]] if self.buf is not None else []
+        self._fused(self.params[start:end], grad, buf, self.momentum, self.weight_decay)
+
+    def _acc(self, start: int, n: int) -> torch.Tensor:
         if self.buf is not None:
-            buf = self.buf[start:end]
-            buf.mul_(self.momentum).add_(d_p)
-            d_p = buf
-        p.add_(d_p, alpha=-self.lr)
+            return self.buf[start:start + n]
+        if self._sum is None:
+            self._sum = torch.empty_like(self.params)
+        return self._sum[start:start + n]
+
+    def begin(self, grad: torch.Tensor, start: int = 0) -> None:
+        """The first of several pushes of a range in a sync step: ``buf = m*buf + g``,
+        plus weight decay (once per step)."""
+        acc = self._acc(start, grad.numel())
+        if self.momentum:
+            torch.add(grad, acc, alpha=self.momentum, out=acc)
+        else:
+            acc.copy_(grad)
+        if self.weight_decay:
+            acc.add_(self.params[start:start + grad.numel()], alpha=self.weight_decay)
+
+    def add(self, grad: torch.Tensor, start: int = 0) -> None:
+        """A push between the first and the last: ``buf += g``."""
+        self._acc(start, grad.numel()).add_(grad)
+
+    def finish(self, grad: torch.Tensor, start: int = 0) -> None:
+        """The last push: ``buf += g; p -= lr*buf`` in one fused pass (momentum 1 makes
+        the fused kernel's ``buf = 1*buf + g`` exact)."""
+        n = grad.numel()
+        self._fused(self.params[start:start + n], grad, [self._acc(start, n)], 1.0, 0.0)

@@ -1,6 +1,7 @@
 """The parameter server's rules, without sockets: store math, sync aggregation,
 async staleness and its bound, partitioning."""
 
+import pytest
 import torch
 
 from psring.partition import even_split, overlaps
@@ -9,19 +10,42 @@ from psring.servers.handler import Handler
 from psring.servers.store import ShardStore
 
 
-def test_store_applies_exactly_torch_sgd():
+@pytest.mark.parametrize("momentum,weight_decay", [(0.9, 0.01), (0.0, 0.01), (0.9, 0.0)])
+def test_store_applies_exactly_torch_sgd(momentum, weight_decay):
     torch.manual_seed(0)
     p0 = torch.randn(1000)
     grads = [torch.randn(1000) for _ in range(4)]
     ref = p0.clone().requires_grad_()
-    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01)
-    store = ShardStore(0, 1000, p0, lr=0.1, momentum=0.9, weight_decay=0.01)
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    store = ShardStore(0, 1000, p0, lr=0.1, momentum=momentum, weight_decay=weight_decay)
     for g in grads:
         ref.grad = g.clone()
         opt.step()
         store.apply(g[:600], 0)  # in two slices, as pushes arrive
         store.apply(g[600:], 600)
     assert torch.equal(store.params, ref.detach())
+
+
+@pytest.mark.parametrize("momentum,weight_decay", [(0.9, 0.01), (0.0, 0.0)])
+def test_store_sums_pushes_into_the_update(momentum, weight_decay):
+    """begin/add/finish (3 workers' pushes summed into the momentum buffer as they
+    arrive) is SGD on the summed gradient, to float rounding."""
+    torch.manual_seed(1)
+    p0 = torch.randn(1000)
+    ref = p0.clone().requires_grad_()
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    store = ShardStore(0, 1000, p0, lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    for _ in range(5):
+        g = [torch.randn(1000) for _ in range(3)]
+        ref.grad = g[0] + g[1] + g[2]
+        opt.step()
+        for a, b in ((0, 300), (300, 1000)):  # two ranges, each pushed by all three
+            store.begin(g[0][a:b], a)
+            store.add(g[1][a:b], a)
+            store.finish(g[2][a:b], a)
+    diff = (store.params - ref.detach()).abs().max() / ref.detach().abs().max()
+    assert 0 <= diff < 1e-6
+    assert not torch.equal(store.params, p0)
 
 
 def test_even_split_and_overlaps():
