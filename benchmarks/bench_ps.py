@@ -15,6 +15,11 @@
 3. ``--servers 2`` vs ``--servers 1``: the same round with the M bytes sharded across
    two server processes (on 2 cores they share the CPU with the workers).
 
+Also printed, to explain figure 1: the server's arithmetic for one round measured
+alone (summing N pushes into the update and applying it, range by range, on data not
+in cache), as a share of the raw transport time. On 2 cores, already saturated by
+the transport, that work cannot overlap, so raw·(1 + share) is the floor of figure 1.
+
 Workers are processes using psring's own client (``PSClient``); servers are
 ``python -m psring.servers`` processes; rounds alternate between contenders.
 """
@@ -131,6 +136,28 @@ def raw_worker(rank: int, port: int, nbytes: int, rounds: int, q) -> None:
     ctx.term()
 
 
+def server_arithmetic(numel: int, reps: int = 15) -> float:
+    """Median seconds of one sync round's server arithmetic (N pushes per 4 MiB range
+    summed into the momentum buffer, then SGD), with the cache flushed between rounds."""
+    from psring.servers.store import ShardStore
+
+    torch.set_num_threads(1)
+    store = ShardStore(0, numel, torch.randn(numel), lr=0.01, momentum=0.9, weight_decay=0.0)
+    flush = torch.zeros(64 * 2**20 // 4)
+    times = []
+    for _ in range(reps):
+        grads = [torch.randn(numel) for _ in range(N)]
+        flush.add_(1)
+        t0 = time.perf_counter()
+        for a, b in chunks(0, numel):
+            store.begin(grads[0][a:b], a)
+            for g in grads[1:-1]:
+                store.add(g[a:b], a)
+            store.finish(grads[-1][a:b], a)
+        times.append(time.perf_counter() - t0)
+    return st.median(times)
+
+
 def run_ps(numel: int, servers: int, rounds: int) -> float:
     ports = [free_port() for _ in range(servers)]
     procs = [start_server(p, servers) for p in ports]
@@ -198,6 +225,7 @@ def main() -> int:
     # (the faster of the two relays: the strictest bound), then take the median ratio.
     ratios = [p / min(a, b) for p, a, b in zip(res["ps1"], res["sync-raw"], res["raw"])]
     ps1, sraw, raw, ps2 = (st.median(res[k]) for k in ("ps1", "sync-raw", "raw", "ps2"))
+    arith = server_arithmetic(numel)
     small = st.median(run_ps(10 * 1024 // 4, 1, small_rounds) for _ in range(reps))
     small_raw = st.median(run_raw(10 * 1024, small_rounds, barrier=True) for _ in range(reps))
     print(f"psring PS benchmark (N={N} workers, {os.cpu_count()} cores, loopback tcp, "
@@ -207,6 +235,10 @@ def main() -> int:
           f"are in, {raw * 1e3:.1f} ms answering each at once. Paired ratio to the faster "
           f"raw relay of the same repetition: median {st.median(ratios):.2f} (target <= "
           f"1.25; per repetition {', '.join(f'{r:.2f}' for r in ratios)})")
+    floor = 1 + arith / min(sraw, raw)
+    print(f"   the server's arithmetic for that round, alone: {arith * 1e3:.1f} ms = "
+          f"{arith / min(sraw, raw):.0%} of the faster raw round; with no core free to "
+          f"overlap it, the ratio's floor is {floor:.2f}")
     print(f"2. sync round, M = 10 KiB, 1 server: median {small * 1e3:.3f} ms (target <= 1 ms); "
           f"raw pyzmq (synchronous): {small_raw * 1e3:.3f} ms")
     print(f"3. sync round, M = {mb} MiB: 2 servers {ps2 * 1e3:.1f} ms vs 1 server "
