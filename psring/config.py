@@ -75,6 +75,9 @@ class RunConfig:
         "port of rank 0's rendezvous store; 0 = pick a free one"))
     threads: int = field(default=0, metadata=_flag(
         "torch threads per worker; 0 = cores divided by workers on this host (at least 1)"))
+    trace: bool = field(default=False, metadata=_flag(
+        "record spans of every step and write trace.json (Chrome trace / Perfetto) in the "
+        "run directory; `psring trace DIR` renders it as a PNG"))
 
     def __post_init__(self) -> None:
         # Imported here: both registries import torch, and config must stay importable
@@ -227,7 +230,11 @@ class RunConfig:
         """Flags that parse back to this config (used to start worker processes)."""
         argv: list[str] = []
         for f in fields(self):
-            argv += [_flag_name(f.name), str(getattr(self, f.name))]
+            value = getattr(self, f.name)
+            if isinstance(value, bool):  # --trace / --no-trace, never "--trace False"
+                argv.append(_flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
+            else:
+                argv += [_flag_name(f.name), str(value)]
         return argv
 
 
@@ -240,6 +247,11 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: RunConfig | None
     for f in fields(RunConfig):
         default = getattr(defaults, f.name) if defaults else f.default
         kw = dict(f.metadata)
+        if isinstance(f.default, bool):
+            # --flag / --no-flag: a string boolean ("--trace False") would mean True
+            parser.add_argument(_flag_name(f.name), dest=f.name, default=default,
+                                action=argparse.BooleanOptionalAction, **kw)
+            continue
         parser.add_argument(_flag_name(f.name), dest=f.name, type=type(f.default),
                             default=default, metavar=f.name.upper().split("_")[0], **kw)
 

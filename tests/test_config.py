@@ -13,6 +13,18 @@ def test_defaults_are_valid_and_round_trip_through_flags():
     add_config_flags(parser)
     assert config_from_args(parser.parse_args(cfg.to_argv())) == cfg
     assert cfg.per_worker_batch == 32
+    traced = cfg.replace(trace=True)
+    assert "--trace" in traced.to_argv() and "--no-trace" in cfg.to_argv()
+    assert config_from_args(parser.parse_args(traced.to_argv())) == traced
+
+
+def test_boolean_flags_take_no_value():
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    assert parser.parse_args(["--trace"]).trace is True
+    assert parser.parse_args([]).trace is False
+    with pytest.raises(SystemExit):  # "--trace False" must not mean True
+        parser.parse_args(["--trace", "False"])
 
 
 @pytest.mark.parametrize("kwargs, needle", [
