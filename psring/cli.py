@@ -3,6 +3,7 @@
     psring run --strategy allreduce --workers 2 --steps 50 --out runs/ar
     psring report runs/ar runs/single [--json]
     psring compare [--out DIR]
+    psring trace runs/ps                      (after psring run ... --trace)
     psring server --bind tcp://127.0.0.1:5555
     psring strategies
 
@@ -66,6 +67,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .trace import TRACE, load_trace, render_png, write_trace
+
+    run_dir = Path(args.dir)
+    path = run_dir / TRACE
+    if args.rebuild or not path.exists():
+        write_trace(run_dir)
+    png = render_png(load_trace(path), Path(args.png) if args.png else run_dir / "trace.png",
+                     steps=args.steps)
+    print(f"trace: {path} (open in https://ui.perfetto.dev)\npicture: {png}")
+    return 0
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
     from .servers.entry import run_server
 
@@ -105,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default runs/compare-<time>)")
     cmp_.add_argument("--workers", type=int, default=2, help="workers per distributed run")
     cmp_.set_defaults(func=_cmd_compare)
+
+    tr = sub.add_parser("trace", help="build a traced run's trace.json and render it as a PNG")
+    tr.add_argument("dir", metavar="DIR", help="a run directory of `psring run --trace`")
+    tr.add_argument("--png", default=None, help="where to write the picture (default "
+                    "DIR/trace.png)")
+    tr.add_argument("--steps", type=int, default=3, help="steps to draw (from the middle "
+                    "of the run)")
+    tr.add_argument("--rebuild", action="store_true", help="rebuild trace.json from the logs")
+    tr.set_defaults(func=_cmd_trace)
 
     srv = sub.add_parser("server", help="run one parameter server (for --server-addrs)")
     from .servers.entry import add_server_flags

@@ -307,4 +307,8 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
             STRATEGIES.get(cfg.strategy).cleanup_run(cfg)
     if progress is not None:
         progress(min(count_lines(steps_path), total), total)
+    if cfg.trace:
+        from .trace import write_trace
+
+        write_trace(run_dir)
     return run_dir

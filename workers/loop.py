@@ -5,6 +5,11 @@ It knows phases, not strategies: it calls the strategy's hooks (see
 the step into exactly one of five phases, so ``data_s + forward_s + backward_s +
 comm_s + update_s == step_s`` (up to clock reads). ``comm_s`` is time spent *blocked*
 on communication; communication that overlaps backward is inside ``backward_s``.
+
+With ``--trace`` each record also carries ``start`` (wall-clock time of the step's
+start, the clock all processes of a host share) and ``spans``: the phases in the
+order they happened, as ``[phase, start_s, end_s]`` relative to ``start``
+(psring.trace turns them into a timeline).
 """
 
 from __future__ import annotations
@@ -57,12 +62,16 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
     for step in range(cfg.steps):
         ph = dict.fromkeys(PHASES, 0.0)
         t0 = mark = now()
+        start = time.time()
+        spans: list[list] | None = [] if cfg.trace else None
 
         def lap(phase: str) -> None:
             nonlocal mark
             sync()
             t = now()
             ph[phase] += t - mark
+            if spans is not None and t > mark:
+                spans.append([phase[:-2], round(mark - t0, 7), round(t - t0, 7)])
             mark = t
 
         model.zero_grad(set_to_none=True)
@@ -97,6 +106,9 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
                 ph["backward_s"] -= blocked
                 ph["comm_s"] += blocked
                 backward_end = last_grad[0]
+                if spans and spans[-1][0] == "backward":
+                    spans[-1][2] = round(backward_end - t0, 7)
+                    spans.append(["comm", spans[-1][2], round(mark - t0, 7)])
             loss_sum += loss.detach()
 
         handle = strategy.finish_backward()
@@ -115,6 +127,9 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
             "loss": float(loss_sum),
             "backward_end_s": round(backward_end - t0, 7),
         }
+        if spans is not None:
+            record["start"] = start
+            record["spans"] = spans
         if stats.bucket_launch:
             record["bucket_launch_s"] = [round(t - t0, 7) for t in stats.bucket_launch]
             record["bucket_done_s"] = [round(t - t0, 7) for t in stats.bucket_done]
