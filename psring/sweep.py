@@ -1,0 +1,266 @@
+"""Sweeps: many runs from one small definition, resumable, one directory per point.
+
+    psring sweep experiments/intensity.toml [--out runs/intensity] [--repeats N]
+    psring report runs/intensity           # report.md, plots, the key table
+
+A sweep definition is a TOML file (see experiments/README.md):
+
+    description = "PS vs ring across arithmetic intensity"
+    repeats = 2                  # each point is run this many times
+    [base]                       # RunConfig fields shared by every point
+    steps = 20
+    [grid]                       # lists; every combination is a point
+    strategy = ["allreduce", "ps"]
+    width = [64, 256, 1024]
+    [report]                     # optional: what the report plots against what
+    target_loss = 2.0
+
+``batch_per_worker`` (in base or grid) sets ``batch_size = batch_per_worker * workers``
+(weak scaling); otherwise ``batch_size`` is the global batch (strong scaling).
+Settings that do not apply to a strategy are normalized, and points that become the
+same run are run once: ``single`` runs 1 worker, ``servers`` is 1 for strategies
+without servers, ``max_staleness`` is -1 where it does not apply.
+
+Each point runs in ``OUT/<point id>/`` and is done when its ``point.json`` says so
+(written atomically, last). Running the sweep again skips done points and reruns the
+others, so an interrupted sweep resumes where it stopped; a point that fails is
+recorded with its error in ``point.json`` and the sweep goes on. Points run one after
+another: on a small machine concurrent runs would measure each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import RunConfig
+from .errors import ConfigError, PsringError, RunFailed
+from .runlog import atomic_write_json
+
+SWEEP_FILE = "sweep.json"
+POINT_FILE = "point.json"
+#: keys of a definition's [report] table
+REPORT_KEYS = {"target_loss", "title"}
+#: grid keys that are not RunConfig fields
+EXTRA_KEYS = {"batch_per_worker"}
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read sweep definition {path}: {e.strerror}; pass a file "
+                          f"such as experiments/compare.toml.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"sweep definition {path} is not valid TOML: {e}") from None
+
+
+@dataclass
+class Point:
+    id: str
+    repeat: int
+    config: RunConfig
+    varied: dict[str, Any]
+
+
+@dataclass
+class Sweep:
+    name: str
+    description: str = ""
+    look_at: str = ""
+    repeats: int = 1
+    base: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        valid = {f.name for f in fields(RunConfig)} | EXTRA_KEYS
+        for where, table in (("base", self.base), ("grid", self.grid)):
+            unknown = sorted(set(table) - valid)
+            if unknown:
+                raise ConfigError(f"sweep {self.name!r}: unknown key(s) {', '.join(unknown)} "
+                                  f"in [{where}]; valid keys are the `psring run` flags with "
+                                  f"_ for -: {', '.join(sorted(valid))}.")
+        for k in ("out", "master_port", "server_addrs"):
+            if k in self.base or k in self.grid:
+                raise ConfigError(f"sweep {self.name!r}: {k!r} is chosen per point by the "
+                                  f"sweep; remove it from the definition.")
+        for k, v in self.grid.items():
+            if not isinstance(v, list) or not v:
+                raise ConfigError(f"sweep {self.name!r}: grid.{k} must be a non-empty list "
+                                  f"(got {v!r}); put single values in [base].")
+        unknown = sorted(set(self.report) - REPORT_KEYS)
+        if unknown:
+            raise ConfigError(f"sweep {self.name!r}: unknown [report] key(s) "
+                              f"{', '.join(unknown)}; valid: {', '.join(sorted(REPORT_KEYS))}.")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ConfigError(f"sweep {self.name!r}: repeats must be an integer >= 1 "
+                              f"(got {self.repeats!r}).")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Sweep":
+        path = Path(path)
+        raw = _load_toml(path)
+        known = {"description", "look_at", "repeats", "base", "grid", "report"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"sweep definition {path}: unknown top-level key(s) "
+                              f"{', '.join(unknown)}; valid: {', '.join(sorted(known))}.")
+        return cls(name=path.stem, **raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "look_at": self.look_at,
+                "repeats": self.repeats, "base": self.base, "grid": self.grid,
+                "report": self.report}
+
+    def points(self, out: Path) -> list[Point]:
+        """Every distinct run of the sweep, in a stable order (strategies together)."""
+        from .strategies import STRATEGIES
+
+        keys = list(self.grid)
+        seen: dict[str, Point] = {}
+        for combo in itertools.product(*(self.grid[k] for k in keys)):
+            values = {**self.base, **dict(zip(keys, combo))}
+            varied = dict(zip(keys, combo))
+            strategy = STRATEGIES.get(values.get("strategy", "single"))
+            if strategy.max_workers is not None:
+                values["workers"] = min(values.get("workers", 1), strategy.max_workers)
+            if not strategy.uses_servers:
+                values["servers"] = 1
+            if not strategy.supports_staleness_bound:
+                values["max_staleness"] = -1
+            per_worker = values.pop("batch_per_worker", None)
+            if per_worker is not None:
+                values["batch_size"] = int(per_worker) * values.get("workers", 1)
+            # the point's identity: the settings the grid varies, after normalization
+            shown = {k: values.get(k, getattr(RunConfig, k, None))
+                     for k in keys if k != "batch_per_worker"}
+            if "batch_per_worker" in keys:
+                shown["batch_size"] = values["batch_size"]
+            base_id = "_".join(f"{k}={_slug(v)}" for k, v in shown.items()) or "point"
+            for r in range(self.repeats):
+                pid = f"{base_id}_r{r}"
+                if pid in seen:
+                    continue  # normalized into a point already listed
+                try:
+                    cfg = RunConfig(**{**values, "out": str(out / pid)})
+                except ConfigError as e:
+                    raise ConfigError(f"sweep {self.name!r}: point {pid} is not a valid "
+                                      f"run: {e}") from None
+                seen[pid] = Point(pid, r, cfg, varied)
+        return list(seen.values())
+
+
+def _slug(v: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]", "-", str(v))
+
+
+def point_status(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(run_dir) / POINT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (Path(path) / SWEEP_FILE).is_file()
+
+
+@dataclass
+class SweepResult:
+    out: Path
+    ran: int
+    skipped: int
+    failed: list[str]
+
+
+def run_sweep(sweep: Sweep, out: Path,
+              on_point: Callable[[Point, str, float], None] | None = None,
+              launch: Callable | None = None) -> SweepResult:
+    """Run every point not already done; record failures and go on. ``on_point(point,
+    status, seconds)`` is called after each point (for progress displays)."""
+    if launch is None:
+        from .launch import launch
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    points = sweep.points(out)
+    atomic_write_json(out / SWEEP_FILE, {**sweep.to_dict(),
+                                         "points": [p.id for p in points]})
+    ran, skipped, failed = 0, 0, []
+    for p in points:
+        run_dir = Path(p.config.out)
+        status = point_status(run_dir)
+        if status is not None and status.get("status") == "ok":
+            skipped += 1
+            if on_point:
+                on_point(p, "skipped", 0.0)
+            continue
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a partial or failed attempt: start clean
+        t0 = time.monotonic()
+        record: dict[str, Any] = {"id": p.id, "repeat": p.repeat, "varied": p.varied,
+                                  "config": p.config.to_dict(), "started": time.time()}
+        try:
+            launch(p.config)
+            record["status"] = "ok"
+        except RunFailed as e:
+            if e.exit_code in (130, 143):
+                raise  # the user stopped the sweep: leave this point undone
+            record.update(status="failed", error=str(e))
+        except PsringError as e:
+            record.update(status="failed", error=str(e))
+        record["seconds"] = round(time.monotonic() - t0, 3)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / POINT_FILE, record)
+        ran += 1
+        if record["status"] != "ok":
+            failed.append(p.id)
+        if on_point:
+            on_point(p, record["status"], record["seconds"])
+    return SweepResult(out, ran, skipped, failed)
+
+
+def run_sweep_with_progress(sweep: Sweep, out: Path) -> SweepResult:
+    """run_sweep with a progress bar and ETA on stderr (plain lines when not a terminal)."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    total = len(sweep.points(Path(out)))
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("points"), TimeElapsedColumn(), TextColumn("ETA"),
+                  TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task(f"sweep {sweep.name}", total=total)
+
+        def on_point(p: Point, status: str, seconds: float) -> None:
+            if status == "failed":
+                bar.console.print(f"[red]point {p.id} failed[/red]; recorded in "
+                                  f"{Path(p.config.out) / POINT_FILE}")
+            elif not console.is_terminal:
+                bar.console.print(f"point {p.id}: {status} ({seconds:.1f} s)")
+            bar.advance(task)
+
+        return run_sweep(sweep, Path(out), on_point)
+
+
+def default_out(sweep: Sweep) -> Path:
+    return Path("runs") / f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def format_summary(res: SweepResult) -> str:
+    msg = (f"sweep {res.out}: {res.ran} point(s) run, {res.skipped} already done")
+    if res.failed:
+        msg += (f", {len(res.failed)} failed ({', '.join(res.failed[:5])}"
+                f"{', ...' if len(res.failed) > 5 else ''}; errors in each point.json)")
+    return msg
