@@ -1,0 +1,650 @@
+"""The report of a sweep: ``psring report SWEEP_DIR`` writes report.md and PNG plots.
+
+    psring sweep experiments/intensity.toml --out runs/intensity
+    psring report runs/intensity            # -> runs/intensity/report.md, *.png
+
+Every figure is read back from the points' logs (steps.jsonl, manifest.json); points
+repeated R times are aggregated per *setting* (the point without its repeat number)
+as the median with the min–max range. What is in it:
+
+- the key table: throughput, step time, communication time measured beside the cost
+  model's prediction (psring.costmodel, from ``psring calibrate``) and its relative
+  error, speedup over ``single``, time to the target loss;
+- the step-time breakdown per setting (data / forward / backward / comm / update);
+- throughput and scaling efficiency vs workers (when the sweep varies workers);
+- throughput vs arithmetic intensity per strategy with the measured crossovers, and
+  the crossover the cost model predicts (when the sweep varies intensity);
+- loss vs wall-clock time and vs step, time to a target loss;
+- the staleness distribution of asynchronous runs.
+
+Definitions (also in docs/cost-model.md):
+- *intensity* = FLOPs a worker computes per step / bytes of gradients M. It is the
+  same for every strategy on one workload, so curves of different strategies share x.
+- *communication time* of a step = time blocked on communication (``comm_s``) plus
+  the time communication ran hidden under backward (from the first bucket's launch
+  to the end of backward). It is what the cost model predicts.
+- *time to target* = wall-clock seconds from the end of the first step (connection
+  set-up excluded) until the loss (mean
+  over workers, moving average over a tenth of the steps) first reaches the target:
+  ``[report] target_loss`` of the definition, else the highest final loss among the
+  settings, so that every setting reaches it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics as st
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .report import WORKLOAD_KEYS, summarize, warmup_steps
+from .runlog import PHASES, atomic_write_bytes, read_manifest, read_steps
+from .sweep import POINT_FILE, SWEEP_FILE, point_status
+
+REPORT = "report.md"
+#: keys that define the model and data (not the batch): the scaling baseline's match
+MODEL_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",
+              "accumulate", "seed")
+
+
+# ----------------------------------------------------------------------- reading
+def _comm_time(r: dict) -> float:
+    hidden = 0.0
+    launches = r.get("bucket_launch_s") or []
+    started = [t for t in launches if t > 0]
+    if started and "backward_end_s" in r:
+        hidden = max(0.0, r["backward_end_s"] - min(started))
+    return r["comm_s"] + hidden
+
+
+def _moving_average(xs: list[float], w: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= w:
+            acc -= xs[i - w]
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def load_point(run_dir: Path) -> dict[str, Any]:
+    """One finished point: the run summary plus what the sweep report needs."""
+    row = summarize(run_dir)
+    manifest = read_manifest(run_dir)
+    cfg = manifest["config"]
+    records = read_steps(run_dir)
+    skip = warmup_steps(cfg["steps"])
+    kept = [r for r in records if r["step"] >= skip] or records
+    row["config"] = cfg
+    row["servers"] = cfg["servers"]
+    row["phase_ms"] = {p: st.median(r[p] for r in kept) * 1e3 for p in PHASES}
+    row["comm_time_s"] = st.median(_comm_time(r) for r in kept)
+    pbytes = manifest.get("parameter_bytes") or 0
+    row["gradient_bytes"] = pbytes
+    fws = manifest.get("flops_per_worker_step")
+    row["intensity"] = fws / pbytes if fws and pbytes else None
+    # loss curve: per step, mean over workers; time since the end of the first step (whose
+    # time is mostly connection set-up: gloo connects on the first collective)
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        by_step[r["step"]].append(r)
+    steps = sorted(by_step)
+    start = max(r["time"] for r in by_step[steps[0]])
+    row["curve"] = [(s, st.fmean(r["time"] for r in by_step[s]) - start,
+                     st.fmean(r["loss"] for r in by_step[s])) for s in steps]
+    row["staleness"] = [r["staleness"] for r in records if "staleness" in r]
+    row["train_seconds"] = max(r["time"] for r in records) - start
+    return row
+
+
+def setting_of(point_id: str) -> str:
+    return re.sub(r"_r\d+$", "", point_id)
+
+
+def collect(sweep_dir: Path) -> tuple[dict, list[dict], list[dict]]:
+    """(the sweep's definition, finished points' rows, failed/missing points)."""
+    sweep_dir = Path(sweep_dir)
+    try:
+        spec = json.loads((sweep_dir / SWEEP_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{sweep_dir} is not a sweep directory ({SWEEP_FILE}: {e}); run "
+                          f"`psring sweep SPEC --out {sweep_dir}` first.") from None
+    rows, problems = [], []
+    for pid in spec["points"]:
+        status = point_status(sweep_dir / pid)
+        if status is None:
+            problems.append({"id": pid, "status": "not run", "error": ""})
+        elif status.get("status") != "ok":
+            problems.append({"id": pid, "status": status.get("status", "?"),
+                             "error": status.get("error", "")})
+        else:
+            row = load_point(sweep_dir / pid)
+            row["id"], row["setting"] = pid, setting_of(pid)
+            row["varied"] = status.get("varied", {})
+            rows.append(row)
+    return spec, rows, problems
+
+
+# ----------------------------------------------------------------------- aggregation
+def _agg(values: list[float]) -> dict[str, float] | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return None
+    return {"median": st.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
+    """One entry per setting: medians and ranges over repeats, predictions, speedups."""
+    from .costmodel import predict_comm
+    from .strategies import STRATEGIES
+
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[r["setting"]].append(r)
+    out = []
+    for setting, rs in groups.items():
+        r0 = rs[0]
+        cls = STRATEGIES.get(r0["strategy"]) if r0["strategy"] in STRATEGIES else None
+        model = getattr(cls, "comm_model", None)
+        s = {
+            "setting": setting, "strategy": r0["strategy"], "workers": r0["workers"],
+            "servers": r0["servers"], "varied": r0["varied"], "config": r0["config"],
+            "repeats": len(rs), "gradient_bytes": r0["gradient_bytes"],
+            "intensity": r0["intensity"], "comm_model": model,
+            "samples_per_s": _agg([r["samples_per_s"] for r in rs]),
+            "step_ms": _agg([r["step_p50_s"] * 1e3 for r in rs]),
+            "comm_ms": _agg([r["comm_time_s"] * 1e3 for r in rs]),
+            "phase_ms": {p: st.median(r["phase_ms"][p] for r in rs) for p in PHASES},
+            "loss_final": _agg([r["loss_final"] for r in rs]),
+            "rows": rs,
+        }
+        pred = None
+        if cal is not None and model is not None:
+            pred = predict_comm(model, s["workers"], s["servers"], s["gradient_bytes"], cal)
+        s["predicted_comm_ms"] = pred * 1e3 if pred is not None else None
+        if pred is not None and s["comm_ms"]:
+            s["comm_error"] = (pred * 1e3 - s["comm_ms"]["median"]) / s["comm_ms"]["median"]
+        else:
+            s["comm_error"] = None
+        out.append(s)
+    _speedups(out)
+    _efficiency(out)
+    order = {name: i for i, name in enumerate(STRATEGIES)}
+    out.sort(key=lambda s: (order.get(s["strategy"], len(order)), s["workers"],
+                            s["servers"], s["intensity"] or 0, s["gradient_bytes"],
+                            s["setting"]))
+    return out
+
+
+def _workload(cfg: dict, keys=WORKLOAD_KEYS) -> str:
+    return json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True)
+
+
+def _speedups(settings: list[dict]) -> None:
+    base = {_workload(s["config"]): s for s in settings if s["strategy"] == "single"}
+    for s in settings:
+        b = base.get(_workload(s["config"]))
+        s["speedup"] = (s["samples_per_s"]["median"] / b["samples_per_s"]["median"]
+                        if b else None)
+
+
+def _efficiency(settings: list[dict]) -> None:
+    """Scaling efficiency = throughput / (workers x single's throughput at the same
+    per-worker batch and model): 1.0 is perfect linear scaling."""
+    single = {}
+    for s in settings:
+        if s["strategy"] == "single":
+            single[(_workload(s["config"], MODEL_KEYS), s["config"]["batch_size"])] = s
+    for s in settings:
+        c = s["config"]
+        b = single.get((_workload(c, MODEL_KEYS), c["batch_size"] // c["workers"]))
+        s["efficiency"] = (s["samples_per_s"]["median"] / (s["workers"] *
+                                                          b["samples_per_s"]["median"])
+                           if b else None)
+
+
+def target_loss(settings: list[dict], spec: dict) -> float | None:
+    t = (spec.get("report") or {}).get("target_loss")
+    if t is not None:
+        return float(t)
+    finals = []
+    for s in settings:
+        for r in s["rows"]:
+            losses = [c[2] for c in r["curve"]]
+            w = max(1, len(losses) // 10)
+            finals.append(_moving_average(losses, w)[-1])
+    return max(finals) if finals else None
+
+
+def time_to_target(row: dict, target: float) -> tuple[float | None, int | None]:
+    losses = [c[2] for c in row["curve"]]
+    smooth = _moving_average(losses, max(1, len(losses) // 10))
+    for (step, t, _), v in zip(row["curve"], smooth):
+        if v <= target:
+            return t, step
+    return None, None
+
+
+def crossovers(settings: list[dict]) -> list[dict]:
+    """Where the throughput curves of two strategies cross along intensity, within a
+    group of settings that differ only in what sets the intensity (batch)."""
+    groups: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for s in settings:
+        if s["intensity"] is None or s["strategy"] == "single":
+            continue
+        c = s["config"]
+        key = json.dumps({k: c.get(k) for k in ("model", "width", "depth", "features",
+                                                "workers", "servers")}, sort_keys=True)
+        groups[key][s["strategy"]].append((s["intensity"], s["samples_per_s"]["median"]))
+    found = []
+    for key, by_strategy in groups.items():
+        names = sorted(by_strategy)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                pa, pb = dict(by_strategy[a]), dict(by_strategy[b])
+                xs = sorted(set(pa) & set(pb))
+                for x0, x1 in zip(xs, xs[1:]):
+                    d0, d1 = pa[x0] - pb[x0], pa[x1] - pb[x1]
+                    if d0 == 0 or d0 * d1 < 0:
+                        # interpolate in log(intensity)
+                        f = d0 / (d0 - d1) if d0 != d1 else 0.0
+                        x = math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0)))
+                        found.append({"group": json.loads(key), "a": a, "b": b,
+                                      "intensity": x, "below": a if d0 > 0 else b,
+                                      "above": b if d0 > 0 else a})
+    return found
+
+
+# ----------------------------------------------------------------------- plots
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(s: dict) -> str:
+    # the varied settings as this point ran them (single's workers are normalized to 1)
+    c = s["config"]
+    shown = {("batch_size" if k == "batch_per_worker" else k): c.get(k, v)
+             for k, v in s["varied"].items() if k != "strategy"}
+    extra = ", ".join(f"{k}={v}" for k, v in shown.items())
+    return f"{s['strategy']}" + (f" ({extra})" if extra else "")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
+def plot_breakdown(settings: list[dict], path: Path) -> Path:
+    from .trace import PHASE_COLORS
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 0.38 * len(settings) + 1.6))
+    left = [0.0] * len(settings)
+    for p in PHASES:
+        name = p[:-2]
+        vals = [s["phase_ms"][p] for s in settings]
+        ax.barh(range(len(settings)), vals, left=left, color=PHASE_COLORS[name], label=name)
+        left = [a + b for a, b in zip(left, vals)]
+    for i, s in enumerate(settings):
+        lo, hi = s["step_ms"]["min"], s["step_ms"]["max"]
+        if s["repeats"] > 1:
+            ax.plot([lo, hi], [i, i], color="k", lw=1)  # min–max of the step time
+    ax.set_yticks(range(len(settings)))
+    ax.set_yticklabels([_label(s) for s in settings], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (median over steps and repeats; black: min–max step p50)")
+    ax.legend(ncol=5, fontsize=8, loc="lower right")
+    ax.set_title("Where a step's time goes")
+    return _save(fig, path)
+
+
+def _by_strategy(settings: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = defaultdict(list)
+    for s in settings:
+        out[s["strategy"]].append(s)
+    return out
+
+
+def plot_scaling(settings: list[dict], path: Path) -> Path:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, ss in _by_strategy(settings).items():
+        ss = sorted(ss, key=lambda s: s["workers"])
+        xs = [s["workers"] for s in ss]
+        med = [s["samples_per_s"]["median"] for s in ss]
+        err = [[m - s["samples_per_s"]["min"] for m, s in zip(med, ss)],
+               [s["samples_per_s"]["max"] - m for m, s in zip(med, ss)]]
+        a1.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=name)
+        eff = [(s["workers"], s["efficiency"]) for s in ss if s["efficiency"] is not None]
+        if eff:
+            a2.plot(*zip(*eff), marker="o", label=name)
+    a1.set_xlabel("workers")
+    a1.set_ylabel("samples/s (median, min–max)")
+    a1.set_title("Throughput")
+    a1.legend(fontsize=8)
+    a2.axhline(1.0, color="gray", ls="--", lw=1)
+    a2.set_xlabel("workers")
+    a2.set_ylabel("throughput / (workers x single)")
+    a2.set_title("Scaling efficiency")
+    return _save(fig, path)
+
+
+def plot_intensity(settings: list[dict], found: list[dict], path: Path,
+                   predicted: list[dict]) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    series: dict[str, list[dict]] = defaultdict(list)
+    for s in settings:
+        if s["intensity"] is None:
+            continue
+        c = s["config"]
+        group = ", ".join(f"{k}={c[k]}" for k in ("width", "workers", "servers")
+                          if any(k in x["varied"] for x in settings))
+        series[f"{s['strategy']}" + (f" [{group}]" if group else "")].append(s)
+    for label, ss in sorted(series.items()):
+        ss = sorted(ss, key=lambda s: s["intensity"])
+        xs = [s["intensity"] for s in ss]
+        med = [s["samples_per_s"]["median"] for s in ss]
+        err = [[m - s["samples_per_s"]["min"] for m, s in zip(med, ss)],
+               [s["samples_per_s"]["max"] - m for m, s in zip(med, ss)]]
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=label)
+    for c in found:
+        ax.axvline(c["intensity"], color="k", ls=":", lw=1)
+        ax.annotate(f"{c['a']}={c['b']}\n@{c['intensity']:.0f}", (c["intensity"], 0),
+                    xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
+                    va="bottom", ha="right")
+    for c in predicted:
+        ax.axvline(c["intensity"], color="tab:red", ls="--", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity: FLOPs per worker step / gradient bytes")
+    ax.set_ylabel("samples/s (median, min–max)")
+    ax.set_title("Throughput vs arithmetic intensity (dotted: measured crossovers; "
+                 "dashed red: predicted)", fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_loss(settings: list[dict], target: float | None, path: Path) -> Path:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, s in enumerate(settings):
+        for j, r in enumerate(s["rows"]):
+            steps, ts, losses = zip(*r["curve"])
+            kw = {"color": colors[i % len(colors)], "lw": 1, "alpha": 0.8,
+                  "label": _label(s) if j == 0 else None}
+            a1.plot(ts, losses, **kw)
+            a2.plot(steps, losses, **kw)
+    for a in (a1, a2):
+        if target is not None:
+            a.axhline(target, color="k", ls="--", lw=1)
+        a.set_ylabel("loss (mean over workers)")
+    a1.set_xlabel("wall-clock seconds since the end of step 0")
+    a2.set_xlabel("step")
+    a1.set_title("Loss vs time (dashed: target)")
+    a2.set_title("Loss vs step")
+    a2.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_staleness(settings: list[dict], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    stale = [(s, [x for r in s["rows"] for x in r["staleness"]]) for s in settings]
+    stale = [(s, v) for s, v in stale if v]
+    top = max(max(v) for _, v in stale)
+    bins = [b - 0.5 for b in range(top + 2)]
+    for s, v in stale:
+        ax.hist(v, bins=bins, alpha=0.5, label=_label(s), density=True)
+    ax.set_xlabel("staleness (updates applied between a worker's pull and its push)")
+    ax.set_ylabel("share of steps")
+    ax.set_title("Staleness of asynchronous updates")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_costmodel(settings: list[dict], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    pts = [s for s in settings if s["predicted_comm_ms"] is not None and s["comm_ms"]]
+    for name, ss in _by_strategy(pts).items():
+        ax.scatter([s["predicted_comm_ms"] for s in ss], [s["comm_ms"]["median"] for s in ss],
+                   label=name)
+    lim = max([s["predicted_comm_ms"] for s in pts] + [s["comm_ms"]["median"] for s in pts])
+    ax.plot([0, lim], [0, lim], color="gray", ls="--", lw=1)
+    ax.set_xlabel("predicted communication ms per step (α-β-γ model)")
+    ax.set_ylabel("measured communication ms per step")
+    ax.set_title("Cost model vs measurement")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------- report
+def _fmt(a: dict | None, scale: float = 1.0, digits: int = 0) -> str:
+    if a is None:
+        return "-"
+    m = f"{a['median'] * scale:.{digits}f}"
+    if a["n"] > 1:
+        m += f" ({a['min'] * scale:.{digits}f}–{a['max'] * scale:.{digits}f})"
+    return m
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
+    """The cost model's crossovers: per group (model size, workers, servers), the
+    intensity at which the predicted step times (measured compute + predicted
+    communication) of two strategies are equal, from the same points' compute times;
+    and the gradient size at which the predicted communication times are equal."""
+    from .costmodel import crossover_bytes
+
+    if cal is None:
+        return []
+    out = []
+    pairs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for s in settings:
+        if s["predicted_comm_ms"] is None or s["intensity"] is None:
+            continue
+        c = s["config"]
+        pairs[(c["model"], c["width"], c["depth"], s["workers"])][s["strategy"]].append(s)
+    for (model, width, depth, n), by in pairs.items():
+        names = sorted(by)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                ma, mb = by[a][0]["comm_model"], by[b][0]["comm_model"]
+                k = max(by[a][0]["servers"], by[b][0]["servers"])
+                m_star = crossover_bytes(ma, mb, n, k, cal)
+                # predicted per-sample time along intensity: compute (measured, the mean
+                # of the two) + predicted comm, per worker-step
+                xa = {s["intensity"]: s for s in by[a]}
+                xb = {s["intensity"]: s for s in by[b]}
+                xs = sorted(set(xa) & set(xb))
+
+                def pred(s: dict) -> float:
+                    compute = s["step_ms"]["median"] - s["phase_ms"]["comm_s"]
+                    return s["config"]["batch_size"] / (compute + s["predicted_comm_ms"])
+
+                found = None
+                for x0, x1 in zip(xs, xs[1:]):
+                    d0 = pred(xa[x0]) - pred(xb[x0])
+                    d1 = pred(xa[x1]) - pred(xb[x1])
+                    if d0 * d1 < 0:
+                        f = d0 / (d0 - d1)
+                        found = math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0)))
+                out.append({"a": a, "b": b, "model": f"{model} width={width} depth={depth}",
+                            "workers": n, "bytes": by[a][0]["gradient_bytes"],
+                            "crossover_bytes": m_star, "intensity": found,
+                            "faster_comm": a if (by[a][0]["predicted_comm_ms"] <
+                                                 by[b][0]["predicted_comm_ms"]) else b})
+    return out
+
+
+def write_report(sweep_dir: Path) -> tuple[Path, str]:
+    """Write report.md and the plots into the sweep directory; return (path, key table)."""
+    from .costmodel import Calibration, find_calibration
+
+    sweep_dir = Path(sweep_dir)
+    spec, rows, problems = collect(sweep_dir)
+    if not rows:
+        raise ConfigError(f"{sweep_dir}: no finished points to report on "
+                          f"({len(problems)} not run or failed); run the sweep first.")
+    cal_path = find_calibration(sweep_dir)
+    cal = Calibration.load(cal_path) if cal_path else None
+    settings = aggregate(rows, cal)
+    target = target_loss(settings, spec)
+    for s in settings:
+        tta = [time_to_target(r, target) if target is not None else (None, None)
+               for r in s["rows"]]
+        s["tta_s"] = _agg([t for t, _ in tta if t is not None])
+        s["tta_reached"] = sum(t is not None for t, _ in tta)
+        s["staleness"] = [x for r in s["rows"] for x in r["staleness"]]
+    found = crossovers(settings)
+    predicted = predicted_crossovers(settings, cal)
+
+    plots: dict[str, Path] = {}
+    plots["breakdown"] = plot_breakdown(settings, sweep_dir / "breakdown.png")
+    if len({s["workers"] for s in settings}) > 1:
+        plots["scaling"] = plot_scaling(settings, sweep_dir / "scaling.png")
+    if len({round(s["intensity"] or 0, 6) for s in settings}) > 1:
+        plots["intensity"] = plot_intensity(settings, found, sweep_dir / "intensity.png",
+                                            [p for p in predicted if p["intensity"]])
+    plots["loss"] = plot_loss(settings, target, sweep_dir / "loss.png")
+    if any(s["staleness"] for s in settings):
+        plots["staleness"] = plot_staleness(settings, sweep_dir / "staleness.png")
+    if any(s["predicted_comm_ms"] is not None for s in settings):
+        plots["costmodel"] = plot_costmodel(settings, sweep_dir / "costmodel.png")
+
+    key_header = ["setting", "samples/s", "step ms", "comm ms", "predicted comm ms",
+                  "error", "speedup vs single", "time to target s"]
+    key_rows = []
+    for s in settings:
+        key_rows.append([
+            _label(s), _fmt(s["samples_per_s"]), _fmt(s["step_ms"], digits=1),
+            _fmt(s["comm_ms"], digits=1),
+            f"{s['predicted_comm_ms']:.1f}" if s["predicted_comm_ms"] is not None else "-",
+            f"{s['comm_error']:+.0%}" if s["comm_error"] is not None else "-",
+            f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-",
+            (_fmt(s["tta_s"], digits=1) + ("" if s["tta_reached"] == s["repeats"] else
+                                           f" [{s['tta_reached']}/{s['repeats']} reached]"))
+            if s["tta_s"] else "not reached",
+        ])
+    md = [f"# Sweep report: {spec.get('name', sweep_dir.name)}", ""]
+    if spec.get("description"):
+        md += [spec["description"].strip(), ""]
+    if spec.get("look_at"):
+        md += ["**What to look at:** " + spec["look_at"].strip(), ""]
+    host = read_manifest(Path(rows[0]["run"])).get("host", {})
+    md += [f"Directory `{sweep_dir}`; {len(rows)} finished point(s) in {len(settings)} "
+           f"setting(s), {spec.get('repeats', 1)} repeat(s) each; host "
+           f"{host.get('hostname', '?')} ({host.get('cores', '?')} cores). Values are "
+           f"medians over repeats with the min–max range in brackets; steps exclude warm-up.",
+           ""]
+    if problems:
+        md += ["## Points that did not finish", "",
+               _md_table(["point", "status", "error"],
+                         [[p["id"], p["status"], p["error"].replace("\n", " ")[:300]]
+                          for p in problems]), ""]
+    md += ["## Key table", "", _md_table(key_header, key_rows), "",
+           f"Communication time = blocked + hidden under backward (see docs/cost-model.md). "
+           f"Target loss for time to target: {target:.4g}." if target is not None else "", ""]
+    if cal is None:
+        md += ["No calibration found, so no predictions: run `psring calibrate` (or put a "
+               "calibration.json in the sweep directory) and report again.", ""]
+    else:
+        md += [f"Cost model calibration: `{cal_path}`.", ""]
+    md += ["## Step-time breakdown", "", f"![breakdown]({plots['breakdown'].name})", "",
+           _md_table(["setting", *[p[:-2] + " ms" for p in PHASES], "step ms"],
+                     [[_label(s), *[f"{s['phase_ms'][p]:.2f}" for p in PHASES],
+                       _fmt(s["step_ms"], digits=1)] for s in settings]), ""]
+    if "scaling" in plots:
+        md += ["## Scaling with workers", "", f"![scaling]({plots['scaling'].name})", "",
+               _md_table(["setting", "workers", "samples/s", "efficiency"],
+                         [[_label(s), str(s["workers"]), _fmt(s["samples_per_s"]),
+                           f"{s['efficiency']:.2f}" if s["efficiency"] is not None else "-"]
+                          for s in settings]), ""]
+    if "intensity" in plots:
+        md += ["## Throughput vs arithmetic intensity", "",
+               f"![intensity]({plots['intensity'].name})", ""]
+        if found:
+            md += [_md_table(["strategies", "at (model, workers, servers)",
+                              "measured crossover intensity", "faster below", "faster above"],
+                             [[f"{c['a']} / {c['b']}",
+                               ", ".join(f"{k}={v}" for k, v in c["group"].items()),
+                               f"{c['intensity']:.0f}", c["below"], c["above"]]
+                              for c in found]), ""]
+        else:
+            md += ["No measured crossover: within each model size, the same strategy is "
+                   "faster at every intensity measured.", ""]
+    if predicted:
+        md += ["## Cost model: predicted crossovers", "",
+               _md_table(["strategies", "model", "workers", "gradient MB",
+                          "comm-time crossover (gradient size)", "faster comm here",
+                          "predicted throughput crossover (intensity)"],
+                         [[f"{p['a']} / {p['b']}", p["model"], str(p["workers"]),
+                           f"{p['bytes'] / 1e6:.2f}",
+                           f"{p['crossover_bytes'] / 1e6:.3g} MB" if p["crossover_bytes"]
+                           else "never (one is faster at every size)", p["faster_comm"],
+                           f"{p['intensity']:.0f}" if p["intensity"] else "none in range"]
+                          for p in predicted]), ""]
+    if "costmodel" in plots:
+        errs = [s for s in settings if s["comm_error"] is not None]
+        md += ["## Cost model vs measurement", "", f"![costmodel]({plots['costmodel'].name})",
+               "", _md_table(["setting", "gradient MB", "measured comm ms", "predicted ms",
+                              "relative error"],
+                             [[_label(s), f"{s['gradient_bytes'] / 1e6:.2f}",
+                               _fmt(s["comm_ms"], digits=2), f"{s['predicted_comm_ms']:.2f}",
+                               f"{s['comm_error']:+.0%}"] for s in errs]), ""]
+    md += ["## Loss and time to target", "", f"![loss]({plots['loss'].name})", "",
+           _md_table(["setting", "final loss", "time to target s", "runs reaching it"],
+                     [[_label(s), _fmt(s["loss_final"], digits=3),
+                       _fmt(s["tta_s"], digits=2), f"{s['tta_reached']}/{s['repeats']}"]
+                      for s in settings]), ""]
+    if "staleness" in plots:
+        md += ["## Staleness", "", f"![staleness]({plots['staleness'].name})", "",
+               _md_table(["setting", "steps", "mean", "p50", "max"],
+                         [[_label(s), str(len(s["staleness"])),
+                           f"{st.fmean(s['staleness']):.2f}",
+                           f"{st.median(s['staleness']):.0f}", str(max(s["staleness"]))]
+                          for s in settings if s["staleness"]]), ""]
+    md += ["## Points", "", _md_table(["point", "run directory"],
+                                      [[r["id"], f"`{r['run']}`"] for r in rows]), ""]
+    path = sweep_dir / REPORT
+    atomic_write_bytes(path, "\n".join(md).encode())
+    (sweep_dir / "report.json").write_text(json.dumps(
+        [{k: v for k, v in s.items() if k not in ("rows", "config", "staleness")}
+         for s in settings], indent=2, default=str))
+    return path, render_key_table(key_header, key_rows, spec.get("name", ""))
+
+
+def render_key_table(header: list[str], rows: list[list[str]], title: str) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"psring sweep {title}: key table (medians over repeats)")
+    for col in header:
+        table.add_column(col, justify="left" if col == "setting" else "right")
+    for r in rows:
+        table.add_row(*r)
+    console = Console(width=170, record=True, force_terminal=False)
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get()
+
+
+__all__ = ["write_report", "collect", "aggregate", "crossovers", "POINT_FILE"]
