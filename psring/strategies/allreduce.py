@@ -29,6 +29,7 @@ def ring_bytes(param_bytes: int, world: int) -> int:
 @STRATEGIES.register("allreduce")
 class AllReduce(Strategy):
     name = "allreduce"
+    comm_model = "ring"
     uses_process_group = True
 
     def setup(self, model: nn.Module) -> nn.Module:

@@ -113,6 +113,9 @@ class Strategy:
     #: gradient communication is waited on inside backward() (DDP's reducer does this);
     #: the loop then splits backward at the last gradient hook so comm_s stays honest
     syncs_inside_backward: ClassVar[bool] = False
+    #: which α-β-γ formula predicts its communication (psring.costmodel): "ring",
+    #: "ps" or "ps-async"; None when it sends no messages (one process, shared memory)
+    comm_model: ClassVar[str | None] = None
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx

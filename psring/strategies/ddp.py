@@ -21,6 +21,7 @@ from .buckets import DEFAULT_BUCKET_MB
 @STRATEGIES.register("ddp")
 class DDP(Strategy):
     name = "ddp"
+    comm_model = "ring"
     uses_process_group = True
     syncs_inside_backward = True
 

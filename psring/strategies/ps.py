@@ -158,6 +158,7 @@ class Replies:
 @STRATEGIES.register("ps")
 class ParameterServer(Strategy):
     name = "ps"
+    comm_model = "ps"
     uses_servers = True
     local_optimizer = False
     mode: ClassVar[str] = "sync"
@@ -315,6 +316,7 @@ class ParameterServer(Strategy):
 @STRATEGIES.register("async-ps")
 class AsyncParameterServer(ParameterServer):
     name = "async-ps"
+    comm_model = "ps-async"
     mode = "async"
     supports_staleness_bound = True
 

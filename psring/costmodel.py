@@ -1,0 +1,255 @@
+"""The α-β-γ cost model: predicted communication time per step for each strategy.
+
+    from psring.costmodel import Calibration, find_calibration, predict_comm, crossover_bytes
+
+    path = find_calibration("runs/compare")        # or None: run `psring calibrate`
+    cal = Calibration.load(path)
+    t = predict_comm("ring", n=2, K=1, M=36e6, cal=cal)   # seconds per step
+    m = crossover_bytes("ring", "ps", n=2, K=1, cal=cal)  # bytes, or None
+
+Symbols (docs/cost-model.md has the full story and sources):
+
+- ``n``  workers, ``K`` parameter-server shards (servers), ``M`` gradient bytes per step;
+- ``alpha``  seconds per message (latency), ``beta`` seconds per byte on one link
+  (1/bandwidth) — the Hockney model t(M) = α + M·β;
+- ``gamma``  seconds per byte to reduce (add) locally.
+
+The formulas below are pure functions of these numbers. :class:`Calibration` holds the
+numbers measured on this machine by ``psring calibrate`` (``psring.calibrate``): one α, β
+pair for ZeroMQ (what the parameter-server strategies use) and one for
+torch.distributed's gloo (what ring all-reduce and DDP use), and one γ.
+
+Which formula a strategy follows is its ``comm_model`` class attribute
+(``psring.strategies.base.Strategy``): ``"ring"``, ``"ps"``, ``"ps-async"``, or ``None``
+when it sends no messages (single, hogwild).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .runlog import atomic_write_json
+
+#: the values a strategy's ``comm_model`` may take (besides None)
+COMM_MODELS = ("ring", "ps", "ps-async")
+
+#: the calibration file's name inside a run or comparison directory
+CALIBRATION_FILE = "calibration.json"
+#: bumped when the file's meaning changes; load() refuses other formats
+FORMAT = 1
+
+_FIX = "run `psring calibrate` to measure this machine again"
+
+
+# -- the formulas -----------------------------------------------------------------------
+
+def ring_allreduce(n: int, M: float, alpha: float, beta: float, gamma: float) -> float:
+    """Ring all-reduce of M bytes across n ranks, in seconds.
+
+    ``2(n-1)·α + 2(n-1)/n·M·β + (n-1)/n·M·γ``: a reduce-scatter then an all-gather, each
+    n-1 steps that send one M/n chunk per rank; the reduce-scatter adds each received
+    chunk (Thakur, Rabenseifner & Gropp, IJHPCA 2005; bandwidth-optimal per Patarasuk &
+    Yuan, JPDC 69(2), 2009). One rank communicates nothing: 0.
+
+    gloo's all_reduce may pick recursive halving-doubling instead (latency term
+    2·log2(n)·α, same bandwidth term); at n = 2 and 4 the two differ by at most 2α.
+    """
+    if n <= 1:
+        return 0.0
+    frac = (n - 1) / n
+    return 2 * (n - 1) * alpha + 2 * frac * M * beta + frac * M * gamma
+
+
+def ps_sync(n: int, M: float, K: int, alpha: float, beta: float, gamma: float) -> float:
+    """One synchronous parameter-server round per worker step, in seconds.
+
+    ``2α + 2n·M·β/K + (n-1)·M·γ/K``: every worker pushes M and pulls M (two messages:
+    2α); the servers' links are the bottleneck — together they receive n·M and send n·M
+    bytes (half-duplex view: both directions share the link's time) — and sum n
+    gradients (n-1 adds of M). K shards, each with its own link and core, divide the
+    server terms (anchors: Hockney α-β; the PS view of BytePS, Jiang et al., OSDI 2020).
+    On one host the shards share memory bandwidth and cores, so a measured gain from K
+    is capped below K.
+    """
+    return 2 * alpha + 2 * n * M * beta / K + (n - 1) * M * gamma / K
+
+
+def ps_async(n: int, M: float, K: int, alpha: float, beta: float, gamma: float) -> float:
+    """One asynchronous (Downpour) worker's push and pull, in seconds.
+
+    ``2α + 2n·M·β/K + M·γ/K``. Choice made here: the bandwidth term is the synchronous
+    one, because in steady state the server links still carry n pushes and n pulls per n
+    worker-steps, so a busy server gives each worker a 1/n share of its link. The γ term
+    is the server applying this worker's own push (one pass over M): pushes are applied
+    on arrival, never summed with others'. What the model does not show is async's real
+    gain — workers do not wait for each other, so a slow worker does not hold up the
+    rest — nor its cost, staleness (both are measured per step, not predicted).
+    """
+    return 2 * alpha + 2 * n * M * beta / K + M * gamma / K
+
+
+# -- measured parameters ------------------------------------------------------------------
+
+_NUMBERS = ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "gamma")
+
+
+@dataclass
+class Calibration:
+    """α, β (per transport) and γ measured on one machine; seconds and seconds/byte."""
+
+    zmq_alpha: float
+    zmq_beta: float
+    dist_alpha: float
+    dist_beta: float
+    gamma: float
+    #: where and when: hostname, ISO time, cores, torch / pyzmq / libzmq versions
+    host: str = ""
+    time: str = ""
+    cores: int | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    #: message sizes (bytes) of the ping-pongs, and the γ tensor's size
+    sizes: list[int] = field(default_factory=list)
+    gamma_bytes: int | None = None
+    quick: bool = False
+    #: what the fit used: "zmq" and "dist" rows [bytes, median one-way s, 25th, 75th
+    #: percentile], "gamma" [[bytes, median seconds of one add]], and "dist_allreduce"
+    #: [[bytes, median s]] of gloo's all_reduce on 2 ranks (a check, not fitted)
+    measurements: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in _NUMBERS:
+            check_positive(name, getattr(self, name))
+
+    def link(self, comm_model: str) -> tuple[float, float]:
+        """(α, β) of the transport ``comm_model`` runs over."""
+        if comm_model == "ring":
+            return self.dist_alpha, self.dist_beta
+        if comm_model in ("ps", "ps-async"):
+            return self.zmq_alpha, self.zmq_beta
+        raise ValueError(f"unknown comm_model {comm_model!r}; known: {', '.join(COMM_MODELS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, **asdict(self)}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically (a crash never leaves half a file); creates the directory."""
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, self.to_dict())
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Calibration:
+        """Read and validate; anything wrong is a ConfigError naming the file and the fix."""
+        path = Path(path).expanduser()
+        try:
+            obj = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no calibration file at {path}; {_FIX} "
+                              f"(it writes {default_path()} unless given --out).") from None
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"calibration file {path} is unreadable or not JSON "
+                              f"({e}); {_FIX}.") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"calibration file {path} holds a {type(obj).__name__}, not "
+                              f"a JSON object; {_FIX}.")
+        if obj.get("format") != FORMAT:
+            raise ConfigError(f"calibration file {path} has format {obj.get('format')!r}, "
+                              f"this psring reads format {FORMAT}; {_FIX}.")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in obj.items() if k in known}
+        missing = [k for k in _NUMBERS if k not in kwargs]
+        if missing:
+            raise ConfigError(f"calibration file {path} lacks {', '.join(missing)}; {_FIX}.")
+        try:
+            return cls(**kwargs)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"calibration file {path}: {e}; {_FIX}.") from None
+
+
+def check_positive(name: str, value: Any) -> float:
+    """A positive, finite number (bools are not numbers here), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} is {value!r}, not a number")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} is {value!r}, not a positive finite number")
+    return float(value)
+
+
+def default_path() -> Path:
+    """``$PSRING_CALIBRATION``, else ``~/.cache/psring/calibration.json`` (read each call,
+    so tests and scripts can redirect it)."""
+    env = os.environ.get("PSRING_CALIBRATION")
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/psring").expanduser() / CALIBRATION_FILE
+
+
+def find_calibration(*dirs: str | os.PathLike) -> Path | None:
+    """The calibration file to use: a ``calibration.json`` inside the first of ``dirs``
+    that has one (a comparison calibrated for itself wins over the machine-wide file),
+    else the default path if it exists, else None. Returns the path; load it with
+    :meth:`Calibration.load` (which validates it)."""
+    for d in dirs:
+        p = Path(d) / CALIBRATION_FILE
+        if p.is_file():
+            return p
+    p = default_path()
+    return p if p.is_file() else None
+
+
+# -- predictions --------------------------------------------------------------------------
+
+def predict_comm(comm_model: str | None, n: int, K: int, M: float,
+                 cal: Calibration) -> float | None:
+    """Predicted communication seconds per worker step for a strategy whose
+    ``comm_model`` is given, with n workers, K servers and M gradient bytes; None for a
+    strategy that sends no messages. Ring runs over gloo (dist_alpha, dist_beta), the
+    parameter servers over ZeroMQ (zmq_alpha, zmq_beta); γ is shared."""
+    if comm_model is None:
+        return None
+    alpha, beta = cal.link(comm_model)
+    if comm_model == "ring":
+        return ring_allreduce(n, M, alpha, beta, cal.gamma)
+    if K < 1:
+        raise ValueError(f"K (servers) must be at least 1, not {K}")
+    if comm_model == "ps":
+        return ps_sync(n, M, K, alpha, beta, cal.gamma)
+    return ps_async(n, M, K, alpha, beta, cal.gamma)
+
+
+#: the size at which the linear coefficients are read off (see _linear)
+_M_REF = float(2**30)
+
+
+def _linear(comm_model: str, n: int, K: int, cal: Calibration) -> tuple[float, float]:
+    """(fixed seconds, seconds per byte) of a prediction: every formula is a + b·M, so
+    two evaluations give both, without restating the formulas. Reading b off at 1 GiB
+    rather than 1 byte keeps the subtraction's rounding far below b."""
+    a = predict_comm(comm_model, n, K, 0.0, cal)
+    at_ref = predict_comm(comm_model, n, K, _M_REF, cal)
+    assert a is not None and at_ref is not None
+    return a, (at_ref - a) / _M_REF
+
+
+def crossover_bytes(model_a: str | None, model_b: str | None, n: int, K: int,
+                    cal: Calibration) -> float | None:
+    """The gradient size M (bytes) at which both models predict the same time; None when
+    the lines never meet at a positive M (parallel, or crossing only at M <= 0), or when
+    either strategy sends no messages. Below M the model with the smaller fixed cost is
+    faster, above it the one with the smaller per-byte cost."""
+    if model_a is None or model_b is None:
+        return None
+    a1, b1 = _linear(model_a, n, K, cal)
+    a2, b2 = _linear(model_b, n, K, cal)
+    # Parallel within rounding: they never cross (or coincide everywhere).
+    if abs(b1 - b2) <= 1e-12 * max(abs(b1), abs(b2)):
+        return None
+    m = (a2 - a1) / (b1 - b2)
+    return m if math.isfinite(m) and m > 0 else None

@@ -1,0 +1,193 @@
+"""The α-β-γ cost model: formulas against hand-worked numbers, the crossover, and the
+calibration file."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from psring import costmodel as cm
+from psring.costmodel import Calibration, crossover_bytes, predict_comm
+from psring.errors import ConfigError
+from psring.strategies import STRATEGIES
+
+# The worked example: n = 4 workers, M = 1e6 bytes, α = 1e-5 s, β = 1e-9 s/B, γ = 2e-10 s/B.
+N, M, A, B, G = 4, 1e6, 1e-5, 1e-9, 2e-10
+
+
+def close(x: float, y: float) -> bool:
+    return math.isclose(x, y, rel_tol=1e-12, abs_tol=0.0)
+
+
+def test_ring_allreduce_by_hand():
+    # 2(n-1)α        = 2·3·1e-5          = 6e-5
+    # 2(n-1)/n·M·β   = 2·(3/4)·1e6·1e-9  = 1.5e-3
+    # (n-1)/n·M·γ    = (3/4)·1e6·2e-10   = 1.5e-4
+    # total                              = 1.71e-3
+    assert close(cm.ring_allreduce(N, M, A, B, G), 1.71e-3)
+    # n = 2: 2·1e-5 + 1·1e6·1e-9 + (1/2)·1e6·2e-10 = 2e-5 + 1e-3 + 1e-4 = 1.12e-3
+    assert close(cm.ring_allreduce(2, M, A, B, G), 1.12e-3)
+
+
+def test_ring_with_one_rank_costs_nothing():
+    assert cm.ring_allreduce(1, M, A, B, G) == 0.0
+
+
+def test_ps_sync_by_hand():
+    # K = 1: 2α = 2e-5; 2n·M·β = 2·4·1e6·1e-9 = 8e-3; (n-1)·M·γ = 3·1e6·2e-10 = 6e-4
+    #        total 8.62e-3
+    assert close(cm.ps_sync(N, M, 1, A, B, G), 8.62e-3)
+    # K = 2 halves the server terms: 2e-5 + 4e-3 + 3e-4 = 4.32e-3
+    assert close(cm.ps_sync(N, M, 2, A, B, G), 4.32e-3)
+    # n = 1 still talks to its server: 2e-5 + 2·1e6·1e-9 + 0 = 2.02e-3
+    assert close(cm.ps_sync(1, M, 1, A, B, G), 2.02e-3)
+
+
+def test_ps_async_by_hand():
+    # K = 1: 2e-5 + 8e-3 + M·γ (its own push applied) 2e-4 = 8.22e-3
+    assert close(cm.ps_async(N, M, 1, A, B, G), 8.22e-3)
+    # K = 2: 2e-5 + 4e-3 + 1e-4 = 4.12e-3
+    assert close(cm.ps_async(N, M, 2, A, B, G), 4.12e-3)
+    # n = 1: 2e-5 + 2·1e6·1e-9 + 1e6·2e-10 = 2.22e-3 (its push is still applied)
+    assert close(cm.ps_async(1, M, 1, A, B, G), 2.22e-3)
+
+
+@pytest.mark.parametrize("formula", [cm.ps_sync, cm.ps_async])
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_shards_divide_the_server_terms(formula, K):
+    one = formula(N, M, 1, A, B, G) - 2 * A
+    assert math.isclose(formula(N, M, K, A, B, G) - 2 * A, one / K, rel_tol=1e-12)
+
+
+def cal(**over) -> Calibration:
+    values = dict(zmq_alpha=1e-5, zmq_beta=1e-9, dist_alpha=1e-4, dist_beta=1e-9,
+                  gamma=2e-10)
+    return Calibration(**{**values, **over})
+
+
+def test_predict_comm_picks_the_transport():
+    c = cal(dist_beta=2e-9)
+    assert predict_comm("ring", N, 1, M, c) == cm.ring_allreduce(N, M, 1e-4, 2e-9, 2e-10)
+    assert predict_comm("ps", N, 2, M, c) == cm.ps_sync(N, M, 2, 1e-5, 1e-9, 2e-10)
+    assert predict_comm("ps-async", N, 2, M, c) == cm.ps_async(N, M, 2, 1e-5, 1e-9, 2e-10)
+    assert predict_comm(None, N, 1, M, c) is None
+    with pytest.raises(ValueError, match="unknown comm_model"):
+        predict_comm("tree", N, 1, M, c)
+
+
+def test_strategies_name_their_model():
+    expect = {"single": None, "hogwild": None, "allreduce": "ring", "ddp": "ring",
+              "ps": "ps", "async-ps": "ps-async"}
+    for name, model in expect.items():
+        assert STRATEGIES.get(name).comm_model == model, name
+    for name in STRATEGIES.names():
+        assert STRATEGIES.get(name).comm_model in (None, *cm.COMM_MODELS), name
+
+
+def test_crossover_by_hand():
+    # n = 2, K = 1, dist_alpha = 1e-4, zmq_alpha = 1e-5, both β = 1e-9, γ = 2e-10:
+    # ring: 2·1·1e-4 = 2e-4 fixed; 2·(1/2)·1e-9 + (1/2)·2e-10 = 1.1e-9 per byte
+    # ps:   2·1e-5   = 2e-5 fixed; 2·2·1e-9   + 1·2e-10       = 4.2e-9 per byte
+    # equal at M = (2e-4 - 2e-5) / (4.2e-9 - 1.1e-9) = 1.8e-4 / 3.1e-9 = 58064.516... bytes
+    c = cal()
+    m = crossover_bytes("ring", "ps", 2, 1, c)
+    assert m is not None and math.isclose(m, 1.8e-4 / 3.1e-9, rel_tol=1e-9)
+    assert math.isclose(predict_comm("ring", 2, 1, m, c), predict_comm("ps", 2, 1, m, c),
+                        rel_tol=1e-9)
+    assert math.isclose(crossover_bytes("ps", "ring", 2, 1, c), m, rel_tol=1e-12)
+    # below it ps (smaller fixed cost) wins, above it ring (smaller per-byte cost)
+    assert predict_comm("ps", 2, 1, m / 2, c) < predict_comm("ring", 2, 1, m / 2, c)
+    assert predict_comm("ring", 2, 1, m * 2, c) < predict_comm("ps", 2, 1, m * 2, c)
+
+
+def test_crossover_none_when_lines_do_not_meet_at_positive_size():
+    # ring cheaper in both fixed cost (2e-6 < 2e-5) and per byte: they meet at M < 0
+    assert crossover_bytes("ring", "ps", 2, 1, cal(dist_alpha=1e-6)) is None
+    # n = 2: sync sums (n-1) = 1 gradient, async applies its 1 push: the same line
+    assert crossover_bytes("ps", "ps-async", 2, 1, cal()) is None
+    assert crossover_bytes("ring", "ring", 4, 1, cal()) is None
+    # a strategy without messages has no line to cross
+    assert crossover_bytes("ring", None, 2, 1, cal()) is None
+
+
+def test_crossover_with_shards():
+    # ps with K = 4, n = 2: fixed 2e-5, per byte (4e-9 + 2e-10)/4 = 1.05e-9 < ring's 1.1e-9
+    # and a smaller fixed cost: ps is cheaper everywhere, no crossover
+    assert crossover_bytes("ring", "ps", 2, 4, cal()) is None
+    # with a slower ZeroMQ link they cross: zmq_beta = 2e-9 gives ps (8e-9 + 2e-10)/4 =
+    # 2.05e-9 per byte; M = (2e-4 - 2e-5) / (2.05e-9 - 1.1e-9) = 1.8e-4 / 9.5e-10
+    m = crossover_bytes("ring", "ps", 2, 4, cal(zmq_beta=2e-9))
+    assert m is not None and math.isclose(m, 1.8e-4 / 9.5e-10, rel_tol=1e-9)
+
+
+# -- the calibration file ------------------------------------------------------------------
+
+def test_save_load_round_trip(tmp_path):
+    c = cal(host="h", time="t", cores=2, versions={"torch": "x"}, sizes=[1024, 2048],
+            gamma_bytes=64, quick=True, measurements={"zmq": [[1024, 1e-5]]})
+    path = c.save(tmp_path / "sub" / "cal.json")
+    assert path.exists() and not list(path.parent.glob(".*.tmp"))
+    assert Calibration.load(path) == c
+    assert json.loads(path.read_text())["format"] == cm.FORMAT
+
+
+@pytest.mark.parametrize("content,why", [
+    ("{not json", "not JSON"),
+    ("[1, 2]", "not a JSON object"),
+    (None, "zmq_beta is -1"),
+    ("nan", "not a positive finite number"),
+    ("true", "not a number"),
+    ("missing", "lacks zmq_beta"),
+    ("format", "format 99"),
+])
+def test_load_refuses_bad_files(tmp_path, content, why):
+    path = tmp_path / "calibration.json"
+    good = cal().to_dict()
+    if content is None:
+        good["zmq_beta"] = -1
+        content = json.dumps(good)
+    elif content == "nan":
+        good["gamma"] = float("nan")
+        content = json.dumps(good)
+    elif content == "true":
+        good["dist_alpha"] = True
+        content = json.dumps(good)
+    elif content == "missing":
+        del good["zmq_beta"]
+        content = json.dumps(good)
+    elif content == "format":
+        good["format"] = 99
+        content = json.dumps(good)
+    path.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        Calibration.load(path)
+    msg = str(e.value)
+    assert str(path) in msg and "psring calibrate" in msg and why in msg
+
+
+def test_load_missing_file_says_how_to_make_one(tmp_path):
+    with pytest.raises(ConfigError, match="no calibration file.*psring calibrate"):
+        Calibration.load(tmp_path / "nope.json")
+
+
+def test_calibration_refuses_nonpositive_values():
+    with pytest.raises(ValueError, match="gamma"):
+        cal(gamma=0.0)
+
+
+def test_default_path_and_find(tmp_path, monkeypatch):
+    monkeypatch.setenv("PSRING_CALIBRATION", str(tmp_path / "machine.json"))
+    assert cm.default_path() == tmp_path / "machine.json"
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    run_a.mkdir()
+    run_b.mkdir()
+    assert cm.find_calibration(run_a, run_b) is None
+    cal().save(tmp_path / "machine.json")
+    assert cm.find_calibration(run_a, run_b) == tmp_path / "machine.json"
+    cal().save(run_b / "calibration.json")
+    assert cm.find_calibration(run_a, run_b) == run_b / "calibration.json"
+    monkeypatch.delenv("PSRING_CALIBRATION")
+    assert cm.default_path() == Path.home() / ".cache" / "psring" / "calibration.json"
