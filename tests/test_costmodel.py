@@ -1,18 +1,26 @@
-"""The α-β-γ cost model: formulas against hand-worked numbers, the crossover, and the
-calibration file."""
+"""The α-β-γ cost model: formulas against hand-worked numbers, the crossover, the
+calibration file, and `python -m psring.calibrate --quick` end to end."""
 
 from __future__ import annotations
 
 import json
 import math
+import operator
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from psring import costmodel as cm
+from psring.calibrate import fit, main as calibrate_main, run_pair
 from psring.costmodel import Calibration, crossover_bytes, predict_comm
-from psring.errors import ConfigError
+from psring.errors import ConfigError, PsringError
 from psring.strategies import STRATEGIES
+
+from conftest import assert_no_processes
 
 # The worked example: n = 4 workers, M = 1e6 bytes, α = 1e-5 s, β = 1e-9 s/B, γ = 2e-10 s/B.
 N, M, A, B, G = 4, 1e6, 1e-5, 1e-9, 2e-10
@@ -191,3 +199,107 @@ def test_default_path_and_find(tmp_path, monkeypatch):
     assert cm.find_calibration(run_a, run_b) == run_b / "calibration.json"
     monkeypatch.delenv("PSRING_CALIBRATION")
     assert cm.default_path() == Path.home() / ".cache" / "psring" / "calibration.json"
+
+
+# -- the fit ---------------------------------------------------------------------------------
+
+def test_fit_recovers_a_line():
+    sizes = [2**k for k in range(10, 25, 2)]
+    alpha, beta = fit([[m, 1e-5 + m * 1e-10] for m in sizes])
+    # α is the smallest message's time (it includes that message's M·β) ...
+    assert math.isclose(alpha, 1e-5 + 1024 * 1e-10, rel_tol=1e-12)
+    # ... and β the slope through it: off by about M_min / M_max
+    assert math.isclose(beta, 1e-10, rel_tol=1e-3)
+
+
+def test_fit_refuses_times_that_do_not_grow():
+    with pytest.raises(PsringError, match="do not grow"):
+        fit([[1024, 1e-3], [4096, 1e-4], [16384, 1e-4]])
+
+
+# -- the measuring processes ------------------------------------------------------------------
+
+def _hang(rank: int) -> None:
+    time.sleep(120)
+
+
+def _spawned_children() -> list[int]:
+    """Live multiprocessing children of this process."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().split(") ", 1)[1].split()
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if stat[0] != "Z" and int(stat[1]) == os.getpid() and b"spawn_main" in cmd:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_run_pair_kills_overrunning_processes():
+    t0 = time.monotonic()
+    with pytest.raises(PsringError, match="did not finish within 3 s"):
+        run_pair(_hang, (), 3.0, "test")
+    assert time.monotonic() - t0 < 30
+    assert _spawned_children() == []
+
+
+@pytest.mark.timeout(60)
+def test_run_pair_reports_a_failing_process():
+    with pytest.raises(PsringError, match="ZeroDivisionError"):
+        run_pair(operator.truediv, (0,), 30.0, "test")
+    assert _spawned_children() == []
+
+
+def test_out_must_not_be_a_directory(tmp_path, capsys):
+    assert calibrate_main(["--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def _in_session(sid: int) -> list[tuple[int, str]]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().split(") ", 1)[1].split()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if stat[0] != "Z" and int(stat[3]) == sid:  # fields after ")": state ppid pgrp session
+            found.append((int(entry.name), cmd))
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_calibrate_quick_end_to_end(tmp_path):
+    out = tmp_path / "cal.json"
+    # its own session: every process it starts is found by session id afterwards
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "psring.calibrate", "--quick", "--out",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, stdout + stderr
+    assert time.monotonic() - t0 < 40  # ~20 s budget on 2 cores, with slack for load
+    assert f"saved to {out}" in stdout and "µs" in stdout and "GB/s" in stdout
+    c = Calibration.load(out)  # validates: positive, finite
+    for name in ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "gamma"):
+        v = getattr(c, name)
+        assert math.isfinite(v) and v > 0, name
+    assert c.quick and c.cores and c.sizes and c.versions["torch"]
+    assert len(c.measurements["zmq"]) == len(c.sizes) == len(c.measurements["dist"])
+    assert_no_processes(tmp_path)
+    deadline = time.monotonic() + 10
+    while _in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_session(proc.pid) == []

@@ -1,0 +1,462 @@
+"""Measure this machine's α, β (ZeroMQ and gloo) and γ for the cost model.
+
+    psring calibrate [--quick] [--out FILE]
+    python -m psring.calibrate [--quick] [--out FILE]     # the same, without the CLI
+
+Three measurements, one after another (never concurrently: on a small machine they
+would compete for the same cores):
+
+- ZeroMQ: two processes ping-pong raw byte messages over tcp on 127.0.0.1 (a PAIR
+  socket each; zero-copy above 64 KB, as the parameter-server protocol does), sizes
+  1 KB ... 16 MB. One-way time = median round trip / 2.
+- torch.distributed gloo: two processes (one torch thread each) ping-pong a tensor with
+  send/recv over the same sizes; same one-way time. They then time gloo's own
+  all_reduce at those sizes, kept beside the fit (``measurements["dist_allreduce"]``)
+  to check the ring prediction against, not used by it.
+- γ: an in-place ``torch.add_`` of two float32 tensors of 64 MB (larger than the
+  last-level cache), one thread; seconds per byte of one operand.
+
+Each transport's one-way times are fitted to t(M) = α + M·β (see :func:`fit`: α is
+the smallest message's time, β the least-squares slope through it). The
+result is a :class:`psring.costmodel.Calibration`, saved atomically to --out (default
+``$PSRING_CALIBRATION`` or ``~/.cache/psring/calibration.json``).
+
+Every measuring process runs under a hard deadline: it is joined, and killed if it
+overruns; it also dies with this process (PR_SET_PDEATHSIG), so nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import platform
+import socket
+import statistics as st
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from .costmodel import Calibration, default_path
+from .errors import ConfigError, PsringError
+from .launch import die_with_parent, free_port
+
+KB, MB = 1024, 1024 * 1024
+#: message sizes of the ping-pongs: from latency-bound to bandwidth-bound. They stop at
+#: 16 MB: psring's messages are gradient buckets (25 MB by default) or pieces of them, and
+#: a 64 MB message measured half the bandwidth of a 16 MB one here (above glibc's 32 MB
+#: mmap threshold every receive buffer is fresh memory, page-faulted in)
+SIZES = [1 * KB, 4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB]
+QUICK_SIZES = [1 * KB, 16 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB]
+#: γ's tensor size, in quick mode too: it must not fit in the last-level cache (32 MB on
+#: the machine this was written on, where a 16 MB add ran ~2x faster than a 64 MB one);
+#: the gradients a server or ring reduces are that large, and 64 MB costs ~3 ms a pass
+GAMMA_BYTES = 64 * MB
+#: pyzmq's own threshold (zmq.COPY_THRESHOLD): below it a copy is cheaper than zero-copy
+ZERO_COPY_FROM = 64 * KB
+#: hard deadline for one pair of measuring processes (start-up included)
+PAIR_TIMEOUT_S, QUICK_PAIR_TIMEOUT_S = 60.0, 25.0
+
+
+def _reps(size: int, quick: bool) -> int:
+    """Round trips per size: many for small messages (cheap, noisy), fewer for large
+    ones (about 1 GB of traffic per size; 32 MB in quick mode). The full run still
+    takes only ~10 s on 2 cores; the repeats are there for stable medians on a noisy
+    shared machine."""
+    budget = 32 * MB if quick else 1024 * MB
+    lo, hi = (6, 200) if quick else (15, 5000)
+    return max(lo, min(hi, budget // size))
+
+
+#: passes over the ladder of sizes (alternately up and down), each doing its share of a
+#: size's round trips: a slow spell of the machine then lands on every size alike
+#: instead of skewing one size (and the fit) — small gloo messages on 2 shared cores
+#: were seen to take 2-10 ms instead of 30 µs for a second at a time
+PASSES, QUICK_PASSES = 5, 2
+#: round trips per size discarded first (connection set-up, page faults, the peer still
+#: starting up)
+WARMUP = 3
+
+
+def ladder(sizes: list[int], quick: bool,
+           roundtrip: Callable[[int], float]) -> list[list[float]]:
+    """[[size, median, 25th percentile, 75th percentile], ...] of each size's one-way
+    times (round trips halved); the quartiles show how noisy the median was.
+    ``roundtrip(size)`` does one round trip and returns its seconds. Both sides of a
+    ping-pong that must mirror each other run this same schedule."""
+    passes = QUICK_PASSES if quick else PASSES
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for size in sizes:
+        for _ in range(WARMUP):
+            roundtrip(size)
+    for k in range(passes):
+        for size in (sizes if k % 2 == 0 else sizes[::-1]):
+            for _ in range(-(-_reps(size, quick) // passes)):
+                times[size].append(roundtrip(size))
+    rows = []
+    for size in sizes:
+        q1, _, q3 = st.quantiles(times[size], n=4)
+        rows.append([size, st.median(times[size]) / 2, q1 / 2, q3 / 2])
+    return rows
+
+
+# -- running measuring processes -------------------------------------------------------
+
+def _child(fn: Callable[..., Any], rank: int, args: tuple, conn, parent_pid: int) -> None:
+    """Entry of every measuring process: die with the parent, run ``fn``, send back
+    ("ok", result) or ("error", traceback), then leave without interpreter finalization
+    (gloo's C++ static destructors can abort a cleanly finished process at exit)."""
+    os.environ["PSRING_PARENT_PID"] = str(parent_pid)
+    die_with_parent()
+    try:
+        conn.send(("ok", fn(rank, *args)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - the parent is gone; nothing to tell
+            pass
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str) -> list[Any]:
+    """Run ``fn(rank, *args)`` for ranks 0 and 1 in two spawned processes; return their
+    results. The pair has ``timeout`` seconds in all; a process still alive then is
+    killed, and every process is joined before this returns or raises."""
+    ctx = mp.get_context("spawn")
+    deadline = time.monotonic() + timeout
+    procs, conns = [], []
+    finished = False
+    try:
+        for rank in range(2):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(fn, rank, args, send, os.getpid()),
+                            name=f"psring-calibrate-{what}-{rank}", daemon=True)
+            p.start()
+            send.close()  # the child holds the only write end: EOF if it dies
+            procs.append(p)
+            conns.append(recv)
+        got: dict[int, Any] = {}
+        while len(got) < len(conns):
+            left = deadline - time.monotonic()
+            pending = [c for r, c in enumerate(conns) if r not in got]
+            ready = mp_connection.wait(pending, timeout=max(0.0, left)) if left > 0 else []
+            if not ready:
+                late = [r for r in range(len(conns)) if r not in got]
+                raise PsringError(f"calibrate: the {what} measurement did not finish within "
+                                  f"{timeout:.0f} s (process {late} still running); the "
+                                  f"machine may be overloaded — retry, or use --quick.")
+            for conn in ready:
+                rank = conns.index(conn)
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    raise PsringError(f"calibrate: the {what} measuring process {rank} died "
+                                      f"(exit code {procs[rank].exitcode}) without a "
+                                      f"result.") from None
+                # the first failure is the cause; the other process then only times out
+                if status != "ok":
+                    raise PsringError(f"calibrate: the {what} measurement failed in "
+                                      f"process {rank}:\n{value.rstrip()}")
+                got[rank] = value
+        finished = True
+        return [got[r] for r in range(len(conns))]
+    finally:
+        # After a success the processes are leaving on their own; after a failure the
+        # survivor would only wait for its peer until its own timeout: kill it now.
+        for p in procs:
+            p.join(timeout=max(0.5, deadline - time.monotonic()) if finished else 0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in conns:
+            c.close()
+
+
+# -- ZeroMQ ------------------------------------------------------------------------------
+
+def _zmq_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
+                  timeout_s: float) -> list[list[float]] | None:
+    """Rank 0 echoes every message back (the received frame itself, no copy); rank 1
+    times round trips and returns [[size, one-way seconds], ...]. An empty message ends
+    the echo. Every blocking call has a timeout, so a lost peer cannot hang either."""
+    import zmq
+
+    zctx = zmq.Context()
+    s = zctx.socket(zmq.PAIR)
+    s.setsockopt(zmq.LINGER, 0)
+    ms = int(timeout_s * 1000)
+    s.setsockopt(zmq.RCVTIMEO, ms)
+    s.setsockopt(zmq.SNDTIMEO, ms)
+    addr = f"tcp://127.0.0.1:{port}"  # loopback only: nothing outside can connect
+    try:
+        if rank == 0:
+            s.bind(addr)
+            while True:
+                frame = s.recv(copy=False)
+                if len(frame) == 0:
+                    return None
+                s.send(frame, copy=len(frame) < ZERO_COPY_FROM)
+        s.connect(addr)
+        # not all zeros, built fast; sent as the protocol sends tensors
+        bufs = {size: bytearray(os.urandom(64)) * (size // 64) for size in sizes}
+
+        def roundtrip(size: int) -> float:
+            t0 = time.perf_counter()
+            s.send(bufs[size], copy=size < ZERO_COPY_FROM)
+            reply = s.recv(copy=False)
+            dt = time.perf_counter() - t0
+            if len(reply) != size:
+                raise RuntimeError(f"echo of {size} bytes came back with {len(reply)}")
+            return dt
+
+        out = ladder(sizes, quick, roundtrip)
+        s.send(b"")
+        return out
+    finally:
+        s.close(linger=0)
+        zctx.term()
+
+
+def measure_zmq(sizes: list[int], quick: bool) -> tuple[list[list[float]], dict]:
+    """(ladder rows, {}) of the ZeroMQ ping-pong."""
+    timeout = QUICK_PAIR_TIMEOUT_S if quick else PAIR_TIMEOUT_S
+    _, points = run_pair(_zmq_pingpong, (free_port(), sizes, quick, timeout), timeout,
+                         "ZeroMQ")
+    return points, {}
+
+
+# -- torch.distributed (gloo) ---------------------------------------------------------------
+
+def _gloo_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
+                   timeout_s: float) -> tuple[list[list[float]], list[list[float]]]:
+    """send/recv ping-pong between two gloo ranks; rank 0 times it. Then, as a check the
+    fit does not use, gloo's own all_reduce over the same sizes: [[bytes, median s]].
+    Both ranks return the same shape; the parent keeps rank 0's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        peer = 1 - rank
+        bufs = {size: torch.ones(size // 4, dtype=torch.float32) for size in sizes}
+
+        def roundtrip(size: int) -> float:
+            t = bufs[size]
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(t, peer)
+                dist.recv(t, peer)
+            else:
+                dist.recv(t, peer)
+                dist.send(t, peer)
+            return time.perf_counter() - t0
+
+        dist.barrier()
+        out = ladder(sizes, quick, roundtrip)
+        allreduce = []
+        for size in sizes:
+            times = []
+            for _ in range(WARMUP + max(5, _reps(size, quick) // 8)):
+                dist.barrier()  # start together: time the collective, not the skew
+                t0 = time.perf_counter()
+                dist.all_reduce(bufs[size])
+                times.append(time.perf_counter() - t0)
+            allreduce.append([size, st.median(times[WARMUP:])])
+        # rank 0 hosts the rendezvous store: nobody tears down while the other uses it
+        dist.barrier()
+        return out, allreduce
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_gloo(sizes: list[int], quick: bool) -> tuple[list[list[float]], dict]:
+    """(ladder rows of the send/recv ping-pong, {"dist_allreduce": rows})."""
+    timeout = QUICK_PAIR_TIMEOUT_S if quick else PAIR_TIMEOUT_S
+    (points, allreduce), _ = run_pair(_gloo_pingpong, (free_port(), sizes, quick, timeout),
+                                      timeout, "gloo")
+    return points, {"dist_allreduce": allreduce}
+
+
+# -- γ ------------------------------------------------------------------------------------------
+
+def measure_gamma(nbytes: int, reps: int = 9) -> float:
+    """Seconds per byte (of one operand) of ``a.add_(b)`` on float32, one thread. Runs in
+    this process; the thread count is restored afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.ones(nbytes // 4)
+        b = torch.ones(nbytes // 4)
+        a.add_(b)  # fault the pages in before timing
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a.add_(b)
+            times.append(time.perf_counter() - t0)
+        return st.median(times) / nbytes
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- the fit ---------------------------------------------------------------------------------
+
+def fit(points: list[list[float]], what: str = "") -> tuple[float, float]:
+    """(α, β) of t(M) = α + M·β through [[M, t], ...]; both positive and finite.
+
+    α is the smallest message's measured one-way time, and β the least-squares slope
+    through the points with that intercept fixed: β = Σ M·(t − α) / Σ M².
+
+    Why not plain least squares for both: on a doubling ladder of sizes the largest
+    messages decide the fit, and the intercept becomes a small difference of large,
+    noisy numbers. On this project's 2-core machine it came out at or below 0, or above
+    the smallest message's own time (impossible: t(M_min) = α + M_min·β >= α), in 7 of 8
+    fits, and in the 8th at 2.7 µs against a measured 21 µs. The smallest message's time
+    is a direct measurement of the latency (median of hundreds of round trips; it
+    overstates α by M_min·β, ~0.1 µs at 1 KB), so it is used always, not only as a
+    fallback. β, fitted with α fixed, is still decided by the large messages: the
+    bandwidth regime per-step gradients (MBs) live in.
+    """
+    pts = [(float(p[0]), float(p[1])) for p in points]  # [M, t, anything else]
+    if len({m for m, _ in pts}) < 2:
+        raise ValueError("fit needs at least two different sizes")
+    _, alpha = min(pts)
+    beta = sum(m * (t - alpha) for m, t in pts) / sum(m * m for m, _ in pts)
+    if not (math.isfinite(alpha) and alpha > 0 and math.isfinite(beta) and beta > 0):
+        shown = ", ".join(f"{m / KB:.0f} KB: {t * 1e6:.0f} µs" for m, t in pts)
+        raise PsringError(f"calibrate: {what + ' ' if what else ''}one-way times do not "
+                          f"grow with message size ({shown}); the machine was probably too "
+                          f"busy — retry.")
+    return alpha, beta
+
+
+# -- all together ------------------------------------------------------------------------------
+
+def _versions() -> dict[str, str]:
+    import torch
+    import zmq
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
+
+
+#: measurements per transport before giving up on one whose times do not fit a line
+ATTEMPTS = 3
+
+
+def _measure_and_fit(what: str, measure: Callable[[list[int], bool], tuple[list, dict]],
+                     sizes: list[int], quick: bool, say: Callable[[str], None]
+                     ) -> tuple[list[list[float]], dict, tuple[float, float]]:
+    """Measure and fit, measuring again when the fit fails: on this 2-core VM a whole
+    ladder was once measured at ~2 ms for every size (each wake-up of a blocked process
+    waiting for a host scheduler tick), which no line with β > 0 fits."""
+    for attempt in range(1, ATTEMPTS + 1):
+        points, extra = measure(sizes, quick)
+        try:
+            return points, extra, fit(points, what)
+        except PsringError as e:
+            if attempt == ATTEMPTS:
+                raise
+            say(f"{e} Measuring again ({attempt + 1}/{ATTEMPTS}).")
+    raise AssertionError("unreachable")
+
+
+def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> Calibration:
+    """Measure and fit everything; ``log`` (e.g. print to stderr) hears progress.
+    On 2 cores it took ~2-5 s with ``quick`` and ~10-20 s without (budgets: 20 s and
+    90 s)."""
+    say = log or (lambda _msg: None)
+    sizes = QUICK_SIZES if quick else SIZES
+    gamma_bytes = GAMMA_BYTES
+    say("calibrate: ZeroMQ ping-pong over tcp loopback ...")
+    zmq_points, _, (zmq_alpha, zmq_beta) = _measure_and_fit("ZeroMQ", measure_zmq, sizes,
+                                                            quick, say)
+    say("calibrate: gloo send/recv ping-pong ...")
+    dist_points, dist_extra, (dist_alpha, dist_beta) = _measure_and_fit(
+        "gloo", measure_gloo, sizes, quick, say)
+    say("calibrate: local add (gamma) ...")
+    gamma = measure_gamma(gamma_bytes, reps=5 if quick else 9)
+    return Calibration(
+        zmq_alpha=zmq_alpha, zmq_beta=zmq_beta, dist_alpha=dist_alpha, dist_beta=dist_beta,
+        gamma=gamma, host=socket.gethostname(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        cores=os.cpu_count(), versions=_versions(), sizes=list(sizes),
+        gamma_bytes=gamma_bytes, quick=quick,
+        measurements={"zmq": zmq_points, "dist": dist_points, **dist_extra,
+                      "gamma": [[gamma_bytes, gamma * gamma_bytes]]})
+
+
+def describe(cal: Calibration) -> str:
+    """The values in human units: latency in µs, bandwidth in GB/s (10^9 bytes/s)."""
+    def link(name: str, alpha: float, beta: float) -> str:
+        return f"{name:<18} α = {alpha * 1e6:8.1f} µs   1/β = {1 / beta / 1e9:6.2f} GB/s"
+
+    return "\n".join([
+        link("ZeroMQ (tcp lo)", cal.zmq_alpha, cal.zmq_beta),
+        link("gloo send/recv", cal.dist_alpha, cal.dist_beta),
+        f"{'local add':<18} γ = {cal.gamma * 1e9:8.3f} ns/B  1/γ = {1 / cal.gamma / 1e9:6.2f} GB/s",
+    ])
+
+
+# -- command line ------------------------------------------------------------------------------
+
+def _add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="where to save the calibration (default: $PSRING_CALIBRATION, "
+                        "else ~/.cache/psring/calibration.json)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes and repeats: a few seconds instead of ~15, noisier")
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    out = Path(args.out).expanduser() if args.out else default_path()
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name, e.g. "
+                          f"{out / 'calibration.json'}.")
+    t0 = time.monotonic()
+    cal = calibrate(quick=args.quick, log=lambda m: print(m, file=sys.stderr, flush=True))
+    path = cal.save(out)
+    print(describe(cal))
+    print(f"saved to {path} ({time.monotonic() - t0:.0f} s"
+          f"{', quick' if args.quick else ''})")
+    return 0
+
+
+def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``calibrate`` to the psring CLI's subparsers; its func returns 0."""
+    p = subparsers.add_parser("calibrate", help="measure α, β, γ of this machine for the "
+                              "cost model (docs/cost-model.md)")
+    _add_flags(p)
+    p.set_defaults(func=_cmd_calibrate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="psring calibrate", description=__doc__.splitlines()[0])
+    _add_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        return _cmd_calibrate(args)
+    except PsringError as e:
+        print(f"psring: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("psring: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
