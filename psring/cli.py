@@ -2,6 +2,9 @@
 
     psring run --strategy allreduce --workers 2 --steps 50 --out runs/ar
     psring report runs/ar runs/single [--json]
+    psring sweep experiments/intensity.toml --out runs/intensity   (resumable)
+    psring report runs/intensity              (a sweep: report.md and plots)
+    psring calibrate                          (α, β, γ for the cost model)
     psring compare [--out DIR]
     psring trace runs/ps                      (after psring run ... --trace)
     psring server --bind tcp://127.0.0.1:5555
@@ -48,7 +51,15 @@ def _progress_printer(total: int):
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import render_table, summarize_all
+    from .sweep import is_sweep_dir
 
+    if len(args.dirs) == 1 and is_sweep_dir(args.dirs[0]) and not args.json:
+        from .sweepreport import write_report
+
+        path, table = write_report(args.dirs[0])
+        print(table)
+        print(f"report: {path}")
+        return 0
     rows = summarize_all(args.dirs)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -57,14 +68,38 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .sweep import Sweep, default_out, format_summary, run_sweep_with_progress
+
+    sweep = Sweep.load(args.spec)
+    if args.repeats is not None:
+        sweep = Sweep(**{**sweep.to_dict(), "repeats": args.repeats})
+    out = Path(args.out) if args.out else default_out(sweep)
+    res = run_sweep_with_progress(sweep, out)
+    print(format_summary(res), file=sys.stderr)
+    if args.report:
+        from .sweepreport import write_report
+
+        path, table = write_report(out)
+        print(table)
+        print(f"report: {path}")
+    print(f"sweep directory: {out}")
+    return 1 if res.failed else 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import run_compare
-    from .report import render_table, summarize_all
+    from .sweep import format_summary
+    from .sweepreport import write_report
 
-    root = run_compare(args.out, workers=args.workers)
-    print(render_table(summarize_all([str(root)])))
-    print(f"runs written to: {root}")
-    return 0
+    root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
+    print(format_summary(res), file=sys.stderr)
+    path, table = write_report(root)
+    print(table)
+    print(f"report: {path}")
+    return 1 if res.failed else 0
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -112,14 +147,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="summarize run directories")
     rep.add_argument("dirs", nargs="+", metavar="DIR",
-                     help="run directories, or directories containing them")
+                     help="run directories, or directories containing them; a sweep "
+                     "directory gets report.md and plots")
     rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rep.set_defaults(func=_cmd_report)
 
-    cmp_ = sub.add_parser("compare", help="run every strategy on a small default workload")
-    cmp_.add_argument("--out", default=None, help="directory for the runs "
-                      "(default runs/compare-<time>)")
+    sw = sub.add_parser("sweep", help="run a sweep definition (experiments/*.toml), "
+                        "resumably, then report on it")
+    sw.add_argument("spec", metavar="SPEC", help="a sweep definition, e.g. "
+                    "experiments/intensity.toml")
+    sw.add_argument("--out", default=None, help="sweep directory (default "
+                    "runs/<name>-<time>); run again with the same --out to resume")
+    sw.add_argument("--repeats", type=int, default=None, help="override the definition's "
+                    "repeats")
+    sw.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                    help="write the report when the sweep is done (default: yes)")
+    sw.set_defaults(func=_cmd_sweep)
+
+    from .calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+
+    cmp_ = sub.add_parser("compare", help="every strategy on a small default workload: "
+                          "a sweep (experiments/compare.toml) and its report")
+    cmp_.add_argument("--out", default=None, help="sweep directory (default "
+                      "runs/compare-<time>); the same --out again resumes")
     cmp_.add_argument("--workers", type=int, default=2, help="workers per distributed run")
+    cmp_.add_argument("--repeats", type=int, default=None, help="runs per strategy "
+                      "(default: experiments/compare.toml's)")
     cmp_.set_defaults(func=_cmd_compare)
 
     tr = sub.add_parser("trace", help="build a traced run's trace.json and render it as a PNG")

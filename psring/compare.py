@@ -1,8 +1,13 @@
-"""``psring compare``: every registered strategy on one small default workload.
+"""``psring compare``: a small default sweep over every strategy, then its report.
 
-Runs each strategy with 2 workers (``single`` with 1) on the same model, global batch,
-seed and steps, one after another (so runs don't compete for the cores), with a
-progress display, then prints the report table with speedups over ``single``.
+    psring compare [--out DIR] [--workers N] [--repeats R]
+
+Runs ``experiments/compare.toml`` (every registered strategy on one MLP, ``single``
+with 1 worker, the others with N), one point after another so runs don't compete for
+the cores, with a progress bar; then writes the sweep report (report.md and plots)
+into DIR and prints its key table. The cost model's predictions need a calibration:
+if none is found (``psring calibrate``; see psring.costmodel), a quick one is measured
+first and kept in DIR. Rerunning with the same ``--out`` resumes.
 """
 
 from __future__ import annotations
@@ -11,34 +16,40 @@ import os
 import time
 from pathlib import Path
 
-from .config import RunConfig
-from .launch import launch
-from .strategies import STRATEGIES
+from .sweep import Sweep, SweepResult, run_sweep_with_progress
 
-#: the default workload: an MLP big enough that communication shows (~9.6 MB of
-#: gradients per step), small enough for all strategies to run in well under 2 minutes
-DEFAULT = RunConfig(model="mlp", width=1024, depth=3, batch_size=64, steps=30)
+#: the definition compare runs (shipped beside the package's source in experiments/)
+SPEC = Path(__file__).resolve().parent.parent / "experiments" / "compare.toml"
 
 
-def compare_configs(out: str, workers: int = 2, base: RunConfig = DEFAULT) -> list[RunConfig]:
-    cfgs = []
-    for name in STRATEGIES:
-        cls = STRATEGIES.get(name)
-        n = min(workers, cls.max_workers or workers)
-        cfgs.append(base.replace(strategy=name, workers=n, out=os.path.join(out, name)))
-    return cfgs
+def default_sweep(workers: int = 2, repeats: int | None = None) -> Sweep:
+    """compare.toml, or the same definition inline when psring is installed without
+    its experiments/ directory; every registered strategy (plugins included)."""
+    from .strategies import STRATEGIES
+
+    if SPEC.exists():
+        sweep = Sweep.load(SPEC)
+    else:
+        sweep = Sweep(name="compare", description="every strategy on one MLP",
+                      look_at="the key table", repeats=2,
+                      base={"model": "mlp", "width": 1024, "depth": 3, "batch_size": 64,
+                            "steps": 30})
+    grid = {**sweep.grid, "strategy": list(STRATEGIES), "workers": [workers]}
+    return Sweep(**{**sweep.to_dict(), "grid": grid,
+                    "repeats": repeats if repeats is not None else sweep.repeats})
 
 
-def run_compare(out: str | None = None, workers: int = 2, base: RunConfig = DEFAULT) -> Path:
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn)
+def run_compare(out: str | None = None, workers: int = 2,
+                repeats: int | None = None) -> tuple[Path, SweepResult]:
+    from .costmodel import find_calibration
 
     root = Path(out or os.path.join("runs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}"))
-    cfgs = compare_configs(str(root), workers, base)
-    with Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("worker-steps"), TimeElapsedColumn()) as bar:
-        tasks = {c.strategy: bar.add_task(c.strategy, total=c.steps * c.workers) for c in cfgs}
-        for c in cfgs:
-            task = tasks[c.strategy]
-            launch(c, progress=lambda done, total, t=task: bar.update(t, completed=done))
-    return root
+    root.mkdir(parents=True, exist_ok=True)
+    if find_calibration(root) is None:
+        from .calibrate import calibrate
+
+        print("psring: no cost-model calibration found (psring calibrate); measuring a "
+              "quick one first", flush=True)
+        calibrate(quick=True).save(root / "calibration.json")
+    res = run_sweep_with_progress(default_sweep(workers, repeats), root)
+    return root, res

@@ -42,13 +42,24 @@ def test_report_reads_values_from_the_logs(small_runs):
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
-def test_compare_runs_every_strategy(tmp_path):
+def test_compare_runs_every_strategy_and_reports(tmp_path):
     out = tmp_path / "cmp"
-    proc = psring("compare", "--out", out, timeout=280)
+    proc = psring("compare", "--out", out, "--repeats", 1, timeout=280)
     from psring.strategies import STRATEGIES
 
+    report = (out / "report.md").read_text()
+    rows = {r["strategy"]: r for r in json.loads((out / "report.json").read_text())}
     for name in STRATEGIES:
-        assert (out / name / "model.pt").exists()
-        assert f"│ {name}" in proc.stdout
-    assert f"runs written to: {out}" in proc.stdout
+        workers = 1 if name == "single" else 2
+        assert (out / f"strategy={name}_workers={workers}_r0" / "model.pt").exists()
+        assert f"│ {name} (workers={workers})" in proc.stdout
+        assert f"| {name} (workers={workers})" in report
+        assert rows[name]["samples_per_s"]["median"] > 0
+    # a quick calibration was measured, so the communicating strategies have predictions
+    assert (out / "calibration.json").exists()
+    for name in ("allreduce", "ddp", "ps"):
+        assert rows[name]["predicted_comm_ms"] > 0
+        assert rows[name]["comm_error"] is not None
+    assert rows["hogwild"]["predicted_comm_ms"] is None
+    assert f"report: {out / 'report.md'}" in proc.stdout
     assert_no_processes(out)
