@@ -21,8 +21,8 @@ Definitions (also in docs/cost-model.md):
 - *intensity* = FLOPs a worker computes per step / bytes of gradients M. It is the
   same for every strategy on one workload, so curves of different strategies share x.
 - *communication time* of a step = time blocked on communication (``comm_s``) plus
-  the time communication ran hidden under backward (from the first bucket's launch
-  to the end of backward). It is what the cost model predicts.
+  the time communication ran hidden under backward (the union of the buckets'
+  in-flight intervals before backward ended). It is what the cost model predicts.
 - *time to target* = wall-clock seconds from the end of the first step (connection
   set-up excluded) until the loss (mean
   over workers, moving average over a tenth of the steps) first reaches the target:
@@ -53,11 +53,20 @@ MODEL_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes
 
 # ----------------------------------------------------------------------- reading
 def _comm_time(r: dict) -> float:
-    hidden = 0.0
-    launches = r.get("bucket_launch_s") or []
-    started = [t for t in launches if t > 0]
-    if started and "backward_end_s" in r:
-        hidden = max(0.0, r["backward_end_s"] - min(started))
+    """Blocked time plus the communication in flight before backward ended (the union
+    of the buckets' [launch, done] intervals cut at the end of backward): what a
+    strategy spent communicating, hidden or not. Strategies that log no buckets (ddp
+    syncs inside torch) count their blocked time only."""
+    end = r.get("backward_end_s", 0.0)
+    spans = sorted((a, min(b, end)) for a, b in zip(r.get("bucket_launch_s") or [],
+                                                   r.get("bucket_done_s") or [])
+                   if 0 < a < end and b > a)
+    hidden, reach = 0.0, 0.0
+    for a, b in spans:
+        a = max(a, reach)
+        if b > a:
+            hidden += b - a
+            reach = b
     return r["comm_s"] + hidden
 
 
@@ -94,7 +103,8 @@ def load_point(run_dir: Path) -> dict[str, Any]:
         by_step[r["step"]].append(r)
     steps = sorted(by_step)
     start = max(r["time"] for r in by_step[steps[0]])
-    row["curve"] = [(s, st.fmean(r["time"] for r in by_step[s]) - start,
+    # a step's time: when its last worker finished it
+    row["curve"] = [(s, max(r["time"] for r in by_step[s]) - start,
                      st.fmean(r["loss"] for r in by_step[s])) for s in steps]
     row["staleness"] = [r["staleness"] for r in records if "staleness" in r]
     row["train_seconds"] = max(r["time"] for r in records) - start
