@@ -22,12 +22,15 @@ Definitions (also in docs/cost-model.md):
   same for every strategy on one workload, so curves of different strategies share x.
 - *communication time* of a step = time blocked on communication (``comm_s``) plus
   the time communication ran hidden under backward (the union of the buckets'
-  in-flight intervals before backward ended). It is what the cost model predicts.
+  in-flight intervals before backward ended), less, in synchronous strategies, the
+  time a worker was blocked only because a slower peer was still in backward (its
+  *peer wait*). It is what the cost model predicts.
 - *time to target* = wall-clock seconds from the end of the first step (connection
   set-up excluded) until the loss (mean
   over workers, moving average over a tenth of the steps) first reaches the target:
-  ``[report] target_loss`` of the definition, else the highest final loss among the
-  settings, so that every setting reaches it.
+  ``[report] target_loss`` of the definition, else halfway from the mean initial
+  loss down to the highest final loss among the settings (so every setting that
+  learns reaches it).
 """
 
 from __future__ import annotations
@@ -52,10 +55,23 @@ MODEL_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes
 
 
 # ----------------------------------------------------------------------- reading
-def _comm_time(r: dict) -> float:
+def _peer_waits(records: list[dict]) -> dict[tuple[int, int], float]:
+    """(worker, step) -> seconds a worker of a synchronous step could not have been
+    communicating because a slower peer had not finished its backward yet: the latest
+    backward end among the step's workers minus its own (on the wall clock the
+    processes of a host share; the step's start is its end ``time`` minus ``step_s``)."""
+    ends: dict[int, dict[int, float]] = defaultdict(dict)
+    for r in records:
+        if "backward_end_s" in r:
+            ends[r["step"]][r["worker"]] = r["time"] - r["step_s"] + r["backward_end_s"]
+    return {(w, step): max(e.values()) - t for step, e in ends.items() for w, t in e.items()}
+
+
+def _comm_time(r: dict, peer_wait: float = 0.0) -> float:
     """Blocked time plus the communication in flight before backward ended (the union
     of the buckets' [launch, done] intervals cut at the end of backward): what a
-    strategy spent communicating, hidden or not. Strategies that log no buckets (ddp
+    strategy spent communicating, hidden or not, less ``peer_wait`` (time blocked only
+    because a slower peer was still computing). Strategies that log no buckets (ddp
     syncs inside torch) count their blocked time only."""
     end = r.get("backward_end_s", 0.0)
     spans = sorted((a, min(b, end)) for a, b in zip(r.get("bucket_launch_s") or [],
@@ -67,7 +83,7 @@ def _comm_time(r: dict) -> float:
         if b > a:
             hidden += b - a
             reach = b
-    return r["comm_s"] + hidden
+    return max(0.0, r["comm_s"] - max(0.0, peer_wait)) + hidden
 
 
 def _moving_average(xs: list[float], w: int) -> list[float]:
@@ -91,7 +107,17 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     row["config"] = cfg
     row["servers"] = cfg["servers"]
     row["phase_ms"] = {p: st.median(r[p] for r in kept) * 1e3 for p in PHASES}
-    row["comm_time_s"] = st.median(_comm_time(r) for r in kept)
+    from .strategies import STRATEGIES
+
+    # in a synchronous step a worker blocked on a slower peer is waiting, not
+    # communicating; asynchronous workers' steps are not rounds, so nothing is subtracted
+    synchronous = cfg["strategy"] in STRATEGIES and \
+        getattr(STRATEGIES.get(cfg["strategy"]), "comm_model", None) in ("ring", "ps")
+    waits = _peer_waits(records) if synchronous else {}
+    row["comm_time_s"] = st.median(_comm_time(r, waits.get((r["worker"], r["step"]), 0.0))
+                                   for r in kept)
+    row["peer_wait_ms"] = st.median(waits.get((r["worker"], r["step"]), 0.0)
+                                    for r in kept) * 1e3
     pbytes = manifest.get("parameter_bytes") or 0
     row["gradient_bytes"] = pbytes
     fws = manifest.get("flops_per_worker_step")
@@ -218,16 +244,22 @@ def _efficiency(settings: list[dict]) -> None:
 
 
 def target_loss(settings: list[dict], spec: dict) -> float | None:
+    """``[report] target_loss``, else halfway from the mean initial loss down to the
+    highest final loss among the settings: every setting that learned reaches it, and
+    reaching it takes some learning (the noisy first steps don't count)."""
     t = (spec.get("report") or {}).get("target_loss")
     if t is not None:
         return float(t)
-    finals = []
+    firsts, finals = [], []
     for s in settings:
         for r in s["rows"]:
             losses = [c[2] for c in r["curve"]]
             w = max(1, len(losses) // 10)
+            firsts.append(losses[0])
             finals.append(_moving_average(losses, w)[-1])
-    return max(finals) if finals else None
+    if not finals:
+        return None
+    return (st.fmean(firsts) + max(finals)) / 2
 
 
 def time_to_target(row: dict, target: float) -> tuple[float | None, int | None]:
@@ -350,8 +382,7 @@ def plot_scaling(settings: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_intensity(settings: list[dict], found: list[dict], path: Path,
-                   predicted: list[dict]) -> Path:
+def plot_intensity(settings: list[dict], found: list[dict], path: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
     series: dict[str, list[dict]] = defaultdict(list)
@@ -374,14 +405,12 @@ def plot_intensity(settings: list[dict], found: list[dict], path: Path,
         ax.annotate(f"{c['a']}={c['b']}\n@{c['intensity']:.0f}", (c["intensity"], 0),
                     xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
                     va="bottom", ha="right")
-    for c in predicted:
-        ax.axvline(c["intensity"], color="tab:red", ls="--", lw=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity: FLOPs per worker step / gradient bytes")
     ax.set_ylabel("samples/s (median, min–max)")
-    ax.set_title("Throughput vs arithmetic intensity (dotted: measured crossovers; "
-                 "dashed red: predicted)", fontsize=10)
+    ax.set_title("Throughput vs arithmetic intensity (dotted: measured crossovers)",
+                 fontsize=10)
     ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -458,10 +487,10 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
-    """The cost model's crossovers: per group (model size, workers, servers), the
-    intensity at which the predicted step times (measured compute + predicted
-    communication) of two strategies are equal, from the same points' compute times;
-    and the gradient size at which the predicted communication times are equal."""
+    """The cost model's crossovers: per (model, workers), the gradient size at which two
+    strategies' predicted communication times are equal. (Along intensity at a fixed
+    size the model predicts no crossover: compute is the same for both, so the one
+    with the cheaper communication is faster at every intensity, by less and less.)"""
     from .costmodel import crossover_bytes
 
     if cal is None:
@@ -480,26 +509,9 @@ def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
                 ma, mb = by[a][0]["comm_model"], by[b][0]["comm_model"]
                 k = max(by[a][0]["servers"], by[b][0]["servers"])
                 m_star = crossover_bytes(ma, mb, n, k, cal)
-                # predicted per-sample time along intensity: compute (measured, the mean
-                # of the two) + predicted comm, per worker-step
-                xa = {s["intensity"]: s for s in by[a]}
-                xb = {s["intensity"]: s for s in by[b]}
-                xs = sorted(set(xa) & set(xb))
-
-                def pred(s: dict) -> float:
-                    compute = s["step_ms"]["median"] - s["phase_ms"]["comm_s"]
-                    return s["config"]["batch_size"] / (compute + s["predicted_comm_ms"])
-
-                found = None
-                for x0, x1 in zip(xs, xs[1:]):
-                    d0 = pred(xa[x0]) - pred(xb[x0])
-                    d1 = pred(xa[x1]) - pred(xb[x1])
-                    if d0 * d1 < 0:
-                        f = d0 / (d0 - d1)
-                        found = math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0)))
                 out.append({"a": a, "b": b, "model": f"{model} width={width} depth={depth}",
                             "workers": n, "bytes": by[a][0]["gradient_bytes"],
-                            "crossover_bytes": m_star, "intensity": found,
+                            "crossover_bytes": m_star,
                             "faster_comm": a if (by[a][0]["predicted_comm_ms"] <
                                                  by[b][0]["predicted_comm_ms"]) else b})
     return out
@@ -532,8 +544,7 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     if len({s["workers"] for s in settings}) > 1:
         plots["scaling"] = plot_scaling(settings, sweep_dir / "scaling.png")
     if len({round(s["intensity"] or 0, 6) for s in settings}) > 1:
-        plots["intensity"] = plot_intensity(settings, found, sweep_dir / "intensity.png",
-                                            [p for p in predicted if p["intensity"]])
+        plots["intensity"] = plot_intensity(settings, found, sweep_dir / "intensity.png")
     plots["loss"] = plot_loss(settings, target, sweep_dir / "loss.png")
     if any(s["staleness"] for s in settings):
         plots["staleness"] = plot_staleness(settings, sweep_dir / "staleness.png")
@@ -571,7 +582,8 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                          [[p["id"], p["status"], p["error"].replace("\n", " ")[:300]]
                           for p in problems]), ""]
     md += ["## Key table", "", _md_table(key_header, key_rows), "",
-           f"Communication time = blocked + hidden under backward (see docs/cost-model.md). "
+           f"Communication time = blocked + hidden under backward, less waiting for a slower "
+           f"peer (see docs/cost-model.md). "
            f"Target loss for time to target: {target:.4g}." if target is not None else "", ""]
     if cal is None:
         md += ["No calibration found, so no predictions: run `psring calibrate` (or put a "
@@ -604,14 +616,16 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     if predicted:
         md += ["## Cost model: predicted crossovers", "",
                _md_table(["strategies", "model", "workers", "gradient MB",
-                          "comm-time crossover (gradient size)", "faster comm here",
-                          "predicted throughput crossover (intensity)"],
+                          "comm-time crossover (gradient size)", "faster comm here"],
                          [[f"{p['a']} / {p['b']}", p["model"], str(p["workers"]),
                            f"{p['bytes'] / 1e6:.2f}",
                            f"{p['crossover_bytes'] / 1e6:.3g} MB" if p["crossover_bytes"]
-                           else "never (one is faster at every size)", p["faster_comm"],
-                           f"{p['intensity']:.0f}" if p["intensity"] else "none in range"]
-                          for p in predicted]), ""]
+                           else "never (one is faster at every size)", p["faster_comm"]]
+                          for p in predicted]),
+               "", "Below the crossover size the strategy with the smaller fixed cost (α) is "
+               "predicted faster, above it the one with the smaller cost per byte. Along "
+               "intensity at a fixed size the model predicts no crossover: the strategy "
+               "with the cheaper communication stays ahead, by less as compute grows.", ""]
     if "costmodel" in plots:
         errs = [s for s in settings if s["comm_error"] is not None]
         md += ["## Cost model vs measurement", "", f"![costmodel]({plots['costmodel'].name})",
