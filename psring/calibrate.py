@@ -448,14 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="psring calibrate", description=__doc__.splitlines()[0])
     _add_flags(parser)
     args = parser.parse_args(argv)
-    try:
-        return _cmd_calibrate(args)
-    except PsringError as e:
-        print(f"psring: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("psring: interrupted", file=sys.stderr)
-        return 130
+    from .cli import run_guarded
+
+    return run_guarded(_cmd_calibrate, args)
 
 
 if __name__ == "__main__":

@@ -199,8 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_guarded(args.func, args)
+
+
+def run_guarded(func, args: argparse.Namespace) -> int:
+    """Run a command: a PsringError is one paragraph and its exit status; Ctrl-C is 130."""
     try:
-        return args.func(args)
+        return func(args)
     except PsringError as e:
         print(f"psring: error: {e}", file=sys.stderr)
         return e.exit_code
