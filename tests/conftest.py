@@ -36,6 +36,16 @@ def psring(*args: str, timeout: float = 120, env: dict | None = None,
     return proc
 
 
+def interruptible() -> None:
+    """Popen preexec_fn: give the child the default SIGINT disposition. A test runner
+    started as a background job (``cmd &`` without job control) ignores SIGINT, its
+    children inherit that, and Python then never raises KeyboardInterrupt: a Ctrl-C
+    test would test nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def processes_mentioning(text: str) -> list[tuple[int, str]]:
     """Live processes whose command line contains ``text`` (e.g. a test's run directory)."""
     found = []

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import SMALL, assert_no_processes, env_with_plugins, psring
+from conftest import SMALL, assert_no_processes, env_with_plugins, psring, interruptible
 
 
 def assert_clean_error(proc, needle):
@@ -96,7 +96,8 @@ def test_signal_to_launcher_stops_everything(tmp_path, sig, code):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "psring", "run", "--strategy", "allreduce",
                              "--workers", "2", *SMALL, "--steps", "100000", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     try:
         deadline = time.monotonic() + 60
         while not (out / "steps.jsonl").exists() or (out / "steps.jsonl").stat().st_size == 0:

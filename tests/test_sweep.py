@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PSRING, assert_no_processes, env_with_plugins, psring
+from conftest import PSRING, assert_no_processes, env_with_plugins, interruptible, psring
 from psring.errors import ConfigError
 from psring.report import summarize
 from psring.sweep import Sweep
@@ -117,12 +117,14 @@ def test_sweep_records_a_failure_goes_on_resumes_and_reports(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_interrupted_sweep_stops_cleanly_and_resumes(tmp_path):
-    spec = write_spec(tmp_path / "two.toml", {"strategy": ["allreduce", "ps"],
-                                              "workers": [2]},
-                      base={"batch_size": 16, "steps": 3000})
+    # the second point would run for minutes: it is surely running when interrupted
+    spec = write_spec(tmp_path / "two.toml", {"strategy": ["ps"], "workers": [2],
+                                              "steps": [20, 1000000]},
+                      base={"batch_size": 16})
     out = tmp_path / "sweep"
     p = subprocess.Popen([*PSRING, "sweep", str(spec), "--out", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=interruptible)
     try:
         # wait until the first point is done and the second has started stepping
         deadline = time.monotonic() + 120
@@ -147,11 +149,15 @@ def test_interrupted_sweep_stops_cleanly_and_resumes(tmp_path):
     interrupted = running[0].parent
     assert not (interrupted / "point.json").exists()  # not marked done
 
+    # resume with the long point shortened (a new point id): the finished one is skipped
     stamp = (first / "steps.jsonl").stat().st_mtime_ns
+    write_spec(spec, {"strategy": ["ps"], "workers": [2], "steps": [20, 30]},
+               base={"batch_size": 16})
     proc = psring("sweep", spec, "--out", out, "--no-report", timeout=180)
-    assert "already done" in proc.stderr
+    assert "1 point(s) run, 1 already done" in proc.stderr
     assert (first / "steps.jsonl").stat().st_mtime_ns == stamp
-    assert json.loads((interrupted / "point.json").read_text())["status"] == "ok"
+    assert json.loads((out / "strategy=ps_workers=2_steps=30_r0" / "point.json").read_text()
+                      )["status"] == "ok"
     assert_no_processes(out)
 
 
