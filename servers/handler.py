@@ -17,12 +17,19 @@ async  every push is applied as it arrives (Downpour). When a worker's push for 
        number of updates applied since the version it pulled. With ``max_staleness S``
        (on shard 0, which admits workers for all shards) a pull is answered only if no
        worker could then see more than S updates between its pull and its push.
+
+Exactly once: a push is identified by ``(worker, seq)``. A second push with the same
+pair (a retry after a timeout) is not applied again: it gets the very ack the first one
+got. The acks of each worker's current and previous step are remembered (at most
+MAX_ACKS per worker); a push reusing a seq for different data, or a retry older than
+what is remembered, is refused.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +41,9 @@ from .store import ShardStore
 
 #: pulls held back at once, beyond which new ones are refused (bounded memory)
 MAX_DEFERRED = 4096
+#: acks remembered per worker for answering retried pushes (its current and previous
+#: step's; this caps them when a step has more pushes than that)
+MAX_ACKS = 8192
 
 
 class RequestError(Exception):
@@ -45,6 +55,15 @@ class Reply:
     peer: bytes
     frames: list
     record: dict[str, Any]
+
+
+@dataclass
+class _Ack:
+    """What a push was answered with, to answer its retry with the same."""
+    step: int
+    offset: int
+    numel: int
+    frames: list
 
 
 @dataclass
@@ -72,6 +91,9 @@ class _Run:
     applied: int = 0  # elements of this step already updated (sync)
     done: list[tuple[int, int]] = field(default_factory=list)  # ranges updated this step
     last_ranges: list[tuple[int, int]] = field(default_factory=list)  # of the last step
+    # worker -> seq -> the ack its push got (current and previous step, at most MAX_ACKS)
+    acks: dict[int, "OrderedDict[int, _Ack]"] = field(default_factory=dict)
+    acked_seq: dict[int, int] = field(default_factory=dict)  # worker -> highest acked seq
 
 
 class Handler:
@@ -79,19 +101,50 @@ class Handler:
         self.name = name
         self.state: _Run | None = None
         self.deferred: list[_Deferred] = []
-        self.counts = {"requests": 0, "errors": 0}
+        self.counts = {"requests": 0, "errors": 0, "retries": 0}
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, peer: bytes, msg: Message) -> list[Reply]:
         self.counts["requests"] += 1
         t0 = time.perf_counter()
         try:
+            if msg.op == "push":
+                again = self._retried(peer, msg, t0)
+                if again is not None:
+                    return [again]
             replies = getattr(self, "_" + msg.op)(peer, msg, t0)
         except RequestError as e:
             self.counts["errors"] += 1
             return [Reply(peer, error_frames(str(e), msg.header),
                           self._record(msg, t0, error=str(e)))]
         return replies + self._release()
+
+    def _retried(self, peer: bytes, msg: Message, t0: float) -> Reply | None:
+        """The remembered ack when this push repeats an acknowledged one; None if new."""
+        st, h = self.state, msg.header
+        if st is None or st.run != h["run"]:
+            return None
+        ack = st.acks.get(h["worker"], {}).get(h["seq"])
+        if ack is None:
+            return None
+        numel = msg.tensors[0].numel() if len(msg.tensors) == 1 else -1
+        if (ack.step, ack.offset, ack.numel) != (h["step"], h["offset"], numel):
+            raise RequestError(
+                f"worker {h['worker']} reused seq {h['seq']} for a different push (step "
+                f"{h['step']}, offset {h['offset']}, {numel} elements; the first was step "
+                f"{ack.step}, offset {ack.offset}, {ack.numel} elements)")
+        self.counts["retries"] += 1
+        return Reply(peer, ack.frames, self._record(msg, t0, op="retry", seq=h["seq"]))
+
+    @staticmethod
+    def _remember(st: _Run, h: dict, numel: int, frames: list) -> None:
+        w, step = h["worker"], h["step"]
+        acks = st.acks.setdefault(w, OrderedDict())
+        acks[h["seq"]] = _Ack(step, h["offset"], numel, frames)
+        st.acked_seq[w] = max(st.acked_seq.get(w, h["seq"]), h["seq"])
+        # keep this worker's current and previous step (seqs, hence steps, only grow)
+        while acks and (next(iter(acks.values())).step < step - 1 or len(acks) > MAX_ACKS):
+            acks.popitem(last=False)
 
     def _record(self, msg: Message, t0: float, wait: float = 0.0, **extra: Any) -> dict:
         h = msg.header
@@ -158,6 +211,12 @@ class Handler:
             raise RequestError(f"push [{h['offset']}, {h['offset'] + grad.numel()}) is outside "
                                f"this shard [{st.store.lo}, {st.store.hi})")
         w = h["worker"]
+        if h["seq"] <= st.acked_seq.get(w, h["seq"] - 1):
+            # not remembered (or _retried would have answered it): not a fresh push
+            raise RequestError(
+                f"push seq {h['seq']} of worker {w} is not above its last acknowledged "
+                f"push (seq {st.acked_seq[w]}): a retry older than the acks the server "
+                f"keeps (this step's and the last), or a client reusing sequence numbers")
         got = st.received.get(w, 0) + grad.numel()
         if got > st.store.numel:
             raise RequestError(f"worker {w} pushed more than one step's gradient for step "
@@ -190,8 +249,10 @@ class Handler:
                 st.received[w] = 0
                 st.version += 1
                 st.in_flight.discard(w)
-        return [self._reply(peer, msg, "ack", {"version": st.version, "staleness": staleness},
-                            t0=t0, staleness=staleness)]
+        ack = self._reply(peer, msg, "ack", {"version": st.version, "staleness": staleness},
+                          t0=t0, staleness=staleness)
+        self._remember(st, h, grad.numel(), ack.frames)
+        return [ack]
 
     def _pull(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
         if len(msg.tensors) != 0:

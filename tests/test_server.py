@@ -112,7 +112,8 @@ def test_sync_refuses_a_duplicate_push_of_a_range():
     assert "twice" in decode(r.frames).header["message"]
     h.handle(b"w0", req("push", seq=3, step=0, offset=4, tensors=[torch.ones(4)]))
     for offset in (0, 4):
-        h.handle(b"w1", req("push", worker=1, step=0, offset=offset, tensors=[torch.ones(4)]))
+        h.handle(b"w1", req("push", worker=1, seq=1 + offset, step=0, offset=offset,
+                            tensors=[torch.ones(4)]))
     assert h.state.version == 1 and torch.equal(h.state.store.params, -2 * torch.ones(8))
 
 
