@@ -61,6 +61,10 @@ class RunConfig:
     server_addrs: str = field(default="", metadata=_flag(
         "comma-separated addresses of running parameter servers (psring server) to use "
         "instead of starting them, e.g. tcp://10.0.0.5:5555,tcp://10.0.0.6:5555"))
+    secret_file: str = field(default="", metadata=_flag(
+        "ps/async-ps: file holding the servers' shared secret; every message is then signed "
+        "(HMAC-SHA256). Default: the environment variable PSRING_SECRET, else none. Needed "
+        "for --server-addrs beyond loopback"))
     max_staleness: int = field(default=-1, metadata=_flag(
         "async-ps: most updates a worker's gradient may be behind (-1 = unbounded)"))
     slow_worker: str = field(default="", metadata=_flag(
@@ -161,10 +165,21 @@ class RunConfig:
                 if u.scheme not in ("tcp", "ipc") or (u.scheme == "tcp" and not u.port):
                     raise ConfigError(f"--server-addrs entry {a!r} is not an address like "
                                       f"tcp://127.0.0.1:5555.")
+            from .protocol import HOW_TO_SET_A_SECRET, is_local, load_secret
+
+            remote = [a for a in addrs if not is_local(a)]
+            if remote and load_secret(self.secret_file) is None:
+                raise ConfigError(f"--server-addrs: {', '.join(remote)} lie(s) beyond loopback, "
+                                  f"where servers accept only signed messages: "
+                                  f"{HOW_TO_SET_A_SECRET}.")
             if self.servers not in (1, len(addrs)):
                 raise ConfigError(f"--servers {self.servers} disagrees with the "
                                   f"{len(addrs)} --server-addrs; give one or the other.")
             object.__setattr__(self, "servers", len(addrs))
+        if strategy_cls.uses_servers and self.secret_file:
+            from .protocol import load_secret
+
+            load_secret(self.secret_file)  # a missing or too short file fails here, early
 
     def _check_slow_worker(self) -> None:
         if not self.slow_worker:

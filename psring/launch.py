@@ -260,9 +260,10 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[Process
     if not STRATEGIES.get(cfg.strategy).uses_servers or cfg.server_addrs:
         return cfg, []
     addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(cfg.servers)]
+    extra = ["--secret-file", cfg.secret_file] if cfg.secret_file else []
     specs = [ProcessSpec(f"server-{k}", [sys.executable, "-m", "psring.servers",
                                          "--bind", addr, "--name", f"server-{k}",
-                                         "--log", str(run_dir / "servers.jsonl")],
+                                         "--log", str(run_dir / "servers.jsonl"), *extra],
                          env={"OMP_NUM_THREADS": str(server_threads(cfg.servers, cfg.workers))},
                          service=True)
              for k, addr in enumerate(addrs)]

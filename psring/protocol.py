@@ -3,7 +3,9 @@
 A message is a ZeroMQ multipart message::
 
     frame 0      msgpack map: the header (fields below)
-    frame 1..n   raw tensor bytes, one frame per tensor, little-endian, C order
+    frame 1      signature: HMAC-SHA256 of frames 0, 2..n under the shared secret
+                 (32 bytes), or empty when the two sides have no secret
+    frame 2..n   raw tensor bytes, one frame per tensor, little-endian, C order
 
 Frames of 64 KB and more are sent zero-copy (pyzmq ``copy=False`` with the socket's
 ``copy_threshold``) and received as ``zmq.Frame`` whose buffer becomes a tensor
@@ -14,18 +16,31 @@ Every message is validated by :func:`decode` before anything uses it: protocol v
 op, the exact set of header fields and their types for that op, dtype, and that each
 tensor frame carries exactly the bytes its header entry claims. A failure raises
 :class:`ProtocolError` (and only that); the server answers it with an ``error`` message
-and goes on serving. docs/protocol.md describes every op.
+and goes on serving. With a shared secret (:func:`load_secret`) the signature is checked
+first, before the header is even unpacked; a message without a valid one raises
+:class:`AuthenticationError` (a ProtocolError), which a server drops unanswered.
+docs/protocol.md describes every op, the signature and the limits.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
+import os
+import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Sequence
+from urllib.parse import urlparse
 
 import msgpack
 import torch
 
-VERSION = 1
+from .errors import ConfigError
+
+#: 2: a signature frame after the header (empty without a shared secret)
+VERSION = 2
 
 #: header frame limit: a header is a few hundred bytes
 MAX_HEADER_BYTES = 16 * 1024
@@ -41,6 +56,11 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 class ProtocolError(Exception):
     """A message that breaks the protocol; the text says which rule."""
+
+
+class AuthenticationError(ProtocolError):
+    """A message without a valid signature under this side's shared secret. A server
+    drops it unanswered (the sender learns nothing); a worker fails naming the server."""
 
 
 _INT = (int,)
@@ -80,6 +100,94 @@ _MAX_DIMS = 8
 MAX_DIM = 2**31
 
 
+# ---------------------------------------------------------------------- shared secret
+#: environment variable holding the shared secret itself (--secret-file names a file)
+SECRET_ENV = "PSRING_SECRET"
+MIN_SECRET_BYTES = 16
+SIGNATURE_BYTES = 32  # HMAC-SHA256
+#: signed ahead of the frames: names the scheme, so a signature means nothing elsewhere
+_SIGNING_TAG = b"psring-hmac-sha256-v2"
+
+HOW_TO_SET_A_SECRET = (
+    "give the server and every worker the same shared secret: --secret-file PATH on "
+    "`psring server` and `psring run`/`python -m psring.workers` (a file holding at "
+    f"least {MIN_SECRET_BYTES} random bytes, e.g. made with `python -c \"import secrets; "
+    "print(secrets.token_hex(32))\" > PATH && chmod 600 PATH`), or the environment "
+    f"variable {SECRET_ENV}")
+
+
+def load_secret(path: str | os.PathLike | None = None) -> bytes | None:
+    """The shared secret: the contents of ``path`` (surrounding whitespace stripped),
+    else the environment variable PSRING_SECRET, else None (no signing)."""
+    if path:
+        try:
+            data = Path(path).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"--secret-file {path}: {e.strerror or e}; "
+                              f"{HOW_TO_SET_A_SECRET}.") from None
+        source = f"--secret-file {path}"
+    else:
+        env = os.environ.get(SECRET_ENV, "")
+        if not env:
+            return None
+        data = env.encode().strip()
+        source = f"the environment variable {SECRET_ENV}"
+    if len(data) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{source} holds {len(data)} bytes; a shared secret needs at "
+                          f"least {MIN_SECRET_BYTES}: {HOW_TO_SET_A_SECRET}.")
+    return data
+
+
+def is_local(endpoint: str) -> bool:
+    """True for endpoints only this host can reach: loopback TCP and ipc://. Listening
+    on anything else needs a shared secret."""
+    u = urlparse(endpoint)
+    if u.scheme == "ipc":
+        return True
+    host = u.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _view(frame: Any) -> memoryview:
+    """Read-only view of a frame's bytes, without a copy (for hashing)."""
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return memoryview(frame)
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    if buf is None:
+        raise ProtocolError(f"frame of unexpected type {type(frame).__name__}")
+    return buf
+
+
+def signature(key: bytes, frames: Sequence[Any]) -> bytes:
+    """HMAC-SHA256 over the header and tensor frames (not the signature frame), each
+    preceded by its length, so no bytes can move between frames, and no frame can be
+    added, dropped or swapped, without changing it."""
+    mac = hmac.new(key, _SIGNING_TAG + struct.pack("<I", len(frames)), hashlib.sha256)
+    for f in frames:
+        buf = _view(f)
+        mac.update(struct.pack("<Q", buf.nbytes))
+        mac.update(buf)
+    return mac.digest()
+
+
+def _verify(key: bytes, frames: Sequence[Any]) -> None:
+    if len(frames) < 2:
+        raise AuthenticationError("unsigned message (no signature frame): the sender has "
+                                  "no shared secret, or runs an older psring")
+    sig = _view(frames[1])
+    if sig.nbytes == 0:
+        raise AuthenticationError("unsigned message: the sender has no shared secret")
+    expected = signature(key, [frames[0], *frames[2:]])
+    if not hmac.compare_digest(expected, bytes(sig) if sig.nbytes == SIGNATURE_BYTES else b""):
+        raise AuthenticationError("bad signature: the sender uses a different shared "
+                                  "secret, or the message was altered")
+
+
 @dataclass
 class Message:
     header: dict[str, Any]
@@ -94,10 +202,12 @@ def tensor_entry(t: torch.Tensor) -> list:
     return [DTYPE_NAMES[t.dtype], list(t.shape)]
 
 
-def encode(op: str, fields: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> list:
-    """Frames for one message. Tensors must be contiguous CPU tensors; their memory is
-    handed to ZeroMQ without a copy, so the caller must not modify it until the peer
-    has answered (every request is answered)."""
+def encode(op: str, fields: dict[str, Any], tensors: Sequence[torch.Tensor] = (),
+           key: bytes | None = None) -> list:
+    """Frames for one message, signed when ``key`` (the shared secret) is given.
+    Tensors must be contiguous CPU tensors; their memory is handed to ZeroMQ without a
+    copy, so the caller must not modify it until the peer has answered (every request
+    is answered)."""
     header = {"v": VERSION, "op": op, **fields,
               "tensors": [tensor_entry(t) for t in tensors]}
     frames: list = [msgpack.packb(header, use_bin_type=True)]
@@ -105,6 +215,7 @@ def encode(op: str, fields: dict[str, Any], tensors: Sequence[torch.Tensor] = ()
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("protocol tensors must be contiguous CPU tensors")
         frames.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    frames.insert(1, signature(key, frames) if key else b"")
     return frames
 
 
@@ -121,10 +232,15 @@ def _buffer(frame: Any) -> memoryview:
     return buf
 
 
-def decode(frames: Sequence[Any], expect: Iterable[str] | None = None) -> Message:
-    """Validate and decode one message; raise ProtocolError on any violation."""
+def decode(frames: Sequence[Any], expect: Iterable[str] | None = None,
+           key: bytes | None = None) -> Message:
+    """Validate and decode one message; raise ProtocolError on any violation. With
+    ``key`` (the shared secret) the signature is verified before anything else
+    (AuthenticationError); without one, a signed message is refused."""
     if not frames:
         raise ProtocolError("empty message")
+    if key is not None:
+        _verify(key, frames)
     head = _buffer(frames[0])
     if len(head) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -141,6 +257,11 @@ def decode(frames: Sequence[Any], expect: Iterable[str] | None = None) -> Messag
     if header.get("v") != VERSION:
         raise ProtocolError(f"protocol version {header.get('v')!r} is not {VERSION}; "
                             f"the worker and server run different psring versions")
+    if len(frames) < 2:
+        raise ProtocolError("no signature frame (frame 1, empty when unsigned)")
+    if key is None and _view(frames[1]).nbytes:
+        raise ProtocolError(f"the message is signed but this side has no shared secret: "
+                            f"{HOW_TO_SET_A_SECRET}")
     op = header.get("op")
     if op not in SCHEMAS:
         raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(SCHEMAS)}")
@@ -159,10 +280,10 @@ def decode(frames: Sequence[Any], expect: Iterable[str] | None = None) -> Messag
             raise ProtocolError(f"op {op!r}: field {name!r} has type "
                                 f"{type(value).__name__}")
     entries = header["tensors"]
-    if len(entries) > MAX_TENSORS or len(entries) != len(frames) - 1:
+    if len(entries) > MAX_TENSORS or len(entries) != len(frames) - 2:
         raise ProtocolError(f"header lists {len(entries)} tensors but "
-                            f"{len(frames) - 1} tensor frames arrived")
-    tensors = [_tensor(entry, _buffer(f)) for entry, f in zip(entries, frames[1:])]
+                            f"{len(frames) - 2} tensor frames arrived")
+    tensors = [_tensor(entry, _buffer(f)) for entry, f in zip(entries, frames[2:])]
     return Message(header, tensors)
 
 
@@ -196,7 +317,8 @@ def _tensor(entry: Any, buf: memoryview) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
-def error_frames(message: str, request: dict[str, Any] | None = None) -> list:
+def error_frames(message: str, request: dict[str, Any] | None = None,
+                 key: bytes | None = None) -> list:
     """An error reply; echoes what it can of the request so the sender can match it."""
     req = request if isinstance(request, dict) else {}
 
@@ -206,4 +328,4 @@ def error_frames(message: str, request: dict[str, Any] | None = None) -> list:
 
     return encode("error", {"run": pick("run", _STR, ""), "worker": pick("worker", _INT, -1),
                             "seq": pick("seq", _INT, -1), "shard": pick("shard", _INT, -1),
-                            "message": message[:1000]})
+                            "message": message[:1000]}, key=key)

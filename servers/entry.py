@@ -1,10 +1,12 @@
 """Parameter-server process entry point: parse, bind, serve, always clean up.
 
     python -m psring.servers --bind tcp://127.0.0.1:5555 [--name server-0] [--log FILE]
+                             [--secret-file FILE]
 
 (``psring server`` is the same command.) The server starts empty; worker 0 of a run
 initializes it with its shard of the parameters and the run's settings, so one server
 process serves any model, one run after another. SIGTERM or Ctrl-C stops it cleanly.
+Listening beyond loopback needs a shared secret (--secret-file or PSRING_SECRET).
 """
 
 from __future__ import annotations
@@ -22,10 +24,17 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="ZeroMQ endpoint to listen on (default: loopback, a free port)")
     parser.add_argument("--name", default="server", help="name in logs and errors")
     parser.add_argument("--log", default=None, help="append one JSON line per request here")
+    parser.add_argument("--secret-file", default="", metavar="PATH",
+                        help="file holding the shared secret: every message is then signed "
+                             "(HMAC-SHA256) and unsigned ones are dropped; required to bind "
+                             "beyond loopback (default: the environment variable "
+                             "PSRING_SECRET, else none)")
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from .server import Server, is_loopback
+    from psring.protocol import load_secret
+
+    from .server import Server
 
     stop = {"now": False}
 
@@ -34,16 +43,17 @@ def run_server(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = Server(args.bind, args.name, Path(args.log) if args.log else None)
+    secret = load_secret(args.secret_file)
+    server = Server(args.bind, args.name, Path(args.log) if args.log else None,
+                    secret=secret)
     try:
-        if not is_loopback(server.endpoint):
-            print(f"[{args.name}] warning: listening beyond loopback on {server.endpoint} "
-                  f"without authentication; anyone who can reach it can change the model.",
-                  file=sys.stderr, flush=True)
-        print(f"[{args.name}] listening on {server.endpoint}", flush=True)
+        print(f"[{args.name}] listening on {server.endpoint}"
+              + (" (signed messages only)" if secret else ""), flush=True)
         server.serve(lambda: stop["now"])
     finally:
         server.close()
+        print(f"[{args.name}] stopped; " + ", ".join(f"{k} {v}" for k, v in server.stats.items()),
+              flush=True)
     return 0
 
 

@@ -22,7 +22,9 @@ Exactly once: a push is identified by ``(worker, seq)``. A second push with the 
 pair (a retry after a timeout) is not applied again: it gets the very ack the first one
 got. The acks of each worker's current and previous step are remembered (at most
 MAX_ACKS per worker); a push reusing a seq for different data, or a retry older than
-what is remembered, is refused.
+what is remembered, is refused. With a shared secret (``check_replays``) every request
+must also carry a seq above the highest seen from its (run, worker) — else it is a
+replay, dropped unanswered — except such a retry, which is answered as above.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ MAX_DEFERRED = 4096
 #: acks remembered per worker for answering retried pushes (its current and previous
 #: step's; this caps them when a step has more pushes than that)
 MAX_ACKS = 8192
+#: runs whose highest seq per worker is remembered (replay protection with a secret):
+#: a replayed message of a run older than these is still refused by the run check,
+#: unless it is an init
+MAX_RUNS_SEEN = 1024
 
 
 class RequestError(Exception):
@@ -53,7 +59,7 @@ class RequestError(Exception):
 @dataclass
 class Reply:
     peer: bytes
-    frames: list
+    frames: list | None  # None: nothing to send (a dropped replay), only the record
     record: dict[str, Any]
 
 
@@ -97,11 +103,20 @@ class _Run:
 
 
 class Handler:
-    def __init__(self, name: str = "server"):
+    """``key``: the shared secret replies are signed with (None: unsigned).
+    ``check_replays``: drop requests whose seq is not new for their (run, worker) — on
+    by default with a key (unsigned senders could forge any seq anyway)."""
+
+    def __init__(self, name: str = "server", key: bytes | None = None,
+                 check_replays: bool | None = None):
         self.name = name
+        self.key = key
+        self.check_replays = key is not None if check_replays is None else check_replays
         self.state: _Run | None = None
         self.deferred: list[_Deferred] = []
-        self.counts = {"requests": 0, "errors": 0, "retries": 0}
+        self.counts = {"requests": 0, "errors": 0, "replays": 0, "retries": 0}
+        # run -> worker -> highest seq seen (check_replays), the MAX_RUNS_SEEN latest runs
+        self.seen: OrderedDict[str, dict[int, int]] = OrderedDict()
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, peer: bytes, msg: Message) -> list[Reply]:
@@ -112,12 +127,33 @@ class Handler:
                 again = self._retried(peer, msg, t0)
                 if again is not None:
                     return [again]
+            if self.check_replays and not self._fresh(msg):
+                self.counts["replays"] += 1
+                return [Reply(peer, None, self._record(msg, t0, op="replay",
+                                                       seq=msg.header["seq"],
+                                                       count=self.counts["replays"]))]
             replies = getattr(self, "_" + msg.op)(peer, msg, t0)
         except RequestError as e:
             self.counts["errors"] += 1
-            return [Reply(peer, error_frames(str(e), msg.header),
+            return [Reply(peer, error_frames(str(e), msg.header, self.key),
                           self._record(msg, t0, error=str(e)))]
         return replies + self._release()
+
+    def _fresh(self, msg: Message) -> bool:
+        """Is this request's seq above every seq seen from its (run, worker)? Records it."""
+        h = msg.header
+        seen = self.seen.get(h["run"])
+        if seen is None:
+            seen = self.seen[h["run"]] = {}
+            while len(self.seen) > MAX_RUNS_SEEN:
+                self.seen.popitem(last=False)
+        else:
+            self.seen.move_to_end(h["run"])
+        last = seen.get(h["worker"])
+        if last is not None and h["seq"] <= last:
+            return False
+        seen[h["worker"]] = h["seq"]
+        return True
 
     def _retried(self, peer: bytes, msg: Message, t0: float) -> Reply | None:
         """The remembered ack when this push repeats an acknowledged one; None if new."""
@@ -158,7 +194,7 @@ class Handler:
                t0: float = 0.0, wait: float = 0.0, **extra: Any) -> Reply:
         h = msg.header
         frames = encode(op, {"run": h["run"], "worker": h["worker"], "seq": h["seq"],
-                             "shard": h["shard"], **fields}, tensors)
+                             "shard": h["shard"], **fields}, tensors, self.key)
         out = sum(t.numel() * t.element_size() for t in tensors)
         return Reply(peer, frames, self._record(msg, t0 or time.perf_counter(), wait,
                                                 bytes_out=out, **extra))
@@ -171,6 +207,9 @@ class Handler:
         w = msg.header["worker"]
         if not 0 <= w < st.workers:
             raise RequestError(f"worker {w} is outside 0..{st.workers - 1}")
+        if msg.header["shard"] != st.shard:
+            raise RequestError(f"this server holds shard {st.shard} of run {st.run!r}, "
+                               f"not shard {msg.header['shard']}")
         return st
 
     # ------------------------------------------------------------------ ops
@@ -195,7 +234,7 @@ class Handler:
         stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
         self.deferred = [d for d in self.deferred if d.msg.header["run"] == h["run"]]
         replies = [Reply(d.peer, error_frames(f"run {d.msg.header['run']!r} was replaced",
-                                              d.msg.header), self._record(d.msg, t0))
+                                              d.msg.header, self.key), self._record(d.msg, t0))
                    for d in stale]
         return replies + [self._reply(peer, msg, "ok", {}, t0=t0)]
 
@@ -315,11 +354,13 @@ class Handler:
         for d in self.deferred:
             if d.msg.header["run"] != st.run:
                 keep.append(d)
-            elif not 0 <= d.msg.header["worker"] < st.workers:
-                # held before init, when the worker count was unknown
+            elif not 0 <= d.msg.header["worker"] < st.workers \
+                    or d.msg.header["shard"] != st.shard:
+                # held before init, when the worker count and shard were unknown
                 out.append(Reply(d.peer, error_frames(
-                    f"worker {d.msg.header['worker']} is outside 0..{st.workers - 1}",
-                    d.msg.header), self._record(d.msg, time.perf_counter())))
+                    f"worker {d.msg.header['worker']} of shard {d.msg.header['shard']} does "
+                    f"not fit this run: workers 0..{st.workers - 1}, shard {st.shard}",
+                    d.msg.header, self.key), self._record(d.msg, time.perf_counter())))
             elif self._can_answer(st, d.msg):
                 out.extend(self._answer_pull(st, d))
             else:

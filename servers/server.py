@@ -1,15 +1,16 @@
 """A parameter server process: a ROUTER socket, the request handler, a log.
 
-    psring server --bind tcp://127.0.0.1:5555 [--log servers.jsonl]
+    psring server --bind tcp://127.0.0.1:5555 [--log servers.jsonl] [--secret-file F]
 
 One thread: receive a request, validate it (psring.protocol.decode), let the handler
-apply it, send the replies. A malformed message is answered with an error (or dropped
-when it is too broken to answer) and the server goes on serving everyone else.
+apply it, send the replies. A malformed message is answered with an error and the
+server goes on serving everyone else. With a shared secret every message must be
+signed: one that is not (or badly) is dropped unanswered and counted. Binding anything
+but loopback (or ipc://) without a secret is refused.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import time
@@ -20,11 +21,15 @@ from urllib.parse import urlparse
 import zmq
 
 from psring.errors import ConfigError
-from psring.protocol import REQUESTS, ProtocolError, decode, error_frames
+from psring.protocol import (HOW_TO_SET_A_SECRET, REQUESTS, AuthenticationError,
+                             ProtocolError, decode, error_frames, is_local)
 
 from .handler import Handler
 
 POLL_MS = 100
+#: records per second, per kind, of refused or dropped messages (each carries the
+#: running count), so a flood of garbage can't flood the log
+NOTES_PER_S = 10
 
 
 class RequestLog:
@@ -56,14 +61,8 @@ class RequestLog:
             self.fd = -1
 
 
-def is_loopback(endpoint: str) -> bool:
-    host = urlparse(endpoint).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+#: kept for callers of the old name: loopback TCP or ipc://
+is_loopback = is_local
 
 
 def check_endpoint(endpoint: str, what: str = "--bind") -> None:
@@ -74,8 +73,18 @@ def check_endpoint(endpoint: str, what: str = "--bind") -> None:
 
 
 class Server:
-    def __init__(self, bind: str, name: str = "server", log_path: Path | None = None):
+    """``secret``: the shared secret (psring.protocol.load_secret); with one, only
+    signed requests are served and every reply is signed."""
+
+    def __init__(self, bind: str, name: str = "server", log_path: Path | None = None,
+                 secret: bytes | None = None):
         check_endpoint(bind)
+        if secret is None and not is_local(bind):
+            raise ConfigError(
+                f"refusing to listen on {bind} without a shared secret: beyond loopback "
+                f"anyone who reaches the port could change the model. To listen there, "
+                f"{HOW_TO_SET_A_SECRET}; or bind loopback (tcp://127.0.0.1:PORT).")
+        self.secret = secret
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -89,9 +98,16 @@ class Server:
             raise ConfigError(f"the server cannot bind {bind}: {e.strerror}; pick another "
                               f"port (or :0 for a free one).") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.handler = Handler(name)
+        self.handler = Handler(name, key=secret)
         self.log = RequestLog(log_path)
-        self.invalid = 0
+        self.invalid = 0  # answered with an error: malformed, or the handler failed
+        self.unauthenticated = 0  # dropped: unsigned or badly signed (with a secret)
+        self._notes: dict[str, list] = {}  # kind -> [window start, records in it]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {**self.handler.counts, "invalid": self.invalid,
+                "unauthenticated": self.unauthenticated}
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         poller = zmq.Poller()
@@ -103,32 +119,55 @@ class Server:
             frames = self.sock.recv_multipart(copy=False)
             self.serve_one(frames)
 
+    def _note(self, record: dict) -> None:
+        """Log a refused or dropped message, at most NOTES_PER_S records per kind."""
+        now = time.monotonic()
+        window = self._notes.setdefault(record["op"], [now, 0])
+        if now - window[0] >= 1.0:
+            window[:] = [now, 0]
+        if window[1] < NOTES_PER_S:
+            window[1] += 1
+            self.log.add(record)
+
     def serve_one(self, frames: list) -> None:
         peer, body = frames[0].bytes, frames[1:]
         try:
-            msg = decode(body, expect=REQUESTS)
+            msg = decode(body, expect=REQUESTS, key=self.secret)
+        except AuthenticationError as e:
+            # Dropped unanswered: the sender learns nothing, not even that it was heard.
+            self.unauthenticated += 1
+            self._note({"time": time.time(), "server": self.handler.name,
+                        "op": "unauthenticated", "count": self.unauthenticated,
+                        "error": str(e)[:300]})
+            return
         except ProtocolError as e:
             self.invalid += 1
-            self.log.add({"time": time.time(), "server": self.handler.name, "op": "invalid",
-                          "error": str(e)[:300]})
-            self.sock.send_multipart([peer, *error_frames(f"protocol error: {e}")], copy=False)
+            self._note({"time": time.time(), "server": self.handler.name, "op": "invalid",
+                        "count": self.invalid, "error": str(e)[:300]})
+            self.sock.send_multipart([peer, *error_frames(f"protocol error: {e}",
+                                                          key=self.secret)], copy=False)
             return
         try:
             replies = self.handler.handle(peer, msg)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
             self.invalid += 1
-            self.log.add({"time": time.time(), "server": self.handler.name, "op": "failed",
-                          "error": f"{type(e).__name__}: {e}"[:300]})
+            self._note({"time": time.time(), "server": self.handler.name, "op": "failed",
+                        "count": self.invalid, "error": f"{type(e).__name__}: {e}"[:300]})
             self.sock.send_multipart([peer, *error_frames(
                 f"the server could not handle this request ({type(e).__name__}: {e})",
-                msg.header)], copy=False)
+                msg.header, self.secret)], copy=False)
             return
         for reply in replies:
+            if reply.frames is None:  # a dropped replay: only noted
+                self._note(reply.record)
+                continue
             self.sock.send_multipart([reply.peer, *reply.frames], copy=False)
             self.log.add(reply.record)
 
     def close(self) -> None:
         if hasattr(self, "log"):
+            self.log.add({"time": time.time(), "server": self.handler.name, "op": "stats",
+                          **self.stats})
             self.log.close()
         self.sock.close(linger=0)
         self.ctx.term()

@@ -1,8 +1,12 @@
-"""Test helpers: a parameter server in a thread, and a raw client that speaks the wire
-protocol directly (so tests can send exactly the frames they mean, e.g. twice)."""
+"""Test helpers: a parameter server in a thread or a child process, and a raw client
+that speaks the wire protocol directly (so tests can send exactly the frames they mean,
+twice, unsigned, or signed with the wrong secret)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -35,14 +39,15 @@ class LiveServer:
 
 
 class RawClient:
-    """One DEALER socket."""
+    """One DEALER socket; ``key`` signs what it sends and checks what it receives."""
 
-    def __init__(self, endpoint: str, run: str = "run", worker: int = 0):
+    def __init__(self, endpoint: str, key: bytes | None = None, run: str = "run",
+                 worker: int = 0):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
-        self.run, self.worker = run, worker
+        self.key, self.run, self.worker = key, run, worker
         self.seq = 0
 
     def frames(self, op: str, tensors=(), seq: int | None = None, **fields) -> list:
@@ -51,7 +56,7 @@ class RawClient:
             seq = self.seq
         return [bytes(f) for f in encode(op, {"run": self.run, "worker": self.worker,
                                               "seq": seq, "shard": 0, **fields},
-                                         tensors)]
+                                         tensors, self.key)]
 
     def send(self, frames: list) -> None:
         self.sock.send_multipart(frames)
@@ -66,7 +71,7 @@ class RawClient:
         self.send(self.frames(op, tensors, **fields))
         reply = self.recv()
         assert reply is not None, f"no answer to {op}"
-        return decode(reply)
+        return decode(reply, key=self.key)
 
     def init(self, n: int = 4, workers: int = 1, mode: str = "sync", lr: float = 1.0,
              params: torch.Tensor | None = None):
@@ -91,3 +96,15 @@ class RawClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+def start_server_process(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """``python -m psring.servers ARGS`` on a free loopback port; (process, endpoint)."""
+    proc = subprocess.Popen([sys.executable, "-m", "psring.servers",
+                             "--bind", "tcp://127.0.0.1:0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    m = re.search(r"tcp://[\d.]+:\d+", line)
+    if m is None:
+        proc.kill()
+        raise AssertionError(f"server did not start: {line}{proc.stderr.read()}")
+    return proc, m.group(0)

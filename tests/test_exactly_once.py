@@ -42,7 +42,7 @@ def test_sync_retry_gets_the_same_ack_and_is_not_applied_twice():
     (ack,) = push(h, 0, seq=10, step=0)
     (again,) = push(h, 0, seq=10, step=0)  # the retry: same worker, same seq, same data
     assert op_of(ack) == "ack" and again.frames == ack.frames and again.record["op"] == "retry"
-    assert h.counts == {"requests": 3, "errors": 0, "retries": 1}
+    assert h.counts == {"requests": 3, "errors": 0, "replays": 0, "retries": 1}
     assert h.state.version == 0  # worker 0's share counted once: still waiting for worker 1
     replies = push(h, 1, seq=7, step=0, g=3 * torch.ones(4))
     assert [op_of(r) for r in replies] == ["ack"]
@@ -125,16 +125,18 @@ def test_a_new_run_forgets_the_old_runs_acks():
 
 
 @pytest.mark.timeout(60)
-def test_live_server_answers_a_resent_push_once(tmp_path):
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["unsigned", "signed"])
+def test_live_server_answers_a_resent_push_once(tmp_path, key):
     """A raw client sends the very same push frames twice: two identical acks, one update."""
-    with LiveServer(tmp_path / "servers.jsonl") as server, RawClient(server.endpoint) as c:
+    with LiveServer(tmp_path / "servers.jsonl", secret=key) as server, \
+            RawClient(server.endpoint, key) as c:
         c.init(n=6, workers=1, lr=0.5, params=torch.ones(6))
         frames = c.frames("push", [torch.arange(6, dtype=torch.float32)], step=0, offset=0)
         c.send(frames)
         c.send(frames)
         first, second = c.recv(), c.recv()
         assert first is not None and first == second
-        assert decode(first).header["version"] == 1
+        assert decode(first, key=key).header["version"] == 1
         assert c.recv(timeout_ms=200) is None  # nothing more
         assert torch.equal(c.pull(1), torch.ones(6) - 0.5 * torch.arange(6.0))
-        assert server.handler.counts["retries"] == 1 and server.handler.counts["errors"] == 0
+        assert server.stats["retries"] == 1 and server.stats["errors"] == 0

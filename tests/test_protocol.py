@@ -58,37 +58,50 @@ def _header(**overrides):
 def _push_frames(entry, payload):
     h = {"v": protocol.VERSION, "op": "push", **COMMON, "step": 0, "offset": 0,
          "tensors": [entry]}
-    return [msgpack.packb(h), payload]
+    return [msgpack.packb(h), b"", payload]
 
 
+def _unsigned(header):
+    return [msgpack.packb(header), b""]
+
+
+#: name -> (frames, what the error says): each breaks exactly the rule it names
 BAD = {
-    "empty": [],
-    "truncated header": [msgpack.packb(_header())[:-3]],
-    "not msgpack": [b"\xc1\xc1garbage"],
-    "header not a map": [msgpack.packb([1, 2, 3])],
-    "wrong version": [msgpack.packb(_header(v=99))],
-    "unknown op": [msgpack.packb(_header(op="delete_everything"))],
-    "missing field": [msgpack.packb({k: v for k, v in _header().items() if k != "seq"})],
-    "extra field": [msgpack.packb(_header(evil=1))],
-    "wrong field type": [msgpack.packb(_header(seq="1"))],
-    "bool for an int": [msgpack.packb(_header(min_version=True))],
-    "unknown dtype": _push_frames(["complex128", [2]], b"\0" * 32),
-    "wrong length": _push_frames(["float32", [4]], b"\0" * 12),
-    "shape disagrees": _push_frames(["float32", [2, 3]], b"\0" * 16),
-    "claims more than it carries": _push_frames(["float32", [2**30]], b"\0" * 8),
-    "negative dim": _push_frames(["float32", [-1]], b""),
-    "zero-size but huge dims": _push_frames(["float32", [0, 2**39, 2**39]], b""),
-    "more frames than tensors": [msgpack.packb(_header()), b"x"],
-    "huge header": [b"\x80" + b"\0" * (protocol.MAX_HEADER_BYTES + 1)],
-    "map bomb": [b"\xdf\xff\xff\xff\xff"],  # map32 claiming 4G entries
-    "str bomb": [b"\xdb\xff\xff\xff\xff" + b"a"],
+    "empty": ([], "empty"),
+    "truncated header": ([msgpack.packb(_header())[:-3]], "not valid msgpack"),
+    "not msgpack": ([b"\xc1\xc1garbage", b""], "not valid msgpack"),
+    "header not a map": (_unsigned([1, 2, 3]), "not a map"),
+    "wrong version": (_unsigned(_header(v=99)), "different psring versions"),
+    "version 1 layout": ([msgpack.packb(_header(v=1))], "different psring versions"),
+    "no signature frame": ([msgpack.packb(_header())], "no signature frame"),
+    "signed, but no secret here": ([msgpack.packb(_header()), b"s" * 32], "no shared secret"),
+    "unknown op": (_unsigned(_header(op="delete_everything")), "unknown op"),
+    "missing field": (_unsigned({k: v for k, v in _header().items() if k != "seq"}),
+                      "missing fields"),
+    "extra field": (_unsigned(_header(evil=1)), "unexpected fields"),
+    "wrong field type": (_unsigned(_header(seq="1")), "has type"),
+    "bool for an int": (_unsigned(_header(min_version=True)), "has type"),
+    "unknown dtype": (_push_frames(["complex128", [2]], b"\0" * 32), "dtype"),
+    "wrong length": (_push_frames(["float32", [4]], b"\0" * 12), "needs 16 bytes"),
+    "shape disagrees": (_push_frames(["float32", [2, 3]], b"\0" * 16), "needs 24 bytes"),
+    "claims more than it carries": (_push_frames(["float32", [2**30]], b"\0" * 8),
+                                    "needs 4294967296 bytes"),
+    "negative dim": (_push_frames(["float32", [-1]], b""), "non-negative"),
+    "zero-size but huge dims": (_push_frames(["float32", [0, 2**39, 2**39]], b""),
+                                "dimension above"),
+    "more frames than tensors": ([msgpack.packb(_header()), b"", b"x"], "tensor frames"),
+    "huge header": ([b"\x80" + b"\0" * (protocol.MAX_HEADER_BYTES + 1)], "exceeds"),
+    "map bomb": ([b"\xdf\xff\xff\xff\xff", b""], "not valid msgpack"),  # map32: 4G entries
+    "str bomb": ([b"\xdb\xff\xff\xff\xff" + b"a", b""], "not valid msgpack"),
+    "deep nesting": ([b"\x91" * 10_000, b""], "not valid msgpack"),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_malformed_messages_raise_only_protocol_error(name):
-    with pytest.raises(ProtocolError):
-        decode(BAD[name])
+    frames, match = BAD[name]
+    with pytest.raises(ProtocolError, match=match):
+        decode(frames)
 
 
 def test_decode_checks_expected_ops():
@@ -138,13 +151,13 @@ def test_server_survives_every_malformed_message(live_server):
     ctx, good = _client(live_server.endpoint)
     ctx2, bad = _client(live_server.endpoint)
     try:
-        for i, (name, frames) in enumerate(BAD.items()):
+        for i, (name, (frames, _)) in enumerate(BAD.items()):
             if frames:
                 bad.send_multipart(frames)
                 reply = decode(bad.recv_multipart())
                 assert reply.op == "error" and "protocol error" in reply.header["message"], name
             _init_and_pull(good, run=f"run-{i}")  # a valid client is still served
-        assert live_server.invalid == sum(1 for f in BAD.values() if f)
+        assert live_server.invalid == sum(1 for f, _ in BAD.values() if f)
     finally:
         good.close(linger=0)
         bad.close(linger=0)

@@ -20,6 +20,9 @@ workers never wait for each other. Each step logs ``staleness``: updates the ser
 (shard 0) applied between the worker's pull and its push. ``--max-staleness S`` bounds
 it: shard 0 holds back a pull that could let any worker see more than S updates.
 
+With a shared secret (``--secret-file`` or PSRING_SECRET) every request is signed and
+every reply must carry a valid signature (docs/protocol.md).
+
     psring run --strategy ps --workers 2 --servers 2
     psring run --strategy async-ps --workers 4 --max-staleness 2
     psring run --strategy ps --workers 2 --server-addrs tcp://hostA:5555,tcp://hostB:5555
@@ -38,7 +41,8 @@ from torch import nn
 from ..errors import PsringError
 from ..runlog import run_id
 from ..partition import even_split, overlaps
-from ..protocol import Message, ProtocolError, decode, encode
+from ..protocol import (AuthenticationError, Message, ProtocolError, decode, encode,
+                        load_secret)
 from .base import STRATEGIES, Handle, Strategy, WaitAll
 from .buckets import Bucket, GradientBuckets, bucket_caps
 
@@ -47,13 +51,16 @@ _REPLIES = ("ack", "params", "ok", "error")
 
 
 class PSClient:
-    """One DEALER socket per server; requests are matched to replies by (shard, seq)."""
+    """One DEALER socket per server; requests are matched to replies by (shard, seq).
+    With ``secret`` requests are signed and replies verified."""
 
-    def __init__(self, addrs: list[str], run: str, worker: int, timeout: float):
+    def __init__(self, addrs: list[str], run: str, worker: int, timeout: float,
+                 secret: bytes | None = None):
         self.addrs = addrs
         self.run = run
         self.worker = worker
         self.timeout = timeout
+        self.key = secret
         self.ctx = zmq.Context()
         self.socks = []
         self.poller = zmq.Poller()
@@ -64,7 +71,10 @@ class PSClient:
             self.poller.register(s, zmq.POLLIN)
             self.socks.append(s)
         self.index = {s: k for k, s in enumerate(self.socks)}
-        self.seq = 0
+        # Seqs start at the clock (µs), so a client's seqs are above those of any earlier
+        # client of the same (run, worker), which a server with a secret drops as replays.
+        self.seq = time.time_ns() // 1000
+        self.pending: set[tuple[int, int]] = set()  # requests sent, not yet answered
         self.replies: dict[tuple[int, int], Message] = {}
         # pulls answered in pieces: key -> [elements still expected, callback per piece]
         self.streams: dict[tuple[int, int], list] = {}
@@ -74,9 +84,10 @@ class PSClient:
     def send(self, shard: int, op: str, fields: dict, tensors=()) -> tuple[int, int]:
         self.seq += 1
         frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
-                             "shard": shard, **fields}, tensors)
+                             "shard": shard, **fields}, tensors, self.key)
         self.socks[shard].send_multipart(frames, copy=False)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        self.pending.add((shard, self.seq))
         return shard, self.seq
 
     def pull(self, shard: int, min_version: int, numel: int,
@@ -95,10 +106,14 @@ class PSClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted({self.addrs[k[0]] for k in keys if k not in self.replies})
+                secret = ("the same shared secret as this worker" if self.key else
+                          "no shared secret, as this worker has none")
                 raise PsringError(
                     f"worker {self.worker}: no answer to {what} from parameter server(s) "
                     f"{', '.join(missing)} within {timeout or self.timeout:.0f} s; check "
-                    f"that they run and are reachable, or raise --timeout.")
+                    f"that they run, are reachable and have {secret} (a server with a "
+                    f"secret drops unsigned messages unanswered: --secret-file or "
+                    f"PSRING_SECRET), or raise --timeout.")
             for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
                 self._receive(sock)
         return [self.replies.pop(k) for k in keys]
@@ -107,7 +122,12 @@ class PSClient:
         frames = sock.recv_multipart(copy=False)
         shard = self.index[sock]
         try:
-            msg = decode(frames, expect=_REPLIES)
+            msg = decode(frames, expect=_REPLIES, key=self.key)
+        except AuthenticationError as e:
+            raise PsringError(f"worker {self.worker}: a reply from parameter server "
+                              f"{self.addrs[shard]} failed authentication ({e}); the server "
+                              f"and this worker must share the same secret (--secret-file "
+                              f"or PSRING_SECRET).") from None
         except ProtocolError as e:
             raise PsringError(f"worker {self.worker}: malformed reply from "
                               f"{self.addrs[shard]}: {e}") from None
@@ -115,12 +135,13 @@ class PSClient:
         if msg.op == "error":
             raise PsringError(f"parameter server {self.addrs[shard]} refused a request of "
                               f"worker {self.worker}: {h['message']}")
-        if h["run"] != self.run:
-            return  # a late answer meant for an earlier run on the same server
-        self.bytes_recv += sum(t.numel() * t.element_size() for t in msg.tensors)
         key = (shard, h["seq"])
+        if h["run"] != self.run or h["worker"] != self.worker or key not in self.pending:
+            return  # a late answer meant for an earlier run, or for nothing asked
+        self.bytes_recv += sum(t.numel() * t.element_size() for t in msg.tensors)
         stream = self.streams.get(key)
         if stream is None:
+            self.pending.discard(key)
             self.replies[key] = msg
             return
         if msg.op != "params" or sum(t.numel() for t in msg.tensors) > stream[0]:
@@ -130,6 +151,7 @@ class PSClient:
         stream[0] -= msg.tensors[0].numel()
         if stream[0] == 0:
             del self.streams[key]
+            self.pending.discard(key)
             self.replies[key] = msg
 
     def close(self) -> None:
@@ -196,7 +218,7 @@ class ParameterServer(Strategy):
                              for b in self.buckets.buckets]
         self.ranges = even_split(total, len(cfg.server_addr_list))
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
-                               timeout=cfg.timeout)
+                               timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
         self.step = 0
         self._staleness = -1
         if ctx.rank == 0:
