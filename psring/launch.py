@@ -259,8 +259,13 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[Process
 
     if not STRATEGIES.get(cfg.strategy).uses_servers or cfg.server_addrs:
         return cfg, []
+    from .strategies.ps import server_frame_limit
+
     addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(cfg.servers)]
     extra = ["--secret-file", cfg.secret_file] if cfg.secret_file else []
+    limit = server_frame_limit(cfg)
+    if limit is not None:  # libzmq then refuses any larger frame (ZMQ_MAXMSGSIZE)
+        extra += ["--max-frame-mb", f"{limit / 2**20:.6f}"]
     specs = [ProcessSpec(f"server-{k}", [sys.executable, "-m", "psring.servers",
                                          "--bind", addr, "--name", f"server-{k}",
                                          "--log", str(run_dir / "servers.jsonl"), *extra],

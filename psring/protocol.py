@@ -98,6 +98,9 @@ MODES = ("sync", "async")
 _MAX_DIMS = 8
 #: largest single dimension (2**31 elements)
 MAX_DIM = 2**31
+#: largest product of a shape's dimensions, zeros counted as 1 (what torch's strides
+#: need, even for a tensor with no elements)
+MAX_VOLUME = 2**40
 
 
 # ---------------------------------------------------------------------- shared secret
@@ -263,7 +266,7 @@ def decode(frames: Sequence[Any], expect: Iterable[str] | None = None,
         raise ProtocolError(f"the message is signed but this side has no shared secret: "
                             f"{HOW_TO_SET_A_SECRET}")
     op = header.get("op")
-    if op not in SCHEMAS:
+    if not isinstance(op, str) or op not in SCHEMAS:  # (a list is not even hashable)
         raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(SCHEMAS)}")
     if expect is not None and op not in expect:
         raise ProtocolError(f"op {op!r} is not expected here")
@@ -299,13 +302,16 @@ def _tensor(entry: Any, buf: memoryview) -> torch.Tensor:
                                          and 0 <= d < 2**40 for d in shape):
         raise ProtocolError(f"shape {shape!r} is not a list of at most {_MAX_DIMS} "
                             f"non-negative ints")
-    numel = 1
+    numel, volume = 1, 1
     for d in shape:
         numel *= d
-    if any(d > MAX_DIM for d in shape):
+        volume *= max(d, 1)
+    if any(d > MAX_DIM for d in shape) or volume > MAX_VOLUME:
         # even with a zero elsewhere in the shape (no bytes at all), torch can't lay out
-        # dimensions this large: refuse them here, not with a RuntimeError later
-        raise ProtocolError(f"shape {shape!r} has a dimension above {MAX_DIM}")
+        # dimensions this large (its strides overflow): refuse them here, not with a
+        # RuntimeError later
+        raise ProtocolError(f"shape {shape!r} has a dimension above {MAX_DIM} or more "
+                            f"than {MAX_VOLUME} elements")
     itemsize = torch.empty((), dtype=dtype).element_size()
     # Compare the claim with what arrived before touching the data: a header that
     # claims more bytes than its frame carries costs nothing.

@@ -1,7 +1,7 @@
 """Parameter-server process entry point: parse, bind, serve, always clean up.
 
     python -m psring.servers --bind tcp://127.0.0.1:5555 [--name server-0] [--log FILE]
-                             [--secret-file FILE]
+                             [--secret-file FILE] [--max-frame-mb MB]
 
 (``psring server`` is the same command.) The server starts empty; worker 0 of a run
 initializes it with its shard of the parameters and the run's settings, so one server
@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from psring.errors import PsringError
+from psring.errors import ConfigError, PsringError
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +29,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                              "(HMAC-SHA256) and unsigned ones are dropped; required to bind "
                              "beyond loopback (default: the environment variable "
                              "PSRING_SECRET, else none)")
+    parser.add_argument("--max-frame-mb", type=float, default=1024.0, metavar="MB",
+                        help="largest message frame accepted, in MiB; a peer sending a larger "
+                             "one is disconnected (must exceed the largest shard a run "
+                             "initializes; default 1024)")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -43,9 +47,12 @@ def run_server(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if not 0 < args.max_frame_mb <= 2**20:
+        raise ConfigError(f"--max-frame-mb must be a positive number of MiB, at most 2**20 "
+                          f"(got {args.max_frame_mb}).")
     secret = load_secret(args.secret_file)
     server = Server(args.bind, args.name, Path(args.log) if args.log else None,
-                    secret=secret)
+                    secret=secret, max_frame_bytes=int(args.max_frame_mb * 2**20))
     try:
         print(f"[{args.name}] listening on {server.endpoint}"
               + (" (signed messages only)" if secret else ""), flush=True)

@@ -6,7 +6,9 @@ One thread: receive a request, validate it (psring.protocol.decode), let the han
 apply it, send the replies. A malformed message is answered with an error and the
 server goes on serving everyone else. With a shared secret every message must be
 signed: one that is not (or badly) is dropped unanswered and counted. Binding anything
-but loopback (or ipc://) without a secret is refused.
+but loopback (or ipc://) without a secret is refused. libzmq drops the connection of
+a peer that sends a frame above ``max_frame_bytes`` (ZMQ_MAXMSGSIZE); the server keeps
+serving the others.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from urllib.parse import urlparse
 import zmq
 
 from psring.errors import ConfigError
-from psring.protocol import (HOW_TO_SET_A_SECRET, REQUESTS, AuthenticationError,
-                             ProtocolError, decode, error_frames, is_local)
+from psring.protocol import (HOW_TO_SET_A_SECRET, MAX_HEADER_BYTES, REQUESTS, SIGNATURE_BYTES,
+                             AuthenticationError, ProtocolError, decode, error_frames,
+                             is_local)
 
 from .handler import Handler
 
 POLL_MS = 100
+#: the largest frame accepted when the model is not known at start (--max-frame-mb)
+DEFAULT_MAX_FRAME_BYTES = 2**30
+#: what a run's frames may carry beyond its shard's bytes (header, signature)
+FRAME_SLACK = 2**20
 #: records per second, per kind, of refused or dropped messages (each carries the
 #: running count), so a flood of garbage can't flood the log
 NOTES_PER_S = 10
@@ -74,20 +81,30 @@ def check_endpoint(endpoint: str, what: str = "--bind") -> None:
 
 class Server:
     """``secret``: the shared secret (psring.protocol.load_secret); with one, only
-    signed requests are served and every reply is signed."""
+    signed requests are served and every reply is signed. ``max_frame_bytes``: the
+    largest frame libzmq accepts (ZMQ_MAXMSGSIZE) — fixed when the socket binds, since
+    libzmq copies a socket's options into its listener then."""
 
     def __init__(self, bind: str, name: str = "server", log_path: Path | None = None,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
         check_endpoint(bind)
         if secret is None and not is_local(bind):
             raise ConfigError(
                 f"refusing to listen on {bind} without a shared secret: beyond loopback "
                 f"anyone who reaches the port could change the model. To listen there, "
                 f"{HOW_TO_SET_A_SECRET}; or bind loopback (tcp://127.0.0.1:PORT).")
+        if max_frame_bytes < MAX_HEADER_BYTES + SIGNATURE_BYTES:
+            raise ConfigError(f"the frame limit ({max_frame_bytes} bytes) must be at least "
+                              f"{MAX_HEADER_BYTES + SIGNATURE_BYTES} bytes (one header).")
         self.secret = secret
+        self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # Before bind: the listener keeps the options it was bound with (setting this
+        # later would not apply to new connections, and re-binding drops connected ones).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:
             if bind.startswith("tcp://") and bind.endswith(":0"):
                 self.sock.bind_to_random_port(bind[:-2])

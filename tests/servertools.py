@@ -108,3 +108,10 @@ def start_server_process(*args: str, env: dict | None = None) -> tuple[subproces
         proc.kill()
         raise AssertionError(f"server did not start: {line}{proc.stderr.read()}")
     return proc, m.group(0)
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")

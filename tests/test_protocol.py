@@ -76,6 +76,8 @@ BAD = {
     "no signature frame": ([msgpack.packb(_header())], "no signature frame"),
     "signed, but no secret here": ([msgpack.packb(_header()), b"s" * 32], "no shared secret"),
     "unknown op": (_unsigned(_header(op="delete_everything")), "unknown op"),
+    # found by fuzzing: a list can't even be looked up
+    "op not a string": (_unsigned(_header(op=["push"])), "unknown op"),
     "missing field": (_unsigned({k: v for k, v in _header().items() if k != "seq"}),
                       "missing fields"),
     "extra field": (_unsigned(_header(evil=1)), "unexpected fields"),
@@ -89,6 +91,9 @@ BAD = {
     "negative dim": (_push_frames(["float32", [-1]], b""), "non-negative"),
     "zero-size but huge dims": (_push_frames(["float32", [0, 2**39, 2**39]], b""),
                                 "dimension above"),
+    # found by fuzzing: every dimension allowed, but torch's strides overflow
+    "zero-size, strides overflow": (_push_frames(["float32", [0, 2**31, 2**31, 2**31]], b""),
+                                    "elements"),
     "more frames than tensors": ([msgpack.packb(_header()), b"", b"x"], "tensor frames"),
     "huge header": ([b"\x80" + b"\0" * (protocol.MAX_HEADER_BYTES + 1)], "exceeds"),
     "map bomb": ([b"\xdf\xff\xff\xff\xff", b""], "not valid msgpack"),  # map32: 4G entries

@@ -177,6 +177,29 @@ class Replies:
             self.on_done(msgs)
 
 
+def server_frame_limit(cfg) -> int | None:
+    """The largest frame a server of this run receives — worker 0's ``init`` carries a
+    whole shard; pushes carry pieces of one — plus slack for the header and signature.
+    The launcher starts its servers with it (``--max-frame-mb``), so libzmq disconnects
+    a peer sending anything larger. None when the model's size is known only once the
+    data is loaded (digits, .npz) or the model can't be built on the meta device: the
+    servers then keep their default bound."""
+    from ..models import MODELS
+    from psring.servers.server import FRAME_SLACK
+
+    if cfg.data != "synthetic":
+        return None
+    try:
+        with torch.device("meta"):
+            model = MODELS.get(cfg.model)(cfg.features, cfg.classes, width=cfg.width,
+                                          depth=cfg.depth)
+    except Exception:  # noqa: BLE001 - a plugin model may not build on meta; keep the default
+        return None
+    numel = sum(p.numel() for p in model.parameters())
+    largest = max(hi - lo for lo, hi in even_split(numel, cfg.servers))
+    return largest * 4 + FRAME_SLACK  # float32
+
+
 @STRATEGIES.register("ps")
 class ParameterServer(Strategy):
     name = "ps"
@@ -235,7 +258,10 @@ class ParameterServer(Strategy):
             "max_staleness": cfg.max_staleness}, [self.host_flat[lo:hi]])
             for k, (lo, hi) in enumerate(self.ranges)]
         # A server that is not there fails here, quickly, naming its address.
-        self.client.wait(keys, "initialization", timeout=min(self.ctx.cfg.timeout, 30.0))
+        mib = max(hi - lo for lo, hi in self.ranges) * 4 / 2**20
+        self.client.wait(keys, f"initialization (shards of up to {mib:.1f} MiB; a server "
+                               f"disconnects a peer whose frame exceeds its --max-frame-mb)",
+                         timeout=min(self.ctx.cfg.timeout, 30.0))
 
     def _send_pull(self, min_version: int) -> Replies:
         keys = [self.client.pull(k, min_version, hi - lo, self._apply_piece)
