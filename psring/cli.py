@@ -1,6 +1,7 @@
 """The ``psring`` command.
 
     psring run --strategy allreduce --workers 2 --steps 50 --out runs/ar
+    psring run --resume runs/ar               (after --checkpoint-every N; continues it)
     psring report runs/ar runs/single [--json]
     psring sweep experiments/intensity.toml --out runs/intensity   (resumable)
     psring report runs/intensity              (a sweep: report.md and plots)
@@ -28,7 +29,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .launch import launch
     from .report import render_table, summarize_all
 
-    cfg = config_from_args(args)
+    if args.resume:
+        from .config import given_fields
+        from .launch import resume_config
+
+        argv = getattr(args, "argv", None)
+        given = given_fields(argv if argv is not None else sys.argv[1:]) - {"resume"}
+        cfg = resume_config(args.resume, {k: getattr(args, k) for k in given})
+        print(f"psring: resuming {cfg.resume}", file=sys.stderr)
+    else:
+        cfg = config_from_args(args)
     print(f"psring: running {cfg.strategy} with {cfg.workers} worker(s)", file=sys.stderr)
     run_dir = launch(cfg, progress=_progress_printer(cfg.steps * cfg.workers))
     print(render_table(summarize_all([str(run_dir)])))
@@ -199,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = argv  # which flags were given (psring run --resume keeps the others)
     return run_guarded(args.func, args)
 
 

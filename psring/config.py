@@ -79,6 +79,12 @@ class RunConfig:
         "port of rank 0's rendezvous store; 0 = pick a free one"))
     threads: int = field(default=0, metadata=_flag(
         "torch threads per worker; 0 = cores divided by workers on this host (at least 1)"))
+    checkpoint_every: int = field(default=0, metadata=_flag(
+        "write a checkpoint every N optimizer steps (and at the end) into DIR/checkpoints; "
+        "0 = never"))
+    resume: str = field(default="", metadata=_flag(
+        "continue the run in this directory from its last complete checkpoint; its other "
+        "settings are the run's own unless given again"))
     trace: bool = field(default=False, metadata=_flag(
         "record spans of every step and write trace.json (Chrome trace / Perfetto) in the "
         "run directory; `psring trace DIR` renders it as a PNG"))
@@ -134,6 +140,13 @@ class RunConfig:
                     "machine (torch.cuda.is_available() is False, torch "
                     f"{torch.__version__}); use --device cpu (or auto), or install a CUDA "
                     "build of torch on a machine with a GPU.")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0 (0 = never; got "
+                              f"{self.checkpoint_every}).")
+        if (self.checkpoint_every or self.resume) and not strategy_cls.supports_checkpoint:
+            raise ConfigError(f"strategy {self.strategy!r} cannot checkpoint or resume; "
+                              f"drop --checkpoint-every/--resume, or use a strategy that "
+                              f"can (see docs/reliability.md).")
         self._check_data()
         self._check_servers(strategy_cls)
         self._check_slow_worker()
@@ -257,10 +270,15 @@ def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, defaults: RunConfig | None = None) -> None:
-    """Add one flag per RunConfig field, typed from the field's default."""
+def add_config_flags(parser: argparse.ArgumentParser, defaults: RunConfig | None = None,
+                     suppress: bool = False) -> None:
+    """Add one flag per RunConfig field, typed from the field's default. With
+    ``suppress`` a flag not given is absent from the parsed namespace (which flags a
+    user gave; see :func:`given_fields`)."""
     for f in fields(RunConfig):
         default = getattr(defaults, f.name) if defaults else f.default
+        if suppress:
+            default = argparse.SUPPRESS
         kw = dict(f.metadata)
         if isinstance(f.default, bool):
             # --flag / --no-flag: a string boolean ("--trace False") would mean True
@@ -269,6 +287,14 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: RunConfig | None
             continue
         parser.add_argument(_flag_name(f.name), dest=f.name, type=type(f.default),
                             default=default, metavar=f.name.upper().split("_")[0], **kw)
+
+
+def given_fields(argv: list[str]) -> set[str]:
+    """The RunConfig fields set explicitly in a `psring run` argv."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_config_flags(parser, suppress=True)
+    known, _ = parser.parse_known_args(argv)
+    return set(vars(known))
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
+import json
 import os
 import signal
 import socket
@@ -32,7 +34,7 @@ from typing import Callable, Iterator
 
 from .config import RunConfig
 from .errors import ConfigError, RunFailed
-from .runlog import STEPS, count_lines
+from .runlog import STEPS, atomic_write_bytes, atomic_write_json, count_lines
 
 GRACE_S = 5.0
 POLL_S = 0.05
@@ -213,10 +215,67 @@ def default_out(cfg: RunConfig) -> str:
     return os.path.join("runs", f"{cfg.strategy}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+LAUNCH = "launch.json"
+
+
+def resume_config(resume_dir: str, given: dict) -> RunConfig:
+    """The config to continue the run in ``resume_dir``: the run's own settings (as its
+    launch recorded them, else from its manifest), with the flags given now on top."""
+    from .runlog import read_manifest
+
+    d = Path(resume_dir)
+    try:
+        base = json.loads((d / LAUNCH).read_text())["config"]
+    except (OSError, ValueError, KeyError):
+        try:
+            base = read_manifest(d)["config"]
+        except Exception:  # noqa: BLE001 - any unreadable run directory
+            raise ConfigError(f"--resume {resume_dir}: not a psring run directory (no "
+                              f"{LAUNCH} or manifest.json); pass the --out of the run to "
+                              f"continue.") from None
+        base["master_port"] = 0  # the old run's port; pick a free one
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    values = {k: v for k, v in base.items() if k in known}
+    values.update(given)
+    values.update(out=str(d), resume=str(d))
+    return RunConfig(**values)
+
+
+def _truncate_steps(path: Path, before: int) -> None:
+    """Keep the step records of steps before ``before`` (the checkpoint a resumed run
+    continues from): the steps after it are run again."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < before:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by the crash
+    atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+
+
 def prepare(cfg: RunConfig) -> RunConfig:
     """Resolve the run directory and the rendezvous port, checking both up front."""
     out = cfg.out or default_out(cfg)
-    if Path(out, STEPS).exists():
+    if cfg.resume:
+        from . import checkpoint
+
+        if Path(out).resolve() != Path(cfg.resume).resolve():
+            raise ConfigError(f"--resume {cfg.resume} continues that run in its own "
+                              f"directory; drop --out {out}.")
+        ckpt = checkpoint.latest(Path(out), log=lambda m: print(f"psring: {m}", file=sys.stderr))
+        if ckpt is None:
+            raise ConfigError(f"--resume {cfg.resume}: the run has no checkpoint (in "
+                              f"{Path(out) / checkpoint.CHECKPOINTS}); it must have run with "
+                              f"--checkpoint-every N.")
+        if ckpt.step >= cfg.steps:
+            raise ConfigError(f"--resume {cfg.resume}: its last checkpoint is at step "
+                              f"{ckpt.step} and the run has {cfg.steps} steps: nothing to "
+                              f"do (pass a larger --steps to train on).")
+        _truncate_steps(Path(out, STEPS), ckpt.step)
+    elif Path(out, STEPS).exists():
         raise ConfigError(f"run directory {out} already holds a run (steps.jsonl); pass a new "
                           f"--out, or remove the old one.")
     port = cfg.master_port
@@ -277,9 +336,14 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[Process
 
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
     """Run ``cfg`` to completion; return its run directory. Raises RunFailed."""
+    user_cfg = cfg
     cfg = prepare(cfg)
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.resume:
+        # the settings as given (ports and server addresses not yet filled in): what
+        # --resume starts from
+        atomic_write_json(run_dir / LAUNCH, {"config": user_cfg.replace(out=cfg.out).to_dict()})
     # A new id for every launch, inherited by the run's processes (psring.runlog.run_id)
     os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
     cfg, services = server_specs(cfg, run_dir)

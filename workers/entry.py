@@ -113,9 +113,18 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
             dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=cfg.timeout))
         strategy = strategy_cls(ctx)
+        resume = None
+        if cfg.resume:
+            from psring import checkpoint
+
+            resume = checkpoint.latest(run_dir, log=log.warning)
+            if resume is None:
+                raise ConfigError(f"--resume {cfg.resume}: no checkpoint in "
+                                  f"{run_dir / checkpoint.CHECKPOINTS}.")
+            log.info("resuming from %s (step %d)", resume.path, resume.step)
         log.info("training %s on %s, %d steps, %d threads", cfg.strategy, device,
                  cfg.steps, threads)
-        train(ctx, strategy, model, ds, steps)
+        train(ctx, strategy, model, ds, steps, resume=resume)
         if rank == 0:
             save_state_dict(run_dir / MODEL, strategy.final_state(model))
         if dist.is_initialized():

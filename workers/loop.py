@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from psring import checkpoint
+from psring.checkpoint import Checkpoint
 from psring.data import Dataset, worker_batch
 from psring.runlog import PHASES, StepLog
 from psring.strategies.base import Strategy, WorkerContext
@@ -34,11 +36,25 @@ def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
 
 
 def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Dataset,
-          log: StepLog | None, on_step: Callable[[dict], None] | None = None) -> None:
+          log: StepLog | None, on_step: Callable[[dict], None] | None = None,
+          resume: Checkpoint | None = None) -> None:
     cfg = ctx.cfg
-    device = ctx.device
     module = strategy.setup(model)
     optimizer = make_optimizer(model, cfg) if strategy.local_optimizer else None
+    first_step = 0
+    if resume is not None:
+        # The step counter is also the data position: batches are a function of (step,
+        # rank), so from here on every worker sees what the uninterrupted run saw.
+        strategy.restore_checkpoint(model, optimizer, resume.tensors)
+        first_step = resume.step
+    _steps(ctx, strategy, model, module, optimizer, data, log, on_step, first_step)
+
+
+def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.Module,
+           optimizer: torch.optim.Optimizer | None, data: Dataset, log: StepLog | None,
+           on_step: Callable[[dict], None] | None, first_step: int) -> None:
+    cfg = ctx.cfg
+    device = ctx.device
     loss_fn = nn.CrossEntropyLoss()
     micro = cfg.accumulate
     # On CUDA, kernels run asynchronously: synchronize at phase boundaries so time lands
@@ -59,7 +75,7 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(stamp)
 
-    for step in range(cfg.steps):
+    for step in range(first_step, cfg.steps):
         ph = dict.fromkeys(PHASES, 0.0)
         t0 = mark = now()
         start = time.time()
@@ -138,3 +154,10 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
             log.write(record)
         if on_step is not None:
             on_step(record)
+        done = step + 1
+        if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+            # outside the step's timing: a checkpoint is not part of training's cost
+            state = strategy.checkpoint_state(model, optimizer)
+            if ctx.rank == 0:
+                checkpoint.save(ctx.run_dir, done, state,
+                                {"strategy": cfg.strategy, "workers": ctx.world})

@@ -116,6 +116,8 @@ class Strategy:
     #: which α-β-γ formula predicts its communication (psring.costmodel): "ring",
     #: "ps" or "ps-async"; None when it sends no messages (one process, shared memory)
     comm_model: ClassVar[str | None] = None
+    #: --checkpoint-every and --resume work (checkpoint_state/restore_checkpoint below)
+    supports_checkpoint: ClassVar[bool] = True
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
@@ -148,6 +150,32 @@ class Strategy:
         """This step's communication facts; resets them for the next step."""
         stats, self.stats = self.stats, StepStats()
         return stats
+
+    # -- checkpoints ---------------------------------------------------------------
+    def checkpoint_state(self, model: nn.Module,
+                         optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+        """The tensors of a checkpoint, taken after a step's update. Called on every
+        worker at the same step (a strategy may communicate here); rank 0's result is
+        written (psring.checkpoint). Default: the model's state_dict and the local
+        optimizer's momentum buffers, by parameter name."""
+        state = {"model/" + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if optimizer is not None:
+            for name, p in model.named_parameters():
+                buf = optimizer.state.get(p, {}).get("momentum_buffer")
+                if buf is not None:
+                    state["momentum/" + name] = buf.detach().cpu().clone()
+        return state
+
+    def restore_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                           state: dict[str, torch.Tensor]) -> None:
+        """Put a checkpoint back, after setup(): what checkpoint_state took."""
+        model.load_state_dict({k[len("model/"):]: v for k, v in state.items()
+                               if k.startswith("model/")})
+        if optimizer is not None:
+            for name, p in model.named_parameters():
+                buf = state.get("momentum/" + name)
+                if buf is not None:
+                    optimizer.state[p]["momentum_buffer"] = buf.to(p.device).clone()
 
     # -- end of run ----------------------------------------------------------------
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -206,6 +206,7 @@ class ParameterServer(Strategy):
     comm_model = "ps"
     uses_servers = True
     local_optimizer = False
+    supports_checkpoint = False  # servers hold the state; not implemented yet
     mode: ClassVar[str] = "sync"
 
     def setup(self, model: nn.Module) -> nn.Module:

@@ -1,0 +1,126 @@
+"""Checkpoints: atomic, verified, refused when torn or tampered with; a run killed with
+SIGKILL and resumed ends with exactly the parameters of a run never interrupted."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import (PSRING, SMALL, assert_no_processes, interruptible, load_model,
+                      max_rel_diff, psring, read_steps)
+from psring import checkpoint
+from psring.errors import ConfigError
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model/w": torch.randn(100, generator=g), "momentum/w": torch.randn(100, generator=g)}
+
+
+def test_save_verify_and_prune(tmp_path):
+    for step in (5, 10, 15):
+        checkpoint.save(tmp_path, step, tensors(step), {"note": step})
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000010", "step-00000015"]  # the two newest are kept
+    ck = checkpoint.latest(tmp_path)
+    assert ck.step == 15 and ck.meta == {"note": 15}
+    assert torch.equal(ck.tensors["model/w"], tensors(15)["model/w"])
+
+
+def test_torn_checkpoint_is_ignored_and_tampered_one_refused(tmp_path):
+    checkpoint.save(tmp_path, 10, tensors(10))
+    checkpoint.save(tmp_path, 20, tensors(20))
+    # a crash between state.pt and its commit mark: step 30 is ignored
+    torn = tmp_path / "checkpoints" / "step-00000030"
+    torn.mkdir()
+    (torn / "state.pt").write_bytes(b"half a file")
+    # step 20's data changed after it was committed: refused, step 10 used
+    state = tmp_path / "checkpoints" / "step-00000020" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[-20] ^= 0xFF
+    state.write_bytes(bytes(data))
+    refused = []
+    ck = checkpoint.latest(tmp_path, log=refused.append)
+    assert ck.step == 10
+    assert "no checkpoint.json" in refused[0] and "SHA-256" in refused[1]
+    # nothing usable at all: a clear error, not a silent fresh start
+    (tmp_path / "checkpoints" / "step-00000010" / "checkpoint.json").write_text("{")
+    with pytest.raises(ConfigError, match="no usable checkpoint"):
+        checkpoint.latest(tmp_path)
+
+
+def test_a_pickle_in_a_checkpoint_is_not_loaded(tmp_path):
+    """state.pt is loaded with weights_only=True, even when its hash matches."""
+    d = checkpoint.save(tmp_path, 1, tensors(1))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    torch.save({"model/w": Evil()}, d / "state.pt")
+    info = json.loads((d / "checkpoint.json").read_text())
+    import hashlib
+
+    raw = (d / "state.pt").read_bytes()
+    info["files"]["state.pt"] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+    (d / "checkpoint.json").write_text(json.dumps(info))
+    with pytest.raises(ConfigError, match="weights_only"):
+        checkpoint.verify(d)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_resume_refuses_clearly(tmp_path):
+    out = tmp_path / "plain"
+    psring("run", "--strategy", "single", *SMALL, "--out", out)
+    proc = psring("run", "--resume", out, check=False)
+    assert proc.returncode == 2 and "--checkpoint-every" in proc.stderr
+    proc = psring("run", "--resume", tmp_path / "nothing", check=False)
+    assert proc.returncode == 2 and "not a psring run directory" in proc.stderr
+    proc = psring("run", "--strategy", "ps", "--workers", 2, *SMALL, "--checkpoint-every", 4,
+                  "--out", tmp_path / "ps", check=False)
+    assert proc.returncode == 2 and "cannot checkpoint" in proc.stderr
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["allreduce", "ddp"])
+def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path, strategy):
+    steps, every = 300, 25
+    args = ["--strategy", strategy, "--workers", 2, *SMALL, "--steps", steps,
+            "--checkpoint-every", every]
+    ref = tmp_path / "ref"
+    psring("run", *args, "--out", ref, timeout=120)
+
+    out = tmp_path / "killed"
+    # worker 1 slowed (a sleep; the arithmetic is unchanged) so the kill lands mid-run
+    proc = subprocess.Popen([*PSRING, "run", *map(str, args), "--slow-worker", "1:25",
+                             "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / f"step-{2 * every:08d}" / "checkpoint.json").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher: no cleanup code runs
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # its workers notice (parent-death signal) and exit
+    assert_no_processes(out, within=15)
+    assert not (out / "model.pt").exists()
+    killed_at = max(r["step"] for r in read_steps(out))
+    assert killed_at < steps - 1
+
+    res = psring("run", "--resume", out, timeout=120)
+    assert "resuming" in res.stderr
+    assert_no_processes(out)
+    records = read_steps(out)
+    # every step exactly once per worker: the steps after the checkpoint were rerun
+    assert sorted((r["step"], r["worker"]) for r in records) == \
+        [(s, w) for s in range(steps) for w in range(2)]
+    assert max_rel_diff(load_model(out), load_model(ref)) == 0.0
