@@ -24,6 +24,7 @@ from torch import nn
 from psring import checkpoint
 from psring.checkpoint import Checkpoint
 from psring.data import Dataset, worker_batch
+from psring.errors import PsringError
 from psring.runlog import PHASES, StepLog
 from psring.strategies.base import Strategy, WorkerContext
 
@@ -47,7 +48,18 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
         # rank), so from here on every worker sees what the uninterrupted run saw.
         strategy.restore_checkpoint(model, optimizer, resume.tensors)
         first_step = resume.step
-    _steps(ctx, strategy, model, module, optimizer, data, log, on_step, first_step)
+    try:
+        _steps(ctx, strategy, model, module, optimizer, data, log, on_step, first_step)
+    except RuntimeError as e:
+        # torch.distributed's timeouts (gloo, NCCL) say only "timed out"; name what was
+        # waited for and the knob, as the parameter-server client does for its servers
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise PsringError(
+            f"worker {ctx.rank}: no progress within --timeout {cfg.timeout:g} s while "
+            f"waiting for {strategy.waits_for}; see the other workers' logs for which one "
+            f"stopped (or raise --timeout if a step can legitimately take that long). "
+            f"({str(e).splitlines()[0][:200]})") from e
 
 
 def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.Module,

@@ -29,6 +29,8 @@ def ring_bytes(param_bytes: int, world: int) -> int:
 @STRATEGIES.register("allreduce")
 class AllReduce(Strategy):
     name = "allreduce"
+    waits_for = ("the other workers' gradients (an all-reduce needs every worker; "
+                 "one of them stopped, hung or is far slower)")
     comm_model = "ring"
     uses_process_group = True
 

@@ -116,6 +116,8 @@ class Strategy:
     #: which α-β-γ formula predicts its communication (psring.costmodel): "ring",
     #: "ps" or "ps-async"; None when it sends no messages (one process, shared memory)
     comm_model: ClassVar[str | None] = None
+    #: what a worker blocked in communication waits for (named when --timeout expires)
+    waits_for: ClassVar[str] = "communication"
     #: --checkpoint-every and --resume work (checkpoint_state/restore_checkpoint below)
     supports_checkpoint: ClassVar[bool] = True
 

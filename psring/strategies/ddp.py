@@ -21,6 +21,8 @@ from .buckets import DEFAULT_BUCKET_MB
 @STRATEGIES.register("ddp")
 class DDP(Strategy):
     name = "ddp"
+    waits_for = ("the other workers' gradients (an all-reduce needs every worker; "
+                 "one of them stopped, hung or is far slower)")
     comm_model = "ring"
     uses_process_group = True
     syncs_inside_backward = True
