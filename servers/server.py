@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Callable
@@ -183,8 +184,10 @@ class Server:
 
     def close(self) -> None:
         if hasattr(self, "log"):
+            # peak memory (Linux reports ru_maxrss in KiB): the load tests bound it
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             self.log.add({"time": time.time(), "server": self.handler.name, "op": "stats",
-                          **self.stats})
+                          **self.stats, "max_rss_mb": round(peak_mb, 1)})
             self.log.close()
         self.sock.close(linger=0)
         self.ctx.term()
