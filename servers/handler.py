@@ -92,7 +92,7 @@ class _Run:
     received: dict[int, int] = field(default_factory=dict)  # worker -> elements this step
     base: dict[int, int] = field(default_factory=dict)      # worker -> version it pulled
     in_flight: set[int] = field(default_factory=set)        # pulled, not yet pushed all
-    # (start, len) -> [pushes in, workers]
+    # (start, len) -> [pushes summed in (in worker order), workers pushed, held pushes]
     covered: dict[tuple[int, int], list] = field(default_factory=dict)
     applied: int = 0  # elements of this step already updated (sync)
     done: list[tuple[int, int]] = field(default_factory=list)  # ranges updated this step
@@ -317,11 +317,14 @@ class Handler:
 
     @staticmethod
     def _accumulate(st: _Run, start: int, grad: torch.Tensor, worker: int) -> int:
-        """Add a push into this step's update of its range (the last of N pushes also
-        applies it); return how many workers' pushes of this range are now in. All
-        workers of a run push the same ranges (same buckets, same partition); a range
-        overlapping a differently cut one means they disagree, and a second push of a
-        range by one worker is refused before it touches anything."""
+        """Add a push into this step's update of its range (the last of N also applies
+        it); return how many workers' pushes of this range are summed in. Pushes are
+        summed in worker order whatever order they arrive in (one that comes early is
+        held, a view of its received frame, until its turn), so the floating-point sum
+        — and the trained model — is the same on every run. All workers of a run push
+        the same ranges (same buckets, same partition); a range overlapping a
+        differently cut one means they disagree, and a second push of a range by one
+        worker is refused before it touches anything."""
         key = (start, grad.numel())
         entry = st.covered.get(key)
         if entry is None:
@@ -329,20 +332,24 @@ class Handler:
             if any(s < end and start < s + n for s, n in st.covered):
                 raise RequestError(f"push range [{start}, {end}) overlaps a differently cut "
                                    f"range: the run's workers disagree about the buckets")
-            entry = st.covered[key] = [0, set()]
+            entry = st.covered[key] = [0, set(), {}]  # [summed in, pushed, held]
         elif worker in entry[1]:
             raise RequestError(f"worker {worker} pushed range [{start}, {start + grad.numel()}) "
                                f"twice in step {st.version}")
-        entry[0] += 1
         entry[1].add(worker)
-        if st.workers == 1:
-            st.store.apply(grad, start)
-        elif entry[0] == 1:
-            st.store.begin(grad, start)
-        elif entry[0] < st.workers:
-            st.store.add(grad, start)
-        else:
-            st.store.finish(grad, start)
+        entry[2][worker] = grad
+        while entry[0] in entry[2]:
+            k = entry[0]
+            g = entry[2].pop(k)
+            if st.workers == 1:
+                st.store.apply(g, start)
+            elif k == 0:
+                st.store.begin(g, start)
+            elif k < st.workers - 1:
+                st.store.add(g, start)
+            else:
+                st.store.finish(g, start)
+            entry[0] += 1
         return entry[0]
 
     # ------------------------------------------------------------------ deferred pulls
