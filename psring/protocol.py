@@ -73,9 +73,13 @@ COMMON = {"v": _INT, "op": _STR, "run": _STR, "worker": _INT, "seq": _INT, "shar
 #: op -> {field: accepted types}; a message must have exactly COMMON + these fields
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # worker 0 -> server: take this shard [lo, hi) of the flat parameters and the run's
-    # settings; one tensor frame: the shard's initial values
+    # settings; tensor frames: the shard's initial values, and (resuming from a
+    # checkpoint) its momentum buffer. The run starts at `version`; with
+    # `snapshot_every` N > 0 the server keeps a copy of the shard (parameters and
+    # momentum) whenever its version becomes a multiple of N or `snapshot_last`
     "init": {"lo": _INT, "hi": _INT, "workers": _INT, "mode": _STR, "lr": _NUM,
              "momentum": _NUM, "weight_decay": _NUM, "max_staleness": _INT,
+             "version": _INT, "snapshot_every": _INT, "snapshot_last": _INT,
              "tensors": (list,)},
     # worker -> server: gradient for flat elements [offset, offset+len) of step `step`
     "push": {"step": _INT, "offset": _INT, "tensors": (list,)},
@@ -83,15 +87,26 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "pull": {"min_version": _INT, "tensors": (list,)},
     # worker -> server: this worker is done with the run (it stops counting as in flight)
     "leave": {"tensors": (list,)},
+    # worker 0 -> server: the shard's copy taken at `version` (sync: answered once it
+    # exists), or at once of the shard as it is now (`version` -1; async)
+    "snapshot": {"version": _INT, "tensors": (list,)},
     # server -> worker replies
     "ack": {"version": _INT, "staleness": _INT, "tensors": (list,)},
     # a pull is answered by one or more params messages, each a range starting at flat
     # element `offset`; together they cover the shard
     "params": {"version": _INT, "offset": _INT, "tensors": (list,)},
     "ok": {"tensors": (list,)},
+    # answer to snapshot: tensor frames parameters, then momentum (when SGD has one)
+    "state": {"version": _INT, "tensors": (list,)},
     "error": {"message": _STR, "tensors": (list,)},
 }
-REQUESTS = ("init", "push", "pull", "leave")
+#: op -> {field: value when absent}: fields a sender may leave out (they arrived in
+#: a later revision of version 2; a decoded header always has them)
+OPTIONAL: dict[str, dict[str, Any]] = {
+    "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0},
+}
+
+REQUESTS = ("init", "push", "pull", "leave", "snapshot")
 MODES = ("sync", "async")
 
 #: a tensor entry in the header: [dtype name, shape list]
@@ -271,6 +286,8 @@ def decode(frames: Sequence[Any], expect: Iterable[str] | None = None,
     if expect is not None and op not in expect:
         raise ProtocolError(f"op {op!r} is not expected here")
     schema = {**COMMON, **SCHEMAS[op]}
+    for name, default in OPTIONAL.get(op, {}).items():
+        header.setdefault(name, default)
     missing = schema.keys() - header.keys()
     extra = header.keys() - schema.keys()
     if missing or extra:

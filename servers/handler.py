@@ -100,6 +100,11 @@ class _Run:
     # worker -> seq -> the ack its push got (current and previous step, at most MAX_ACKS)
     acks: dict[int, "OrderedDict[int, _Ack]"] = field(default_factory=dict)
     acked_seq: dict[int, int] = field(default_factory=dict)  # worker -> highest acked seq
+    # checkpoints: keep a copy of the shard when the version becomes a multiple of
+    # snapshot_every (or snapshot_last): (version, params, momentum or None)
+    snapshot_every: int = 0
+    snapshot_last: int = 0
+    snapshot: tuple | None = None
 
 
 class Handler:
@@ -114,6 +119,7 @@ class Handler:
         self.check_replays = key is not None if check_replays is None else check_replays
         self.state: _Run | None = None
         self.deferred: list[_Deferred] = []
+        self.snapshot_waits: list[_Deferred] = []  # snapshot requests for a later version
         self.counts = {"requests": 0, "errors": 0, "replays": 0, "retries": 0}
         # run -> worker -> highest seq seen (check_replays), the MAX_RUNS_SEEN latest runs
         self.seen: OrderedDict[str, dict[int, int]] = OrderedDict()
@@ -137,7 +143,7 @@ class Handler:
             self.counts["errors"] += 1
             return [Reply(peer, error_frames(str(e), msg.header, self.key),
                           self._record(msg, t0, error=str(e)))]
-        return replies + self._release()
+        return replies + self._release() + self._release_snapshots()
 
     def _fresh(self, msg: Message) -> bool:
         """Is this request's seq above every seq seen from its (run, worker)? Records it."""
@@ -216,10 +222,18 @@ class Handler:
     def _init(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
         h = msg.header
         lo, hi = h["lo"], h["hi"]
-        if not (0 <= lo < hi) or len(msg.tensors) != 1 or msg.tensors[0].numel() != hi - lo:
-            raise RequestError(f"init needs one tensor of hi - lo elements (lo={lo}, hi={hi})")
-        if msg.tensors[0].dtype != torch.float32 or msg.tensors[0].dim() != 1:
+        if not (0 <= lo < hi) or len(msg.tensors) not in (1, 2) \
+                or any(t.numel() != hi - lo for t in msg.tensors):
+            raise RequestError(f"init needs one tensor of hi - lo elements, and optionally "
+                               f"a momentum buffer of as many (lo={lo}, hi={hi})")
+        if any(t.dtype != torch.float32 or t.dim() != 1 for t in msg.tensors):
             raise RequestError("init parameters must be a 1-d float32 tensor")
+        if h["version"] < 0 or h["snapshot_every"] < 0 or h["snapshot_last"] < 0:
+            raise RequestError(f"init: version {h['version']}, snapshot_every "
+                               f"{h['snapshot_every']} and snapshot_last {h['snapshot_last']} "
+                               f"must be >= 0")
+        if len(msg.tensors) == 2 and not h["momentum"]:
+            raise RequestError("init: a momentum buffer was sent for SGD without momentum")
         if h["mode"] not in MODES or h["workers"] < 1 or not 0 < h["lr"] < math.inf \
                 or not 0 <= h["momentum"] < 1 or not 0 <= h["weight_decay"] < math.inf:
             raise RequestError(f"bad run settings: mode {h['mode']!r}, workers {h['workers']}, "
@@ -228,8 +242,13 @@ class Handler:
         if h["worker"] != 0:
             raise RequestError("only worker 0 initializes a server")
         store = ShardStore(lo, hi, msg.tensors[0], h["lr"], h["momentum"], h["weight_decay"])
+        if len(msg.tensors) == 2:  # resuming from a checkpoint
+            store.buf.copy_(msg.tensors[1])
         self.state = _Run(run=h["run"], shard=h["shard"], workers=h["workers"], mode=h["mode"],
-                          store=store, max_staleness=h["max_staleness"])
+                          store=store, max_staleness=h["max_staleness"], version=h["version"],
+                          snapshot_every=h["snapshot_every"],
+                          snapshot_last=h["snapshot_last"])
+        self.snapshot_waits = [d for d in self.snapshot_waits if d.msg.header["run"] == h["run"]]
         # pulls held for an older run will never be answered: refuse them now
         stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
         self.deferred = [d for d in self.deferred if d.msg.header["run"] == h["run"]]
@@ -280,6 +299,7 @@ class Handler:
                 st.applied = 0
                 st.last_ranges, st.done = st.done, []
                 st.version += 1
+                self._maybe_snapshot(st)
         else:
             st.store.apply(grad, start)
             st.received[w] = got
@@ -288,6 +308,7 @@ class Handler:
                 st.received[w] = 0
                 st.version += 1
                 st.in_flight.discard(w)
+                self._maybe_snapshot(st)
         ack = self._reply(peer, msg, "ack", {"version": st.version, "staleness": staleness},
                           t0=t0, staleness=staleness)
         self._remember(st, h, grad.numel(), ack.frames)
@@ -314,6 +335,57 @@ class Handler:
         self.deferred = [d for d in self.deferred
                          if not (d.msg.header["run"] == st.run and d.msg.header["worker"] == w)]
         return [self._reply(peer, msg, "ok", {}, t0=t0)]
+
+    # ------------------------------------------------------------------ checkpoints
+    @staticmethod
+    def _maybe_snapshot(st: _Run) -> None:
+        """Copy the shard at the moment its version becomes a checkpoint's: nothing of
+        the next step can be in it yet (in sync mode the first push of the next step
+        changes the momentum buffer at once), so every shard's copy is of the same
+        version, taken without stopping anyone."""
+        v = st.version
+        if st.snapshot_every and (v % st.snapshot_every == 0 or v == st.snapshot_last):
+            buf = st.store.buf
+            st.snapshot = (v, st.store.params.clone(), buf.clone() if buf is not None else None)
+
+    def _snapshot(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
+        st = self._current(msg)
+        if len(msg.tensors) != 0:
+            raise RequestError("a snapshot request carries no tensors")
+        v = msg.header["version"]
+        if v == -1:  # now (async: no version boundary is shared by all shards anyway)
+            buf = st.store.buf
+            st.snapshot = (st.version, st.store.params.clone(),
+                           buf.clone() if buf is not None else None)
+            return [self._state_reply(st, peer, msg, t0)]
+        if st.snapshot is not None and st.snapshot[0] == v:
+            return [self._state_reply(st, peer, msg, t0)]
+        if v < -1 or v <= st.version:
+            raise RequestError(f"no copy of version {v} is kept (the server is at version "
+                               f"{st.version}; it copies versions that are multiples of "
+                               f"{st.snapshot_every} and {st.snapshot_last})")
+        if len(self.snapshot_waits) >= MAX_DEFERRED:
+            raise RequestError(f"{self.name} already holds {MAX_DEFERRED} snapshot requests")
+        self.snapshot_waits.append(_Deferred(peer, msg, t0))
+        return []
+
+    def _state_reply(self, st: _Run, peer: bytes, msg: Message, t0: float) -> Reply:
+        version, params, buf = st.snapshot
+        tensors = [params] if buf is None else [params, buf]
+        return self._reply(peer, msg, "state", {"version": version}, tensors, t0=t0)
+
+    def _release_snapshots(self) -> list[Reply]:
+        st = self.state
+        if st is None or not self.snapshot_waits or st.snapshot is None:
+            return []
+        out, keep = [], []
+        for d in self.snapshot_waits:
+            if d.msg.header["run"] == st.run and d.msg.header["version"] == st.snapshot[0]:
+                out.append(self._state_reply(st, d.peer, d.msg, d.since))
+            else:
+                keep.append(d)
+        self.snapshot_waits = keep
+        return out
 
     @staticmethod
     def _accumulate(st: _Run, start: int, grad: torch.Tensor, worker: int) -> int:

@@ -80,16 +80,18 @@ def test_resume_refuses_clearly(tmp_path):
     assert proc.returncode == 2 and "--checkpoint-every" in proc.stderr
     proc = psring("run", "--resume", tmp_path / "nothing", check=False)
     assert proc.returncode == 2 and "not a psring run directory" in proc.stderr
-    proc = psring("run", "--strategy", "ps", "--workers", 2, *SMALL, "--checkpoint-every", 4,
-                  "--out", tmp_path / "ps", check=False)
-    assert proc.returncode == 2 and "cannot checkpoint" in proc.stderr
+    proc = psring("run", "--strategy", "single", *SMALL, "--checkpoint-every", -1,
+                  "--out", tmp_path / "neg", check=False)
+    assert proc.returncode == 2 and "--checkpoint-every must be >= 0" in proc.stderr
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["allreduce", "ddp"])
-def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path, strategy):
+@pytest.mark.parametrize("strategy, extra", [("allreduce", []), ("ddp", []),
+                                             ("ps", ["--servers", 2])])
+def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path, strategy,
+                                                                       extra):
     steps, every = 300, 25
-    args = ["--strategy", strategy, "--workers", 2, *SMALL, "--steps", steps,
+    args = ["--strategy", strategy, "--workers", 2, *SMALL, *extra, "--steps", steps,
             "--checkpoint-every", every]
     ref = tmp_path / "ref"
     psring("run", *args, "--out", ref, timeout=120)
@@ -110,7 +112,7 @@ def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path,
     finally:
         if proc.poll() is None:
             proc.kill()
-    # its workers notice (parent-death signal) and exit
+    # its workers (and servers) notice (parent-death signal) and exit
     assert_no_processes(out, within=15)
     assert not (out / "model.pt").exists()
     killed_at = max(r["step"] for r in read_steps(out))

@@ -188,3 +188,50 @@ def test_sync_pulls_are_answered_range_by_range_as_ranges_are_updated():
     assert {decode(r.frames).header["offset"] for r in out if r.peer != b"w1" or
             decode(r.frames).op == "params"} == {4}
     assert h.deferred == [] and h.state.version == 1
+
+
+def test_snapshots_are_taken_at_the_version_boundary_and_served():
+    """A sync server with snapshot_every 2 copies its shard when the version becomes 2;
+    a snapshot request for version 2 sent early is held, then answered with that copy
+    even though the next step's first push has already changed the momentum."""
+    h = Handler()
+    n = 6
+    h.handle(b"w0", req("init", lo=0, hi=n, workers=2, mode="sync", lr=0.5, momentum=0.9,
+                        weight_decay=0.0, max_staleness=-1, snapshot_every=2,
+                        snapshot_last=5, tensors=[torch.zeros(n)]))
+    seq = iter(range(10, 1000))
+    assert h.handle(b"w0", req("snapshot", seq=next(seq), version=2)) == []  # held
+    ref = None
+    for step in range(3):
+        for w in (0, 1):
+            out = h.handle(b"w%d" % w, req("push", worker=w, seq=next(seq), step=step,
+                                           offset=0, tensors=[torch.ones(n)]))
+            if step == 1 and w == 1:  # version 2 reached: the held request is answered
+                state = [r for r in out if r.frames and decode(r.frames).op == "state"]
+                assert len(state) == 1
+                ref = decode(state[0].frames)
+                assert ref.header["version"] == 2
+                params, buf = ref.tensors
+                # two SGD steps of lr 0.5 on a summed gradient of 2 with momentum 0.9
+                assert torch.allclose(buf, torch.full((n,), 2 + 0.9 * 2))
+                assert torch.allclose(params, torch.full((n,), -0.5 * 2 - 0.5 * 3.8))
+    # the server moved on (version 3), the copy of version 2 is still what it serves
+    (r,) = h.handle(b"w0", req("snapshot", seq=next(seq), version=2))
+    again = decode(r.frames)
+    assert torch.equal(again.tensors[0], ref.tensors[0])
+    assert not torch.equal(h.state.store.params, ref.tensors[0])
+    # a version no copy was kept of is an error, not a wait
+    (r,) = h.handle(b"w0", req("snapshot", seq=next(seq), version=1))
+    assert decode(r.frames).op == "error"
+
+
+def test_init_from_a_checkpoint_sets_version_and_momentum():
+    h = Handler()
+    h.handle(b"w0", req("init", lo=0, hi=4, workers=1, mode="sync", lr=0.1, momentum=0.9,
+                        weight_decay=0.0, max_staleness=-1, version=7,
+                        tensors=[torch.ones(4), torch.full((4,), 3.0)]))
+    assert h.state.version == 7 and torch.equal(h.state.store.buf, torch.full((4,), 3.0))
+    (r,) = h.handle(b"w0", req("push", seq=5, step=7, offset=0, tensors=[torch.zeros(4)]))
+    assert decode(r.frames).header["version"] == 8
+    # buf = 0.9 * 3 + 0; p = 1 - 0.1 * 2.7
+    assert torch.allclose(h.state.store.params, torch.full((4,), 1 - 0.27))

@@ -95,8 +95,18 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     run_dir.mkdir(parents=True, exist_ok=True)
 
     strategy_cls = STRATEGIES.get(cfg.strategy)
+    resume = None
+    if cfg.resume:
+        from psring import checkpoint
+
+        resume = checkpoint.latest(run_dir, log=log.warning)
+        if resume is None:
+            raise ConfigError(f"--resume {cfg.resume}: no checkpoint in "
+                              f"{run_dir / checkpoint.CHECKPOINTS}.")
+        log.info("resuming from %s (step %d)", resume.path, resume.step)
     ctx = WorkerContext(cfg=cfg, rank=rank, world=world, local_rank=local_rank,
-                        local_world=local_world, device=device, run_dir=run_dir, log=log)
+                        local_world=local_world, device=device, run_dir=run_dir, log=log,
+                        resume=resume)
     ds = datasets.load(cfg.data, cfg.samples, cfg.features, cfg.classes, cfg.seed)
     model = build_model(cfg.model, ds.features, ds.classes, cfg.width, cfg.depth, cfg.seed)
     if rank == 0:
@@ -113,15 +123,6 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
             dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=cfg.timeout))
         strategy = strategy_cls(ctx)
-        resume = None
-        if cfg.resume:
-            from psring import checkpoint
-
-            resume = checkpoint.latest(run_dir, log=log.warning)
-            if resume is None:
-                raise ConfigError(f"--resume {cfg.resume}: no checkpoint in "
-                                  f"{run_dir / checkpoint.CHECKPOINTS}.")
-            log.info("resuming from %s (step %d)", resume.path, resume.step)
         log.info("training %s on %s, %d steps, %d threads", cfg.strategy, device,
                  cfg.steps, threads)
         train(ctx, strategy, model, ds, steps, resume=resume)

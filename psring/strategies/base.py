@@ -77,6 +77,8 @@ class WorkerContext:
     device: torch.device
     run_dir: Path
     log: logging.Logger
+    #: the checkpoint this run resumes from (psring.checkpoint.Checkpoint), or None
+    resume: Any = None
 
 
 @dataclass

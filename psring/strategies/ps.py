@@ -47,7 +47,7 @@ from .base import STRATEGIES, Handle, Strategy, WaitAll
 from .buckets import Bucket, GradientBuckets, bucket_caps
 
 #: replies a worker accepts
-_REPLIES = ("ack", "params", "ok", "error")
+_REPLIES = ("ack", "params", "ok", "error", "state")
 
 
 class PSClient:
@@ -206,7 +206,6 @@ class ParameterServer(Strategy):
     comm_model = "ps"
     uses_servers = True
     local_optimizer = False
-    supports_checkpoint = False  # servers hold the state; not implemented yet
     mode: ClassVar[str] = "sync"
 
     def setup(self, model: nn.Module) -> nn.Module:
@@ -226,10 +225,15 @@ class ParameterServer(Strategy):
             if cuda else self.host_flat
         off = 0
         self.param_spans: list[tuple[int, int, nn.Parameter]] = []
+        resume = ctx.resume.tensors if ctx.resume is not None else None
+        if resume is not None and resume["ps/params"].numel() != total:
+            raise PsringError(f"the checkpoint holds {resume['ps/params'].numel()} parameters, "
+                              f"this model {total}: resume with the run's own settings")
         for p in order:
             n = p.numel()
-            self.host_flat[off:off + n].copy_(p.detach().reshape(-1))
-            self.dev_flat[off:off + n].copy_(p.detach().reshape(-1))
+            src = resume["ps/params"][off:off + n] if resume is not None else p.detach().reshape(-1)
+            self.host_flat[off:off + n].copy_(src)
+            self.dev_flat[off:off + n].copy_(src)
             p.data = self.dev_flat[off:off + n].view_as(p)
             self.param_spans.append((off, off + n, p))
             off += n
@@ -245,18 +249,23 @@ class ParameterServer(Strategy):
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
         self.step = 0
         self._staleness = -1
+        # resuming: the servers start at the checkpoint's version, with its momentum
+        self.version0 = int(resume["ps/version"]) if resume is not None else 0
         if ctx.rank == 0:
-            self._initialize_servers()
-        self.pull = self._send_pull(min_version=0)
+            self._initialize_servers(resume)
+        self.pull = self._send_pull(min_version=self.version0 if self.mode == "sync" else 0)
         return model
 
     # -- servers ------------------------------------------------------------------
-    def _initialize_servers(self) -> None:
+    def _initialize_servers(self, resume: dict[str, torch.Tensor] | None) -> None:
         cfg = self.ctx.cfg
+        momentum = resume.get("ps/momentum") if resume is not None else None
         keys = [self.client.send(k, "init", {
             "lo": lo, "hi": hi, "workers": self.ctx.world, "mode": self.mode, "lr": cfg.lr,
             "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
-            "max_staleness": cfg.max_staleness}, [self.host_flat[lo:hi]])
+            "max_staleness": cfg.max_staleness, "version": self.version0,
+            "snapshot_every": cfg.checkpoint_every, "snapshot_last": cfg.steps},
+            [self.host_flat[lo:hi]] + ([momentum[lo:hi]] if momentum is not None else []))
             for k, (lo, hi) in enumerate(self.ranges)]
         # A server that is not there fails here, quickly, naming its address.
         mib = max(hi - lo for lo, hi in self.ranges) * 4 / 2**20
@@ -338,6 +347,35 @@ class ParameterServer(Strategy):
 
     def update(self, optimizer) -> None:
         """Nothing to do: the servers applied the update; the next pull brings it."""
+
+    # -- checkpoints: the state is in the servers ------------------------------------
+    def checkpoint_state(self, model, optimizer) -> dict[str, torch.Tensor]:
+        """Worker 0 fetches every shard's copy of the same version (each server took it
+        the moment its version reached the checkpoint's, see servers/handler.py), so the
+        checkpoint is consistent without stopping the other workers. In async mode there
+        is no shared version boundary: each shard is copied as it is when asked."""
+        if self.ctx.rank != 0:
+            return {}
+        # the loop's step numbers are absolute (a resumed run continues them), and so are
+        # the servers' versions: after step s a synchronous server is at version s + 1
+        version = self.step + 1 if self.mode == "sync" else -1
+        keys = [self.client.send(k, "snapshot", {"version": version})
+                for k in range(len(self.ranges))]
+        msgs = self.client.wait(keys, f"a checkpoint of version {version}")
+        params = torch.empty_like(self.host_flat, pin_memory=False)
+        momentum = torch.empty_like(params) if len(msgs[0].tensors) == 2 else None
+        for (lo, hi), m in zip(self.ranges, msgs):
+            params[lo:hi].copy_(m.tensors[0])
+            if momentum is not None:
+                momentum[lo:hi].copy_(m.tensors[1])
+        state = {"ps/params": params,
+                 "ps/version": torch.tensor(min(m.header["version"] for m in msgs))}
+        if momentum is not None:
+            state["ps/momentum"] = momentum
+        return state
+
+    def restore_checkpoint(self, model, optimizer, state) -> None:
+        """Done in setup(): the servers were initialized from the checkpoint."""
 
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         self.pull.wait()  # the parameters after the last step
