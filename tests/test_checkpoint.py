@@ -126,3 +126,38 @@ def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path,
     assert sorted((r["step"], r["worker"]) for r in records) == \
         [(s, w) for s in range(steps) for w in range(2)]
     assert max_rel_diff(load_model(out), load_model(ref)) == 0.0
+
+
+@pytest.mark.timeout(240)
+def test_kills_at_any_moment_never_leave_a_bad_checkpoint_in_use(tmp_path):
+    """Checkpoint every step (a ~9 MB state: each write takes a while) and SIGKILL the
+    whole run at assorted moments: whatever the kill interrupted, the newest checkpoint
+    that is used verifies, and a resume from it works."""
+    for i, delay in enumerate((0.4, 0.9, 1.7)):
+        out = tmp_path / f"k{i}"
+        proc = subprocess.Popen([*PSRING, "run", "--strategy", "allreduce", "--workers", "2",
+                                 "--width", "1024", "--depth", "3", "--batch-size", "16",
+                                 "--steps", "100000", "--checkpoint-every", "1",
+                                 "--out", str(out)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+        try:
+            deadline = time.monotonic() + 90
+            while not list((out / "checkpoints").glob("*/checkpoint.json")):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "no checkpoint was written"
+                time.sleep(0.02)
+            time.sleep(delay)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert_no_processes(out, within=15)
+        ck = checkpoint.latest(out)  # raises if nothing usable
+        assert ck is not None and ck.step >= 1
+        assert any(k.startswith("model/") for k in ck.tensors)
+        assert any(k.startswith("momentum/") for k in ck.tensors)
+    res = psring("run", "--resume", out, "--steps", ck.step + 2, timeout=120)
+    assert "resuming" in res.stderr
+    assert_no_processes(out)
+    assert (out / "model.pt").exists()
