@@ -27,18 +27,22 @@ def pid_of(run_dir: Path, module: str, env: str | None = None) -> int | None:
     return None
 
 
+def wait_for_training(proc: subprocess.Popen, out: Path, timeout: float = 60) -> None:
+    """Until some steps are logged (the run is training), failing if it exits first."""
+    deadline = time.monotonic() + timeout
+    while not (out / "steps.jsonl").exists() or (out / "steps.jsonl").stat().st_size < 2000:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never started training"
+        time.sleep(0.05)
+
+
 def start_and_kill(tmp_path: Path, args: list, module: str, env: str | None):
     out = tmp_path / "run"
     proc = subprocess.Popen([*PSRING, "run", *map(str, args), "--steps", "1000000",
                              "--out", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     try:
-        deadline = time.monotonic() + 60
-        # training has started: some steps are logged
-        while not (out / "steps.jsonl").exists() or (out / "steps.jsonl").stat().st_size < 2000:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never started training"
-            time.sleep(0.05)
+        wait_for_training(proc, out)
         victim = pid_of(out, module, env)
         assert victim is not None
         t0 = time.monotonic()
@@ -81,11 +85,7 @@ def test_a_hung_worker_fails_the_run_at_the_deadline_naming_what_was_awaited(tmp
                              "--out", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     try:
-        deadline = time.monotonic() + 60
-        while not (out / "steps.jsonl").exists() or (out / "steps.jsonl").stat().st_size < 2000:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never started training"
-            time.sleep(0.05)
+        wait_for_training(proc, out)
         victim = pid_of(out, "psring.workers", "RANK=1")
         t0 = time.monotonic()
         os.kill(victim, signal.SIGSTOP)
