@@ -98,6 +98,8 @@ def test_async_strategies_reduce_the_loss(tmp_path, strategy):
         assert len(losses) == 40
         assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
         assert all(r["staleness"] >= 0 for r in records if r["worker"] == w)
+    # the workers really ran concurrently (they start together): some steps raced
+    assert any(r["staleness"] > 0 for r in records)
     assert (out / "model.pt").exists()
     assert_no_processes(out)
     if strategy == "hogwild":

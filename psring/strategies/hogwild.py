@@ -58,7 +58,7 @@ class Hogwild(Strategy):
         self.params_path, self.counters_path = shm_paths(ctx.cfg)
         if ctx.rank == 0:
             tmp = self.params_path.with_name(self.params_path.name + f".{os.getpid()}.tmp")
-            _map(self.counters_path, 2 * ctx.world, torch.int64).zero_()
+            _map(self.counters_path, 3 * ctx.world, torch.int64).zero_()
             flat = _map(tmp, total, torch.float32)
             flat.copy_(torch.cat([p.detach().reshape(-1) for p in params]))
             os.replace(tmp, self.params_path)  # publish: other workers wait for this name
@@ -71,13 +71,29 @@ class Hogwild(Strategy):
                                       f"{ctx.cfg.timeout:.0f} s.")
                 time.sleep(0.01)
         self.flat = _map(self.params_path, total, torch.float32)
-        # [updates begun per worker..., updates finished per worker...]
-        self.counters = _map(self.counters_path, 2 * ctx.world, torch.int64)
+        # [updates begun per worker..., updates finished per worker..., ready per worker...]
+        self.counters = _map(self.counters_path, 3 * ctx.world, torch.int64)
         off = 0
         for p in params:
             p.data = self.flat[off:off + p.numel()].view_as(p)
             off += p.numel()
+        self._start_together()
         return model
+
+    def _start_together(self) -> None:
+        """Wait until every worker has mapped the shared model. Worker processes start
+        hundreds of milliseconds apart; without this a short run's workers would not
+        overlap at all, and Hogwild! would measure sequential SGD (no staleness, no
+        contention)."""
+        w, n = self.ctx.rank, self.ctx.world
+        self.counters[2 * n + w] = 1
+        deadline = time.monotonic() + self.ctx.cfg.timeout
+        while int(self.counters[2 * n:].sum()) < n:
+            if time.monotonic() > deadline:
+                raise PsringError(f"hogwild: only {int(self.counters[2 * n:].sum())} of {n} "
+                                  f"workers mapped the shared model within "
+                                  f"{self.ctx.cfg.timeout:.0f} s.")
+            time.sleep(0.001)
 
     def begin_step(self, step: int):
         self._seen = self.counters[:self.ctx.world].clone()
@@ -93,14 +109,18 @@ class Hogwild(Strategy):
         # parameters this step read, or overlapped this update
         self.stats.extra["staleness"] = int(begun.sum()) - int(begun[w])
 
+    def _finished(self) -> int:
+        """Updates finished by all workers together."""
+        n = self.ctx.world
+        return int(self.counters[n:2 * n].sum())
+
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         # The model is final when every worker has finished its last update.
         want = self.ctx.world * self.ctx.cfg.steps
         deadline = time.monotonic() + self.ctx.cfg.timeout
-        while int(self.counters[self.ctx.world:].sum()) < want:
+        while self._finished() < want:
             if time.monotonic() > deadline:
-                raise PsringError(f"hogwild: workers finished "
-                                  f"{int(self.counters[self.ctx.world:].sum())} of {want} "
+                raise PsringError(f"hogwild: workers finished {self._finished()} of {want} "
                                   f"updates within {self.ctx.cfg.timeout:.0f} s.")
             time.sleep(0.005)
         return super().final_state(model)
@@ -110,7 +130,7 @@ class Hogwild(Strategy):
         # their mappings stay valid after an unlink). Under psring run the launcher also
         # removes them whatever happened; under torchrun this is the only cleanup.
         if self.ctx.rank == 0 and hasattr(self, "counters") and \
-                int(self.counters[self.ctx.world:].sum()) >= self.ctx.world * self.ctx.cfg.steps:
+                self._finished() >= self.ctx.world * self.ctx.cfg.steps:
             self.cleanup_run(self.ctx.cfg)
 
     @classmethod
