@@ -105,6 +105,7 @@ class _Run:
     snapshot_every: int = 0
     snapshot_last: int = 0
     snapshot: tuple | None = None
+    started: bool = False  # async: every worker has asked for parameters once
 
 
 class Handler:
@@ -452,6 +453,16 @@ class Handler:
     def _can_answer(self, st: _Run, msg: Message) -> bool:
         if st.mode == "sync":
             return st.version >= msg.header["min_version"]
+        if not st.started:
+            # Start together: the first pulls are held until every worker has asked.
+            # Worker processes start up to hundreds of milliseconds apart; without this
+            # the first ones would run a short run's steps alone, unraced, and measure
+            # neither asynchronous SGD's contention nor its staleness.
+            asking = {d.msg.header["worker"] for d in self.deferred
+                      if d.msg.header["run"] == st.run}
+            if len(asking) < st.workers:
+                return False
+            st.started = True
         if st.max_staleness < 0 or st.shard != 0:
             return True
         # Admission (shard 0 only): every worker x in flight must still be able to see

@@ -136,14 +136,30 @@ def test_async_staleness_counts_updates_since_the_pull():
 def test_async_bound_holds_back_pulls_and_leave_releases_them():
     h = Handler()
     init(h, workers=2, mode="async", max_staleness=0)
-    assert ops(h.handle(b"w0", req("pull", worker=0, min_version=0))) == [(b"w0", "params")]
-    # with S = 0 a second worker in flight could see worker 0's update: held back
-    assert h.handle(b"w1", req("pull", worker=1, min_version=0)) == []
+    # workers start together: the first pull waits until every worker has asked
+    assert h.handle(b"w0", req("pull", worker=0, min_version=0)) == []
+    # then worker 0 goes; with S = 0 a second worker in flight could see worker 0's
+    # update: worker 1 is held back
+    assert ops(h.handle(b"w1", req("pull", worker=1, min_version=0))) == [(b"w0", "params")]
     s0, out = _async_round(h, 0, 2)
     assert s0 == 0 and ops(out) == [(b"w0", "ack"), (b"w1", "params")]
     assert h.handle(b"w0", req("pull", worker=0, seq=3, min_version=0)) == []
     out = h.handle(b"w1", req("leave", worker=1, seq=3))
     assert ops(out) == [(b"w1", "ok"), (b"w0", "params")]
+
+
+def test_async_workers_start_together():
+    h = Handler()
+    init(h, workers=3, mode="async")
+    assert h.handle(b"w0", req("pull", worker=0, min_version=0)) == []
+    assert h.handle(b"w2", req("pull", worker=2, min_version=0)) == []
+    out = h.handle(b"w1", req("pull", worker=1, min_version=0))
+    assert sorted(ops(out)) == [(b"w0", "params"), (b"w1", "params"), (b"w2", "params")]
+    # from then on a pull is answered at once
+    _, out = _async_round(h, 0, 3)
+    assert (b"w0", "ack") in ops(out)
+    assert ops(h.handle(b"w0", req("pull", worker=0, seq=9, min_version=0))) == \
+        [(b"w0", "params")]
 
 
 def test_init_replaces_a_previous_run():
