@@ -41,14 +41,18 @@ POLL_S = 0.05
 
 
 def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when the launcher dies (even by SIGKILL),
-    so a killed ``psring run`` leaves no orphans. Linux only; elsewhere a no-op."""
+    """Ask the kernel to SIGKILL this process when the launcher dies (even by SIGKILL),
+    so a killed ``psring run`` leaves no orphans. SIGKILL, not SIGTERM: a worker blocked
+    in a collective (C++, waiting for a peer that died with the launcher) would run its
+    Python SIGTERM handler only when the collective times out, minutes later. Nothing
+    is lost that a crash would not lose: checkpoints and run files are written
+    atomically. Linux only; elsewhere a no-op."""
     parent = os.environ.get("PSRING_PARENT_PID")
     if not parent or not sys.platform.startswith("linux"):
         return
     PR_SET_PDEATHSIG = 1
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
     if os.getppid() != int(parent):  # the launcher died before prctl took effect
