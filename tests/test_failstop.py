@@ -36,7 +36,10 @@ def wait_for_training(proc: subprocess.Popen, out: Path, timeout: float = 60) ->
         time.sleep(0.05)
 
 
-def start_and_kill(tmp_path: Path, args: list, module: str, env: str | None):
+def start_and_kill(tmp_path: Path, args: list, module: str, env: str | None,
+                   sig: int = signal.SIGKILL):
+    """Start a long run, wait until it trains, send ``sig`` to one of its processes (by
+    module and an environment entry); return (exit code, stderr, seconds it took)."""
     out = tmp_path / "run"
     proc = subprocess.Popen([*PSRING, "run", *map(str, args), "--steps", "1000000",
                              "--out", str(out)], stdout=subprocess.PIPE,
@@ -46,7 +49,7 @@ def start_and_kill(tmp_path: Path, args: list, module: str, env: str | None):
         victim = pid_of(out, module, env)
         assert victim is not None
         t0 = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         _, err = proc.communicate(timeout=60)
         elapsed = time.monotonic() - t0
     finally:
@@ -79,23 +82,10 @@ def test_sigkill_of_a_server_mid_step_stops_the_run(tmp_path):
 def test_a_hung_worker_fails_the_run_at_the_deadline_naming_what_was_awaited(tmp_path):
     """SIGSTOP (a hang, not a death): the survivor's collective times out after
     --timeout and the run fails saying what it waited for."""
-    out = tmp_path / "run"
-    proc = subprocess.Popen([*PSRING, "run", "--strategy", "allreduce", "--workers", "2",
-                             *map(str, SMALL), "--steps", "1000000", "--timeout", "4",
-                             "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
-    try:
-        wait_for_training(proc, out)
-        victim = pid_of(out, "psring.workers", "RANK=1")
-        t0 = time.monotonic()
-        os.kill(victim, signal.SIGSTOP)
-        _, err = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1
+    code, err, elapsed = start_and_kill(
+        tmp_path, ["--strategy", "allreduce", "--workers", 2, *SMALL, "--timeout", 4],
+        "psring.workers", "RANK=1", sig=signal.SIGSTOP)
+    assert code == 1
     assert "no progress within --timeout 4 s while waiting for the other workers' gradients" \
         in err
     assert 3.5 < elapsed < 30  # the deadline, then the stopped worker is SIGKILLed
-    assert_no_processes(out)
