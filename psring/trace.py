@@ -82,8 +82,8 @@ def build_trace(run_dir: Path) -> dict[str, Any]:
                            "tid": 1 + k, "ts": us(s0 + a), "dur": round((b - a) * 1e6, 1),
                            "args": {"step": r["step"]}})
     t_end = max(r["start"] + r["step_s"] for r in records)
-    servers = sorted({s["server"] for s in _read_jsonl(run_dir / SERVERS)
-                      if isinstance(s, dict) and "server" in s})
+    server_log = [s for s in _read_jsonl(run_dir / SERVERS) if isinstance(s, dict)]
+    servers = sorted({s["server"] for s in server_log if "server" in s})
     first_pid = max(workers) + 1
     pid_of = {name: first_pid + i for i, name in enumerate(servers)}
     for name, pid in pid_of.items():
@@ -94,7 +94,7 @@ def build_trace(run_dir: Path) -> dict[str, Any]:
                        "args": {"name": "apply"}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1,
                        "args": {"name": "held pulls"}})
-    for s in _read_jsonl(run_dir / SERVERS):
+    for s in server_log:
         pid = pid_of.get(s.get("server"))
         end = s.get("time")
         if pid is None or not isinstance(end, (int, float)) or not t_base <= end <= t_end + 1:
