@@ -186,14 +186,18 @@ class SweepResult:
 
 def run_sweep(sweep: Sweep, out: Path,
               on_point: Callable[[Point, str, float], None] | None = None,
-              launch: Callable | None = None) -> SweepResult:
-    """Run every point not already done; record failures and go on. ``on_point(point,
-    status, seconds)`` is called after each point (for progress displays)."""
+              launch: Callable | None = None,
+              on_start: Callable[[int], None] | None = None) -> SweepResult:
+    """Run every point not already done; record failures and go on. ``on_start(total)``
+    is called once the points are known, ``on_point(point, status, seconds)`` after each
+    point (for progress displays)."""
     if launch is None:
         from .launch import launch
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     points = sweep.points(out)
+    if on_start is not None:
+        on_start(len(points))
     atomic_write_json(out / SWEEP_FILE, {**sweep.to_dict(),
                                          "points": [p.id for p in points]})
     ran, skipped, failed = 0, 0, []
@@ -236,12 +240,11 @@ def run_sweep_with_progress(sweep: Sweep, out: Path) -> SweepResult:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
-    total = len(sweep.points(Path(out)))
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("points"), TimeElapsedColumn(), TextColumn("ETA"),
                   TimeRemainingColumn(), console=console) as bar:
-        task = bar.add_task(f"sweep {sweep.name}", total=total)
+        task = bar.add_task(f"sweep {sweep.name}", total=None)
 
         def on_point(p: Point, status: str, seconds: float) -> None:
             if status == "failed":
@@ -251,7 +254,8 @@ def run_sweep_with_progress(sweep: Sweep, out: Path) -> SweepResult:
                 bar.console.print(f"point {p.id}: {status} ({seconds:.1f} s)")
             bar.advance(task)
 
-        return run_sweep(sweep, Path(out), on_point)
+        return run_sweep(sweep, Path(out), on_point,
+                         on_start=lambda total: bar.update(task, total=total))
 
 
 def default_out(sweep: Sweep) -> Path:

@@ -650,9 +650,9 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                                       [[r["id"], f"`{r['run']}`"] for r in rows]), ""]
     path = sweep_dir / REPORT
     atomic_write_bytes(path, "\n".join(md).encode())
-    (sweep_dir / "report.json").write_text(json.dumps(
+    atomic_write_bytes(sweep_dir / "report.json", json.dumps(
         [{k: v for k, v in s.items() if k not in ("rows", "config", "staleness")}
-         for s in settings], indent=2, default=str))
+         for s in settings], indent=2, default=str).encode())
     return path, render_key_table(key_header, key_rows, spec.get("name", ""))
 
 
