@@ -247,6 +247,7 @@ class ParameterServer(Strategy):
         self.ranges = even_split(total, len(cfg.server_addr_list))
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
+        self.finished = False  # the last step's pushes were acknowledged
         self.step = 0
         self._staleness = -1
         # resuming: the servers start at the checkpoint's version, with its momentum
@@ -339,6 +340,8 @@ class ParameterServer(Strategy):
         return WaitAll(acks, then=self._account)
 
     def _account(self) -> None:
+        # the last step's pushes are acknowledged: this worker is done (see close)
+        self.finished = self.step == self.ctx.cfg.steps - 1
         sent0, recv0 = self._bytes_at_start
         self.stats.bytes_sent = self.client.bytes_sent - sent0
         self.stats.bytes_recv = self.client.bytes_recv - recv0
@@ -388,6 +391,11 @@ class ParameterServer(Strategy):
             self.buckets.remove_hooks()
         if hasattr(self, "client"):
             try:
+                # Only a worker that finished says goodbye (so a bounded-staleness server
+                # stops counting it); one stopped by a failure or a signal leaves at once,
+                # instead of waiting for servers it may no longer reach.
+                if not self.finished:
+                    return
                 keys = [self.client.send(k, "leave", {}) for k in range(len(self.ranges))]
                 self.client.wait(keys, "leaving", timeout=min(self.ctx.cfg.timeout, 5.0))
             except PsringError:
