@@ -263,6 +263,17 @@ def _truncate_steps(path: Path, before: int) -> None:
 def prepare(cfg: RunConfig) -> RunConfig:
     """Resolve the run directory and the rendezvous port, checking both up front."""
     out = cfg.out or default_out(cfg)
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, STEPS).exists()
+        writable = os.access(out, os.W_OK | os.X_OK)
+    except OSError as e:
+        writable, why = False, e.strerror
+    else:
+        why = "not writable"
+    if not writable:
+        raise ConfigError(f"cannot use run directory {out} ({why}); pass an --out this "
+                          f"user can write.")
     if cfg.resume:
         from . import checkpoint
 
