@@ -67,6 +67,23 @@ class RunConfig:
         "for --server-addrs beyond loopback"))
     max_staleness: int = field(default=-1, metadata=_flag(
         "async-ps: most updates a worker's gradient may be behind (-1 = unbounded)"))
+    hosts: int = field(default=1, metadata=_flag(
+        "emulated hosts to spread the workers over: Linux network namespaces joined by one "
+        "switch, each host's link shaped to --link (docs/emulation.md); 1 = this machine's "
+        "own network"))
+    workers_per_host: int = field(default=0, metadata=_flag(
+        "workers on each emulated host, filled in rank order (without --hosts: as many "
+        "hosts as that takes); 0 = spread evenly over --hosts"))
+    link: str = field(default="", metadata=_flag(
+        "rate of every emulated host's link, each direction, in tc's syntax: 100mbit, 1gbit, "
+        "10gbit, ...; empty = unshaped (as fast as the CPU moves packets)"))
+    delay: str = field(default="", metadata=_flag(
+        "one-way delay added to each direction of every emulated link, e.g. 100us, 2ms "
+        "(needs the kernel's netem)"))
+    server_placement: str = field(default="colocated", metadata=_flag(
+        "ps/async-ps with --hosts: colocated (servers spread over the workers' hosts, "
+        "sharing their links) or own-hosts (each server on a host of its own, with its "
+        "own link)", choices=("colocated", "own-hosts")))
     slow_worker: str = field(default="", metadata=_flag(
         "I:FACTOR makes worker I's compute FACTOR times slower (straggler experiments)"))
     out: str = field(default="", metadata=_flag(
@@ -148,6 +165,11 @@ class RunConfig:
                               f"drop --checkpoint-every/--resume, or use a strategy that "
                               f"can (see docs/reliability.md).")
         self._check_data()
+        from .emulate import check_config, derived_hosts
+
+        object.__setattr__(self, "hosts", derived_hosts(self.workers, self.hosts,
+                                                        self.workers_per_host))
+        check_config(self, strategy_cls)
         self._check_servers(strategy_cls)
         self._check_slow_worker()
         if self.data == "synthetic":
@@ -180,7 +202,11 @@ class RunConfig:
                                       f"tcp://127.0.0.1:5555.")
             from .protocol import HOW_TO_SET_A_SECRET, is_local, load_secret
 
-            remote = [a for a in addrs if not is_local(a)]
+            from .emulate import emulated, in_network
+
+            # an emulated cluster's own servers are reachable only inside it
+            remote = [a for a in addrs if not is_local(a)
+                      and not (emulated(self) and in_network(a))]
             if remote and load_secret(self.secret_file) is None:
                 raise ConfigError(f"--server-addrs: {', '.join(remote)} lie(s) beyond loopback, "
                                   f"where servers accept only signed messages: "

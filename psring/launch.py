@@ -30,11 +30,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .config import RunConfig
 from .errors import ConfigError, RunFailed
 from .runlog import STEPS, atomic_write_bytes, atomic_write_json, count_lines
+
+if TYPE_CHECKING:
+    from .emulate import ClusterPlan
 
 GRACE_S = 5.0
 POLL_S = 0.05
@@ -301,12 +304,16 @@ def prepare(cfg: RunConfig) -> RunConfig:
     return cfg.replace(out=out, master_port=port)
 
 
-def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
+def worker_specs(cfg: RunConfig, plan: "ClusterPlan | None" = None) -> list[ProcessSpec]:
+    from .emulate import ClusterPlan
+
+    plan = plan or ClusterPlan.for_config(cfg)
     argv = [sys.executable, "-m", "psring.workers", *cfg.to_argv()]
     specs = []
     for rank in range(cfg.workers):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(cfg.workers), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(cfg.workers), "MASTER_ADDR": cfg.master_addr,
+        local_rank, local_world = plan.local_ranks(rank)
+        env = {"RANK": str(rank), "WORLD_SIZE": str(cfg.workers), "LOCAL_RANK": str(local_rank),
+               "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": cfg.master_addr,
                "MASTER_PORT": str(cfg.master_port),
                # Before torch is imported, so its thread pools are sized right from start.
                "OMP_NUM_THREADS": str(worker_threads(cfg, cfg.workers))}
@@ -326,16 +333,22 @@ def server_threads(servers: int, workers: int) -> int:
     return max(1, ((os.cpu_count() or 1) - workers) // servers)
 
 
-def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[ProcessSpec]]:
+def server_specs(cfg: RunConfig, run_dir: Path, plan: "ClusterPlan | None" = None
+                 ) -> tuple[RunConfig, list[ProcessSpec]]:
     """Parameter servers to start for ``cfg`` (none when it names running ones), and
     the config the workers get, with the servers' addresses filled in."""
+    from .emulate import ClusterPlan
     from .strategies import STRATEGIES
 
     if not STRATEGIES.get(cfg.strategy).uses_servers or cfg.server_addrs:
         return cfg, []
     from .strategies.ps import server_frame_limit
 
-    addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(cfg.servers)]
+    plan = plan or ClusterPlan.for_config(cfg)
+    # on loopback, or each on its emulated host's address (a fresh namespace: any port
+    # free here is free there)
+    host = (lambda k: plan.server_address(k)) if plan.emulated else (lambda k: "127.0.0.1")
+    addrs = [f"tcp://{host(k)}:{free_port()}" for k in range(cfg.servers)]
     extra = ["--secret-file", cfg.secret_file] if cfg.secret_file else []
     limit = server_frame_limit(cfg)
     if limit is not None:  # libzmq then refuses any larger frame (ZMQ_MAXMSGSIZE)
@@ -361,7 +374,20 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
         atomic_write_json(run_dir / LAUNCH, {"config": user_cfg.replace(out=cfg.out).to_dict()})
     # A new id for every launch, inherited by the run's processes (psring.runlog.run_id)
     os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
-    cfg, services = server_specs(cfg, run_dir)
+    from .emulate import network_for
+
+    net = network_for(cfg, run_dir)
+    if net.plan.emulated:
+        if cfg.server_addrs:
+            raise ConfigError("--server-addrs names servers outside the emulated cluster, "
+                              "which its hosts cannot reach; with --hosts or own-hosts "
+                              "placement psring starts the servers inside it: drop "
+                              "--server-addrs.")
+        # Emulated hosts share this machine's cores: threads are the machine's cores
+        # shared by all the run's workers, not by a host's.
+        cfg = cfg.replace(master_addr=net.plan.master_addr(),
+                          threads=worker_threads(cfg, cfg.workers))
+    cfg, services = server_specs(cfg, run_dir, net.plan)
     sup = Supervisor(run_dir / "logs")
     total = cfg.steps * cfg.workers
     steps_path = run_dir / STEPS
@@ -374,9 +400,13 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
 
     with _signals_raise():
         try:
-            for spec in services + worker_specs(cfg):
-                sup.start(spec)
+            net.start(sup)
+            for spec in services + worker_specs(cfg, net.plan):
+                sup.start(net.place(spec))
             sup.wait(tick)
+        except RunFailed as e:
+            why = net.explain()
+            raise RunFailed(f"{e}\n{why}" if why else str(e), e.exit_code) from None
         except KeyboardInterrupt:
             sup.stop()
             raise RunFailed(f"interrupted; all {len(sup.children)} processes of the run in "

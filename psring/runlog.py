@@ -149,6 +149,12 @@ def host_facts() -> dict[str, Any]:
             "cores": os.cpu_count(), "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def host_name() -> str:
+    """The host a process runs on, for its log lines: the emulated host's name
+    (PSRING_HOST, set by psring.emulate), else the machine's hostname."""
+    return os.environ.get("PSRING_HOST") or socket.gethostname()
+
+
 def run_id(cfg) -> str:
     """The same string in every process of one run, and a new one for every launch:
     names the run to parameter servers and names its shared-memory files.

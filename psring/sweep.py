@@ -37,6 +37,7 @@ import shutil
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from .config import RunConfig
@@ -139,6 +140,7 @@ class Sweep:
                 values["servers"] = 1
             if not strategy.supports_staleness_bound:
                 values["max_staleness"] = -1
+            _normalize_cluster(values, strategy)
             per_worker = values.pop("batch_per_worker", None)
             if per_worker is not None:
                 values["batch_size"] = int(per_worker) * values.get("workers", 1)
@@ -159,6 +161,30 @@ class Sweep:
                                       f"run: {e}") from None
                 seen[pid] = Point(pid, r, cfg, varied)
         return list(seen.values())
+
+
+def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
+    """Emulation settings that cannot apply to a point are dropped (psring.emulate): a
+    strategy of one host runs on one; no more hosts than workers; servers are placed
+    only where there are servers; links and delays only where traffic crosses hosts."""
+    from .emulate import derived_hosts, emulated
+
+    workers = values.get("workers", 1)
+    per_host = values.get("workers_per_host", 0)
+    hosts = derived_hosts(workers, values.get("hosts", 1), per_host)
+    if strategy.max_hosts is not None and hosts > strategy.max_hosts:
+        hosts, per_host = strategy.max_hosts, 0
+    hosts = min(hosts, workers)
+    values["hosts"] = hosts
+    values["workers_per_host"] = 0 if per_host >= workers or hosts == 1 else per_host
+    if not strategy.uses_servers:
+        values["server_placement"] = "colocated"
+    probe = SimpleNamespace(hosts=values["hosts"], strategy=values.get("strategy", "single"),
+                            server_placement=values.get("server_placement", "colocated"),
+                            workers_per_host=values.get("workers_per_host", 0))
+    if not emulated(probe):
+        values["link"] = ""
+        values["delay"] = ""
 
 
 def _slug(v: Any) -> str:

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import zmq
 
 from psring.errors import ConfigError
+from psring.runlog import host_name
 from psring.protocol import (HOW_TO_SET_A_SECRET, MAX_HEADER_BYTES, REQUESTS, SIGNATURE_BYTES,
                              AuthenticationError, ProtocolError, decode, error_frames,
                              is_local)
@@ -46,13 +47,16 @@ class RequestLog:
 
     def __init__(self, path: Path | None, flush_s: float = 0.5):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else -1
+        # every line names the host, so a run over emulated hosts shows where each
+        # server was (psring.emulate)
+        self.host = host_name()
         self.lines: list[str] = []
         self.flush_s = flush_s
         self.last = time.monotonic()
 
     def add(self, record: dict) -> None:
         if self.fd >= 0:
-            self.lines.append(json.dumps(record, separators=(",", ":")))
+            self.lines.append(json.dumps({**record, "host": self.host}, separators=(",", ":")))
             if len(self.lines) >= 1000 or time.monotonic() - self.last > self.flush_s:
                 self.flush()
 
@@ -73,6 +77,14 @@ class RequestLog:
 is_loopback = is_local
 
 
+def private_to_cluster(endpoint: str) -> bool:
+    """An emulated host's address, bound inside the emulated network, which nothing
+    outside psring's own namespaces can reach (psring.emulate): no secret needed."""
+    from psring.emulate import in_network, namespace_is_isolated
+
+    return in_network(endpoint) and namespace_is_isolated()
+
+
 def check_endpoint(endpoint: str, what: str = "--bind") -> None:
     u = urlparse(endpoint)
     if u.scheme not in ("tcp", "ipc") or (u.scheme == "tcp" and not u.hostname):
@@ -90,7 +102,7 @@ class Server:
                  secret: bytes | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
         check_endpoint(bind)
-        if secret is None and not is_local(bind):
+        if secret is None and not is_local(bind) and not private_to_cluster(bind):
             raise ConfigError(
                 f"refusing to listen on {bind} without a shared secret: beyond loopback "
                 f"anyone who reaches the port could change the model. To listen there, "

@@ -106,7 +106,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
 
     from psring import data as datasets
     from psring.models import build_model
-    from psring.runlog import MODEL, StepLog, save_state_dict
+    from psring.runlog import MODEL, StepLog, host_name, save_state_dict
     from psring.strategies import STRATEGIES, WorkerContext
 
     from .loop import train
@@ -133,7 +133,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         log.info("resuming from %s (step %d)", resume.path, resume.step)
     ctx = WorkerContext(cfg=cfg, rank=rank, world=world, local_rank=local_rank,
                         local_world=local_world, device=device, run_dir=run_dir, log=log,
-                        resume=resume)
+                        resume=resume, host=host_name())
     ds = datasets.load(cfg.data, cfg.samples, cfg.features, cfg.classes, cfg.seed)
     model = build_model(cfg.model, ds.features, ds.classes, cfg.width, cfg.depth, cfg.seed)
     if rank == 0:

@@ -148,7 +148,8 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
 
         stats = strategy.take_stats()
         record = {
-            "strategy": cfg.strategy, "worker": ctx.rank, "step": step, "time": time.time(),
+            "strategy": cfg.strategy, "worker": ctx.rank, "host": ctx.host, "step": step,
+            "time": time.time(),
             **{k: round(v, 7) for k, v in ph.items()},
             "step_s": round(mark - t0, 7),
             "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv,

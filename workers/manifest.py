@@ -9,6 +9,7 @@ from pathlib import Path
 from torch import nn
 
 from psring.config import RunConfig
+from psring.emulate import ClusterPlan
 from psring.data import Dataset
 from psring.models import flops_per_sample, parameter_bytes
 from psring.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
@@ -27,6 +28,8 @@ def build_manifest(cfg: RunConfig, model: nn.Module, ds: Dataset, strategy_cls,
         "threads_per_process": threads,
         "git_commit": git_commit(),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        # which process ran on which (emulated) host, the links and the placement
+        "cluster": ClusterPlan.for_config(cfg).describe(),
         "device": cfg.resolved_device,
         "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes},
         "parameters": sum(p.numel() for p in model.parameters()),

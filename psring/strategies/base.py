@@ -79,6 +79,8 @@ class WorkerContext:
     log: logging.Logger
     #: the checkpoint this run resumes from (psring.checkpoint.Checkpoint), or None
     resume: Any = None
+    #: the host this worker runs on (an emulated host's name, or the machine's)
+    host: str = ""
 
 
 @dataclass
@@ -102,6 +104,9 @@ class Strategy:
     name: ClassVar[str] = ""
     #: largest --workers the strategy supports (None = any)
     max_workers: ClassVar[int | None] = None
+    #: largest --hosts allowed (None = any): a strategy whose workers share memory runs
+    #: on one host
+    max_hosts: ClassVar[int | None] = None
     #: the worker entry point must initialize torch.distributed before setup()
     uses_process_group: ClassVar[bool] = False
     #: the loop builds a torch.optim.SGD and update() applies it; False when a server

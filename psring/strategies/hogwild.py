@@ -44,6 +44,7 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 @STRATEGIES.register("hogwild")
 class Hogwild(Strategy):
     name = "hogwild"
+    max_hosts = 1  # its workers share one memory
 
     def setup(self, model: nn.Module) -> nn.Module:
         ctx = self.ctx

@@ -1,0 +1,852 @@
+"""Emulated clusters: hosts, links and server placement on one Linux machine.
+
+    psring run --strategy allreduce --workers 4 --hosts 2 --link 1gbit
+    psring run --strategy ps --workers 4 --hosts 4 --link 100mbit \\
+        --servers 2 --server-placement own-hosts
+    psring calibrate --hosts 2 --link 1gbit
+
+Each emulated host is a Linux network namespace with one interface, ``eth0``, addressed
+in 198.18.0.0/15 (RFC 2544's range for benchmarking network devices). Its other end is a
+port of one bridge, the switch, which lives in a namespace of its own. Both ends of
+every veth pair are shaped with ``tbf`` to the link's rate (``--link``), so a host sends
+and receives at most RATE at once, as a full-duplex NIC does; ``--delay`` adds a
+``netem`` delay where the kernel has netem. Traffic between processes of one host stays
+on that host's loopback. docs/emulation.md has the picture and what is not emulated.
+
+Lifetime, which is the point of the design: nothing is named and nothing is mounted.
+The *agent* (``python -m psring.emulate agent``, a service of the run's supervisor)
+moves itself into the switch's namespace (inside a new user namespace when it is not
+root) and forks one *holder* per host, a process whose only job is to keep that host's
+namespace alive. Every process of the run dies with its parent (PR_SET_PDEATHSIG), and
+the kernel frees a namespace with its last process, its veths and bridge with it. So a
+cluster disappears after a normal end, a failure, Ctrl-C, SIGTERM and a SIGKILL of the
+launcher alike, with no cleanup code to run; the machine's own interfaces, routes and
+qdiscs are never touched.
+
+The launcher sees one seam, :func:`network_for`: a :class:`Network` that starts what it
+needs beside the run's processes, puts each process on its host (:meth:`Network.place`)
+and explains failures in terms of the cluster (a link that went down).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import ipaddress
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .errors import ConfigError, PsringError
+from .runlog import atomic_write_json
+
+if TYPE_CHECKING:  # the launcher's types; imported lazily (this module stays light:
+    from .launch import ProcessSpec, Supervisor  # the trampoline imports it per process)
+
+#: the emulated network: RFC 2544's benchmarking range, never a real network's
+NETWORK = ipaddress.ip_network("198.18.0.0/15")
+#: the interface of every emulated host, and the switch's port names
+HOST_IFACE = "eth0"
+BRIDGE = "psr-br"
+CLUSTER_FILE = "cluster.json"
+PLACEMENTS = ("colocated", "own-hosts")
+#: seconds the agent may take to build a cluster
+READY_TIMEOUT_S = 30.0
+
+# -- rates and delays, in tc's syntax ---------------------------------------------------
+
+#: tc(8)'s rate units, in bits per second (tc compares them case-insensitively)
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
+               "kibps": 8 * 2**10, "mibps": 8 * 2**20, "gibps": 8 * 2**30,
+               "tibps": 8 * 2**40}
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3,
+               "msecs": 1e-3, "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
+_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]+)\s*"
+#: slower links would make every run take minutes; faster ones only measure the CPU
+MIN_RATE_BITS = 1e6
+
+
+def parse_rate(text: str, flag: str = "--link") -> float:
+    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``1.5Gbit``, ``125mbps``)."""
+    m = re.fullmatch(_NUMBER, text or "")
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _RATE_UNITS:
+        raise ConfigError(f"{flag} {text!r} is not a rate: give a number and one of tc's "
+                          f"units, e.g. 100mbit, 1gbit, 10gbit (bit, kbit, mbit, gbit, "
+                          f"tbit are bits per second; bps, kbps, mbps, gbps are bytes per "
+                          f"second; kibit, mibit, ... are binary multiples).")
+    bits = float(m.group(1)) * _RATE_UNITS[unit]
+    if bits < MIN_RATE_BITS:
+        raise ConfigError(f"{flag} {text!r} is {bits:g} bit/s; emulated links start at "
+                          f"1mbit (slower ones make a step take minutes).")
+    return bits
+
+
+def parse_delay(text: str, flag: str = "--delay") -> float:
+    """Seconds of a tc time (``100us``, ``2ms``, ``0.5ms``)."""
+    m = re.fullmatch(_NUMBER, text or "")
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _TIME_UNITS:
+        raise ConfigError(f"{flag} {text!r} is not a time: give a number and a unit, "
+                          f"e.g. 100us, 2ms (s, ms, us).")
+    return float(m.group(1)) * _TIME_UNITS[unit]
+
+
+def format_rate(bits: float) -> str:
+    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g}{unit}"
+    return f"{bits:g}bit"
+
+
+def tbf_params(bits: float) -> tuple[int, int]:
+    """(burst, limit) bytes of the token bucket that shapes a link of ``bits``/s.
+
+    burst: 1 ms of the rate, at least 16 KiB (ten full frames). A full bucket lets a
+    burst through at once, so a transfer can beat the rate by burst/rate: 1 ms at most,
+    small against the gradients of a step. Packets larger than the burst (veth's GSO
+    packets of up to 64 KiB, below ~500 Mbit/s) are split by tbf, in software, which
+    costs little at such rates.
+    limit, the queue: 100 ms of the rate, at least 4 MiB. Deep on purpose: a switch port
+    that drops packets sends TCP into 200 ms retransmission timeouts, which would measure
+    TCP's loss recovery instead of the link; with a deep queue, a link shared by several
+    flows (a parameter server's) is a work-conserving pipe of RATE, as the cost model
+    assumes. The price is queueing delay under load, which a real shallow-buffered
+    switch would not add (docs/emulation.md)."""
+    bytes_per_s = bits / 8
+    burst = max(16 * 1024, int(bytes_per_s * 1e-3))
+    limit = max(4 * 2**20, int(bytes_per_s * 0.1))
+    return burst, limit
+
+
+#: the share of a shaped link's rate that reaches TCP as payload: tbf counts each
+#: frame's bytes (Ethernet header included: 1514 per 1500-byte MTU), of which 1448 are
+#: payload (IPv4 20, TCP 20 + 12 of timestamps)
+PAYLOAD_FRACTION = 1448 / 1514
+
+
+def payload_beta(bits: float) -> float:
+    """Seconds per payload byte over a link of ``bits``/s: the cost model's nominal β."""
+    return 8 / (bits * PAYLOAD_FRACTION)
+
+
+# -- the plan: which process runs on which host ------------------------------------------
+
+@dataclass
+class Host:
+    name: str
+    index: int
+    address: str
+    #: what runs there, e.g. ["worker-0", "server-1"]
+    processes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ClusterPlan:
+    """Where every process of a run lives. Pure: computed from the config alone, so the
+    launcher, every worker (for its manifest and errors) and the reports agree."""
+
+    emulated: bool
+    hosts: list[Host]
+    worker_host: list[int]
+    server_host: list[int]
+    link: str = ""
+    link_bits: float | None = None
+    delay: str = ""
+    delay_s: float = 0.0
+    placement: str = "colocated"
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> "ClusterPlan":
+        from .strategies import STRATEGIES
+
+        n = cfg.workers
+        k = cfg.servers if STRATEGIES.get(cfg.strategy).uses_servers else 0
+        if not emulated(cfg):
+            local = Host("local", 0, cfg.master_addr,
+                         [f"worker-{r}" for r in range(n)] + [f"server-{s}" for s in range(k)])
+            return cls(False, [local], [0] * n, [0] * k)
+        counts = worker_counts(n, cfg.hosts, cfg.workers_per_host)
+        worker_host = [h for h, c in enumerate(counts) for _ in range(c)]
+        if cfg.server_placement == "own-hosts":
+            server_host = [cfg.hosts + s for s in range(k)]
+        else:  # spread over the worker hosts, as on a cluster without spare machines
+            server_host = [s % cfg.hosts for s in range(k)]
+        count = cfg.hosts + (k if cfg.server_placement == "own-hosts" else 0)
+        hosts = [Host(f"host-{i}", i, str(NETWORK.network_address + 1 + i))
+                 for i in range(count)]
+        for r, h in enumerate(worker_host):
+            hosts[h].processes.append(f"worker-{r}")
+        for s, h in enumerate(server_host):
+            hosts[h].processes.append(f"server-{s}")
+        return cls(True, hosts, worker_host, server_host, link=cfg.link,
+                   link_bits=parse_rate(cfg.link) if cfg.link else None, delay=cfg.delay,
+                   delay_s=parse_delay(cfg.delay) if cfg.delay else 0.0,
+                   placement=cfg.server_placement)
+
+    @classmethod
+    def bare(cls, hosts: int, link: str = "", delay: str = "") -> "ClusterPlan":
+        """``hosts`` emulated hosts with nothing planned on them (calibration, benchmarks)."""
+        return cls(True, [Host(f"host-{i}", i, str(NETWORK.network_address + 1 + i))
+                          for i in range(hosts)], [], [], link=link,
+                   link_bits=parse_rate(link) if link else None, delay=delay,
+                   delay_s=parse_delay(delay) if delay else 0.0)
+
+    # what the launcher needs
+    def master_addr(self) -> str:
+        return self.hosts[self.worker_host[0]].address if self.worker_host else ""
+
+    def server_address(self, k: int) -> str:
+        return self.hosts[self.server_host[k]].address
+
+    def local_ranks(self, rank: int) -> tuple[int, int]:
+        """(LOCAL_RANK, LOCAL_WORLD_SIZE) of a worker: its place among its host's workers."""
+        h = self.worker_host[rank]
+        mates = [r for r, hh in enumerate(self.worker_host) if hh == h]
+        return mates.index(rank), len(mates)
+
+    def host_of(self, process: str) -> Host:
+        return next(h for h in self.hosts if process in h.processes)
+
+    def describe(self) -> dict[str, Any]:
+        """For the manifest and reports."""
+        return {"emulated": self.emulated, "hosts": [asdict(h) for h in self.hosts],
+                "worker_hosts": len({*self.worker_host}), "link": self.link or None,
+                "link_bits_per_s": self.link_bits, "delay": self.delay or None,
+                "server_placement": self.placement if self.server_host else None}
+
+
+def emulated(cfg: Any) -> bool:
+    """Does the run need an emulated network (more than one host)?"""
+    from .strategies import STRATEGIES
+
+    own = cfg.server_placement == "own-hosts" and STRATEGIES.get(cfg.strategy).uses_servers
+    return cfg.hosts > 1 or own
+
+
+def derived_hosts(workers: int, hosts: int, per_host: int) -> int:
+    """--workers-per-host G without --hosts: as many hosts as the workers need."""
+    if per_host > 0 and hosts == 1 and workers > per_host:
+        return -(-workers // per_host)
+    return hosts
+
+
+def worker_counts(n: int, hosts: int, per_host: int) -> list[int]:
+    """Workers on each host: ``per_host`` each (the last host gets the rest), or spread
+    evenly, the first ``n mod hosts`` hosts one more."""
+    if per_host:
+        return [min(per_host, n - h * per_host) for h in range(hosts)]
+    return [n // hosts + (1 if h < n % hosts else 0) for h in range(hosts)]
+
+
+def check_config(cfg: Any, strategy_cls: Any) -> None:
+    """RunConfig's validation of the cluster flags (pure; raises ConfigError)."""
+    if cfg.hosts < 1:
+        raise ConfigError(f"--hosts must be at least 1 (got {cfg.hosts}).")
+    if cfg.hosts > cfg.workers:
+        raise ConfigError(
+            f"--hosts {cfg.hosts} is more than --workers {cfg.workers}: every emulated host "
+            f"holds at least one worker. Use --hosts {cfg.workers} or fewer (servers of "
+            f"--server-placement own-hosts get hosts of their own besides these).")
+    if strategy_cls.max_hosts is not None and cfg.hosts > strategy_cls.max_hosts:
+        raise ConfigError(
+            f"strategy {cfg.strategy!r} runs on one host by definition (its workers share "
+            f"memory), so --hosts {cfg.hosts} cannot apply; drop --hosts, or use a "
+            f"message-passing strategy (allreduce, ps, async-ps) across hosts.")
+    if cfg.workers_per_host < 0:
+        raise ConfigError(f"--workers-per-host must be >= 0 (0 = spread evenly; got "
+                          f"{cfg.workers_per_host}).")
+    if cfg.workers_per_host:
+        g, h, n = cfg.workers_per_host, cfg.hosts, cfg.workers
+        if g * h < n or g * (h - 1) >= n:
+            need = -(-n // g)
+            raise ConfigError(
+                f"--workers-per-host {g} on --hosts {h} does not fit --workers {n}: "
+                f"{h} host(s) of {g} {'hold fewer' if g * h < n else 'leave a host empty'}; "
+                f"use --hosts {need}, or drop --workers-per-host to spread them evenly.")
+    if cfg.server_placement not in PLACEMENTS:
+        raise ConfigError(f"--server-placement must be one of {', '.join(PLACEMENTS)} "
+                          f"(got {cfg.server_placement!r}).")
+    if cfg.server_placement != "colocated" and not strategy_cls.uses_servers:
+        raise ConfigError(f"--server-placement applies to parameter-server strategies "
+                          f"(ps, async-ps), not {cfg.strategy!r}.")
+    if cfg.link:
+        parse_rate(cfg.link)
+    if cfg.delay:
+        parse_delay(cfg.delay)
+    if (cfg.link or cfg.delay) and not emulated(cfg):
+        raise ConfigError(
+            "--link and --delay shape the links between emulated hosts, and with --hosts 1 "
+            "(and servers, if any, colocated) nothing crosses one; give --hosts 2 or more, "
+            "or --server-placement own-hosts.")
+    if emulated(cfg):
+        # worker 0 is always on host-0, the network's first address
+        if cfg.master_addr not in ("127.0.0.1", str(NETWORK.network_address + 1)):
+            raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
+                              "host); drop it.")
+        wrong = [a for a in cfg.server_addr_list if not in_network(a)]
+        if wrong:
+            raise ConfigError(
+                f"--server-addrs {', '.join(wrong)}: emulated hosts reach only each other "
+                f"(198.18.0.0/15); with --hosts the launcher starts the servers itself "
+                f"(drop --server-addrs).")
+
+
+def in_network(endpoint: str) -> bool:
+    """Is a tcp:// endpoint's host inside the emulated network's range?"""
+    from urllib.parse import urlparse
+
+    try:
+        return ipaddress.ip_address(urlparse(endpoint).hostname or "") in NETWORK
+    except ValueError:
+        return False
+
+
+def namespace_is_isolated() -> bool:
+    """True when this process's network namespace routes nowhere beyond 198.18.0.0/15 —
+    an emulated host's: no default route, no IPv4 route outside the range, no IPv6
+    address. A parameter server inside one may listen on its emulated address without a
+    shared secret, since nothing outside psring's namespaces can reach it."""
+    try:
+        rows = Path("/proc/net/route").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    for row in rows:
+        cols = row.split()
+        if len(cols) < 8:
+            return False
+        dest = ipaddress.IPv4Address(struct.pack("<I", int(cols[1], 16)))
+        mask = ipaddress.IPv4Address(struct.pack("<I", int(cols[7], 16)))
+        try:
+            net = ipaddress.ip_network(f"{dest}/{mask}")
+        except ValueError:
+            return False
+        if not net.subnet_of(NETWORK):
+            return False
+    try:
+        if Path("/proc/net/if_inet6").read_text().strip():
+            return False
+    except OSError:
+        pass  # no IPv6 in this kernel
+    return True
+
+
+# -- system calls -----------------------------------------------------------------------
+
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _unshare(flags: int) -> None:
+    if _libc.unshare(flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def _setns(path: str, nstype: int, inode: int | None = None) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if inode is not None and os.fstat(fd).st_ino != inode:
+            raise OSError(errno.ESRCH, f"{path} is no longer the cluster's namespace")
+        if _libc.setns(fd, nstype) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"setns({path}): {os.strerror(e)}")
+    finally:
+        os.close(fd)
+
+
+def _die_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def ns_inode(pid: int | str, kind: str = "net") -> int:
+    return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+
+
+class EmulationError(PsringError):
+    """The machine cannot build the cluster (permissions, tools, kernel): exit 2."""
+
+
+def _tool(name: str) -> str:
+    # /usr/sbin and /sbin are not on an ordinary user's PATH on Debian
+    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
+    if path is None:
+        raise EmulationError(
+            f"emulated hosts need the `{name}` command of iproute2, which is not installed "
+            f"here; install it (Debian/Ubuntu: apt-get install iproute2) or run without "
+            f"--hosts/--link.")
+    return path
+
+
+def permission_help(detail: str) -> str:
+    return (
+        f"psring cannot create the emulated cluster's network namespaces here: {detail}. "
+        f"Creating namespaces and shaping links needs CAP_NET_ADMIN and CAP_SYS_ADMIN: run "
+        f"as root, or let ordinary users create user namespaces (psring then builds the "
+        f"cluster inside one, as `unshare --user --net --map-root-user` does): "
+        f"`sysctl -w user.max_user_namespaces=15000`, on Debian kernels also "
+        f"`sysctl -w kernel.unprivileged_userns_clone=1`, and on Ubuntu 23.10+ "
+        f"`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`. Nothing was "
+        f"changed on this machine.")
+
+
+# -- the agent: builds the cluster, then keeps it alive ------------------------------------
+
+def _enter_switch() -> str:
+    """Move the agent into a new network namespace (the switch's); as an ordinary user,
+    inside a new user namespace where it is root. Returns the mode."""
+    if os.geteuid() == 0:
+        try:
+            _unshare(CLONE_NEWNET)
+            return "root"
+        except OSError as e:
+            if e.errno != errno.EPERM:
+                raise EmulationError(permission_help(f"unshare(CLONE_NEWNET) failed: "
+                                                     f"{e.strerror}")) from None
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        _unshare(CLONE_NEWUSER | CLONE_NEWNET)
+    except OSError as e:
+        why = {errno.EPERM: "the kernel refused a user namespace (Operation not permitted)",
+               errno.ENOSPC: "the kernel refused a user namespace: its limit "
+                             "(/proc/sys/user/max_user_namespaces or max_net_namespaces) "
+                             "is reached or 0",
+               errno.EINVAL: "this kernel has no user namespaces"}.get(
+            e.errno, f"unshare(CLONE_NEWUSER|CLONE_NEWNET) failed: {e.strerror}")
+        who = "root without CAP_SYS_ADMIN" if uid == 0 else f"uid {uid} is not root"
+        raise EmulationError(permission_help(f"{who}, and {why}")) from None
+    try:
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
+    except OSError as e:
+        raise EmulationError(permission_help(f"the kernel refused to map this user into a "
+                                             f"user namespace ({e.strerror}); an LSM such "
+                                             f"as AppArmor may restrict them")) from None
+    return "userns"
+
+
+def _spawn_holder() -> tuple[int, int]:
+    """Fork a process in a new network namespace of its own (an emulated host). It lives
+    until the agent dies (pipe EOF, and PR_SET_PDEATHSIG). Returns (pid, control fd)."""
+    ready_r, ready_w = os.pipe()
+    ctrl_r, ctrl_w = os.pipe()
+    agent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the holder: as little as possible, then wait
+        code = 0
+        try:
+            os.close(ready_r)
+            os.close(ctrl_w)
+            _die_with_parent()
+            if os.getppid() != agent:
+                os._exit(0)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                _unshare(CLONE_NEWNET)
+                os.write(ready_w, b"ok")
+            except OSError as e:
+                os.write(ready_w, f"unshare(CLONE_NEWNET): {e.strerror}".encode())
+                code = 1
+            os.close(ready_w)
+            if code == 0:
+                os.read(ctrl_r, 1)  # EOF when the agent is gone
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(ctrl_r)
+    answer = os.read(ready_r, 512).decode(errors="replace")
+    os.close(ready_r)
+    if answer != "ok":
+        raise EmulationError(permission_help(answer or "a host's namespace process died"))
+    return pid, ctrl_w
+
+
+def _run(argv: list[str], stdin: str, what: str) -> None:
+    proc = subprocess.run(argv, input=stdin, text=True, capture_output=True)
+    if proc.returncode != 0:
+        err = (proc.stderr or proc.stdout).strip().splitlines()
+        msg = err[-1] if err else f"exit code {proc.returncode}"
+        raise EmulationError(f"building the emulated cluster failed at {what}: "
+                             f"`{' '.join(argv)}` said: {msg}")
+
+
+def _shaping(dev: str, plan: dict) -> list[str]:
+    """tc batch lines shaping ``dev``'s egress: netem (delay) and/or tbf (rate)."""
+    lines = []
+    parent = "root handle 1:"
+    if plan["delay"]:
+        lines.append(f"qdisc add dev {dev} root handle 1: netem delay {plan['delay_us']}us")
+        parent = "parent 1:1 handle 10:"
+    if plan["link_bits"]:
+        burst, limit = tbf_params(plan["link_bits"])
+        lines.append(f"qdisc add dev {dev} {parent} tbf rate {int(plan['link_bits'])}bit "
+                     f"burst {burst} limit {limit}")
+    return lines
+
+
+def _no_ipv6() -> None:
+    """IPv6 off in the current namespace: no autoconfiguration chatter on the links,
+    and no address outside 198.18.0.0/15 (namespace_is_isolated)."""
+    for name in ("all", "default"):
+        try:
+            Path(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6").write_text("1")
+        except OSError:
+            pass  # a kernel without IPv6
+
+
+def _check_netem(tc: str, plan: dict) -> None:
+    """--delay needs netem: try it on the switch's loopback before building anything."""
+    if not plan["delay"]:
+        return
+    try:
+        _run([tc, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1us"], "",
+             "a netem probe")
+    except EmulationError as e:
+        raise EmulationError(
+            f"--delay {plan['delay']} needs the kernel's netem queueing discipline "
+            f"(sch_netem), which this kernel does not have ({str(e).rsplit(': ', 1)[-1]}), "
+            f"so propagation delay cannot be emulated here: drop --delay (the links' "
+            f"bandwidth is still emulated, and the cost model can add a delay on paper), "
+            f"or run on a kernel built with CONFIG_NET_SCH_NETEM (modprobe sch_netem)."
+        ) from None
+    _run([tc, "qdisc", "del", "dev", "lo", "root"], "", "removing the netem probe")
+
+
+class Agent:
+    def __init__(self, plan: dict, state_path: Path):
+        self.plan = plan
+        self.state_path = state_path
+        self.holders: list[tuple[int, int]] = []
+        self.state: dict[str, Any] = {}
+
+    def build(self) -> None:
+        """Build the cluster; ``self.state`` records each namespace as soon as it exists
+        (a failed build's state still names them: tests check they are gone too)."""
+        plan = self.plan
+        ip, tc = _tool("ip"), _tool("tc")
+        mode = _enter_switch()
+        self.state = {
+            "ready": False, "mode": mode, "agent_pid": os.getpid(),
+            "switch": {"net_inode": ns_inode("self"), "user_inode": ns_inode("self", "user")},
+            "link": plan["link"], "link_bits": plan["link_bits"], "delay": plan["delay"],
+            "hosts": [], "events": []}
+        _no_ipv6()
+        _check_netem(tc, plan)
+        for h in plan["hosts"]:
+            pid, ctrl = _spawn_holder()
+            self.holders.append((pid, ctrl))
+            self.state["hosts"].append({**h, "pid": pid, "net_inode": ns_inode(pid),
+                                        "interface": HOST_IFACE, "port": f"psr-h{h['index']}"})
+        lines = ["link set dev lo up", f"link add name {BRIDGE} type bridge",
+                 f"link set dev {BRIDGE} up"]
+        for h in self.state["hosts"]:
+            lines += [f"link add name {h['port']} type veth peer name {HOST_IFACE} "
+                      f"netns {h['pid']}",
+                      f"link set dev {h['port']} master {BRIDGE}", f"link set dev {h['port']} up"]
+        _run([ip, "-batch", "-"], "\n".join(lines) + "\n", "the switch")
+        shaping = [ln for h in self.state["hosts"] for ln in _shaping(h["port"], plan)]
+        if shaping:
+            _run([tc, "-batch", "-"], "\n".join(shaping) + "\n", "the switch's links")
+        switch = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for h in self.state["hosts"]:
+                _setns(f"/proc/{h['pid']}/ns/net", CLONE_NEWNET)
+                try:
+                    self._configure_host(h, ip, tc)
+                finally:
+                    if _libc.setns(switch, CLONE_NEWNET) != 0:
+                        raise EmulationError("could not return to the switch's namespace")
+        finally:
+            os.close(switch)
+        self.state["ready"] = True
+        self._save()
+
+    def _configure_host(self, h: dict, ip: str, tc: str) -> None:
+        """Inside host ``h``'s namespace: loopback, its address, its side of the link."""
+        _no_ipv6()
+        _run([ip, "-batch", "-"], f"link set dev lo up\naddr add {h['address']}/"
+             f"{NETWORK.prefixlen} dev {HOST_IFACE}\nlink set dev {HOST_IFACE} up\n", h["name"])
+        shaping = _shaping(HOST_IFACE, self.plan)
+        if shaping:
+            _run([tc, "-batch", "-"], "\n".join(shaping) + "\n", f"{h['name']}'s link")
+
+    def _save(self) -> None:
+        atomic_write_json(self.state_path, self.state)
+
+    def watch(self) -> None:
+        """Until stopped: record links going down and up (rtnetlink events on the
+        switch's ports), so a failed run can say which host was cut off."""
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)  # NETLINK_ROUTE
+        sock.bind((0, 1))  # RTMGRP_LINK
+        ports = {h["port"]: h for h in self.state["hosts"]}
+        up = {p: True for p in ports}
+        while True:
+            ready, _, _ = select.select([sock], [], [], 5.0)
+            if not ready:
+                continue
+            for name, is_up in _link_events(sock.recv(65536)):
+                if name in ports and is_up != up[name]:
+                    up[name] = is_up
+                    h = ports[name]
+                    event = {"time": time.time(), "host": h["name"], "address": h["address"],
+                             "link": "up" if is_up else "down"}
+                    self.state["events"].append(event)
+                    self._save()
+                    print(f"[cluster] {h['name']} ({h['address']}): link "
+                          f"{event['link']}", flush=True)
+
+    def close(self) -> None:
+        for pid, ctrl in self.holders:
+            try:
+                os.close(ctrl)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+
+
+def _link_events(data: bytes):
+    """(interface name, carrier up) of each RTM_NEWLINK message in a netlink datagram."""
+    IFF_UP, IFF_LOWER_UP, RTM_NEWLINK, IFLA_IFNAME = 0x1, 0x10000, 16, 3
+    off = 0
+    while off + 16 <= len(data):
+        length, kind = struct.unpack_from("=IH", data, off)
+        if length < 16:
+            break
+        if kind == RTM_NEWLINK and length >= 32:
+            flags = struct.unpack_from("=I", data, off + 24)[0]
+            a = off + 32
+            while a + 4 <= off + length:
+                alen, atype = struct.unpack_from("=HH", data, a)
+                if alen < 4:
+                    break
+                if atype == IFLA_IFNAME:
+                    name = data[a + 4:a + alen].split(b"\0")[0].decode(errors="replace")
+                    yield name, bool(flags & IFF_UP and flags & IFF_LOWER_UP)
+                a += (alen + 3) & ~3
+        off += (length + 3) & ~3
+
+
+def agent_main(plan_json: str, state_path: str) -> int:
+    _die_with_parent()
+    if os.environ.get("PSRING_PARENT_PID") and os.getppid() != int(os.environ["PSRING_PARENT_PID"]):
+        return 143
+
+    def stop(*_: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    plan = json.loads(plan_json)
+    agent = Agent(plan, Path(state_path))
+    try:
+        agent.build()
+        print(f"[cluster] {len(plan['hosts'])} hosts ready ({agent.state['mode']} mode): "
+              + ", ".join(f"{h['name']}={h['address']}" for h in plan["hosts"]), flush=True)
+        agent.watch()
+    except EmulationError as e:
+        atomic_write_json(Path(state_path), {**agent.state, "ready": False, "error": str(e),
+                                             "exit_code": e.exit_code})
+        print(f"[cluster] error: {e}", flush=True)
+        return e.exit_code
+    finally:
+        agent.close()
+    return 0
+
+
+# -- entering a host: the trampoline every process of an emulated host starts through -------
+
+def enter(host: dict, mode: str) -> None:
+    """Move the calling process (single-threaded) into an emulated host's namespace."""
+    pid = host["pid"]
+    if mode == "userns":
+        _setns(f"/proc/{pid}/ns/user", CLONE_NEWUSER)
+    _setns(f"/proc/{pid}/ns/net", CLONE_NEWNET, host["net_inode"])
+
+
+def _enter_main(argv: list[str]) -> int:
+    # python -m psring.emulate enter STATE HOST -- COMMAND...
+    state_path, host_name, sep, *command = argv
+    if sep != "--" or not command:
+        print("usage: python -m psring.emulate enter STATE HOST -- COMMAND...", file=sys.stderr)
+        return 2
+    state = json.loads(Path(state_path).read_text())
+    host = next(h for h in state["hosts"] if h["name"] == host_name)
+    try:
+        enter(host, state["mode"])
+    except OSError as e:
+        print(f"psring: cannot enter emulated {host_name}: {e.strerror or e}; the cluster "
+              f"agent may have died (see logs/cluster.log).", file=sys.stderr)
+        return 1
+    os.execvp(command[0], command)
+    return 127  # not reached
+
+
+# -- the launcher's side ------------------------------------------------------------------
+
+class Network:
+    """What the launcher calls. This base is the machine's own network (no emulation)."""
+
+    def __init__(self, plan: ClusterPlan):
+        self.plan = plan
+
+    def start(self, sup: "Supervisor") -> None:
+        """Start what the network needs (before any process is placed)."""
+
+    def place(self, spec: "ProcessSpec") -> "ProcessSpec":
+        """The spec to start ``spec`` on its host."""
+        return spec
+
+    def explain(self) -> str:
+        """What the network saw, to add to a failure's message ('' when nothing)."""
+        return ""
+
+
+class EmulatedCluster(Network):
+    """The cluster an agent builds; processes are started inside its hosts."""
+
+    def __init__(self, plan: ClusterPlan, run_dir: Path):
+        super().__init__(plan)
+        self.state_path = Path(run_dir) / CLUSTER_FILE
+        self.state: dict[str, Any] = {}
+        self.started = 0.0
+
+    def agent_spec(self) -> "ProcessSpec":
+        from .launch import ProcessSpec
+
+        p = self.plan
+        plan = {"hosts": [{"name": h.name, "index": h.index, "address": h.address,
+                           "processes": h.processes} for h in p.hosts],
+                "link": p.link, "link_bits": p.link_bits, "delay": p.delay,
+                "delay_us": round(p.delay_s * 1e6)}
+        return ProcessSpec("cluster", [sys.executable, "-m", "psring.emulate", "agent",
+                                       json.dumps(plan), str(self.state_path)], service=True)
+
+    def start(self, sup: "Supervisor") -> None:
+        from .launch import POLL_S
+
+        self.state_path.unlink(missing_ok=True)
+        child = sup.start(self.agent_spec())
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                self.state = json.loads(self.state_path.read_text())
+            except (OSError, ValueError):
+                self.state = {}
+            if self.state.get("ready"):
+                self.started = time.time()
+                return
+            if "error" in self.state:
+                raise EmulationError(self.state["error"])
+            if child.proc.poll() is not None or time.monotonic() > deadline:
+                from .launch import tail
+
+                raise EmulationError(
+                    f"the emulated cluster's agent {'died' if child.proc.poll() is not None else 'did not get ready within %.0f s' % READY_TIMEOUT_S}"
+                    f"; its log ({child.log_path}) ends:\n{tail(child.log_path)}")
+            time.sleep(POLL_S)
+
+    @property
+    def mode(self) -> str:
+        return self.state["mode"]
+
+    def host(self, name: str) -> dict[str, Any]:
+        """A host's entry in the cluster's state (address, holder pid, namespace inode)."""
+        return next(h for h in self.state["hosts"] if h["name"] == name)
+
+    def command(self, host: str, argv: list[str]) -> list[str]:
+        """argv that runs ``argv`` inside emulated ``host``."""
+        return [sys.executable, "-m", "psring.emulate", "enter", str(self.state_path), host,
+                "--", *argv]
+
+    def environment(self, host: str) -> dict[str, str]:
+        return {"PSRING_HOST": host,
+                # gloo and NCCL find their interface by name, not by resolving the
+                # machine's hostname (which names an address outside the namespace)
+                "GLOO_SOCKET_IFNAME": HOST_IFACE, "NCCL_SOCKET_IFNAME": HOST_IFACE,
+                # NCCL would otherwise move data between GPUs of one machine through
+                # shared memory or NVLink, around the emulated links (not run here: no GPU)
+                "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+
+    def place(self, spec: "ProcessSpec") -> "ProcessSpec":
+        import dataclasses
+
+        host = self.plan.host_of(spec.name).name
+        return dataclasses.replace(spec, argv=self.command(host, spec.argv),
+                                   env={**spec.env, **self.environment(host)})
+
+    def explain(self) -> str:
+        try:
+            state = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return ""
+        downs = [e for e in state.get("events", []) if e["link"] == "down"]
+        if not downs:
+            return ""
+        parts = []
+        on_host = {h.name: h.processes for h in self.plan.hosts}
+        for e in downs:
+            on = ", ".join(on_host.get(e["host"], [])) or "nothing"
+            parts.append(f"{e['host']}'s link ({e['address']}) went down "
+                         f"{e['time'] - self.started:.1f} s after the cluster was built, "
+                         f"cutting off {on}")
+        return "The emulated network saw: " + "; ".join(parts) + "."
+
+
+@contextlib.contextmanager
+def standalone(hosts: int, link: str = "", delay: str = "",
+               log_dir: Path | None = None) -> Iterator[EmulatedCluster]:
+    """An emulated cluster outside a run (calibration, benchmarks): its agent is
+    supervised here and stopped on exit; ``cluster.command(host, argv)`` runs a program
+    on a host, ``enter(cluster.host(name), cluster.mode)`` moves a fresh process there."""
+    from .launch import Supervisor
+
+    with tempfile.TemporaryDirectory(prefix="psring-cluster-") as tmp:
+        d = Path(log_dir) if log_dir else Path(tmp)
+        cluster = EmulatedCluster(ClusterPlan.bare(hosts, link, delay), d)
+        sup = Supervisor(d / "logs")
+        try:
+            cluster.start(sup)
+            yield cluster
+        finally:
+            sup.stop()
+
+
+def network_for(cfg: Any, run_dir: Path) -> Network:
+    """The launcher's one seam: the machine's network, or an emulated cluster."""
+    plan = ClusterPlan.for_config(cfg)
+    return EmulatedCluster(plan, run_dir) if plan.emulated else Network(plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["enter"]:
+        return _enter_main(argv[1:])
+    if argv[:1] == ["agent"] and len(argv) == 3:
+        return agent_main(argv[1], argv[2])
+    print("usage: python -m psring.emulate enter STATE HOST -- COMMAND... | agent PLAN STATE "
+          "(started by psring run; see docs/emulation.md)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""Emulated clusters (psring.emulate): hosts as network namespaces, links shaped by tbf.
+
+What is checked: the flags' syntax and placement rules; that a run's gradients really
+cross the emulated links (communication at least bytes / RATE, and shorter at a tenfold
+rate); that synchronous strategies still train exactly single's model; that nothing of
+a cluster outlives its run however the run ends; that a cut link fails a run within
+--timeout naming the host; and the refusals (exit 2, one paragraph)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics as st
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (PSRING, SMALL, assert_no_processes, interruptible, load_model,
+                      max_rel_diff, processes_mentioning, psring, read_steps)
+from emutools import (assert_cluster_gone, cluster_state, cut_link, needs_emulation,
+                      netem_available)
+from psring import emulate
+from psring.config import RunConfig
+from psring.errors import ConfigError
+
+# -- the flags ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, bits", [
+    ("100mbit", 1e8), ("1gbit", 1e9), ("1.5Gbit", 1.5e9), ("10gbit", 1e10),
+    ("125mbps", 1e9), ("1mibit", 2**20), ("2.5GBIT", 2.5e9)])
+def test_rates_take_tc_syntax(text, bits):
+    assert emulate.parse_rate(text) == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("text", ["", "fast", "100", "1gigabit", "100mb", "-1gbit",
+                                  "1 gbit extra", "500kbit"])
+def test_a_rate_that_is_not_one_is_refused(text):
+    with pytest.raises(ConfigError, match="--link"):
+        emulate.parse_rate(text)
+
+
+def test_delays_take_tc_syntax():
+    assert emulate.parse_delay("100us") == pytest.approx(1e-4)
+    assert emulate.parse_delay("2ms") == pytest.approx(2e-3)
+    with pytest.raises(ConfigError, match="--delay"):
+        emulate.parse_delay("2")
+
+
+def test_token_bucket_is_a_millisecond_of_the_rate_and_the_queue_deep():
+    for bits in (1e8, 1e9, 1e10):
+        burst, limit = emulate.tbf_params(bits)
+        assert burst == max(16 * 1024, int(bits / 8 / 1000))
+        assert limit >= 4 * 2**20 and limit >= bits / 8 * 0.1
+
+
+def plan(**kw) -> emulate.ClusterPlan:
+    return emulate.ClusterPlan.for_config(RunConfig(**kw))
+
+
+def test_workers_are_spread_evenly_and_servers_colocated_by_default():
+    p = plan(strategy="ps", workers=5, hosts=2, servers=3, batch_size=60, link="1gbit")
+    assert p.worker_host == [0, 0, 0, 1, 1]
+    assert p.server_host == [0, 1, 0]
+    assert [h.address for h in p.hosts] == ["198.18.0.1", "198.18.0.2"]
+    assert p.hosts[0].processes == ["worker-0", "worker-1", "worker-2", "server-0", "server-2"]
+    assert p.local_ranks(3) == (0, 2) and p.local_ranks(2) == (2, 3)
+    assert p.master_addr() == "198.18.0.1"
+
+
+def test_servers_on_own_hosts_get_hosts_of_their_own():
+    p = plan(strategy="ps", workers=4, hosts=4, servers=2, server_placement="own-hosts",
+             link="100mbit")
+    assert len(p.hosts) == 6 and p.server_host == [4, 5]
+    assert p.hosts[5].processes == ["server-1"]
+    # own hosts need an emulated network even for the workers' single host
+    assert plan(strategy="ps", workers=2, server_placement="own-hosts").emulated
+
+
+def test_workers_per_host_fills_hosts_in_rank_order_and_derives_their_number():
+    cfg = RunConfig(strategy="allreduce", workers=4, workers_per_host=1, link="1gbit")
+    assert cfg.hosts == 4
+    p = plan(strategy="allreduce", workers=5, hosts=2, workers_per_host=3, batch_size=60)
+    assert p.worker_host == [0, 0, 0, 1, 1]
+    assert not plan(strategy="allreduce", workers=2).emulated
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(strategy="allreduce", workers=2, hosts=3), "--hosts 3 is more than --workers 2"),
+    (dict(strategy="hogwild", workers=2, hosts=2), "one host by definition"),
+    (dict(strategy="allreduce", workers=2, hosts=2, link="1gigabit"), "not a rate"),
+    (dict(strategy="allreduce", workers=2, link="1gbit"), "nothing crosses one"),
+    (dict(strategy="allreduce", workers=4, hosts=2, workers_per_host=1),
+     "does not fit --workers 4"),
+    (dict(strategy="allreduce", workers=4, hosts=3, workers_per_host=2),
+     "leave a host empty"),
+    (dict(strategy="allreduce", workers=2, hosts=2, server_placement="own-hosts"),
+     "applies to parameter-server strategies"),
+    (dict(strategy="ps", workers=2, hosts=2, server_addrs="tcp://10.0.0.5:5555"),
+     "emulated hosts reach only each other"),
+    (dict(strategy="allreduce", workers=2, hosts=2, master_addr="10.0.0.1"),
+     "--master-addr is chosen by the emulated cluster"),
+])
+def test_cluster_flags_are_validated(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        RunConfig(**kw)
+
+
+def test_sweeps_drop_cluster_settings_that_cannot_apply(tmp_path):
+    from psring.sweep import Sweep
+
+    sweep = Sweep(name="t", base={"steps": 2, "link": "1gbit", "hosts": 2,
+                                  "server_placement": "own-hosts", "batch_size": 64},
+                  grid={"strategy": ["single", "hogwild", "allreduce", "ps"], "workers": [2]})
+    cfgs = {p.config.strategy: p.config for p in sweep.points(tmp_path)}
+    assert (cfgs["single"].hosts, cfgs["single"].link) == (1, "")
+    assert (cfgs["hogwild"].hosts, cfgs["hogwild"].link) == (1, "")
+    assert (cfgs["allreduce"].hosts, cfgs["allreduce"].server_placement) == (2, "colocated")
+    assert (cfgs["ps"].hosts, cfgs["ps"].server_placement, cfgs["ps"].link) == \
+        (2, "own-hosts", "1gbit")
+
+
+def test_link_events_are_read_from_rtnetlink_messages():
+    def newlink(name: str, flags: int) -> bytes:
+        attr = name.encode() + b"\0"
+        rta = struct.pack("=HH", 4 + len(attr), 3) + attr
+        rta += b"\0" * (-len(rta) % 4)
+        body = struct.pack("=BxHiII", 0, 1, 7, flags, 0) + rta
+        return struct.pack("=IHHII", 16 + len(body), 16, 0, 0, 0) + body
+
+    up, lower_up = 0x1, 0x10000
+    data = newlink("psr-h1", up | lower_up) + newlink("psr-h2", up) + newlink("eth0", 0)
+    assert list(emulate._link_events(data)) == [("psr-h1", True), ("psr-h2", False),
+                                                ("eth0", False)]
+
+
+def test_the_machines_own_namespace_is_not_isolated():
+    # where a server may listen without a secret: only inside an emulated host
+    assert not emulate.namespace_is_isolated()
+
+
+# -- refusals, as a user meets them --------------------------------------------------------
+
+def assert_paragraph(proc, *needles):
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("psring: error:")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, needle", [
+    (["--strategy", "allreduce", "--workers", "2", "--hosts", "3"], "more than --workers 2"),
+    (["--strategy", "allreduce", "--workers", "2", "--hosts", "2", "--link", "1gigabit"],
+     "is not a rate"),
+    (["--strategy", "hogwild", "--workers", "2", "--hosts", "2"], "one host by definition"),
+])
+def test_bad_cluster_flags_are_one_paragraph_and_exit_2(tmp_path, args, needle):
+    proc = psring("run", *args, "--out", tmp_path / "r", check=False, timeout=60)
+    assert_paragraph(proc, needle)
+    assert not (tmp_path / "r" / "steps.jsonl").exists()
+
+
+@needs_emulation
+@pytest.mark.timeout(120)
+def test_delay_needs_netem(tmp_path):
+    out = tmp_path / "r"
+    proc = psring("run", "--strategy", "allreduce", "--workers", "2", "--hosts", "2",
+                  "--link", "1gbit", "--delay", "1ms", *SMALL, "--steps", "3", "--out", out,
+                  check=False, timeout=100)
+    if netem_available():  # a kernel with netem: the delay is applied and the run works
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert_paragraph(proc, "--delay 1ms needs the kernel's netem", "drop --delay")
+        assert not (out / "steps.jsonl").exists()
+    assert_no_processes(out)
+    if (out / "cluster.json").exists():
+        assert_cluster_gone(out)
+
+
+def _as_ordinary_user(argv: list[str], home: Path) -> list[str]:
+    """argv run as uid 65534 without privileges. The interpreter may live under a
+    directory only root can enter (/root, mode 700); then a private mount namespace
+    re-mounts that directory's tree with the interpreter reachable, for this command
+    only."""
+    real = Path(os.path.realpath(sys.executable))
+    blocked = next((p for p in reversed(real.parents)
+                    if p != Path("/") and not os.stat(p).st_mode & 0o001), None)
+    run = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env",
+           f"HOME={home}", *argv]
+    if blocked is None:
+        return run
+    # bind the blocked directory's child on the interpreter's path into a fresh 755
+    # directory mounted over the blocked one (recursively: the child is a submount)
+    child = real.relative_to(blocked).parts[0]
+    script = (f'set -e; X=$(mktemp -d); chmod 755 "$X"; mkdir -p "$X/{child}"; '
+              f'mount --bind "{blocked / child}" "$X/{child}"; mount --rbind "$X" "{blocked}"; '
+              f'exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *run]
+
+
+@needs_emulation
+@pytest.mark.timeout(60)
+def test_without_permission_the_refusal_names_what_is_missing(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("staging a kernel that refuses namespaces needs root")
+    out = tmp_path / "r"
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "sh", "-c",
+         'echo 0 > /proc/sys/user/max_user_namespaces && exec setpriv --inh-caps=-all '
+         '--bounding-set=-all "$@"', "sh",
+         *PSRING, "run", "--strategy", "allreduce", "--workers", "2", "--hosts", "2",
+         "--link", "1gbit", *SMALL, "--out", str(out)],
+        capture_output=True, text=True, timeout=50)
+    assert_paragraph(proc, "cannot create the emulated cluster's network namespaces",
+                     "user namespace", "run as root", "max_user_namespaces")
+    assert not (out / "steps.jsonl").exists()
+    assert_no_processes(out)
+
+
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_ordinary_user_gets_the_cluster_inside_a_user_namespace(tmp_path, request):
+    if os.geteuid() != 0:
+        pytest.skip("becoming an ordinary user for the test needs root")
+    probe = subprocess.run(_as_ordinary_user(["unshare", "--user", "--net",
+                                              "--map-root-user", "true"], tmp_path),
+                           capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"this kernel gives ordinary users no user namespaces "
+                    f"({probe.stderr.strip()}); the refusal is tested above")
+    # a directory the user may write (pytest's own lie under a root-only one)
+    home = Path(tempfile.mkdtemp(prefix="psring-user-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(home, ignore_errors=True))
+    home.chmod(0o777)
+    out = home / "r"
+    proc = subprocess.run(_as_ordinary_user(
+        [*PSRING, "run", "--strategy", "ps", "--workers", "2", "--hosts", "2", "--link",
+         "1gbit", *SMALL, "--steps", "4", "--out", str(out)], home),
+        capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    state = cluster_state(out)
+    assert state["mode"] == "userns"
+    assert os.stat(out / "steps.jsonl").st_uid == 65534
+    assert {r["host"] for r in read_steps(out)} == {"host-0", "host-1"}
+    assert_no_processes(out)
+    assert_cluster_gone(out)
+
+
+# -- runs across emulated links ------------------------------------------------------------
+
+#: 301,066 parameters (1.2 MB): at 100 Mbit/s about 0.1 s of ring all-reduce per step
+LINK_BOUND = ("--model", "mlp", "--width", "512", "--depth", "2", "--features", "64",
+              "--batch-size", "32", "--steps", "8", "--bucket-mb", "0.25")
+
+
+def comm_times(run_dir: Path, worker: int) -> list[float]:
+    """A worker's communication time per step after the first two, as the report shows
+    it (blocked time plus bucket time hidden under backward, less waiting for a slower
+    peer)."""
+    from psring.sweepreport import _comm_time, _peer_waits
+
+    records = read_steps(run_dir)
+    waits = _peer_waits(records)
+    return [_comm_time(r, waits.get((r["worker"], r["step"]), 0.0))
+            for r in records if r["step"] >= 2 and r["worker"] == worker]
+
+
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_gradients_cross_the_link_at_its_rate(tmp_path, strategy):
+    """2 workers on 2 hosts: what worker 1 sends and receives crosses host-1's link
+    (allreduce: to and from worker 0; ps: to and from the server, colocated with worker
+    0), so its communication takes at least those bytes / RATE each step, and much less
+    at ten times the rate."""
+    medians = {}
+    for rate, bits in (("100mbit", 1e8), ("1gbit", 1e9)):
+        out = tmp_path / rate
+        psring("run", "--strategy", strategy, "--workers", "2", "--hosts", "2", "--link",
+               rate, *LINK_BOUND, "--out", out, timeout=200)
+        records = read_steps(out)
+        crossing = [r for r in records if r["worker"] == 1]
+        bound = max(max(r["bytes_sent"], r["bytes_recv"]) for r in crossing) * 8 / bits
+        comm = comm_times(out, worker=1)
+        # every step; tbf lets a full bucket (1 ms of the rate) through at once
+        assert min(comm) >= bound - 1.5e-3, (rate, bound, comm)
+        # a synchronous step ends for every worker only once the bytes have crossed
+        assert min(r["step_s"] for r in records if r["step"] >= 2) >= bound - 1.5e-3
+        medians[rate] = st.median(comm)
+        # where each process ran, named in every log
+        assert {(r["worker"], r["host"]) for r in records} == {(0, "host-0"), (1, "host-1")}
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["cluster"]["link"] == rate
+        assert [h["processes"] for h in manifest["cluster"]["hosts"]][1] == ["worker-1"]
+        if strategy == "ps":
+            lines = [json.loads(x) for x in (out / "servers.jsonl").read_text().splitlines()]
+            assert {x["host"] for x in lines} == {"host-0"}  # colocated with worker 0
+        assert_no_processes(out)
+        assert_cluster_gone(out)
+    assert medians["1gbit"] < 0.5 * medians["100mbit"], medians
+
+
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_synchronous_strategies_train_singles_model_under_emulation(tmp_path, small_runs):
+    ref = load_model(small_runs["single"])
+    for name, args in (
+            ("allreduce", ["--strategy", "allreduce", "--workers", "2", "--hosts", "2"]),
+            ("ddp", ["--strategy", "ddp", "--workers", "2", "--hosts", "2"]),
+            ("ps-own", ["--strategy", "ps", "--workers", "2", "--hosts", "2", "--servers",
+                        "2", "--server-placement", "own-hosts"])):
+        out = tmp_path / name
+        psring("run", *args, "--link", "1gbit", *SMALL, "--out", out, timeout=200)
+        assert max_rel_diff(load_model(out), ref) < 1e-4, name
+        assert_no_processes(out)
+        assert_cluster_gone(out)
+
+
+def _start(out: Path, strategy: str, timeout: float = 300) -> subprocess.Popen:
+    proc = subprocess.Popen([*PSRING, "run", "--strategy", strategy, "--workers", "2",
+                             "--hosts", "2", "--link", "1gbit", *SMALL, "--steps", "100000",
+                             "--timeout", str(timeout), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
+    deadline = time.monotonic() + 60
+    while not (out / "steps.jsonl").exists() or (out / "steps.jsonl").stat().st_size < 2000:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the run never trained: {proc.communicate()}")
+        time.sleep(0.05)
+    return proc
+
+
+def _pid(out: Path, module: str, env: str) -> int:
+    for pid, cmd in processes_mentioning(str(out)):
+        if module in cmd and "psring.emulate" not in cmd:
+            if env.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+    raise AssertionError(f"no {module} process with {env}")
+
+
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end, code", [
+    ("success", 0), ("worker killed", 1), ("server killed", 1), ("SIGINT", 130),
+    ("SIGTERM", 143), ("SIGKILL of the launcher", -9)])
+def test_nothing_of_the_cluster_outlives_its_run(tmp_path, end, code):
+    out = tmp_path / "r"
+    if end == "success":
+        proc = psring("run", "--strategy", "ps", "--workers", "2", "--hosts", "2", "--link",
+                      "1gbit", *SMALL, "--out", out, check=False, timeout=100)
+        assert proc.returncode == 0, proc.stderr
+    else:
+        proc = _start(out, "ps")
+        try:
+            if end == "worker killed":
+                os.kill(_pid(out, "psring.workers", "RANK=1"), signal.SIGKILL)
+            elif end == "server killed":
+                os.kill(_pid(out, "psring.servers", "PSRING_HOST=host-0"), signal.SIGKILL)
+            else:
+                os.kill(proc.pid, {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM,
+                                   "SIGKILL of the launcher": signal.SIGKILL}[end])
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == code, err
+    assert_no_processes(out, within=15)
+    assert_cluster_gone(out)
+
+
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy, lost", [
+    ("allreduce", "the other workers' gradients"), ("ps", "parameter server(s) tcp://198.18.0.1")])
+def test_a_cut_link_fails_the_run_within_the_timeout_naming_the_host(tmp_path, strategy, lost):
+    """A partition only emulation can stage: host-1's interface goes down mid-run."""
+    out = tmp_path / "r"
+    proc = _start(out, strategy, timeout=5)
+    try:
+        t0 = time.monotonic()
+        cut_link(out, "host-1")
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert 4 < elapsed < 5 + 10, elapsed  # the deadline, then the stop
+    assert lost in err, err
+    assert "host-1's link (198.18.0.2) went down" in err and "cutting off worker-1" in err
+    assert_no_processes(out)
+    assert_cluster_gone(out)
