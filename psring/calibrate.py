@@ -1,6 +1,7 @@
 """Measure this machine's α, β (ZeroMQ and gloo) and γ for the cost model.
 
     psring calibrate [--quick] [--out FILE]
+    psring calibrate --hosts 2 --link 1gbit [--quick] [--out FILE]   # across a link
     python -m psring.calibrate [--quick] [--out FILE]     # the same, without the CLI
 
 Three measurements, one after another (never concurrently: on a small machine they
@@ -15,6 +16,11 @@ would compete for the same cores):
   to check the ring prediction against, not used by it.
 - γ: an in-place ``torch.add_`` of two float32 tensors of 64 MB (larger than the
   last-level cache), one thread; seconds per byte of one operand.
+
+With ``--hosts 2 --link RATE`` the ZeroMQ and gloo pairs run on two emulated hosts
+(psring.emulate) joined by links of RATE, over messages up to what crosses the link in
+~0.1 s; the result is kept per rate in ``Calibration.links`` beside the loopback figures,
+and the cost model uses it for traffic between hosts.
 
 Each transport's one-way times are fitted to t(M) = α + M·β (see :func:`fit`: α is
 the smallest message's time, β the least-squares slope through it). The
@@ -63,13 +69,17 @@ ZERO_COPY_FROM = 64 * KB
 PAIR_TIMEOUT_S, QUICK_PAIR_TIMEOUT_S = 60.0, 25.0
 
 
-def _reps(size: int, quick: bool) -> int:
+def _reps(size: int, quick: bool, budget: int | None = None) -> int:
     """Round trips per size: many for small messages (cheap, noisy), fewer for large
-    ones (about 1 GB of traffic per size; 32 MB in quick mode). The full run still
-    takes only ~10 s on 2 cores; the repeats are there for stable medians on a noisy
-    shared machine."""
-    budget = 32 * MB if quick else 1024 * MB
+    ones (about 1 GB of traffic per size; 32 MB in quick mode; across an emulated link,
+    what it carries in about a second: ``budget``). The full run still takes only
+    ~10 s on 2 cores; the repeats are there for stable medians on a noisy shared
+    machine."""
+    if budget is None:
+        budget = 32 * MB if quick else 1024 * MB
     lo, hi = (6, 200) if quick else (15, 5000)
+    if budget < 32 * MB:  # a slow link: fewer repeats of the large messages
+        lo = 2 if quick else PASSES
     return max(lo, min(hi, budget // size))
 
 
@@ -83,8 +93,8 @@ PASSES, QUICK_PASSES = 5, 2
 WARMUP = 3
 
 
-def ladder(sizes: list[int], quick: bool,
-           roundtrip: Callable[[int], float]) -> list[list[float]]:
+def ladder(sizes: list[int], quick: bool, roundtrip: Callable[[int], float],
+           budget: int | None = None) -> list[list[float]]:
     """[[size, median, 25th percentile, 75th percentile], ...] of each size's one-way
     times (round trips halved); the quartiles show how noisy the median was.
     ``roundtrip(size)`` does one round trip and returns its seconds. Both sides of a
@@ -96,7 +106,7 @@ def ladder(sizes: list[int], quick: bool,
             roundtrip(size)
     for k in range(passes):
         for size in (sizes if k % 2 == 0 else sizes[::-1]):
-            for _ in range(-(-_reps(size, quick) // passes)):
+            for _ in range(-(-_reps(size, quick, budget) // passes)):
                 times[size].append(roundtrip(size))
     rows = []
     for size in sizes:
@@ -107,13 +117,20 @@ def ladder(sizes: list[int], quick: bool,
 
 # -- running measuring processes -------------------------------------------------------
 
-def _child(fn: Callable[..., Any], rank: int, args: tuple, conn, parent_pid: int) -> None:
-    """Entry of every measuring process: die with the parent, run ``fn``, send back
-    ("ok", result) or ("error", traceback), then leave without interpreter finalization
+def _child(fn: Callable[..., Any], rank: int, args: tuple, conn, parent_pid: int,
+           where: tuple[list[dict], str] | None = None) -> None:
+    """Entry of every measuring process: die with the parent, move onto its emulated
+    host if ``where`` = (hosts' states, mode) says so, run ``fn``, send back ("ok",
+    result) or ("error", traceback), then leave without interpreter finalization
     (gloo's C++ static destructors can abort a cleanly finished process at exit)."""
     os.environ["PSRING_PARENT_PID"] = str(parent_pid)
     die_with_parent()
     try:
+        if where is not None:
+            from .emulate import HOST_IFACE, enter
+
+            enter(where[0][rank], where[1])  # still single-threaded, as setns needs
+            os.environ["GLOO_SOCKET_IFNAME"] = HOST_IFACE
         conn.send(("ok", fn(rank, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         try:
@@ -127,9 +144,11 @@ def _child(fn: Callable[..., Any], rank: int, args: tuple, conn, parent_pid: int
         os._exit(0)
 
 
-def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str) -> list[Any]:
+def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str,
+             where: tuple[list[dict], str] | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` for ranks 0 and 1 in two spawned processes; return their
-    results. The pair has ``timeout`` seconds in all; a process still alive then is
+    results. ``where``: (two emulated hosts' states, the cluster's mode), rank r runs on
+    host r. The pair has ``timeout`` seconds in all; a process still alive then is
     killed, and every process is joined before this returns or raises."""
     ctx = mp.get_context("spawn")
     deadline = time.monotonic() + timeout
@@ -138,7 +157,7 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str) -> 
     try:
         for rank in range(2):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(fn, rank, args, send, os.getpid()),
+            p = ctx.Process(target=_child, args=(fn, rank, args, send, os.getpid(), where),
                             name=f"psring-calibrate-{what}-{rank}", daemon=True)
             p.start()
             send.close()  # the child holds the only write end: EOF if it dies
@@ -185,7 +204,8 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str) -> 
 # -- ZeroMQ ------------------------------------------------------------------------------
 
 def _zmq_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
-                  timeout_s: float) -> list[list[float]] | None:
+                  timeout_s: float, host: str = "127.0.0.1",
+                  budget: int | None = None) -> list[list[float]] | None:
     """Rank 0 echoes every message back (the received frame itself, no copy); rank 1
     times round trips and returns [[size, one-way seconds], ...]. An empty message ends
     the echo. Every blocking call has a timeout, so a lost peer cannot hang either."""
@@ -197,7 +217,8 @@ def _zmq_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
     ms = int(timeout_s * 1000)
     s.setsockopt(zmq.RCVTIMEO, ms)
     s.setsockopt(zmq.SNDTIMEO, ms)
-    addr = f"tcp://127.0.0.1:{port}"  # loopback only: nothing outside can connect
+    # loopback, or an emulated host's address: either way nothing outside can connect
+    addr = f"tcp://{host}:{port}"
     try:
         if rank == 0:
             s.bind(addr)
@@ -219,7 +240,7 @@ def _zmq_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
                 raise RuntimeError(f"echo of {size} bytes came back with {len(reply)}")
             return dt
 
-        out = ladder(sizes, quick, roundtrip)
+        out = ladder(sizes, quick, roundtrip, budget)
         s.send(b"")
         return out
     finally:
@@ -227,22 +248,25 @@ def _zmq_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
         zctx.term()
 
 
-def measure_zmq(sizes: list[int], quick: bool) -> tuple[list[list[float]], dict]:
-    """(ladder rows, {}) of the ZeroMQ ping-pong."""
+def measure_zmq(sizes: list[int], quick: bool, link: "Link | None" = None
+                ) -> tuple[list[list[float]], dict]:
+    """(ladder rows, {}) of the ZeroMQ ping-pong, on loopback or across ``link``."""
     timeout = QUICK_PAIR_TIMEOUT_S if quick else PAIR_TIMEOUT_S
-    _, points = run_pair(_zmq_pingpong, (free_port(), sizes, quick, timeout), timeout,
-                         "ZeroMQ")
+    host, budget, where = link.args() if link else ("127.0.0.1", None, None)
+    _, points = run_pair(_zmq_pingpong, (free_port(), sizes, quick, timeout, host, budget),
+                         timeout, "ZeroMQ", where)
     return points, {}
 
 
 # -- torch.distributed (gloo) ---------------------------------------------------------------
 
 def _gloo_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
-                   timeout_s: float) -> tuple[list[list[float]], list[list[float]]]:
+                   timeout_s: float, host: str = "127.0.0.1", budget: int | None = None
+                   ) -> tuple[list[list[float]], list[list[float]]]:
     """send/recv ping-pong between two gloo ranks; rank 0 times it. Then, as a check the
     fit does not use, gloo's own all_reduce over the same sizes: [[bytes, median s]].
     Both ranks return the same shape; the parent keeps rank 0's."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
 
@@ -265,11 +289,11 @@ def _gloo_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
             return time.perf_counter() - t0
 
         dist.barrier()
-        out = ladder(sizes, quick, roundtrip)
+        out = ladder(sizes, quick, roundtrip, budget)
         allreduce = []
         for size in sizes:
             times = []
-            for _ in range(WARMUP + max(5, _reps(size, quick) // 8)):
+            for _ in range(WARMUP + max(5, _reps(size, quick, budget) // 8)):
                 dist.barrier()  # start together: time the collective, not the skew
                 t0 = time.perf_counter()
                 dist.all_reduce(bufs[size])
@@ -282,12 +306,37 @@ def _gloo_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
         dist.destroy_process_group()
 
 
-def measure_gloo(sizes: list[int], quick: bool) -> tuple[list[list[float]], dict]:
-    """(ladder rows of the send/recv ping-pong, {"dist_allreduce": rows})."""
+def measure_gloo(sizes: list[int], quick: bool, link: "Link | None" = None
+                 ) -> tuple[list[list[float]], dict]:
+    """(ladder rows of the send/recv ping-pong, {"dist_allreduce": rows}), on loopback
+    or across ``link``."""
     timeout = QUICK_PAIR_TIMEOUT_S if quick else PAIR_TIMEOUT_S
-    (points, allreduce), _ = run_pair(_gloo_pingpong, (free_port(), sizes, quick, timeout),
-                                      timeout, "gloo")
+    host, budget, where = link.args() if link else ("127.0.0.1", None, None)
+    (points, allreduce), _ = run_pair(
+        _gloo_pingpong, (free_port(), sizes, quick, timeout, host, budget), timeout, "gloo",
+        where)
     return points, {"dist_allreduce": allreduce}
+
+
+class Link:
+    """Two emulated hosts joined by links of a rate (psring.emulate): where the
+    measuring pair runs when calibrating a link."""
+
+    def __init__(self, cluster: Any, bits: float, quick: bool):
+        self.cluster, self.bits, self.quick = cluster, bits, quick
+
+    def args(self) -> tuple[str, int, tuple[list[dict], str]]:
+        """(rank 0's address, bytes per size to move, where the ranks run)."""
+        hosts = [self.cluster.host("host-0"), self.cluster.host("host-1")]
+        # about a second of the link per size (a quarter in quick mode)
+        budget = int(self.bits / 8 * (0.25 if self.quick else 1.0))
+        return hosts[0]["address"], budget, (hosts, self.cluster.mode)
+
+    def sizes(self, sizes: list[int]) -> list[int]:
+        """The ladder up to what crosses the link in ~0.1 s (at least 1 MB): β is read
+        off the large messages, and larger ones only take longer."""
+        top = max(MB, self.bits / 8 * 0.1)
+        return [s for s in sizes if s <= top]
 
 
 # -- γ ------------------------------------------------------------------------------------------
@@ -358,14 +407,15 @@ def _versions() -> dict[str, str]:
 ATTEMPTS = 3
 
 
-def _measure_and_fit(what: str, measure: Callable[[list[int], bool], tuple[list, dict]],
-                     sizes: list[int], quick: bool, say: Callable[[str], None]
+def _measure_and_fit(what: str, measure: Callable[..., tuple[list, dict]],
+                     sizes: list[int], quick: bool, say: Callable[[str], None],
+                     link: Link | None = None
                      ) -> tuple[list[list[float]], dict, tuple[float, float]]:
     """Measure and fit, measuring again when the fit fails: on this 2-core VM a whole
     ladder was once measured at ~2 ms for every size (each wake-up of a blocked process
     waiting for a host scheduler tick), which no line with β > 0 fits."""
     for attempt in range(1, ATTEMPTS + 1):
-        points, extra = measure(sizes, quick)
+        points, extra = measure(sizes, quick, link)
         try:
             return points, extra, fit(points, what)
         except PsringError as e:
@@ -399,16 +449,44 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
                       "gamma": [[gamma_bytes, gamma * gamma_bytes]]})
 
 
+def calibrate_link(link: str, delay: str = "", quick: bool = False,
+                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """α and β of ZeroMQ and gloo between two emulated hosts joined by ``link``
+    (psring.emulate): the entry ``Calibration.links[rate]``."""
+    from .emulate import parse_rate, standalone
+
+    say = log or (lambda _msg: None)
+    bits = parse_rate(link)
+    sizes = QUICK_SIZES if quick else SIZES
+    with standalone(2, link, delay) as cluster:
+        where = Link(cluster, bits, quick)
+        sizes = where.sizes(sizes)
+        say(f"calibrate: ZeroMQ ping-pong between two emulated hosts ({link} links) ...")
+        zmq_points, _, (zmq_alpha, zmq_beta) = _measure_and_fit(
+            "ZeroMQ", measure_zmq, sizes, quick, say, where)
+        say("calibrate: gloo send/recv ping-pong between them ...")
+        dist_points, dist_extra, (dist_alpha, dist_beta) = _measure_and_fit(
+            "gloo", measure_gloo, sizes, quick, say, where)
+    return {"zmq_alpha": zmq_alpha, "zmq_beta": zmq_beta, "dist_alpha": dist_alpha,
+            "dist_beta": dist_beta, "link_bits": bits, "delay": delay,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": quick, "sizes": sizes,
+            "measurements": {"zmq": zmq_points, "dist": dist_points, **dist_extra}}
+
+
 def describe(cal: Calibration) -> str:
     """The values in human units: latency in µs, bandwidth in GB/s (10^9 bytes/s)."""
     def link(name: str, alpha: float, beta: float) -> str:
-        return f"{name:<18} α = {alpha * 1e6:8.1f} µs   1/β = {1 / beta / 1e9:6.2f} GB/s"
+        return f"{name:<21} α = {alpha * 1e6:8.1f} µs   1/β = {1 / beta / 1e9:7.3g} GB/s"
 
-    return "\n".join([
+    lines = [
         link("ZeroMQ (tcp lo)", cal.zmq_alpha, cal.zmq_beta),
         link("gloo send/recv", cal.dist_alpha, cal.dist_beta),
         f"{'local add':<18} γ = {cal.gamma * 1e9:8.3f} ns/B  1/γ = {1 / cal.gamma / 1e9:6.2f} GB/s",
-    ])
+    ]
+    for rate, m in sorted(cal.links.items(), key=lambda kv: kv[1].get("link_bits", 0)):
+        lines += [link(f"ZeroMQ ({rate} link)", m["zmq_alpha"], m["zmq_beta"]),
+                  link(f"gloo ({rate} link)", m["dist_alpha"], m["dist_beta"])]
+    return "\n".join(lines)
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -419,6 +497,14 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                         "else ~/.cache/psring/calibration.json)")
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and repeats: a few seconds instead of ~15, noisier")
+    p.add_argument("--hosts", type=int, default=1, choices=(1, 2),
+                   help="2: measure α and β between two emulated hosts joined by --link "
+                        "(kept beside the loopback figures, which are measured first if "
+                        "the file has none); 1 (default): this machine's loopback")
+    p.add_argument("--link", default="", metavar="RATE",
+                   help="with --hosts 2: the links' rate in tc's syntax, e.g. 1gbit")
+    p.add_argument("--delay", default="", metavar="TIME",
+                   help="with --hosts 2: a one-way delay per link direction (needs netem)")
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -426,8 +512,27 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name, e.g. "
                           f"{out / 'calibration.json'}.")
+    if args.hosts == 2 and not args.link:
+        raise ConfigError("--hosts 2 measures across an emulated link: give its rate, e.g. "
+                          "--link 1gbit.")
+    if args.hosts == 1 and (args.link or args.delay):
+        raise ConfigError("--link and --delay describe the link between emulated hosts: "
+                          "add --hosts 2.")
     t0 = time.monotonic()
-    cal = calibrate(quick=args.quick, log=lambda m: print(m, file=sys.stderr, flush=True))
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    cal = None
+    if args.hosts == 2:
+        from .emulate import format_rate, parse_rate, parse_delay
+
+        key = format_rate(parse_rate(args.link))
+        if args.delay:
+            parse_delay(args.delay)
+        if out.is_file():
+            cal = Calibration.load(out)
+    if cal is None:
+        cal = calibrate(quick=args.quick, log=say)
+    if args.hosts == 2:
+        cal.links[key] = calibrate_link(args.link, args.delay, quick=args.quick, log=say)
     path = cal.save(out)
     print(describe(cal))
     print(f"saved to {path} ({time.monotonic() - t0:.0f} s"

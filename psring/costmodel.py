@@ -94,6 +94,81 @@ def ps_async(n: int, M: float, K: int, alpha: float, beta: float, gamma: float) 
     return 2 * alpha + 2 * n * M * beta / K + M * gamma / K
 
 
+def ps_sync_placed(n: int, M: float, K: int, alpha: float, beta_link: float,
+                   beta_local: float, gamma: float, cross: float) -> float:
+    """A synchronous parameter-server round with hosts joined by links, in seconds.
+
+    ``2α + 2·max(cross·M·β_link, n·M·β_local/K) + (n-1)·M·γ/K``. The push and then the
+    pull (sequential: a pull is answered once every push is summed) each take the longer
+    of: the busiest host link, which carries ``cross·M`` bytes in one direction (full
+    duplex: each direction on its own; see :func:`ps_link_load`), and a server receiving
+    (or sending) its n·M/K bytes through its transport at the loopback β. With every
+    process on one host ``cross`` is 0 and this is :func:`ps_sync`."""
+    phase = max(cross * M * beta_link, n * M * beta_local / K)
+    return 2 * alpha + 2 * phase + (n - 1) * M * gamma / K
+
+
+def ps_async_placed(n: int, M: float, K: int, alpha: float, beta_link: float,
+                    beta_local: float, gamma: float, cross: float) -> float:
+    """:func:`ps_async` with hosts joined by links: the links' and servers' load of a
+    synchronous round (every worker pushes and pulls once per n worker-steps), the
+    server applying only this worker's push."""
+    phase = max(cross * M * beta_link, n * M * beta_local / K)
+    return 2 * alpha + 2 * phase + M * gamma / K
+
+
+def ps_link_load(worker_host: list[int], server_host: list[int]) -> float:
+    """The most bytes any host link carries in one direction during a PS push (a pull
+    mirrors it), as a multiple of M: each worker sends M/K to each of the K servers, and
+    a transfer between two processes of one host crosses no link."""
+    K = len(server_host)
+    egress: dict[int, float] = {}
+    ingress: dict[int, float] = {}
+    for hw in worker_host:
+        for hk in server_host:
+            if hw != hk:
+                egress[hw] = egress.get(hw, 0.0) + 1 / K
+                ingress[hk] = ingress.get(hk, 0.0) + 1 / K
+    return max([*egress.values(), *ingress.values(), 0.0])
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a run's workers and servers are (host numbers) and the link joining the
+    hosts: what the cost model needs of an emulated cluster (psring.emulate)."""
+
+    worker_host: tuple[int, ...]
+    server_host: tuple[int, ...] = ()
+    #: each host link's rate, bits/s; None: one host, or hosts joined by unshaped links
+    link_bits: float | None = None
+    #: one-way delay added to each link direction (netem)
+    delay_s: float = 0.0
+
+    @classmethod
+    def one_host(cls, n: int, K: int = 0) -> "Topology":
+        return cls((0,) * n, (0,) * K)
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> "Topology":
+        """From a RunConfig, or a run's config as its manifest stores it (a dict; runs
+        older than emulated clusters ran on one host)."""
+        from types import SimpleNamespace
+
+        from .emulate import ClusterPlan
+
+        if isinstance(cfg, dict):
+            defaults = {"hosts": 1, "workers_per_host": 0, "server_placement": "colocated",
+                        "link": "", "delay": "", "master_addr": "127.0.0.1", "servers": 1}
+            cfg = SimpleNamespace(**{**defaults, **cfg})
+        plan = ClusterPlan.for_config(cfg)
+        return cls(tuple(plan.worker_host), tuple(plan.server_host), plan.link_bits,
+                   plan.delay_s)
+
+    @property
+    def multi_host(self) -> bool:
+        return len({*self.worker_host, *self.server_host}) > 1
+
+
 # -- measured parameters ------------------------------------------------------------------
 
 _NUMBERS = ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "gamma")
@@ -121,18 +196,48 @@ class Calibration:
     #: percentile], "gamma" [[bytes, median seconds of one add]], and "dist_allreduce"
     #: [[bytes, median s]] of gloo's all_reduce on 2 ranks (a check, not fitted)
     measurements: dict[str, Any] = field(default_factory=dict)
+    #: emulated links measured by ``psring calibrate --hosts 2 --link RATE``, by rate
+    #: ("1gbit"): {"zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "time",
+    #: "measurements"} between two emulated hosts
+    links: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in _NUMBERS:
             check_positive(name, getattr(self, name))
+        if not isinstance(self.links, dict):
+            raise ValueError(f"links is {type(self.links).__name__}, not an object")
+        for rate, numbers in self.links.items():
+            for name in ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta"):
+                check_positive(f"links[{rate!r}].{name}", (numbers or {}).get(name))
 
     def link(self, comm_model: str) -> tuple[float, float]:
-        """(α, β) of the transport ``comm_model`` runs over."""
+        """(α, β) of the transport ``comm_model`` runs over, inside one host (loopback)."""
         if comm_model == "ring":
             return self.dist_alpha, self.dist_beta
         if comm_model in ("ps", "ps-async"):
             return self.zmq_alpha, self.zmq_beta
         raise ValueError(f"unknown comm_model {comm_model!r}; known: {', '.join(COMM_MODELS)}")
+
+    def between_hosts(self, comm_model: str, link_bits: float | None,
+                      delay_s: float = 0.0) -> tuple[float, float, str]:
+        """(α, β, source) of the transport between two hosts joined by links of
+        ``link_bits``/s: measured by ``psring calibrate --hosts 2 --link RATE`` when this
+        calibration has that rate; else, on paper, loopback's α plus the delay of the
+        two links a message crosses, and the rate's β for TCP payload
+        (psring.emulate.payload_beta). β is never below loopback's: a link faster than
+        the transport's software does not make it faster. Unshaped links (None): the
+        loopback figures."""
+        alpha, beta = self.link(comm_model)
+        if link_bits is None:
+            return alpha, beta, "loopback"
+        from .emulate import format_rate, payload_beta
+
+        key = "dist" if comm_model == "ring" else "zmq"
+        measured = self.links.get(format_rate(link_bits))
+        if measured is not None:
+            return (measured[f"{key}_alpha"] + 2 * delay_s,
+                    max(measured[f"{key}_beta"], beta), f"calibrated {format_rate(link_bits)}")
+        return alpha + 2 * delay_s, max(payload_beta(link_bits), beta), "nominal rate"
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, **asdict(self)}
@@ -206,48 +311,63 @@ def find_calibration(*dirs: str | os.PathLike) -> Path | None:
 
 # -- predictions --------------------------------------------------------------------------
 
-def predict_comm(comm_model: str | None, n: int, K: int, M: float,
-                 cal: Calibration) -> float | None:
+def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibration,
+                 topo: Topology | None = None) -> float | None:
     """Predicted communication seconds per worker step for a strategy whose
     ``comm_model`` is given, with n workers, K servers and M gradient bytes; None for a
     strategy that sends no messages. Ring runs over gloo (dist_alpha, dist_beta), the
-    parameter servers over ZeroMQ (zmq_alpha, zmq_beta); γ is shared."""
+    parameter servers over ZeroMQ (zmq_alpha, zmq_beta); γ is shared.
+
+    ``topo`` places them on emulated hosts (None: one host). Then traffic between hosts
+    costs the link's α and β (:meth:`Calibration.between_hosts`) and traffic inside a
+    host loopback's: a ring spanning hosts moves at its slowest edge, a link (each step
+    of the ring waits for every edge); a PS round at its busiest link or server
+    (:func:`ps_sync_placed`)."""
     if comm_model is None:
         return None
     alpha, beta = cal.link(comm_model)
     if comm_model == "ring":
+        if topo is not None and len(set(topo.worker_host)) > 1:
+            alpha, beta, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
         return ring_allreduce(n, M, alpha, beta, cal.gamma)
     if K < 1:
         raise ValueError(f"K (servers) must be at least 1, not {K}")
-    if comm_model == "ps":
-        return ps_sync(n, M, K, alpha, beta, cal.gamma)
-    return ps_async(n, M, K, alpha, beta, cal.gamma)
+    if topo is None or not topo.multi_host:
+        if comm_model == "ps":
+            return ps_sync(n, M, K, alpha, beta, cal.gamma)
+        return ps_async(n, M, K, alpha, beta, cal.gamma)
+    cross = ps_link_load(list(topo.worker_host), list(topo.server_host))
+    a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
+    formula = ps_sync_placed if comm_model == "ps" else ps_async_placed
+    return formula(n, M, K, a_link if cross > 0 else alpha, b_link, beta, cal.gamma, cross)
 
 
 #: the size at which the linear coefficients are read off (see _linear)
 _M_REF = float(2**30)
 
 
-def _linear(comm_model: str, n: int, K: int, cal: Calibration) -> tuple[float, float]:
+def _linear(comm_model: str, n: int, K: int, cal: Calibration,
+            topo: Topology | None = None) -> tuple[float, float]:
     """(fixed seconds, seconds per byte) of a prediction: every formula is a + b·M, so
     two evaluations give both, without restating the formulas. Reading b off at 1 GiB
     rather than 1 byte keeps the subtraction's rounding far below b."""
-    a = predict_comm(comm_model, n, K, 0.0, cal)
-    at_ref = predict_comm(comm_model, n, K, _M_REF, cal)
+    a = predict_comm(comm_model, n, K, 0.0, cal, topo)
+    at_ref = predict_comm(comm_model, n, K, _M_REF, cal, topo)
     assert a is not None and at_ref is not None
     return a, (at_ref - a) / _M_REF
 
 
 def crossover_bytes(model_a: str | None, model_b: str | None, n: int, K: int,
-                    cal: Calibration) -> float | None:
+                    cal: Calibration, topo_a: Topology | None = None,
+                    topo_b: Topology | None = None) -> float | None:
     """The gradient size M (bytes) at which both models predict the same time; None when
     the lines never meet at a positive M (parallel, or crossing only at M <= 0), or when
     either strategy sends no messages. Below M the model with the smaller fixed cost is
     faster, above it the one with the smaller per-byte cost."""
     if model_a is None or model_b is None:
         return None
-    a1, b1 = _linear(model_a, n, K, cal)
-    a2, b2 = _linear(model_b, n, K, cal)
+    a1, b1 = _linear(model_a, n, K, cal, topo_a)
+    a2, b2 = _linear(model_b, n, K, cal, topo_b)
     # Parallel within rounding: they never cross (or coincide everywhere).
     if abs(b1 - b2) <= 1e-12 * max(abs(b1), abs(b2)):
         return None

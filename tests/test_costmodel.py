@@ -303,3 +303,73 @@ def test_calibrate_quick_end_to_end(tmp_path):
     while _in_session(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _in_session(proc.pid) == []
+
+
+# -- emulated clusters: traffic between hosts at the link's β, inside a host loopback's --
+
+def test_ps_link_load_by_hand():
+    # 2 workers on hosts 0, 1; one server on host 0: only worker 1's push crosses
+    assert cm.ps_link_load([0, 1], [0]) == 1.0
+    # 4 workers on 4 hosts, K servers on hosts of their own: each server's host receives
+    # 4 · M/K; each worker's host sends M
+    assert cm.ps_link_load([0, 1, 2, 3], [4]) == 4.0
+    assert cm.ps_link_load([0, 1, 2, 3], [4, 5]) == 2.0
+    assert cm.ps_link_load([0, 1, 2, 3], [4, 5, 6, 7]) == 1.0
+    # colocated K = 4 on the 4 worker hosts: 3 remote workers' quarters in, 3 quarters out
+    assert cm.ps_link_load([0, 1, 2, 3], [0, 1, 2, 3]) == 0.75
+    # everything on one host: no link
+    assert cm.ps_link_load([0, 0], [0]) == 0.0
+
+
+def test_links_cost_their_rate_unless_calibrated():
+    from psring.emulate import payload_beta
+
+    c = cal()
+    # on paper: loopback's α plus two link delays, the rate's payload β
+    a, b, src = c.between_hosts("ps", 1e9, delay_s=1e-3)
+    assert (a, b, src) == (1e-5 + 2e-3, payload_beta(1e9), "nominal rate")
+    # a calibrated rate wins; β never below loopback's (10 Gbit/s is faster than it here)
+    c = cal(links={"1gbit": {"zmq_alpha": 5e-5, "zmq_beta": 9e-9, "dist_alpha": 6e-5,
+                             "dist_beta": 8.5e-9}})
+    assert c.between_hosts("ring", 1e9) == (6e-5, 8.5e-9, "calibrated 1gbit")
+    assert c.between_hosts("ps", 1e11)[1] == 1e-9
+    assert c.between_hosts("ps", None) == (1e-5, 1e-9, "loopback")
+    with pytest.raises(ValueError, match="links"):
+        cal(links={"1gbit": {"zmq_alpha": 1e-5}})
+
+
+def test_predictions_on_an_emulated_cluster_by_hand():
+    from psring.emulate import payload_beta
+
+    c = cal()
+    bl = payload_beta(1e8)  # 100 Mbit/s
+    # ring across 2 hosts: the ring formula at the link's α and β
+    topo = cm.Topology((0, 1), (), 1e8)
+    assert predict_comm("ring", 2, 1, M, c, topo) == cm.ring_allreduce(2, M, 1e-4, bl, 2e-10)
+    # the same ring on one host: loopback
+    assert predict_comm("ring", 2, 1, M, c, cm.Topology((0, 0), (), 1e8)) == \
+        cm.ring_allreduce(2, M, 1e-4, 1e-9, 2e-10)
+    # ps, 4 workers on 4 hosts, 2 servers of their own: push then pull, 2M each over a
+    # server's link: 2α + 2·(2·M·β_link) + 3·M·γ/2
+    topo = cm.Topology((0, 1, 2, 3), (4, 5), 1e8)
+    expect = 2 * 1e-5 + 2 * (2 * M * bl) + 3 * M * 2e-10 / 2
+    assert math.isclose(predict_comm("ps", 4, 2, M, c, topo), expect, rel_tol=1e-12)
+    # K = 2 on own hosts moves half of K = 1's link time
+    one = cm.Topology((0, 1, 2, 3), (4,), 1e8)
+    t1 = predict_comm("ps", 4, 1, M, c, one) - 2e-5 - 3 * M * 2e-10
+    t2 = predict_comm("ps", 4, 2, M, c, topo) - 2e-5 - 3 * M * 2e-10 / 2
+    assert math.isclose(t2 / t1, 0.5, rel_tol=1e-12)
+    # one host: the one-host formula, whatever the link
+    assert predict_comm("ps", 2, 1, M, c, cm.Topology((0, 0), (0,), 1e8)) == \
+        cm.ps_sync(2, M, 1, 1e-5, 1e-9, 2e-10)
+
+
+def test_topology_from_a_run_config():
+    from psring.config import RunConfig
+
+    topo = cm.Topology.for_config(RunConfig(strategy="ps", workers=4, hosts=4, servers=2,
+                                            server_placement="own-hosts", link="1gbit"))
+    assert topo == cm.Topology((0, 1, 2, 3), (4, 5), 1e9, 0.0)
+    # a manifest's config from before emulated clusters: one host
+    old = {"strategy": "allreduce", "workers": 2, "servers": 1}
+    assert cm.Topology.for_config(old) == cm.Topology((0, 0), (), None, 0.0)
