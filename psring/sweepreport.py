@@ -86,6 +86,18 @@ def _comm_time(r: dict, peer_wait: float = 0.0) -> float:
     return max(0.0, r["comm_s"] - max(0.0, peer_wait)) + hidden
 
 
+def _round_comm(records: list[dict], waits: dict[tuple[int, int], float]) -> list[float]:
+    """Per synchronous step, the communication time of its slowest worker: the round
+    ends for everyone only when the last worker has the result. Workers differ when
+    they sit differently in the network: a worker beside its parameter server gets the
+    new parameters at once, one behind a link waits for them to cross it."""
+    by_step: dict[int, float] = {}
+    for r in records:
+        c = _comm_time(r, waits.get((r["worker"], r["step"]), 0.0))
+        by_step[r["step"]] = max(by_step.get(r["step"], 0.0), c)
+    return list(by_step.values())
+
+
 def _moving_average(xs: list[float], w: int) -> list[float]:
     out, acc = [], 0.0
     for i, x in enumerate(xs):
@@ -114,8 +126,8 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     synchronous = cfg["strategy"] in STRATEGIES and \
         getattr(STRATEGIES.get(cfg["strategy"]), "comm_model", None) in ("ring", "ps")
     waits = _peer_waits(records) if synchronous else {}
-    row["comm_time_s"] = st.median(_comm_time(r, waits.get((r["worker"], r["step"]), 0.0))
-                                   for r in kept)
+    row["comm_time_s"] = st.median(_round_comm(kept, waits) if synchronous else
+                                   [_comm_time(r) for r in kept])
     row["peer_wait_ms"] = st.median(waits.get((r["worker"], r["step"]), 0.0)
                                     for r in kept) * 1e3
     pbytes = manifest.get("parameter_bytes") or 0
@@ -175,7 +187,7 @@ def _agg(values: list[float]) -> dict[str, float] | None:
 
 def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
     """One entry per setting: medians and ranges over repeats, predictions, speedups."""
-    from .costmodel import predict_comm
+    from .costmodel import Topology, predict_comm
     from .strategies import STRATEGIES
 
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -189,6 +201,7 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
         s = {
             "setting": setting, "strategy": r0["strategy"], "workers": r0["workers"],
             "servers": r0["servers"], "varied": r0["varied"], "config": r0["config"],
+            "cluster": cluster_text(r0["config"]),
             "repeats": len(rs), "gradient_bytes": r0["gradient_bytes"],
             "intensity": r0["intensity"], "comm_model": model,
             "samples_per_s": _agg([r["samples_per_s"] for r in rs]),
@@ -200,7 +213,8 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
         }
         pred = None
         if cal is not None and model is not None:
-            pred = predict_comm(model, s["workers"], s["servers"], s["gradient_bytes"], cal)
+            pred = predict_comm(model, s["workers"], s["servers"], s["gradient_bytes"], cal,
+                                Topology.for_config(r0["config"]))
         s["predicted_comm_ms"] = pred * 1e3 if pred is not None else None
         if pred is not None and s["comm_ms"]:
             s["comm_error"] = (pred * 1e3 - s["comm_ms"]["median"]) / s["comm_ms"]["median"]
@@ -214,6 +228,31 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
                             s["servers"], s["intensity"] or 0, s["gradient_bytes"],
                             s["setting"]))
     return out
+
+
+#: the settings that place a run on an emulated cluster (psring.emulate)
+CLUSTER_KEYS = ("hosts", "workers_per_host", "link", "delay", "server_placement")
+
+
+def cluster_text(cfg: dict) -> str:
+    """Where a point ran, in a few words: 'this machine', or e.g. '2 hosts, 1gbit links'
+    with the servers' placement when it matters."""
+    from .emulate import ClusterPlan
+
+    topo_cfg = {"hosts": 1, "workers_per_host": 0, "server_placement": "colocated",
+                "link": "", "delay": "", "master_addr": "127.0.0.1", **cfg}
+    from types import SimpleNamespace
+
+    plan = ClusterPlan.for_config(SimpleNamespace(**topo_cfg))
+    if not plan.emulated:
+        return "this machine"
+    text = (f"{len({*plan.worker_host})} host{'s' if len({*plan.worker_host}) > 1 else ''}"
+            f", {plan.link or 'unshaped'} links")
+    if plan.delay:
+        text += f", {plan.delay} delay"
+    if plan.server_host:
+        text += f", servers {plan.placement}"
+    return text
 
 
 def _workload(cfg: dict, keys=WORKLOAD_KEYS) -> str:
@@ -271,32 +310,55 @@ def time_to_target(row: dict, target: float) -> tuple[float | None, int | None]:
     return None, None
 
 
-def crossovers(settings: list[dict]) -> list[dict]:
-    """Where the throughput curves of two strategies cross along intensity, within a
-    group of settings that differ only in what sets the intensity (batch)."""
+#: what a crossover is sought along: the x value, and the settings a group shares
+#: (everything but what moves x; the cluster included, so each link speed is its own)
+_ALONG = {
+    "intensity": ("intensity", ("model", "width", "depth", "features", "workers", "hosts",
+                                "link", "delay")),
+    "size": ("gradient_bytes", ("model", "features", "batch_size", "accumulate", "workers",
+                                "hosts", "link", "delay")),
+}
+
+
+def line_name(s: dict) -> str:
+    """A strategy as a contender: with its servers and their placement when it has any."""
+    c = s["config"]
+    name = s["strategy"]
+    if s["servers"] > 1:
+        name += f" K={s['servers']}"
+    if c.get("server_placement", "colocated") != "colocated":
+        name += f" ({c['server_placement']})"
+    return name
+
+
+def crossovers(settings: list[dict], along: str = "intensity") -> list[dict]:
+    """Where the throughput curves of two contenders cross along intensity (what the
+    batch sets) or along gradient size (what the model's width and depth set), within a
+    group of settings that differ only in that."""
+    attr, shared = _ALONG[along]
     groups: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for s in settings:
-        if s["intensity"] is None or s["strategy"] == "single":
+        if not s[attr] or s["strategy"] == "single":
             continue
         c = s["config"]
-        key = json.dumps({k: c.get(k) for k in ("model", "width", "depth", "features",
-                                                "workers", "servers")}, sort_keys=True)
-        groups[key][s["strategy"]].append((s["intensity"], s["samples_per_s"]["median"]))
+        key = json.dumps({k: c.get(k) for k in shared}, sort_keys=True)
+        groups[key][line_name(s)].append((s[attr], s["samples_per_s"]["median"]))
     found = []
-    for key, by_strategy in groups.items():
-        names = sorted(by_strategy)
+    for key, by_line in groups.items():
+        names = sorted(by_line)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
-                pa, pb = dict(by_strategy[a]), dict(by_strategy[b])
+                pa, pb = dict(by_line[a]), dict(by_line[b])
                 xs = sorted(set(pa) & set(pb))
                 for x0, x1 in zip(xs, xs[1:]):
                     d0, d1 = pa[x0] - pb[x0], pa[x1] - pb[x1]
                     if d0 == 0 or d0 * d1 < 0:
-                        # interpolate in log(intensity)
+                        # interpolate in log(x)
                         f = d0 / (d0 - d1) if d0 != d1 else 0.0
                         x = math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0)))
                         found.append({"group": json.loads(key), "a": a, "b": b,
-                                      "intensity": x, "below": a if d0 > 0 else b,
+                                      "along": along, "x": x, along: x,
+                                      "below": a if d0 > 0 else b,
                                       "above": b if d0 > 0 else a})
     return found
 
@@ -312,16 +374,41 @@ def _plt():
 
 
 def _label(s: dict) -> str:
-    # the varied settings as this point ran them (single's workers are normalized to 1)
+    return s.get("label") or make_label(s, with_cluster=False)
+
+
+def make_label(s: dict, with_cluster: bool) -> str:
+    """The varied settings as this point ran them (single's workers are normalized to
+    1); ``with_cluster``: where it ran instead of the cluster flags (when points of one
+    sweep ran on different clusters)."""
+    from .strategies import STRATEGIES
+
     c = s["config"]
+    # settings a strategy has no use for were normalized away: not worth naming
+    unused = set() if s["strategy"] not in STRATEGIES or \
+        STRATEGIES.get(s["strategy"]).uses_servers else {"servers", "server_placement"}
     shown = {("batch_size" if k == "batch_per_worker" else k): c.get(k, v)
-             for k, v in s["varied"].items() if k != "strategy"}
+             for k, v in s["varied"].items() if k != "strategy" and k not in unused
+             and not (with_cluster and k in CLUSTER_KEYS)}
     extra = ", ".join(f"{k}={v}" for k, v in shown.items())
+    if with_cluster:
+        extra += ("; " if extra else "") + s["cluster"]
     return f"{s['strategy']}" + (f" ({extra})" if extra else "")
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
+def _where(settings: list[dict]) -> str:
+    """The cluster every setting shares, for a figure's footnote ('' when they differ:
+    then each label says it, or when all ran on this machine's own network)."""
+    clusters = {s["cluster"] for s in settings}
+    return f"cluster: {clusters.pop()}" if len(clusters) == 1 and \
+        settings[0]["cluster"] != "this machine" else ""
+
+
+def _save(fig, path: Path, settings: list[dict] | None = None) -> Path:
+    where = _where(settings) if settings else ""
+    if where:
+        fig.text(0.995, 0.005, where, ha="right", va="bottom", fontsize=8, color="dimgray")
+    fig.tight_layout(rect=(0, 0.03, 1, 1) if where else None)
     fig.savefig(path, dpi=100)
     _plt().close(fig)
     return path
@@ -348,7 +435,15 @@ def plot_breakdown(settings: list[dict], path: Path) -> Path:
     ax.set_xlabel("ms per step (median over steps and repeats; black: min–max step p50)")
     ax.legend(ncol=5, fontsize=8, loc="lower right")
     ax.set_title("Where a step's time goes")
-    return _save(fig, path)
+    return _save(fig, path, settings)
+
+
+def _series(s: dict, x_keys: tuple[str, ...]) -> str:
+    """A line's name: the strategy and the varied settings but those along the x axis."""
+    c = s["config"]
+    parts = [f"{k}={c.get(k, v)}" for k, v in s["varied"].items()
+             if k not in ("strategy", *x_keys)]
+    return s["strategy"] + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _by_strategy(settings: list[dict]) -> dict[str, list[dict]]:
@@ -361,7 +456,10 @@ def _by_strategy(settings: list[dict]) -> dict[str, list[dict]]:
 def plot_scaling(settings: list[dict], path: Path) -> Path:
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, ss in _by_strategy(settings).items():
+    series: dict[str, list[dict]] = defaultdict(list)
+    for s in settings:  # one line per setting but for its workers (and their hosts)
+        series[_series(s, ("workers", "hosts", "batch_per_worker"))].append(s)
+    for name, ss in series.items():
         ss = sorted(ss, key=lambda s: s["workers"])
         xs = [s["workers"] for s in ss]
         med = [s["samples_per_s"]["median"] for s in ss]
@@ -379,40 +477,49 @@ def plot_scaling(settings: list[dict], path: Path) -> Path:
     a2.set_xlabel("workers")
     a2.set_ylabel("throughput / (workers x single)")
     a2.set_title("Scaling efficiency")
-    return _save(fig, path)
+    return _save(fig, path, settings)
 
 
-def plot_intensity(settings: list[dict], found: list[dict], path: Path) -> Path:
+#: per x axis: the step attribute, what moves it (not a line of its own), the axis label
+_X_AXES = {
+    "intensity": ("intensity", ("batch_per_worker", "batch_size", "accumulate"),
+                  "arithmetic intensity: FLOPs per worker step / gradient bytes", "{:.0f}"),
+    "size": ("gradient_bytes", ("width", "depth"), "gradient bytes per step (model size)",
+             "{:.3g} B"),
+}
+
+
+def plot_along(settings: list[dict], found: list[dict], path: Path,
+               along: str = "intensity") -> Path:
+    """Throughput against intensity or gradient size, a line per everything else, with
+    the measured crossovers dotted."""
+    attr, moves, xlabel, fmt = _X_AXES[along]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
     series: dict[str, list[dict]] = defaultdict(list)
     for s in settings:
-        if s["intensity"] is None:
-            continue
-        c = s["config"]
-        group = ", ".join(f"{k}={c[k]}" for k in ("width", "workers", "servers")
-                          if any(k in x["varied"] for x in settings))
-        series[f"{s['strategy']}" + (f" [{group}]" if group else "")].append(s)
+        if s[attr]:
+            series[_series(s, moves)].append(s)
     for label, ss in sorted(series.items()):
-        ss = sorted(ss, key=lambda s: s["intensity"])
-        xs = [s["intensity"] for s in ss]
+        ss = sorted(ss, key=lambda s: s[attr])
+        xs = [s[attr] for s in ss]
         med = [s["samples_per_s"]["median"] for s in ss]
         err = [[m - s["samples_per_s"]["min"] for m, s in zip(med, ss)],
                [s["samples_per_s"]["max"] - m for m, s in zip(med, ss)]]
         ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=label)
     for c in found:
-        ax.axvline(c["intensity"], color="k", ls=":", lw=1)
-        ax.annotate(f"{c['a']}={c['b']}\n@{c['intensity']:.0f}", (c["intensity"], 0),
+        ax.axvline(c["x"], color="k", ls=":", lw=1)
+        ax.annotate(f"{c['a']}={c['b']}\n@{fmt.format(c['x'])}", (c["x"], 0),
                     xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
                     va="bottom", ha="right")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity: FLOPs per worker step / gradient bytes")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("samples/s (median, min–max)")
-    ax.set_title("Throughput vs arithmetic intensity (dotted: measured crossovers)",
-                 fontsize=10)
+    ax.set_title(f"Throughput vs {'arithmetic intensity' if along == 'intensity' else 'model size'}"
+                 f" (dotted: measured crossovers)", fontsize=10)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return _save(fig, path, settings)
 
 
 def plot_loss(settings: list[dict], target: float | None, path: Path) -> Path:
@@ -435,7 +542,7 @@ def plot_loss(settings: list[dict], target: float | None, path: Path) -> Path:
     a1.set_title("Loss vs time (dashed: target)")
     a2.set_title("Loss vs step")
     a2.legend(fontsize=7)
-    return _save(fig, path)
+    return _save(fig, path, settings)
 
 
 def plot_staleness(settings: list[dict], path: Path) -> Path:
@@ -451,7 +558,7 @@ def plot_staleness(settings: list[dict], path: Path) -> Path:
     ax.set_ylabel("share of steps")
     ax.set_title("Staleness of asynchronous updates")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _save(fig, path, settings)
 
 
 def plot_costmodel(settings: list[dict], path: Path) -> Path:
@@ -461,13 +568,21 @@ def plot_costmodel(settings: list[dict], path: Path) -> Path:
     for name, ss in _by_strategy(pts).items():
         ax.scatter([s["predicted_comm_ms"] for s in ss], [s["comm_ms"]["median"] for s in ss],
                    label=name)
-    lim = max([s["predicted_comm_ms"] for s in pts] + [s["comm_ms"]["median"] for s in pts])
-    ax.plot([0, lim], [0, lim], color="gray", ls="--", lw=1)
+    values = [s["predicted_comm_ms"] for s in pts] + [s["comm_ms"]["median"] for s in pts]
+    lo, lim = max(min(values), 1e-3), max(values)
+    if lim / lo > 20:  # a wide range (emulated links): log axes, so small points show
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    else:
+        lo = 0.0
+    ax.plot([lo, lim], [lo, lim], color="gray", ls="--", lw=1)
+    for f in (0.75, 1.25):  # measured = predicted / f: the prediction off by ±25%
+        ax.plot([lo, lim], [lo / f, lim / f], color="gray", ls=":", lw=0.8)
     ax.set_xlabel("predicted communication ms per step (α-β-γ model)")
     ax.set_ylabel("measured communication ms per step")
-    ax.set_title("Cost model vs measurement")
+    ax.set_title("Cost model vs measurement (dotted: ±25%)")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _save(fig, path, settings)
 
 
 # ----------------------------------------------------------------------- report
@@ -491,7 +606,7 @@ def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
     strategies' predicted communication times are equal. (Along intensity at a fixed
     size the model predicts no crossover: compute is the same for both, so the one
     with the cheaper communication is faster at every intensity, by less and less.)"""
-    from .costmodel import crossover_bytes
+    from .costmodel import Topology, crossover_bytes
 
     if cal is None:
         return []
@@ -501,15 +616,20 @@ def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
         if s["predicted_comm_ms"] is None or s["intensity"] is None:
             continue
         c = s["config"]
-        pairs[(c["model"], c["width"], c["depth"], s["workers"])][s["strategy"]].append(s)
-    for (model, width, depth, n), by in pairs.items():
+        pairs[(c["model"], c["width"], c["depth"], s["workers"], s["cluster"])][
+            s["strategy"] + ("" if c.get("server_placement", "colocated") == "colocated"
+                             else f" ({c['server_placement']})")].append(s)
+    for (model, width, depth, n, cluster), by in pairs.items():
         names = sorted(by)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
                 ma, mb = by[a][0]["comm_model"], by[b][0]["comm_model"]
                 k = max(by[a][0]["servers"], by[b][0]["servers"])
-                m_star = crossover_bytes(ma, mb, n, k, cal)
+                m_star = crossover_bytes(ma, mb, n, k, cal,
+                                         Topology.for_config(by[a][0]["config"]),
+                                         Topology.for_config(by[b][0]["config"]))
                 out.append({"a": a, "b": b, "model": f"{model} width={width} depth={depth}",
+                            "cluster": cluster,
                             "workers": n, "bytes": by[a][0]["gradient_bytes"],
                             "crossover_bytes": m_star,
                             "faster_comm": a if (by[a][0]["predicted_comm_ms"] <
@@ -536,7 +656,12 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
         s["tta_s"] = _agg([t for t, _ in tta if t is not None])
         s["tta_reached"] = sum(t is not None for t, _ in tta)
         s["staleness"] = [x for r in s["rows"] for x in r["staleness"]]
+    # points that ran on different clusters say where in their labels
+    mixed = len({s["cluster"] for s in settings}) > 1
+    for s in settings:
+        s["label"] = make_label(s, with_cluster=mixed)
     found = crossovers(settings)
+    found_size = crossovers(settings, "size")
     predicted = predicted_crossovers(settings, cal)
 
     plots: dict[str, Path] = {}
@@ -544,19 +669,25 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     if len({s["workers"] for s in settings}) > 1:
         plots["scaling"] = plot_scaling(settings, sweep_dir / "scaling.png")
     if len({round(s["intensity"] or 0, 6) for s in settings}) > 1:
-        plots["intensity"] = plot_intensity(settings, found, sweep_dir / "intensity.png")
+        plots["intensity"] = plot_along(settings, found, sweep_dir / "intensity.png")
+    distributed = [s for s in settings if s["strategy"] != "single"]
+    if len({s["gradient_bytes"] for s in distributed}) > 1:
+        plots["size"] = plot_along(settings, found_size, sweep_dir / "size.png", "size")
     plots["loss"] = plot_loss(settings, target, sweep_dir / "loss.png")
     if any(s["staleness"] for s in settings):
         plots["staleness"] = plot_staleness(settings, sweep_dir / "staleness.png")
     if any(s["predicted_comm_ms"] is not None for s in settings):
         plots["costmodel"] = plot_costmodel(settings, sweep_dir / "costmodel.png")
 
-    key_header = ["setting", "samples/s", "step ms", "comm ms", "predicted comm ms",
-                  "error", "speedup vs single", "time to target s"]
+    emulated = any(s["cluster"] != "this machine" for s in settings)
+    key_header = ["setting", *(["cluster"] if emulated else []), "samples/s", "step ms",
+                  "comm ms", "predicted comm ms", "error", "speedup vs single",
+                  "time to target s"]
     key_rows = []
     for s in settings:
         key_rows.append([
-            _label(s), _fmt(s["samples_per_s"]), _fmt(s["step_ms"], digits=1),
+            make_label(s, with_cluster=False), *([s["cluster"]] if emulated else []),
+            _fmt(s["samples_per_s"]), _fmt(s["step_ms"], digits=1),
             _fmt(s["comm_ms"], digits=1),
             f"{s['predicted_comm_ms']:.1f}" if s["predicted_comm_ms"] is not None else "-",
             f"{s['comm_error']:+.0%}" if s["comm_error"] is not None else "-",
@@ -571,6 +702,11 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     if spec.get("look_at"):
         md += ["**What to look at:** " + spec["look_at"].strip(), ""]
     host = read_manifest(Path(rows[0]["run"])).get("host", {})
+    if emulated:
+        clusters = sorted({s["cluster"] for s in settings})
+        md += ["**Where the points ran:** " + "; ".join(clusters) + " (emulated hosts: "
+               "network namespaces joined by tbf-shaped links on this one machine, "
+               "sharing its cores; see docs/emulation.md).", ""]
     md += [f"Directory `{sweep_dir}`; {len(rows)} finished point(s) in {len(settings)} "
            f"setting(s), {spec.get('repeats', 1)} repeat(s) each; host "
            f"{host.get('hostname', '?')} ({host.get('cores', '?')} cores). Values are "
@@ -604,8 +740,8 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
         md += ["## Throughput vs arithmetic intensity", "",
                f"![intensity]({plots['intensity'].name})", ""]
         if found:
-            md += [_md_table(["strategies", "at (model, workers, servers)",
-                              "measured crossover intensity", "faster below", "faster above"],
+            md += [_md_table(["strategies", "where", "measured crossover intensity",
+                              "faster below", "faster above"],
                              [[f"{c['a']} / {c['b']}",
                                ", ".join(f"{k}={v}" for k, v in c["group"].items()),
                                f"{c['intensity']:.0f}", c["below"], c["above"]]
@@ -613,11 +749,23 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
         else:
             md += ["No measured crossover: within each model size, the same strategy is "
                    "faster at every intensity measured.", ""]
+    if "size" in plots:
+        md += ["## Throughput vs model size", "", f"![size]({plots['size'].name})", ""]
+        if found_size:
+            md += [_md_table(["strategies", "where", "measured crossover (gradient MB)",
+                              "faster below", "faster above"],
+                             [[f"{c['a']} / {c['b']}",
+                               ", ".join(f"{k}={v}" for k, v in c["group"].items()),
+                               f"{c['x'] / 1e6:.3g}", c["below"], c["above"]]
+                              for c in found_size]), ""]
+        else:
+            md += ["No measured crossover along model size: in each group the same "
+                   "strategy is faster at every size measured.", ""]
     if predicted:
         md += ["## Cost model: predicted crossovers", "",
-               _md_table(["strategies", "model", "workers", "gradient MB",
+               _md_table(["strategies", "model", "workers", "cluster", "gradient MB",
                           "comm-time crossover (gradient size)", "faster comm here"],
-                         [[f"{p['a']} / {p['b']}", p["model"], str(p["workers"]),
+                         [[f"{p['a']} / {p['b']}", p["model"], str(p["workers"]), p["cluster"],
                            f"{p['bytes'] / 1e6:.2f}",
                            f"{p['crossover_bytes'] / 1e6:.3g} MB" if p["crossover_bytes"]
                            else "never (one is faster at every size)", p["faster_comm"]]

@@ -408,3 +408,38 @@ def test_a_cut_link_fails_the_run_within_the_timeout_naming_the_host(tmp_path, s
     assert "host-1's link (198.18.0.2) went down" in err and "cutting off worker-1" in err
     assert_no_processes(out)
     assert_cluster_gone(out)
+
+
+# -- calibration across a link, and where reports say points ran --------------------------
+
+def test_reports_say_where_a_point_ran():
+    from psring.sweepreport import cluster_text
+
+    assert cluster_text({"strategy": "allreduce", "workers": 2}) == "this machine"
+    assert cluster_text({"strategy": "allreduce", "workers": 2, "hosts": 2,
+                         "link": "1gbit"}) == "2 hosts, 1gbit links"
+    assert cluster_text({"strategy": "ps", "workers": 4, "hosts": 4, "servers": 2,
+                         "link": "100mbit", "server_placement": "own-hosts"}) == \
+        "4 hosts, 100mbit links, servers own-hosts"
+
+
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_calibrate_measures_alpha_and_beta_across_an_emulated_link(tmp_path):
+    out = tmp_path / "cal.json"
+    proc = psring("calibrate", "--hosts", "2", "--link", "200mbit", "--quick", "--out", out,
+                  timeout=170)
+    assert "ZeroMQ (200mbit link)" in proc.stdout
+    cal = json.loads(out.read_text())
+    link = cal["links"]["200mbit"]
+    beta = emulate.payload_beta(2e8)
+    # the link, not the loopback, sets β: within 10% of the rate's payload β
+    for transport in ("zmq", "dist"):
+        assert abs(link[f"{transport}_beta"] / beta - 1) < 0.10, (transport, link)
+        assert 0 < link[f"{transport}_alpha"] < 5e-3
+    assert cal["zmq_beta"] < beta / 5  # the loopback figures were measured too
+    assert_no_processes("psring-cluster-")
+    # and a link needs a rate
+    refused = psring("calibrate", "--hosts", "2", "--out", out, check=False, timeout=60)
+    assert_paragraph(refused, "--link 1gbit")
