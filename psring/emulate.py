@@ -647,9 +647,9 @@ def _link_events(data: bytes):
 
 
 def agent_main(plan_json: str, state_path: str) -> int:
-    _die_with_parent()
-    if os.environ.get("PSRING_PARENT_PID") and os.getppid() != int(os.environ["PSRING_PARENT_PID"]):
-        return 143
+    from .launch import die_with_parent
+
+    die_with_parent()  # with the launcher; the holders die with this agent
 
     def stop(*_: object) -> None:
         raise SystemExit(0)
@@ -757,12 +757,13 @@ class EmulatedCluster(Network):
                 return
             if "error" in self.state:
                 raise EmulationError(self.state["error"])
-            if child.proc.poll() is not None or time.monotonic() > deadline:
+            died = child.proc.poll() is not None
+            if died or time.monotonic() > deadline:
                 from .launch import tail
 
-                raise EmulationError(
-                    f"the emulated cluster's agent {'died' if child.proc.poll() is not None else 'did not get ready within %.0f s' % READY_TIMEOUT_S}"
-                    f"; its log ({child.log_path}) ends:\n{tail(child.log_path)}")
+                what = "died" if died else f"was not ready within {READY_TIMEOUT_S:.0f} s"
+                raise EmulationError(f"the emulated cluster's agent {what}; its log "
+                                     f"({child.log_path}) ends:\n{tail(child.log_path)}")
             time.sleep(POLL_S)
 
     @property
