@@ -216,7 +216,7 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
             pred = predict_comm(model, s["workers"], s["servers"], s["gradient_bytes"], cal,
                                 Topology.for_config(r0["config"]))
         s["predicted_comm_ms"] = pred * 1e3 if pred is not None else None
-        if pred is not None and s["comm_ms"]:
+        if pred and s["comm_ms"]:  # (one worker: nothing to predict but 0)
             s["comm_error"] = (pred * 1e3 - s["comm_ms"]["median"]) / s["comm_ms"]["median"]
         else:
             s["comm_error"] = None
@@ -246,8 +246,12 @@ def cluster_text(cfg: dict) -> str:
     plan = ClusterPlan.for_config(SimpleNamespace(**topo_cfg))
     if not plan.emulated:
         return "this machine"
-    text = (f"{len({*plan.worker_host})} host{'s' if len({*plan.worker_host}) > 1 else ''}"
-            f", {plan.link or 'unshaped'} links")
+    hosts = len({*plan.worker_host})
+    text = f"{hosts} host{'s' if hosts > 1 else ''}"
+    if plan.placement == "own-hosts" and plan.server_host:
+        k = len(plan.server_host)
+        text += f" + {k} server host{'s' if k > 1 else ''}"
+    text += f", {plan.link or 'unshaped'} links"
     if plan.delay:
         text += f", {plan.delay} delay"
     if plan.server_host:
@@ -389,7 +393,7 @@ def make_label(s: dict, with_cluster: bool) -> str:
         STRATEGIES.get(s["strategy"]).uses_servers else {"servers", "server_placement"}
     shown = {("batch_size" if k == "batch_per_worker" else k): c.get(k, v)
              for k, v in s["varied"].items() if k != "strategy" and k not in unused
-             and not (with_cluster and k in CLUSTER_KEYS)}
+             and not (with_cluster and k in CLUSTER_KEYS) and c.get(k, v) != ""}
     extra = ", ".join(f"{k}={v}" for k, v in shown.items())
     if with_cluster:
         extra += ("; " if extra else "") + s["cluster"]
@@ -601,6 +605,22 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def _crossover_section(along: str, plot: Path, found: list[dict]) -> list[str]:
+    """report.md's section for a plot of throughput along intensity or model size."""
+    md = [f"## Throughput vs {along}", "", f"![{plot.stem}]({plot.name})", ""]
+    if not found:
+        return md + [f"No measured crossover along {along}: in each group the same "
+                     f"strategy is faster at every point measured.", ""]
+    size = found[0]["along"] == "size"
+    return md + [_md_table(
+        ["strategies", "where",
+         "measured crossover (gradient MB)" if size else "measured crossover intensity",
+         "faster below", "faster above"],
+        [[f"{c['a']} / {c['b']}", ", ".join(f"{k}={v}" for k, v in c["group"].items()),
+          f"{c['x'] / 1e6:.3g}" if size else f"{c['x']:.0f}", c["below"], c["above"]]
+         for c in found]), ""]
+
+
 def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
     """The cost model's crossovers: per (model, workers), the gradient size at which two
     strategies' predicted communication times are equal. (Along intensity at a fixed
@@ -737,30 +757,9 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                            f"{s['efficiency']:.2f}" if s["efficiency"] is not None else "-"]
                           for s in settings]), ""]
     if "intensity" in plots:
-        md += ["## Throughput vs arithmetic intensity", "",
-               f"![intensity]({plots['intensity'].name})", ""]
-        if found:
-            md += [_md_table(["strategies", "where", "measured crossover intensity",
-                              "faster below", "faster above"],
-                             [[f"{c['a']} / {c['b']}",
-                               ", ".join(f"{k}={v}" for k, v in c["group"].items()),
-                               f"{c['intensity']:.0f}", c["below"], c["above"]]
-                              for c in found]), ""]
-        else:
-            md += ["No measured crossover: within each model size, the same strategy is "
-                   "faster at every intensity measured.", ""]
+        md += _crossover_section("arithmetic intensity", plots["intensity"], found)
     if "size" in plots:
-        md += ["## Throughput vs model size", "", f"![size]({plots['size'].name})", ""]
-        if found_size:
-            md += [_md_table(["strategies", "where", "measured crossover (gradient MB)",
-                              "faster below", "faster above"],
-                             [[f"{c['a']} / {c['b']}",
-                               ", ".join(f"{k}={v}" for k, v in c["group"].items()),
-                               f"{c['x'] / 1e6:.3g}", c["below"], c["above"]]
-                              for c in found_size]), ""]
-        else:
-            md += ["No measured crossover along model size: in each group the same "
-                   "strategy is faster at every size measured.", ""]
+        md += _crossover_section("model size", plots["size"], found_size)
     if predicted:
         md += ["## Cost model: predicted crossovers", "",
                _md_table(["strategies", "model", "workers", "cluster", "gradient MB",
