@@ -15,8 +15,14 @@ import pytest
 
 @functools.lru_cache(maxsize=None)
 def emulation_unavailable() -> str | None:
-    """Why this machine cannot create network namespaces (None when it can): as root a
-    plain one, else one inside a user namespace, as psring would."""
+    """Why this machine cannot build emulated clusters (None when it can): iproute2's
+    tools, and a network namespace: as root a plain one, else one inside a user
+    namespace, as psring would."""
+    import shutil
+
+    for tool in ("ip", "tc"):
+        if not (shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin")):
+            return f"iproute2's `{tool}` is not installed (apt-get install iproute2)"
     for argv in (["unshare", "--net", "true"],
                  ["unshare", "--user", "--net", "--map-root-user", "true"]):
         if os.geteuid() != 0 and argv[1] == "--net":

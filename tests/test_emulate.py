@@ -420,7 +420,7 @@ def test_reports_say_where_a_point_ran():
                          "link": "1gbit"}) == "2 hosts, 1gbit links"
     assert cluster_text({"strategy": "ps", "workers": 4, "hosts": 4, "servers": 2,
                          "link": "100mbit", "server_placement": "own-hosts"}) == \
-        "4 hosts, 100mbit links, servers own-hosts"
+        "4 hosts + 2 server hosts, 100mbit links, servers own-hosts"
 
 
 @needs_emulation
@@ -443,3 +443,16 @@ def test_calibrate_measures_alpha_and_beta_across_an_emulated_link(tmp_path):
     # and a link needs a rate
     refused = psring("calibrate", "--hosts", "2", "--out", out, check=False, timeout=60)
     assert_paragraph(refused, "--link 1gbit")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_started_outside_an_emulated_cluster_refuses_cluster_flags(tmp_path):
+    """Under torchrun the hosts are real: --hosts there would only mislabel the logs."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    env.pop("PSRING_HOST", None)
+    proc = subprocess.run([sys.executable, "-m", "psring.workers", "--strategy", "allreduce",
+                           "--hosts", "2", "--link", "1gbit", "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=50, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "which `psring run` builds" in proc.stderr and "Traceback" not in proc.stderr
