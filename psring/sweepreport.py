@@ -408,11 +408,13 @@ def _where(settings: list[dict]) -> str:
         settings[0]["cluster"] != "this machine" else ""
 
 
-def _save(fig, path: Path, settings: list[dict] | None = None) -> Path:
+def _save(fig, path: Path, settings: list[dict] | None = None, bottom: float = 0.0) -> Path:
+    """Lay out and write a figure; ``bottom``: the share of its height kept free below
+    the axes (for a legend there)."""
     where = _where(settings) if settings else ""
     if where:
         fig.text(0.995, 0.005, where, ha="right", va="bottom", fontsize=8, color="dimgray")
-    fig.tight_layout(rect=(0, 0.03, 1, 1) if where else None)
+    fig.tight_layout(rect=(0, max(bottom, 0.03 if where else 0.0), 1, 1))
     fig.savefig(path, dpi=100)
     _plt().close(fig)
     return path
@@ -444,10 +446,8 @@ def plot_breakdown(settings: list[dict], path: Path) -> Path:
 
 def _series(s: dict, x_keys: tuple[str, ...]) -> str:
     """A line's name: the strategy and the varied settings but those along the x axis."""
-    c = s["config"]
-    parts = [f"{k}={c.get(k, v)}" for k, v in s["varied"].items()
-             if k not in ("strategy", *x_keys)]
-    return s["strategy"] + (f" ({', '.join(parts)})" if parts else "")
+    return make_label({**s, "varied": {k: v for k, v in s["varied"].items()
+                                       if k not in x_keys}}, with_cluster=False)
 
 
 def _by_strategy(settings: list[dict]) -> dict[str, list[dict]]:
@@ -457,31 +457,70 @@ def _by_strategy(settings: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def _scaling_series(settings: list[dict]) -> dict[str, list[dict]]:
+    """Lines of the scaling plot: a setting but for its workers (and their hosts). A
+    strategy's one-worker point, which runs on one host with no link to shape, starts
+    every line of that strategy that differs from it only in cluster settings."""
+    x_keys = ("workers", "hosts", "batch_per_worker")
+    series: dict[str, list[dict]] = defaultdict(list)
+    for s in settings:
+        series[_series(s, x_keys)].append(s)
+
+    def rest(s: dict) -> dict:
+        return {k: s["config"].get(k) for k in s["varied"]
+                if k not in (*x_keys, *CLUSTER_KEYS)}
+
+    for name, ss in list(series.items()):
+        if len(ss) != 1 or ss[0]["workers"] != 1 or ss[0]["strategy"] == "single":
+            continue
+        lone = ss[0]
+        joined = [n for n, other in series.items() if n != name and
+                  other[0]["strategy"] == lone["strategy"] and rest(other[0]) == rest(lone)
+                  and all(o["workers"] > 1 for o in other)]
+        for n in joined:
+            series[n].append(lone)
+        if joined:
+            del series[name]
+    return series
+
+
 def plot_scaling(settings: list[dict], path: Path) -> Path:
     plt = _plt()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    series: dict[str, list[dict]] = defaultdict(list)
-    for s in settings:  # one line per setting but for its workers (and their hosts)
-        series[_series(s, ("workers", "hosts", "batch_per_worker"))].append(s)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 5))
+    series = _scaling_series(settings)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    strategies = list(dict.fromkeys(s["strategy"] for s in settings))
+    links = sorted({s["config"].get("link", "") for s in settings} - {""})
+    styles = dict(zip(links, ("--", "-", ":", "-.")))
     for name, ss in series.items():
         ss = sorted(ss, key=lambda s: s["workers"])
+        # a colour per strategy, a line style per link speed, squares: servers of their own
+        link = next((s["config"].get("link") for s in ss if s["config"].get("link")), "")
+        own = any(s["config"].get("server_placement") == "own-hosts" for s in ss)
+        kw = {"color": colors[strategies.index(ss[0]["strategy"]) % len(colors)],
+              "ls": styles.get(link, "-"), "marker": "s" if own else "o"}
         xs = [s["workers"] for s in ss]
         med = [s["samples_per_s"]["median"] for s in ss]
         err = [[m - s["samples_per_s"]["min"] for m, s in zip(med, ss)],
                [s["samples_per_s"]["max"] - m for m, s in zip(med, ss)]]
-        a1.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=name)
+        a1.errorbar(xs, med, yerr=err, capsize=3, label=name, **kw)
         eff = [(s["workers"], s["efficiency"]) for s in ss if s["efficiency"] is not None]
         if eff:
-            a2.plot(*zip(*eff), marker="o", label=name)
-    a1.set_xlabel("workers")
+            a2.plot(*zip(*eff), **kw)
+    tops = [s["samples_per_s"]["median"] for s in settings]
+    if max(tops) > 20 * max(min(tops), 1e-9):
+        a1.set_yscale("log")
+    for a in (a1, a2):
+        a.set_xlabel("workers")
+        a.set_xticks(sorted({s["workers"] for s in settings}))
     a1.set_ylabel("samples/s (median, min–max)")
     a1.set_title("Throughput")
-    a1.legend(fontsize=8)
     a2.axhline(1.0, color="gray", ls="--", lw=1)
-    a2.set_xlabel("workers")
     a2.set_ylabel("throughput / (workers x single)")
     a2.set_title("Scaling efficiency")
-    return _save(fig, path, settings)
+    fig.legend(*a1.get_legend_handles_labels(), loc="lower center", fontsize=7,
+               ncol=min(3, len(series)), frameon=False)
+    return _save(fig, path, settings, bottom=0.03 + 0.04 * ((len(series) + 2) // 3))
 
 
 #: per x axis: the step attribute, what moves it (not a line of its own), the axis label
@@ -513,7 +552,8 @@ def plot_along(settings: list[dict], found: list[dict], path: Path,
         ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=label)
     for c in found:
         ax.axvline(c["x"], color="k", ls=":", lw=1)
-        ax.annotate(f"{c['a']}={c['b']}\n@{fmt.format(c['x'])}", (c["x"], 0),
+        at = f"{c['x'] / 1e3:.0f} kB" if along == "size" else fmt.format(c["x"])
+        ax.annotate(f"{c['a']}={c['b']}\n@{at}", (c["x"], 0),
                     xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
                     va="bottom", ha="right")
     ax.set_xscale("log")
@@ -612,11 +652,13 @@ def _crossover_section(along: str, plot: Path, found: list[dict]) -> list[str]:
         return md + [f"No measured crossover along {along}: in each group the same "
                      f"strategy is faster at every point measured.", ""]
     size = found[0]["along"] == "size"
+    # name only what tells the groups apart
+    keys = [k for k in found[0]["group"] if len({json.dumps(c["group"][k]) for c in found}) > 1]
     return md + [_md_table(
         ["strategies", "where",
          "measured crossover (gradient MB)" if size else "measured crossover intensity",
          "faster below", "faster above"],
-        [[f"{c['a']} / {c['b']}", ", ".join(f"{k}={v}" for k, v in c["group"].items()),
+        [[f"{c['a']} / {c['b']}", ", ".join(f"{k}={c['group'][k]}" for k in keys) or "-",
           f"{c['x'] / 1e6:.3g}" if size else f"{c['x']:.0f}", c["below"], c["above"]]
          for c in found]), ""]
 
@@ -636,10 +678,12 @@ def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
         if s["predicted_comm_ms"] is None or s["intensity"] is None:
             continue
         c = s["config"]
-        pairs[(c["model"], c["width"], c["depth"], s["workers"], s["cluster"])][
-            s["strategy"] + ("" if c.get("server_placement", "colocated") == "colocated"
-                             else f" ({c['server_placement']})")].append(s)
-    for (model, width, depth, n, cluster), by in pairs.items():
+        # contenders on the same network (hosts and links), wherever their servers are
+        network = "this machine" if c.get("hosts", 1) == 1 and c.get("link", "") == "" \
+            else f"{c.get('hosts', 1)} hosts, {c.get('link') or 'unshaped'} links"
+        # the crossover is a size, the same whatever size each point's model has
+        pairs[(c["model"], s["workers"], network)][line_name(s)].append(s)
+    for (model, n, cluster), by in pairs.items():
         names = sorted(by)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
@@ -648,12 +692,13 @@ def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
                 m_star = crossover_bytes(ma, mb, n, k, cal,
                                          Topology.for_config(by[a][0]["config"]),
                                          Topology.for_config(by[b][0]["config"]))
-                out.append({"a": a, "b": b, "model": f"{model} width={width} depth={depth}",
-                            "cluster": cluster,
-                            "workers": n, "bytes": by[a][0]["gradient_bytes"],
-                            "crossover_bytes": m_star,
-                            "faster_comm": a if (by[a][0]["predicted_comm_ms"] <
-                                                 by[b][0]["predicted_comm_ms"]) else b})
+                sizes = sorted({x["gradient_bytes"] for x in by[a] + by[b]})
+                big_a = max(by[a], key=lambda x: x["gradient_bytes"])
+                big_b = max(by[b], key=lambda x: x["gradient_bytes"])
+                out.append({"a": a, "b": b, "model": model, "cluster": cluster,
+                            "workers": n, "bytes": sizes, "crossover_bytes": m_star,
+                            "faster_comm": a if big_a["predicted_comm_ms"] <
+                            big_b["predicted_comm_ms"] else b})
     return out
 
 
@@ -762,10 +807,11 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
         md += _crossover_section("model size", plots["size"], found_size)
     if predicted:
         md += ["## Cost model: predicted crossovers", "",
-               _md_table(["strategies", "model", "workers", "cluster", "gradient MB",
-                          "comm-time crossover (gradient size)", "faster comm here"],
+               _md_table(["strategies", "model", "workers", "cluster", "gradient MB measured",
+                          "comm-time crossover (gradient size)", "faster comm, largest size"],
                          [[f"{p['a']} / {p['b']}", p["model"], str(p["workers"]), p["cluster"],
-                           f"{p['bytes'] / 1e6:.2f}",
+                           "–".join(f"{b / 1e6:.3g}" for b in (p["bytes"][0], p["bytes"][-1])
+                                    [:1 if len(p["bytes"]) == 1 else 2]),
                            f"{p['crossover_bytes'] / 1e6:.3g} MB" if p["crossover_bytes"]
                            else "never (one is faster at every size)", p["faster_comm"]]
                           for p in predicted]),
