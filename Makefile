@@ -26,6 +26,7 @@ compare: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_foundation.py
 	$(BIN)/python benchmarks/bench_ps.py
+	$(BIN)/python benchmarks/bench_links.py
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info
