@@ -120,7 +120,9 @@ def describe_exit(code: int) -> str:
 # Lines a process prints when it fails only because a peer already did; the launcher
 # blames the process that failed for a reason of its own when it can tell.
 _CASCADE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                    "exit code 143", "SIGTERM")
+                    "exit code 143", "SIGTERM", "caused by a remote worker crashing")
+#: seconds to wait for the cause of a failure to show when only peers' cascades have
+BLAME_WAIT_S = 2.0
 
 
 class Supervisor:
@@ -148,9 +150,15 @@ class Supervisor:
         """Block until every non-service child exited 0; raise RunFailed as soon as any
         child (services included) fails or a service exits before the workers are done."""
         while True:
-            failed = [c for c in self.children if c.proc.poll() not in (None, 0)
-                      or (c.spec.service and c.proc.poll() == 0)]
+            failed = self._failed()
             if failed:
+                # A peer's disconnection is often seen before the process that caused it
+                # has finished dying: give it a moment to be the one named.
+                deadline = time.monotonic() + BLAME_WAIT_S
+                while all(self._cascade(c) for c in failed) and time.monotonic() < deadline \
+                        and any(c.proc.poll() is None for c in self.children):
+                    time.sleep(POLL_S)
+                    failed = self._failed()
                 self.stop()
                 raise RunFailed(self._failure_message(failed))
             if all(c.proc.poll() == 0 for c in self.children if not c.spec.service):
@@ -159,12 +167,18 @@ class Supervisor:
                 on_tick()
             time.sleep(POLL_S)
 
-    def _failure_message(self, failed: list[Child]) -> str:
-        def own_fault(c: Child) -> bool:
-            text = tail(c.log_path, 20)
-            return not any(m in text for m in _CASCADE_MARKERS)
+    def _failed(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() not in (None, 0)
+                or (c.spec.service and c.proc.poll() == 0)]
 
-        culprit = next((c for c in failed if own_fault(c)), failed[0])
+    @staticmethod
+    def _cascade(c: Child) -> bool:
+        """Did ``c`` fail only because a peer did (its log says a peer went away)?"""
+        text = tail(c.log_path, 20)
+        return any(m in text for m in _CASCADE_MARKERS)
+
+    def _failure_message(self, failed: list[Child]) -> str:
+        culprit = next((c for c in failed if not self._cascade(c)), failed[0])
         others = [c.spec.name for c in failed if c is not culprit]
         msg = (f"{culprit.spec.name} failed ({describe_exit(culprit.proc.returncode)}); "
                f"the other processes were stopped. Its log is {culprit.log_path}")
@@ -364,6 +378,13 @@ def server_specs(cfg: RunConfig, run_dir: Path, plan: "ClusterPlan | None" = Non
 
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
     """Run ``cfg`` to completion; return its run directory. Raises RunFailed."""
+    from .emulate import emulated, network_for
+
+    if emulated(cfg) and cfg.server_addrs:
+        raise ConfigError("--server-addrs names servers outside the emulated cluster, "
+                          "which its hosts cannot reach; with --hosts or own-hosts "
+                          "placement psring starts the servers inside it: drop "
+                          "--server-addrs.")
     user_cfg = cfg
     cfg = prepare(cfg)
     run_dir = Path(cfg.out)
@@ -374,15 +395,8 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
         atomic_write_json(run_dir / LAUNCH, {"config": user_cfg.replace(out=cfg.out).to_dict()})
     # A new id for every launch, inherited by the run's processes (psring.runlog.run_id)
     os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
-    from .emulate import network_for
-
     net = network_for(cfg, run_dir)
     if net.plan.emulated:
-        if cfg.server_addrs:
-            raise ConfigError("--server-addrs names servers outside the emulated cluster, "
-                              "which its hosts cannot reach; with --hosts or own-hosts "
-                              "placement psring starts the servers inside it: drop "
-                              "--server-addrs.")
         # Emulated hosts share this machine's cores: threads are the machine's cores
         # shared by all the run's workers, not by a host's.
         cfg = cfg.replace(master_addr=net.plan.master_addr(),
