@@ -14,6 +14,21 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_calibration(tmp_path_factory):
+    """No test reads or writes this machine's calibration (~/.cache/psring): the
+    default path points into the session's temporary directory (a test that wants the
+    real default unsets the variable with monkeypatch)."""
+    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    old = os.environ.get("PSRING_CALIBRATION")
+    os.environ["PSRING_CALIBRATION"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("PSRING_CALIBRATION", None)
+    else:
+        os.environ["PSRING_CALIBRATION"] = old
 PSRING = [sys.executable, "-m", "psring"]
 
 
