@@ -114,6 +114,11 @@ def format_rate(bits: float) -> str:
     return f"{bits:g}bit"
 
 
+def link_key(bits: float, delay_s: float = 0.0) -> str:
+    """How a calibration names a link: its rate, and its delay when it has one."""
+    return format_rate(bits) + (f"+{round(delay_s * 1e6)}us" if delay_s else "")
+
+
 def tbf_params(bits: float) -> tuple[int, int]:
     """(burst, limit) bytes of the token bucket that shapes a link of ``bits``/s.
 
@@ -317,14 +322,23 @@ def in_network(endpoint: str) -> bool:
         return False
 
 
+#: set by the launcher on every process it places on an emulated host: the inode of
+#: that host's network namespace (see inside_cluster)
+NETNS_ENV = "PSRING_CLUSTER_NETNS"
+
+
 def namespace_is_isolated() -> bool:
-    """True when this process's network namespace routes nowhere beyond 198.18.0.0/15 —
-    an emulated host's: no default route, no IPv4 route outside the range, no IPv6
-    address. A parameter server inside one may listen on its emulated address without a
-    shared secret, since nothing outside psring's namespaces can reach it."""
+    """True when this process's network namespace is shaped like an emulated host's and
+    routes nowhere beyond 198.18.0.0/15: its interfaces are only ``lo`` and ``eth0``, its
+    IPv4 routes (main table) all lie inside the range, and it has no IPv6 address of
+    global scope."""
     try:
-        rows = Path("/proc/net/route").read_text().splitlines()[1:]
+        devices = {line.split(":", 1)[0].strip()
+                   for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]}
+        rows = Path("/proc/self/net/route").read_text().splitlines()[1:]
     except OSError:
+        return False
+    if not devices <= {"lo", HOST_IFACE}:
         return False
     for row in rows:
         cols = row.split()
@@ -339,11 +353,25 @@ def namespace_is_isolated() -> bool:
         if not net.subnet_of(NETWORK):
             return False
     try:
-        if Path("/proc/net/if_inet6").read_text().strip():
-            return False
+        v6 = Path("/proc/self/net/if_inet6").read_text().splitlines()
     except OSError:
-        pass  # no IPv6 in this kernel
-    return True
+        v6 = []  # no IPv6 in this kernel
+    # columns: address, ifindex, prefix length, scope (0x10 host, 0x20 link), flags, name
+    return all(len(c := line.split()) >= 4 and int(c[3], 16) in (0x10, 0x20) for line in v6)
+
+
+def inside_cluster() -> bool:
+    """Is this process on a host of an emulated cluster psring built? The launcher marks
+    the processes it places there with their namespace's inode (NETNS_ENV), and the
+    namespace must still be that one and isolated (namespace_is_isolated). A parameter
+    server there may listen on its emulated address without a shared secret: only
+    psring's own namespaces can reach it."""
+    mark = os.environ.get(NETNS_ENV, "")
+    try:
+        return mark.isdigit() and os.stat("/proc/self/ns/net").st_ino == int(mark) \
+            and namespace_is_isolated()
+    except OSError:
+        return False
 
 
 # -- system calls -----------------------------------------------------------------------
@@ -443,9 +471,11 @@ def _enter_switch() -> str:
     return "userns"
 
 
-def _spawn_holder() -> tuple[int, int]:
+def _spawn_holder(others: list[int]) -> tuple[int, int]:
     """Fork a process in a new network namespace of its own (an emulated host). It lives
-    until the agent dies (pipe EOF, and PR_SET_PDEATHSIG). Returns (pid, control fd)."""
+    until the agent dies (pipe EOF, and PR_SET_PDEATHSIG). ``others``: the earlier
+    holders' control fds, closed in the child so each pipe's only writer is the agent.
+    Returns (pid, control fd)."""
     ready_r, ready_w = os.pipe()
     ctrl_r, ctrl_w = os.pipe()
     agent = os.getpid()
@@ -455,6 +485,8 @@ def _spawn_holder() -> tuple[int, int]:
         try:
             os.close(ready_r)
             os.close(ctrl_w)
+            for fd in others:
+                os.close(fd)
             _die_with_parent()
             if os.getppid() != agent:
                 os._exit(0)
@@ -552,7 +584,7 @@ class Agent:
         _no_ipv6()
         _check_netem(tc, plan)
         for h in plan["hosts"]:
-            pid, ctrl = _spawn_holder()
+            pid, ctrl = _spawn_holder([c for _, c in self.holders])
             self.holders.append((pid, ctrl))
             self.state["hosts"].append({**h, "pid": pid, "net_inode": ns_inode(pid),
                                         "interface": HOST_IFACE, "port": f"psr-h{h['index']}"})
@@ -659,7 +691,10 @@ def agent_main(plan_json: str, state_path: str) -> int:
     plan = json.loads(plan_json)
     agent = Agent(plan, Path(state_path))
     try:
-        agent.build()
+        try:
+            agent.build()
+        except OSError as e:  # fork, setns, /proc: the machine refused something
+            raise EmulationError(f"building the emulated cluster failed: {e}") from None
         print(f"[cluster] {len(plan['hosts'])} hosts ready ({agent.state['mode']} mode): "
               + ", ".join(f"{h['name']}={h['address']}" for h in plan["hosts"]), flush=True)
         agent.watch()
@@ -685,18 +720,22 @@ def enter(host: dict, mode: str) -> None:
 
 def _enter_main(argv: list[str]) -> int:
     # python -m psring.emulate enter STATE HOST -- COMMAND...
-    state_path, host_name, sep, *command = argv
-    if sep != "--" or not command:
+    if len(argv) < 4 or argv[2] != "--":
         print("usage: python -m psring.emulate enter STATE HOST -- COMMAND...", file=sys.stderr)
         return 2
-    state = json.loads(Path(state_path).read_text())
-    host = next(h for h in state["hosts"] if h["name"] == host_name)
+    state_path, host_name, _, *command = argv
     try:
+        state = json.loads(Path(state_path).read_text())
+        host = next(h for h in state["hosts"] if h["name"] == host_name)
         enter(host, state["mode"])
-    except OSError as e:
-        print(f"psring: cannot enter emulated {host_name}: {e.strerror or e}; the cluster "
-              f"agent may have died (see logs/cluster.log).", file=sys.stderr)
+    except (OSError, ValueError, KeyError, StopIteration) as e:
+        print(f"psring: cannot enter emulated host {host_name!r} of {state_path}: "
+              f"{getattr(e, 'strerror', None) or e or 'no such host'}; the cluster's agent "
+              f"may have died (see logs/cluster.log).", file=sys.stderr)
         return 1
+    # a program started on a host dies with whoever started it (the launcher restates
+    # this for its own processes), so nothing keeps a namespace alive by accident
+    _die_with_parent()
     os.execvp(command[0], command)
     return 127  # not reached
 
@@ -780,7 +819,7 @@ class EmulatedCluster(Network):
                 "--", *argv]
 
     def environment(self, host: str) -> dict[str, str]:
-        return {"PSRING_HOST": host,
+        return {"PSRING_HOST": host, NETNS_ENV: str(self.host(host)["net_inode"]),
                 # gloo and NCCL find their interface by name, not by resolving the
                 # machine's hostname (which names an address outside the namespace)
                 "GLOO_SOCKET_IFNAME": HOST_IFACE, "NCCL_SOCKET_IFNAME": HOST_IFACE,

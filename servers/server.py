@@ -80,9 +80,9 @@ is_loopback = is_local
 def private_to_cluster(endpoint: str) -> bool:
     """An emulated host's address, bound inside the emulated network, which nothing
     outside psring's own namespaces can reach (psring.emulate): no secret needed."""
-    from psring.emulate import in_network, namespace_is_isolated
+    from psring.emulate import in_network, inside_cluster
 
-    return in_network(endpoint) and namespace_is_isolated()
+    return in_network(endpoint) and inside_cluster()
 
 
 def check_endpoint(endpoint: str, what: str = "--bind") -> None:

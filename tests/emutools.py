@@ -119,11 +119,12 @@ def assert_cluster_gone(run_dir: Path, within: float = 10.0) -> dict:
         time.sleep(0.1)
 
 
-def host_pid(run_dir: Path, host: str) -> int:
-    return next(h["pid"] for h in cluster_state(run_dir)["hosts"] if h["name"] == host)
-
-
 def cut_link(run_dir: Path, host: str) -> None:
-    """A network partition: set the host's interface down inside its namespace."""
-    subprocess.run(["nsenter", "--target", str(host_pid(run_dir, host)), "--net",
-                    "ip", "link", "set", "dev", "eth0", "down"], check=True, timeout=10)
+    """A network partition: set the host's interface down inside its namespace. The
+    holder's pid is checked against the namespace's inode first: a stale pid could
+    belong to a process in this machine's own namespace, whose eth0 is not ours."""
+    h = next(h for h in cluster_state(run_dir)["hosts"] if h["name"] == host)
+    ns = f"/proc/{h['pid']}/ns/net"
+    assert os.stat(ns).st_ino == h["net_inode"], f"{host}'s namespace is gone"
+    subprocess.run(["nsenter", f"--net={ns}", "ip", "link", "set", "dev", "eth0", "down"],
+                   check=True, timeout=10)
