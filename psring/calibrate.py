@@ -522,11 +522,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cal = None
     if args.hosts == 2:
-        from .emulate import format_rate, parse_rate, parse_delay
+        from .emulate import link_key, parse_delay, parse_rate
 
-        key = format_rate(parse_rate(args.link))
-        if args.delay:
-            parse_delay(args.delay)
+        key = link_key(parse_rate(args.link), parse_delay(args.delay) if args.delay else 0.0)
         if out.is_file():
             cal = Calibration.load(out)
     if cal is None:

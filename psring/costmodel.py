@@ -196,9 +196,10 @@ class Calibration:
     #: percentile], "gamma" [[bytes, median seconds of one add]], and "dist_allreduce"
     #: [[bytes, median s]] of gloo's all_reduce on 2 ranks (a check, not fitted)
     measurements: dict[str, Any] = field(default_factory=dict)
-    #: emulated links measured by ``psring calibrate --hosts 2 --link RATE``, by rate
-    #: ("1gbit"): {"zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "time",
-    #: "measurements"} between two emulated hosts
+    #: emulated links measured by ``psring calibrate --hosts 2 --link RATE [--delay D]``,
+    #: by rate and delay (psring.emulate.link_key: "1gbit", "1gbit+2000us"):
+    #: {"zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "time", "measurements"}
+    #: between two emulated hosts
     links: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -221,8 +222,9 @@ class Calibration:
     def between_hosts(self, comm_model: str, link_bits: float | None,
                       delay_s: float = 0.0) -> tuple[float, float, str]:
         """(α, β, source) of the transport between two hosts joined by links of
-        ``link_bits``/s: measured by ``psring calibrate --hosts 2 --link RATE`` when this
-        calibration has that rate; else, on paper, loopback's α plus the delay of the
+        ``link_bits``/s: measured by ``psring calibrate --hosts 2 --link RATE [--delay D]``
+        when this calibration has that rate (with that delay; a calibration without the
+        delay gets 2·delay added to its α); else, on paper, loopback's α plus the delay of the
         two links a message crosses, and the rate's β for TCP payload
         (psring.emulate.payload_beta). β is never below loopback's: a link faster than
         the transport's software does not make it faster. Unshaped links (None): the
@@ -230,13 +232,16 @@ class Calibration:
         alpha, beta = self.link(comm_model)
         if link_bits is None:
             return alpha, beta, "loopback"
-        from .emulate import format_rate, payload_beta
+        from .emulate import link_key, payload_beta
 
         key = "dist" if comm_model == "ring" else "zmq"
-        measured = self.links.get(format_rate(link_bits))
-        if measured is not None:
-            return (measured[f"{key}_alpha"] + 2 * delay_s,
-                    max(measured[f"{key}_beta"], beta), f"calibrated {format_rate(link_bits)}")
+        # a calibration of this rate and delay; else of this rate, without the delay
+        for name, extra in ((link_key(link_bits, delay_s), 0.0),
+                            (link_key(link_bits), 2 * delay_s)):
+            measured = self.links.get(name)
+            if measured is not None:
+                return (measured[f"{key}_alpha"] + extra,
+                        max(measured[f"{key}_beta"], beta), f"calibrated {name}")
         return alpha + 2 * delay_s, max(payload_beta(link_bits), beta), "nominal rate"
 
     def to_dict(self) -> dict[str, Any]:

@@ -334,6 +334,14 @@ def test_links_cost_their_rate_unless_calibrated():
     assert c.between_hosts("ring", 1e9) == (6e-5, 8.5e-9, "calibrated 1gbit")
     assert c.between_hosts("ps", 1e11)[1] == 1e-9
     assert c.between_hosts("ps", None) == (1e-5, 1e-9, "loopback")
+    # a delay: a calibration measured with it is taken as it is; one without gets the
+    # two links' delay added to its α
+    both = cal(links={"1gbit": {"zmq_alpha": 5e-5, "zmq_beta": 9e-9, "dist_alpha": 6e-5,
+                                "dist_beta": 8.5e-9},
+                      "1gbit+1000us": {"zmq_alpha": 2.1e-3, "zmq_beta": 9e-9,
+                                       "dist_alpha": 2.2e-3, "dist_beta": 8.5e-9}})
+    assert both.between_hosts("ps", 1e9, 1e-3)[:2] == (2.1e-3, 9e-9)
+    assert both.between_hosts("ps", 1e9, 2e-3)[0] == pytest.approx(5e-5 + 4e-3)
     with pytest.raises(ValueError, match="links"):
         cal(links={"1gbit": {"zmq_alpha": 1e-5}})
 
