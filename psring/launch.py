@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from .emulate import ClusterPlan
 
 GRACE_S = 5.0
+#: RunConfig's default rendezvous address
+DEFAULT_MASTER_ADDR = "127.0.0.1"
 POLL_S = 0.05
 
 
@@ -255,6 +257,9 @@ def resume_config(resume_dir: str, given: dict) -> RunConfig:
                               f"{LAUNCH} or manifest.json); pass the --out of the run to "
                               f"continue.") from None
         base["master_port"] = 0  # the old run's port; pick a free one
+        if base.get("hosts", 1) > 1 or \
+                base.get("server_placement") == "own-hosts":
+            base["master_addr"] = DEFAULT_MASTER_ADDR  # chosen by the new cluster
     known = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in base.items() if k in known}
     values.update(given)
@@ -310,11 +315,16 @@ def prepare(cfg: RunConfig) -> RunConfig:
     elif Path(out, STEPS).exists():
         raise ConfigError(f"run directory {out} already holds a run (steps.jsonl); pass a new "
                           f"--out, or remove the old one.")
+    # an emulated cluster's rendezvous is in a fresh namespace, where every port this
+    # machine has free is free too; its address does not exist out here
+    from .emulate import emulated
+
+    where = DEFAULT_MASTER_ADDR if emulated(cfg) else cfg.master_addr
     port = cfg.master_port
     if port:
-        check_port_free(cfg.master_addr, port, "--master-port")
+        check_port_free(where, port, "--master-port")
     else:
-        port = free_port(cfg.master_addr)
+        port = free_port(where)
     return cfg.replace(out=out, master_port=port)
 
 
@@ -385,6 +395,9 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
                           "which its hosts cannot reach; with --hosts or own-hosts "
                           "placement psring starts the servers inside it: drop "
                           "--server-addrs.")
+    if emulated(cfg) and cfg.master_addr != DEFAULT_MASTER_ADDR:
+        raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
+                          "host); drop it.")
     user_cfg = cfg
     cfg = prepare(cfg)
     run_dir = Path(cfg.out)
