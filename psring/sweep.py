@@ -175,6 +175,8 @@ def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
     if strategy.max_hosts is not None and hosts > strategy.max_hosts:
         hosts, per_host = strategy.max_hosts, 0
     hosts = min(hosts, workers)
+    if per_host:  # as many hosts as G per host takes, whatever else was given
+        hosts = -(-workers // per_host)
     values["hosts"] = hosts
     values["workers_per_host"] = 0 if per_host >= workers or hosts == 1 else per_host
     if not strategy.uses_servers:
