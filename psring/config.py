@@ -67,6 +67,9 @@ class RunConfig:
         "for --server-addrs beyond loopback"))
     max_staleness: int = field(default=-1, metadata=_flag(
         "async-ps: most updates a worker's gradient may be behind (-1 = unbounded)"))
+    compress: str = field(default="none", metadata=_flag(
+        "cast what is sent to fp16 or bf16 (half the bytes; allreduce, ddp, ps, async-ps; "
+        "computation and the servers' state stay float32)", choices=("none", "fp16", "bf16")))
     hosts: int = field(default=1, metadata=_flag(
         "emulated hosts to spread the workers over: Linux network namespaces joined by one "
         "switch, each host's link shaped to --link (docs/emulation.md); 1 = this machine's "
@@ -165,6 +168,12 @@ class RunConfig:
                               f"drop --checkpoint-every/--resume, or use a strategy that "
                               f"can (see docs/reliability.md).")
         self._check_data()
+        if self.compress not in ("none", "fp16", "bf16"):
+            raise ConfigError(f"--compress must be none, fp16 or bf16 (got {self.compress!r}).")
+        if self.compress != "none" and not strategy_cls.supports_compression:
+            raise ConfigError(
+                f"--compress applies to strategies that send gradients (allreduce, ddp, ps, "
+                f"async-ps); {self.strategy!r} sends nothing to compress. Drop --compress.")
         from .emulate import check_config, derived_hosts
 
         object.__setattr__(self, "hosts", derived_hosts(self.workers, self.hosts,

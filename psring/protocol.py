@@ -80,8 +80,10 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "init": {"lo": _INT, "hi": _INT, "workers": _INT, "mode": _STR, "lr": _NUM,
              "momentum": _NUM, "weight_decay": _NUM, "max_staleness": _INT,
              "version": _INT, "snapshot_every": _INT, "snapshot_last": _INT,
-             "tensors": (list,)},
-    # worker -> server: gradient for flat elements [offset, offset+len) of step `step`
+             "wire_dtype": _STR, "tensors": (list,)},
+    # worker -> server: gradient for flat elements [offset, offset+len) of step `step`,
+    # in the run's wire dtype (init's `wire_dtype`: float32, or float16 / bfloat16 with
+    # --compress); pulls are answered in it too, the server keeps float32
     "push": {"step": _INT, "offset": _INT, "tensors": (list,)},
     # worker -> server: send me the shard once its version is >= `min_version`
     "pull": {"min_version": _INT, "tensors": (list,)},
@@ -103,7 +105,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 #: op -> {field: value when absent}: fields a sender may leave out (they arrived in
 #: a later revision of version 2; a decoded header always has them)
 OPTIONAL: dict[str, dict[str, Any]] = {
-    "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0},
+    "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0, "wire_dtype": "float32"},
 }
 
 REQUESTS = ("init", "push", "pull", "leave", "snapshot")

@@ -131,7 +131,8 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     row["peer_wait_ms"] = st.median(waits.get((r["worker"], r["step"]), 0.0)
                                     for r in kept) * 1e3
     pbytes = manifest.get("parameter_bytes") or 0
-    row["gradient_bytes"] = pbytes
+    # what the cost model's M is: the gradients as sent (compressed with --compress)
+    row["gradient_bytes"] = manifest.get("wire_bytes") or pbytes
     fws = manifest.get("flops_per_worker_step")
     row["intensity"] = fws / pbytes if fws and pbytes else None
     # loss curve: per step, mean over workers; time since the end of the first step (whose

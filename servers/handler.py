@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from psring.protocol import MODES, Message, encode, error_frames
+from psring.protocol import DTYPE_NAMES, DTYPES, MODES, Message, encode, error_frames
 
 from .store import ShardStore
 
@@ -89,6 +89,8 @@ class _Run:
     store: ShardStore
     max_staleness: int
     version: int = 0
+    #: what pushes and pulled parameters travel in (--compress); the store is float32
+    wire_dtype: torch.dtype = torch.float32
     received: dict[int, int] = field(default_factory=dict)  # worker -> elements this step
     base: dict[int, int] = field(default_factory=dict)      # worker -> version it pulled
     in_flight: set[int] = field(default_factory=set)        # pulled, not yet pushed all
@@ -242,13 +244,17 @@ class Handler:
                                f"weight_decay {h['weight_decay']}")
         if h["worker"] != 0:
             raise RequestError("only worker 0 initializes a server")
+        if h["wire_dtype"] not in ("float32", "float16", "bfloat16"):
+            raise RequestError(f"init: wire_dtype {h['wire_dtype']!r} is not float32, "
+                               f"float16 or bfloat16")
         store = ShardStore(lo, hi, msg.tensors[0], h["lr"], h["momentum"], h["weight_decay"])
         if len(msg.tensors) == 2:  # resuming from a checkpoint
             store.buf.copy_(msg.tensors[1])
         self.state = _Run(run=h["run"], shard=h["shard"], workers=h["workers"], mode=h["mode"],
                           store=store, max_staleness=h["max_staleness"], version=h["version"],
                           snapshot_every=h["snapshot_every"],
-                          snapshot_last=h["snapshot_last"])
+                          snapshot_last=h["snapshot_last"],
+                          wire_dtype=DTYPES[h["wire_dtype"]])
         self.snapshot_waits = [d for d in self.snapshot_waits if d.msg.header["run"] == h["run"]]
         # pulls held for an older run will never be answered: refuse them now
         stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
@@ -262,8 +268,9 @@ class Handler:
         st = self._current(msg)
         h = msg.header
         if len(msg.tensors) != 1 or msg.tensors[0].dim() != 1 \
-                or msg.tensors[0].dtype != torch.float32:
-            raise RequestError("a push carries one 1-d float32 tensor")
+                or msg.tensors[0].dtype != st.wire_dtype:
+            raise RequestError(f"a push carries one 1-d {DTYPE_NAMES[st.wire_dtype]} tensor "
+                               f"(the run's wire dtype)")
         grad = msg.tensors[0]
         start = h["offset"] - st.store.lo
         if start < 0 or start + grad.numel() > st.store.numel or grad.numel() == 0:
@@ -504,8 +511,11 @@ class Handler:
             d.sent.add((start, n))
             params = st.store.params[start:start + n]
             t0 = time.perf_counter()
+            if st.wire_dtype != params.dtype:  # --compress: a cast copy is a snapshot too
+                params = params.to(st.wire_dtype)
+            elif snapshot:
+                params = params.clone()
             out.append(self._reply(d.peer, d.msg, "params",
                                    {"version": version, "offset": st.store.lo + start},
-                                   [params.clone() if snapshot else params],
-                                   t0=t0, wait=t0 - d.since))
+                                   [params], t0=t0, wait=t0 - d.since))
         return out

@@ -56,8 +56,14 @@ class ShardStore:
     def numel(self) -> int:
         return self.hi - self.lo
 
+    def _master(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient pushed in a compressed dtype (--compress), in the store's float32:
+        the sum and the update are done in float32 whatever travelled."""
+        return grad if grad.dtype == self.params.dtype else grad.to(self.params.dtype)
+
     def apply(self, grad: torch.Tensor, start: int = 0) -> None:
         """SGD step on elements [start, start + len(grad)) of this shard."""
+        grad = self._master(grad)
         end = start + grad.numel()
         buf = [self.buf[start:end]] if self.buf is not None else []
         self._fused(self.params[start:end], grad, buf, self.momentum, self.weight_decay)
@@ -72,6 +78,7 @@ class ShardStore:
     def begin(self, grad: torch.Tensor, start: int = 0) -> None:
         """The first of several pushes of a range in a sync step: ``buf = m*buf + g``,
         plus weight decay (once per step)."""
+        grad = self._master(grad)
         acc = self._acc(start, grad.numel())
         if self.momentum:
             torch.add(grad, acc, alpha=self.momentum, out=acc)
@@ -82,10 +89,11 @@ class ShardStore:
 
     def add(self, grad: torch.Tensor, start: int = 0) -> None:
         """A push between the first and the last: ``buf += g``."""
-        self._acc(start, grad.numel()).add_(grad)
+        self._acc(start, grad.numel()).add_(self._master(grad))
 
     def finish(self, grad: torch.Tensor, start: int = 0) -> None:
         """The last push: ``buf += g; p -= lr*buf`` in one fused pass (momentum 1 makes
         the fused kernel's ``buf = 1*buf + g`` exact)."""
+        grad = self._master(grad)
         n = grad.numel()
         self._fused(self.params[start:start + n], grad, [self._acc(start, n)], 1.0, 0.0)

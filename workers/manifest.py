@@ -8,6 +8,7 @@ from pathlib import Path
 
 from torch import nn
 
+from psring.compress import wire_bytes
 from psring.config import RunConfig
 from psring.emulate import ClusterPlan
 from psring.data import Dataset
@@ -18,7 +19,9 @@ from psring.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, v
 def build_manifest(cfg: RunConfig, model: nn.Module, ds: Dataset, strategy_cls,
                    threads: int) -> dict:
     pbytes = parameter_bytes(model)
-    sent, recv = strategy_cls.bytes_per_step(pbytes, cfg.workers)
+    # gradients as they travel: half the bytes with --compress fp16/bf16
+    wire = wire_bytes(pbytes, cfg.compress) if strategy_cls.supports_compression else pbytes
+    sent, recv = strategy_cls.bytes_per_step(wire, cfg.workers)
     fps = flops_per_sample(model, ds.features)
     flops_worker_step = fps * cfg.per_worker_batch * cfg.accumulate
     return {
@@ -34,6 +37,7 @@ def build_manifest(cfg: RunConfig, model: nn.Module, ds: Dataset, strategy_cls,
         "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes},
         "parameters": sum(p.numel() for p in model.parameters()),
         "parameter_bytes": pbytes,
+        "wire_bytes": wire,
         "bytes_per_step": {"sent": sent, "recv": recv},
         "flops_per_sample": fps,
         "flops_per_worker_step": flops_worker_step,

@@ -6,16 +6,18 @@ average; each bucket's all-reduce starts from the gradient hooks while backward 
 still running, and the update waits on the handles. ``ddp`` is the reference
 implementation of the same algorithm.
 
-    psring run --strategy allreduce --workers 2 --bucket-mb 25
+    psring run --strategy allreduce --workers 2 --bucket-mb 25 [--compress fp16]
 """
 
 from __future__ import annotations
 
 from typing import ContextManager
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compress import CastBack, wire_dtype
 from .base import STRATEGIES, Handle, Strategy, WaitAll
 from .buckets import Bucket, GradientBuckets, bucket_caps
 
@@ -33,17 +35,31 @@ class AllReduce(Strategy):
                  "one of them stopped, hung or is far slower)")
     comm_model = "ring"
     uses_process_group = True
+    supports_compression = True
 
     def setup(self, model: nn.Module) -> nn.Module:
         cap, first = bucket_caps(self.ctx.cfg.bucket_mb)
         self.buckets = GradientBuckets(
             list(model.parameters()), cap, first, scale=1.0 / self.ctx.world,
             launch=self._launch, stats_of=lambda: self.stats)
-        self._bytes = ring_bytes(self.buckets.total_bytes, self.ctx.world)
+        compress = self.ctx.cfg.compress
+        # --compress: one wire buffer per bucket, allocated once (psring.compress)
+        self.wire = [None if compress == "none" else
+                     torch.empty(b.numel, dtype=wire_dtype(compress), device=b.buffer.device)
+                     for b in self.buckets.buckets]
+        self._bytes = ring_bytes(sum(b.numel * (w if w is not None else b.buffer).element_size()
+                                     for b, w in zip(self.buckets.buckets, self.wire)),
+                                 self.ctx.world)
         return model
 
     def _launch(self, bucket: Bucket) -> Handle:
-        return dist.all_reduce(bucket.buffer, async_op=True)
+        wire = self.wire[bucket.index]
+        if wire is None:
+            return dist.all_reduce(bucket.buffer, async_op=True)
+        # already scaled by 1/N in float32 (the hooks): summing N such values in the wire
+        # dtype overflows no sooner than the gradients would
+        wire.copy_(bucket.buffer)
+        return CastBack(dist.all_reduce(wire, async_op=True), wire, bucket.buffer)
 
     def no_sync(self) -> ContextManager[None]:
         return self.buckets.paused()

@@ -127,6 +127,8 @@ class Strategy:
     waits_for: ClassVar[str] = "communication"
     #: --checkpoint-every and --resume work (checkpoint_state/restore_checkpoint below)
     supports_checkpoint: ClassVar[bool] = True
+    #: --compress fp16/bf16 means something: the strategy sends gradients (psring.compress)
+    supports_compression: ClassVar[bool] = False
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
@@ -199,5 +201,6 @@ class Strategy:
     # -- facts for the manifest ------------------------------------------------------
     @classmethod
     def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
-        """(sent, received) bytes per worker per synchronized step, by the algorithm."""
+        """(sent, received) bytes per worker per synchronized step, by the algorithm, for
+        ``param_bytes`` of gradients as they are sent (compressed, with --compress)."""
         return 0, 0

@@ -13,6 +13,7 @@ from typing import ContextManager
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compress import ddp_hook, wire_bytes
 from .allreduce import ring_bytes
 from .base import STRATEGIES, Strategy
 from .buckets import DEFAULT_BUCKET_MB
@@ -26,6 +27,7 @@ class DDP(Strategy):
     comm_model = "ring"
     uses_process_group = True
     syncs_inside_backward = True
+    supports_compression = True
 
     def setup(self, model: nn.Module) -> nn.Module:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
@@ -35,8 +37,12 @@ class DDP(Strategy):
         self.ddp = DistributedDataParallel(
             model, device_ids=device_ids,
             bucket_cap_mb=None if cap == DEFAULT_BUCKET_MB else cap)
-        self._bytes = ring_bytes(sum(p.numel() * p.element_size()
-                                     for p in model.parameters()), self.ctx.world)
+        hook = ddp_hook(self.ctx.cfg.compress)  # torch's own compression hooks
+        if hook is not None:
+            self.ddp.register_comm_hook(None, hook)
+        self._bytes = ring_bytes(wire_bytes(sum(p.numel() * p.element_size()
+                                                for p in model.parameters()),
+                                            self.ctx.cfg.compress), self.ctx.world)
         return self.ddp
 
     def no_sync(self) -> ContextManager[None]:

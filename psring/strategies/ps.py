@@ -26,6 +26,7 @@ every reply must carry a valid signature (docs/protocol.md).
     psring run --strategy ps --workers 2 --servers 2
     psring run --strategy async-ps --workers 4 --max-staleness 2
     psring run --strategy ps --workers 2 --server-addrs tcp://hostA:5555,tcp://hostB:5555
+    psring run --strategy ps --workers 2 --compress fp16    (psring.compress)
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from torch import nn
 from ..errors import PsringError
 from ..runlog import run_id
 from ..partition import even_split, overlaps
-from ..protocol import (AuthenticationError, Message, ProtocolError, decode, encode,
+from ..compress import wire_dtype
+from ..protocol import (DTYPE_NAMES, AuthenticationError, Message, ProtocolError, decode, encode,
                         load_secret)
 from .base import STRATEGIES, Handle, Strategy, WaitAll
 from .buckets import Bucket, GradientBuckets, bucket_caps
@@ -206,6 +208,7 @@ class ParameterServer(Strategy):
     comm_model = "ps"
     uses_servers = True
     local_optimizer = False
+    supports_compression = True
     mode: ClassVar[str] = "sync"
 
     def setup(self, model: nn.Module) -> nn.Module:
@@ -244,6 +247,12 @@ class ParameterServer(Strategy):
             start += b.numel
         self.host_buckets = [torch.empty(b.numel, pin_memory=True) if cuda else None
                              for b in self.buckets.buckets]
+        # --compress: pushes and pulls travel in the wire dtype, one cast buffer per
+        # bucket (psring.compress); the servers keep float32
+        self.wire_dtype = wire_dtype(cfg.compress)
+        self.wire_buckets = [None if self.wire_dtype == torch.float32 else
+                             torch.empty(b.numel, dtype=self.wire_dtype)
+                             for b in self.buckets.buckets]
         self.ranges = even_split(total, len(cfg.server_addr_list))
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
@@ -265,7 +274,10 @@ class ParameterServer(Strategy):
             "lo": lo, "hi": hi, "workers": self.ctx.world, "mode": self.mode, "lr": cfg.lr,
             "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
             "max_staleness": cfg.max_staleness, "version": self.version0,
-            "snapshot_every": cfg.checkpoint_every, "snapshot_last": cfg.steps},
+            # compressed pulls are rounded: the final model is taken from the servers'
+            # float32 copy of the last version (final_state)
+            "snapshot_every": cfg.checkpoint_every or (cfg.steps if self.compressed else 0),
+            "snapshot_last": cfg.steps, "wire_dtype": DTYPE_NAMES[self.wire_dtype]},
             [self.host_flat[lo:hi]] + ([momentum[lo:hi]] if momentum is not None else []))
             for k, (lo, hi) in enumerate(self.ranges)]
         # A server that is not there fails here, quickly, naming its address.
@@ -286,9 +298,13 @@ class ParameterServer(Strategy):
             raise PsringError(f"worker {self.ctx.rank}: a parameter server sent elements "
                               f"[{a}, {b}) of a {self.host_flat.numel()}-element model")
         piece = msg.tensors[0]
-        if self.dev_flat is not self.host_flat:
+        if self.dev_flat is not self.host_flat or piece.dtype != self.host_flat.dtype:
+            # a GPU's parameters, or compressed ones (cast back to float32 here)
             self.host_flat[a:b].copy_(piece)
-            self.dev_flat[a:b].copy_(self.host_flat[a:b], non_blocking=True)
+            if self.dev_flat is not self.host_flat:
+                self.dev_flat[a:b].copy_(self.host_flat[a:b], non_blocking=True)
+            else:
+                self._point_params_at_flat(a, b)
             return
         # On the CPU a parameter that lies wholly inside the piece becomes a view of the
         # received frame (no copy; the frame lives as long as the view). One that the
@@ -305,11 +321,27 @@ class ParameterServer(Strategy):
                 p.data = self.host_flat[pa:pb].view_as(p)
             i += 1
 
+    def _point_params_at_flat(self, a: int, b: int) -> None:
+        """Parameters overlapping elements [a, b) become views of the flat vector (a
+        received piece that could not be used as their storage was copied there)."""
+        i = max(0, bisect.bisect_right(self.span_starts, a) - 1)
+        while i < len(self.param_spans) and self.param_spans[i][0] < b:
+            pa, pb, p = self.param_spans[i]
+            if pb > a and p.data.data_ptr() != self.host_flat[pa:pb].data_ptr():
+                p.data = self.host_flat[pa:pb].view_as(p)
+            i += 1
+
+    @property
+    def compressed(self) -> bool:
+        return self.wire_dtype != torch.float32
+
     def _push(self, bucket: Bucket) -> Handle:
         start = self.bucket_start[bucket.index]
         data = bucket.buffer
         if self.host_buckets[bucket.index] is not None:  # GPU gradients go via the host
             data = self.host_buckets[bucket.index].copy_(bucket.buffer)
+        if self.wire_buckets[bucket.index] is not None:  # --compress
+            data = self.wire_buckets[bucket.index].copy_(data)
         keys = [self.client.send(k, "push", {"step": self.step, "offset": s},
                                  [data[s - start:e - start]])
                 for k, s, e in overlaps(start, start + bucket.numel, self.ranges)]
@@ -359,12 +391,17 @@ class ParameterServer(Strategy):
         is no shared version boundary: each shard is copied as it is when asked."""
         if self.ctx.rank != 0:
             return {}
+        return self._servers_state("a checkpoint")
+
+    def _servers_state(self, what: str) -> dict[str, torch.Tensor]:
+        """Every shard's float32 copy of the version after this step (sync; in async
+        mode, as it is now): parameters, momentum, version."""
         # the loop's step numbers are absolute (a resumed run continues them), and so are
         # the servers' versions: after step s a synchronous server is at version s + 1
         version = self.step + 1 if self.mode == "sync" else -1
         keys = [self.client.send(k, "snapshot", {"version": version})
                 for k in range(len(self.ranges))]
-        msgs = self.client.wait(keys, f"a checkpoint of version {version}")
+        msgs = self.client.wait(keys, f"{what} of version {version}")
         params = torch.empty_like(self.host_flat, pin_memory=False)
         momentum = torch.empty_like(params) if len(msgs[0].tensors) == 2 else None
         for (lo, hi), m in zip(self.ranges, msgs):
@@ -382,6 +419,14 @@ class ParameterServer(Strategy):
 
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         self.pull.wait()  # the parameters after the last step
+        if self.compressed:
+            # the pulled parameters were rounded to the wire dtype: the model is the
+            # servers' float32 master copy
+            self.host_flat.copy_(self._servers_state("the final model")["ps/params"])
+            if self.dev_flat is not self.host_flat:
+                self.dev_flat.copy_(self.host_flat)  # the GPU's parameters are its views
+            else:
+                self._point_params_at_flat(0, self.host_flat.numel())
         if self.dev_flat is not self.host_flat:
             torch.cuda.synchronize()
         return super().final_state(model)
