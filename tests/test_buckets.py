@@ -52,10 +52,18 @@ def test_buckets_launch_during_backward_in_order_with_scaled_grads():
     assert launched[0][1] is True
     assert len(stats.bucket_launch) == len(b.buckets)
     assert all(d >= s > 0 for s, d in zip(stats.bucket_launch, stats.bucket_done))
-    raw = {p: p.grad.clone() for p in model.parameters()}
-    b.assign_grads()
-    for p in model.parameters():
-        torch.testing.assert_close(p.grad, raw[p] * 0.5)
+    # the same model without hooks gives the raw gradients
+    ref, ref_buckets, _, _ = make(cap_bytes=20_000, first_cap_bytes=300)
+    ref_buckets.remove_hooks()
+    ref(x).sum().backward()
+    # each gradient already is its bucket's slot, scaled (autograd's own copy is gone)
+    slots = {p: v for bucket in b.buckets for p, v in zip(bucket.params, bucket.views)}
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.grad.data_ptr() == slots[p].data_ptr()
+        torch.testing.assert_close(p.grad, r.grad * 0.5)
+    b.assign_grads()  # (a no-op for parameters that got a gradient)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad * 0.5)
 
 
 def test_disabled_buckets_do_not_launch_and_unused_params_count_as_zero():

@@ -9,8 +9,10 @@ full it is handed to ``launch`` (an all-reduce, a push to a server, ...), which 
 a handle. Buckets are launched strictly in index order so every rank issues the same
 collectives in the same order.
 
-After the handles complete, :meth:`GradientBuckets.assign_grads` points each
-``param.grad`` at its slot of the (reduced) buffer: no copy back.
+Each ``param.grad`` is pointed at its slot of the bucket as soon as it is copied there
+(the reduction then happens in place: no copy back), and autograd's own gradient tensor
+is freed at once; :meth:`GradientBuckets.assign_grads` does the same for parameters
+that got no gradient.
 """
 
 from __future__ import annotations
@@ -121,6 +123,12 @@ class GradientBuckets:
             return  # a parameter used twice in one graph: its grad is final only once
         # Scale while copying (DDP does the same) to save a pass over the bucket.
         torch.mul(p.grad, self.scale, out=bucket.views[i])
+        # The gradient lives on in the bucket: let autograd's copy go now, during
+        # backward, where the next layer's gradient of the same size reuses its memory.
+        # Freed only after the all-reduce (assign_grads), glibc returned it to the
+        # kernel and the next step page-faulted it back: ~2000 faults per step, and a
+        # backward 1.5x DDP's in separate runs (docs/benchmarks.md, issue 10).
+        p.grad = bucket.views[i]
         bucket.ready[i] = True
         bucket.pending -= 1
         if bucket.pending == 0:
