@@ -39,6 +39,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import platform
+import secrets
 import socket
 import statistics as st
 import sys
@@ -203,9 +204,8 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str,
 
 # -- ZeroMQ ------------------------------------------------------------------------------
 
-def _zmq_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
-                  timeout_s: float, host: str = "127.0.0.1",
-                  budget: int | None = None) -> list[list[float]] | None:
+def _zmq_pingpong(rank: int, addr: str, sizes: list[int], quick: bool,
+                  timeout_s: float, budget: int | None = None) -> list[list[float]] | None:
     """Rank 0 echoes every message back (the received frame itself, no copy); rank 1
     times round trips and returns [[size, one-way seconds], ...]. An empty message ends
     the echo. Every blocking call has a timeout, so a lost peer cannot hang either."""
@@ -217,8 +217,6 @@ def _zmq_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
     ms = int(timeout_s * 1000)
     s.setsockopt(zmq.RCVTIMEO, ms)
     s.setsockopt(zmq.SNDTIMEO, ms)
-    # loopback, or an emulated host's address: either way nothing outside can connect
-    addr = f"tcp://{host}:{port}"
     try:
         if rank == 0:
             s.bind(addr)
@@ -250,10 +248,18 @@ def _zmq_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
 
 def measure_zmq(sizes: list[int], quick: bool, link: "Link | None" = None
                 ) -> tuple[list[list[float]], dict]:
-    """(ladder rows, {}) of the ZeroMQ ping-pong, on loopback or across ``link``."""
+    """(ladder rows, {}) of the ZeroMQ ping-pong across ``link``, or on this host over
+    the transport its runs use between workers and servers (psring.launch.local_ipc:
+    Unix sockets on Linux). Either way nothing outside can connect."""
     timeout = QUICK_PAIR_TIMEOUT_S if quick else PAIR_TIMEOUT_S
-    host, budget, where = link.args() if link else ("127.0.0.1", None, None)
-    _, points = run_pair(_zmq_pingpong, (free_port(), sizes, quick, timeout, host, budget),
+    if link:
+        host, budget, where = link.args()
+        addr = f"tcp://{host}:{free_port()}"
+    elif sys.platform.startswith("linux"):  # as psring.launch.local_ipc chooses
+        addr, budget, where = f"ipc://@psring-calibrate-{secrets.token_hex(8)}", None, None
+    else:
+        addr, budget, where = f"tcp://127.0.0.1:{free_port()}", None, None
+    _, points = run_pair(_zmq_pingpong, (addr, sizes, quick, timeout, budget),
                          timeout, "ZeroMQ", where)
     return points, {}
 
@@ -432,7 +438,7 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
     say = log or (lambda _msg: None)
     sizes = QUICK_SIZES if quick else SIZES
     gamma_bytes = GAMMA_BYTES
-    say("calibrate: ZeroMQ ping-pong over tcp loopback ...")
+    say("calibrate: ZeroMQ ping-pong on this host (Unix sockets on Linux, as runs use) ...")
     zmq_points, _, (zmq_alpha, zmq_beta) = _measure_and_fit("ZeroMQ", measure_zmq, sizes,
                                                             quick, say)
     say("calibrate: gloo send/recv ping-pong ...")
@@ -479,7 +485,9 @@ def describe(cal: Calibration) -> str:
         return f"{name:<21} α = {alpha * 1e6:8.1f} µs   1/β = {1 / beta / 1e9:7.3g} GB/s"
 
     lines = [
-        link("ZeroMQ (tcp lo)", cal.zmq_alpha, cal.zmq_beta),
+        # on Linux measured over the Unix sockets runs use on one host (measure_zmq)
+        link("ZeroMQ (ipc)" if sys.platform.startswith("linux") else "ZeroMQ (tcp lo)",
+             cal.zmq_alpha, cal.zmq_beta),
         link("gloo send/recv", cal.dist_alpha, cal.dist_beta),
         f"{'local add':<18} γ = {cal.gamma * 1e9:8.3f} ns/B  1/γ = {1 / cal.gamma / 1e9:6.2f} GB/s",
     ]

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -61,6 +62,10 @@ class RunConfig:
     server_addrs: str = field(default="", metadata=_flag(
         "comma-separated addresses of running parameter servers (psring server) to use "
         "instead of starting them, e.g. tcp://10.0.0.5:5555,tcp://10.0.0.6:5555"))
+    transport: str = field(default="auto", metadata=_flag(
+        "ps/async-ps: how workers reach the servers psring starts: ipc (Unix domain sockets, "
+        "one host; fewer copies than TCP), tcp (loopback TCP, as across hosts), auto = ipc "
+        "on Linux without emulated hosts, else tcp", choices=("auto", "tcp", "ipc")))
     secret_file: str = field(default="", metadata=_flag(
         "ps/async-ps: file holding the servers' shared secret; every message is then signed "
         "(HMAC-SHA256). Default: the environment variable PSRING_SECRET, else none. Needed "
@@ -196,6 +201,25 @@ class RunConfig:
         if (self.servers != 1 or addrs) and not strategy_cls.uses_servers:
             raise ConfigError(f"--servers and --server-addrs apply to parameter-server "
                               f"strategies (ps, async-ps), not {self.strategy!r}.")
+        if self.transport not in ("auto", "tcp", "ipc"):
+            raise ConfigError(f"--transport must be auto, tcp or ipc (got {self.transport!r}).")
+        if self.transport != "auto":
+            from .emulate import emulated
+
+            if not strategy_cls.uses_servers:
+                raise ConfigError(f"--transport applies to parameter-server strategies (ps, "
+                                  f"async-ps), not {self.strategy!r}; drop it.")
+            if addrs:
+                raise ConfigError("--transport applies to the servers psring starts; the "
+                                  "--server-addrs already say how to reach yours (tcp:// or "
+                                  "ipc://): drop --transport.")
+            if self.transport == "ipc" and emulated(self):
+                raise ConfigError("--transport ipc reaches only this host's own processes; "
+                                  "emulated hosts talk over their links: drop --transport "
+                                  "(or use tcp).")
+            if self.transport == "ipc" and not sys.platform.startswith("linux"):
+                raise ConfigError("--transport ipc uses Linux's abstract Unix sockets; on "
+                                  f"{sys.platform} use --transport tcp (or auto).")
         if self.max_staleness != -1 and not strategy_cls.supports_staleness_bound:
             raise ConfigError(f"--max-staleness applies to async-ps, not {self.strategy!r}.")
         if self.max_staleness < -1:

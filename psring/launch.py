@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -357,6 +358,28 @@ def server_threads(servers: int, workers: int) -> int:
     return max(1, ((os.cpu_count() or 1) - workers) // servers)
 
 
+def local_ipc(cfg: RunConfig) -> bool:
+    """Whether psring's own servers are reached over Unix domain sockets (--transport)."""
+    from .emulate import emulated
+
+    if cfg.transport == "auto":
+        return sys.platform.startswith("linux") and not emulated(cfg)
+    return cfg.transport == "ipc"
+
+
+def server_endpoint(cfg: RunConfig, plan: "ClusterPlan", k: int) -> str:
+    """Where server ``k`` of this run listens. On one host: an abstract Unix socket (a
+    name, no file to clean up; freed with the socket), since large messages cross a Unix
+    socket with less kernel work than TCP's segmenting and acknowledging (measured in
+    docs/benchmarks.md, "Transport"); the name is random, so concurrent runs never
+    meet. Else loopback TCP, or the server's emulated host's address (a fresh
+    namespace: any port free here is free there)."""
+    if local_ipc(cfg):
+        return f"ipc://@psring-{os.getpid()}-{secrets.token_hex(6)}-{k}"
+    host = plan.server_address(k) if plan.emulated else "127.0.0.1"
+    return f"tcp://{host}:{free_port()}"
+
+
 def server_specs(cfg: RunConfig, run_dir: Path, plan: "ClusterPlan | None" = None
                  ) -> tuple[RunConfig, list[ProcessSpec]]:
     """Parameter servers to start for ``cfg`` (none when it names running ones), and
@@ -369,10 +392,7 @@ def server_specs(cfg: RunConfig, run_dir: Path, plan: "ClusterPlan | None" = Non
     from .strategies.ps import server_frame_limit
 
     plan = plan or ClusterPlan.for_config(cfg)
-    # on loopback, or each on its emulated host's address (a fresh namespace: any port
-    # free here is free there)
-    host = (lambda k: plan.server_address(k)) if plan.emulated else (lambda k: "127.0.0.1")
-    addrs = [f"tcp://{host(k)}:{free_port()}" for k in range(cfg.servers)]
+    addrs = [server_endpoint(cfg, plan, k) for k in range(cfg.servers)]
     extra = ["--secret-file", cfg.secret_file] if cfg.secret_file else []
     limit = server_frame_limit(cfg)
     if limit is not None:  # libzmq then refuses any larger frame (ZMQ_MAXMSGSIZE)
@@ -383,7 +403,8 @@ def server_specs(cfg: RunConfig, run_dir: Path, plan: "ClusterPlan | None" = Non
                          env={"OMP_NUM_THREADS": str(server_threads(cfg.servers, cfg.workers))},
                          service=True)
              for k, addr in enumerate(addrs)]
-    return cfg.replace(server_addrs=",".join(addrs)), specs
+    # the addresses now say the transport (tcp:// or ipc://)
+    return cfg.replace(server_addrs=",".join(addrs), transport="auto"), specs
 
 
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:

@@ -181,12 +181,15 @@ def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
     values["workers_per_host"] = 0 if per_host >= workers or hosts == 1 else per_host
     if not strategy.uses_servers:
         values["server_placement"] = "colocated"
+        values["transport"] = "auto"
     probe = SimpleNamespace(hosts=values["hosts"], strategy=values.get("strategy", "single"),
                             server_placement=values.get("server_placement", "colocated"),
                             workers_per_host=values.get("workers_per_host", 0))
     if not emulated(probe):
         values["link"] = ""
         values["delay"] = ""
+    elif values.get("transport") == "ipc":  # hosts talk over their links
+        values["transport"] = "auto"
 
 
 def _slug(v: Any) -> str:

@@ -39,6 +39,13 @@ def test_boolean_flags_take_no_value():
     ({"bucket_mb": 0.0}, "--bucket-mb"),
     ({"data": "nothing.npz"}, "no such file"),
     ({"data": "imagenet"}, "synthetic, digits or a path"),
+    ({"strategy": "allreduce", "workers": 2, "transport": "ipc"},
+     "--transport applies to parameter-server strategies"),
+    ({"strategy": "ps", "workers": 2, "transport": "tcp",
+      "server_addrs": "tcp://127.0.0.1:5555"}, "drop --transport"),
+    ({"strategy": "ps", "workers": 2, "transport": "ipc", "hosts": 2},
+     "emulated hosts talk over their links"),
+    ({"strategy": "ps", "workers": 2, "transport": "udp"}, "auto, tcp or ipc"),
 ])
 def test_bad_config_names_the_fix(kwargs, needle):
     with pytest.raises(ConfigError) as e:

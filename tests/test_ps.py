@@ -14,11 +14,15 @@ from conftest import (SMALL, assert_no_processes, load_model, max_rel_diff, psri
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("servers", [1, 2])
-def test_sync_ps_matches_single_and_allreduce(small_runs, tmp_path, servers):
+@pytest.mark.parametrize("servers,transport", [(1, "auto"), (2, "tcp")])
+def test_sync_ps_matches_single_and_allreduce(small_runs, tmp_path, servers, transport):
     out = tmp_path / f"ps{servers}"
     psring("run", "--strategy", "ps", "--workers", 2, "--servers", servers, *SMALL,
-           "--out", out)
+           "--transport", transport, "--out", out)
+    # on one Linux host psring's own servers listen on abstract Unix sockets
+    addrs = json.loads((out / "manifest.json").read_text())["config"]["server_addrs"]
+    scheme = "ipc://@" if transport == "auto" and sys.platform.startswith("linux") else "tcp://"
+    assert [a[:len(scheme)] for a in addrs.split(",")] == [scheme] * servers
     got = load_model(out)
     assert max_rel_diff(got, load_model(small_runs["single"])) < 1e-4
     assert max_rel_diff(got, load_model(small_runs["allreduce"])) < 1e-4

@@ -50,6 +50,13 @@ def test_points_are_normalized_and_deduplicated(tmp_path):
     assert all(Path(p.config.out).parent == tmp_path / "out" for p in points)
 
 
+def test_transport_is_swept_only_where_there_are_servers(tmp_path):
+    sweep = Sweep(name="t", base={"steps": 2, "workers": 2, "batch_size": 64},
+                  grid={"strategy": ["allreduce", "ps"], "transport": ["tcp", "ipc"]})
+    got = sorted((p.config.strategy, p.config.transport) for p in sweep.points(tmp_path))
+    assert got == [("allreduce", "auto"), ("ps", "ipc"), ("ps", "tcp")]
+
+
 @pytest.mark.parametrize("grid, needle", [
     ({"strategy": ["single"], "colour": [1]}, "unknown key(s) colour"),
     ({"strategy": "single"}, "must be a non-empty list"),
