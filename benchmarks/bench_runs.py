@@ -13,7 +13,8 @@ comparison's figure is the median of the paired ratios A/B, with their min–max
 share one process's allocator and caches between contenders, which hid the slow
 backward these runs found.)
 
-Workload: psring's default ``mlp`` (1024x3, 9.5 MB of gradients) on its synthetic
+``ps`` runs as users get it: servers on Unix sockets on one Linux host ("ps ipc / tcp"
+compares the transports). Workload: psring's default ``mlp`` (1024x3, 9.5 MB of gradients) on its synthetic
 task, 2 workers, global batch 64, 60 steps, seed 3. Comparisons with ``@1gbit`` run on
 2 emulated hosts joined by 1 Gbit/s links (docs/emulation.md: root or user namespaces).
 """
@@ -50,14 +51,25 @@ COMPARISONS = {
                                    1.0),
     "ps / torch.rpc batch-update PS": (psring("--strategy", "ps"),
                                        reference("ref_rpc_ps.py"), 0.8),
+    "ps ipc / tcp": (psring("--strategy", "ps"), psring("--strategy", "ps", "--transport", "tcp"),
+                     None),
     "allreduce fp16 / none": (psring("--strategy", "allreduce", "--compress", "fp16"),
                               psring("--strategy", "allreduce"), None),
     "ps fp16 / none": (psring("--strategy", "ps", "--compress", "fp16"),
+                       psring("--strategy", "ps"), None),
+    "allreduce bf16 / none": (psring("--strategy", "allreduce", "--compress", "bf16"),
+                              psring("--strategy", "allreduce"), None),
+    "ps bf16 / none": (psring("--strategy", "ps", "--compress", "bf16"),
                        psring("--strategy", "ps"), None),
     "allreduce fp16 / none @1gbit": (psring("--strategy", "allreduce", "--compress", "fp16",
                                             *LINK),
                                      psring("--strategy", "allreduce", *LINK), None),
     "ps fp16 / none @1gbit": (psring("--strategy", "ps", "--compress", "fp16", *LINK),
+                              psring("--strategy", "ps", *LINK), None),
+    "allreduce bf16 / none @1gbit": (psring("--strategy", "allreduce", "--compress", "bf16",
+                                            *LINK),
+                                     psring("--strategy", "allreduce", *LINK), None),
+    "ps bf16 / none @1gbit": (psring("--strategy", "ps", "--compress", "bf16", *LINK),
                               psring("--strategy", "ps", *LINK), None),
 }
 
