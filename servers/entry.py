@@ -1,7 +1,7 @@
 """Parameter-server process entry point: parse, bind, serve, always clean up.
 
     python -m psring.servers --bind tcp://127.0.0.1:5555 [--name server-0] [--log FILE]
-                             [--secret-file FILE] [--max-frame-mb MB]
+                             [--secret-file FILE] [--max-frame-mb MB] [--io-threads N]
 
 (``psring server`` is the same command.) The server starts empty; worker 0 of a run
 initializes it with its shard of the parameters and the run's settings, so one server
@@ -33,6 +33,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest message frame accepted, in MiB; a peer sending a larger "
                              "one is disconnected (must exceed the largest shard a run "
                              "initializes; default 1024)")
+    parser.add_argument("--io-threads", type=int, default=0, metavar="N",
+                        help="ZeroMQ I/O threads, each copying its connections' messages "
+                             "in and out; 0 = one per core, at most 4 (default)")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -52,7 +55,8 @@ def run_server(args: argparse.Namespace) -> int:
                           f"(got {args.max_frame_mb}).")
     secret = load_secret(args.secret_file)
     server = Server(args.bind, args.name, Path(args.log) if args.log else None,
-                    secret=secret, max_frame_bytes=int(args.max_frame_mb * 2**20))
+                    secret=secret, max_frame_bytes=int(args.max_frame_mb * 2**20),
+                    io_threads=args.io_threads)
     try:
         print(f"[{args.name}] listening on {server.endpoint}"
               + (" (signed messages only)" if secret else ""), flush=True)

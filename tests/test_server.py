@@ -251,3 +251,25 @@ def test_init_from_a_checkpoint_sets_version_and_momentum():
     assert decode(r.frames).header["version"] == 8
     # buf = 0.9 * 3 + 0; p = 1 - 0.1 * 2.7
     assert torch.allclose(h.state.store.params, torch.full((4,), 1 - 0.27))
+
+
+def test_server_copies_connections_on_one_io_thread_per_core():
+    import os
+
+    import zmq
+
+    from psring.errors import ConfigError
+    from psring.servers.server import MAX_IO_THREADS, Server
+
+    server = Server("tcp://127.0.0.1:0")
+    try:
+        assert server.ctx.get(zmq.IO_THREADS) == min(MAX_IO_THREADS, os.cpu_count() or 1)
+    finally:
+        server.close()
+    server = Server("tcp://127.0.0.1:0", io_threads=3)
+    try:
+        assert server.ctx.get(zmq.IO_THREADS) == 3
+    finally:
+        server.close()
+    with pytest.raises(ConfigError, match="--io-threads must be >= 0"):
+        Server("tcp://127.0.0.1:0", io_threads=-1)
