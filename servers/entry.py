@@ -39,8 +39,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    from psring.allocator import keep_freed_memory
     from psring.protocol import load_secret
 
+    keep_freed_memory()  # received frames are freed and allocated again every round
     from .server import Server
 
     stop = {"now": False}

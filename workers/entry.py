@@ -27,6 +27,7 @@ from pathlib import Path
 
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
+from psring.allocator import keep_freed_memory
 from psring.launch import die_with_parent, worker_threads
 
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 PID` prints every thread's Python stack into the log: for a hang
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     die_with_parent()
+    keep_freed_memory()  # no page faults on each step's tensors (psring.allocator)
     # SIGTERM (from the launcher or torchrun) unwinds through finally blocks.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(prog="python -m psring.workers",
