@@ -91,6 +91,9 @@ class _Run:
     version: int = 0
     #: what pushes and pulled parameters travel in (--compress); the store is float32
     wire_dtype: torch.dtype = torch.float32
+    # sync, compressed: (start, len) -> (version, the range cast to the wire dtype),
+    # cast once per version for all N workers' pulls
+    wire_cache: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)  # worker -> elements this step
     base: dict[int, int] = field(default_factory=dict)      # worker -> version it pulled
     in_flight: set[int] = field(default_factory=set)        # pulled, not yet pushed all
@@ -498,6 +501,20 @@ class Handler:
             return self._stream(st, d, st.last_ranges, st.version)
         return self._stream(st, d, [(0, st.store.numel)], st.version)
 
+    @staticmethod
+    def _cast(st: _Run, start: int, n: int, version: int, params: torch.Tensor,
+              snapshot: bool) -> torch.Tensor:
+        """The range in the wire dtype. In sync mode it is final for ``version`` (see
+        _stream), so every worker's pull of it shares one cast; a new version casts
+        again into a fresh tensor, since ZeroMQ may still be sending the old one."""
+        if snapshot:  # async: changes with every push
+            return params.to(st.wire_dtype)
+        hit = st.wire_cache.get((start, n))
+        if hit is None or hit[0] != version:
+            hit = (version, params.to(st.wire_dtype))
+            st.wire_cache[(start, n)] = hit
+        return hit[1]
+
     def _stream(self, st: _Run, d: _Deferred, ranges: list[tuple[int, int]], version: int,
                 snapshot: bool = False) -> list[Reply]:
         """``params`` messages for the ranges not yet sent to this pull. In sync mode a
@@ -512,7 +529,7 @@ class Handler:
             params = st.store.params[start:start + n]
             t0 = time.perf_counter()
             if st.wire_dtype != params.dtype:  # --compress: a cast copy is a snapshot too
-                params = params.to(st.wire_dtype)
+                params = self._cast(st, start, n, version, params, snapshot)
             elif snapshot:
                 params = params.clone()
             out.append(self._reply(d.peer, d.msg, "params",

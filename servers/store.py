@@ -77,8 +77,8 @@ class ShardStore:
 
     def begin(self, grad: torch.Tensor, start: int = 0) -> None:
         """The first of several pushes of a range in a sync step: ``buf = m*buf + g``,
-        plus weight decay (once per step)."""
-        grad = self._master(grad)
+        plus weight decay (once per step). A compressed ``grad`` is promoted to float32
+        inside the kernel (exactly: float32 holds every float16 and bfloat16)."""
         acc = self._acc(start, grad.numel())
         if self.momentum:
             torch.add(grad, acc, alpha=self.momentum, out=acc)
@@ -89,7 +89,7 @@ class ShardStore:
 
     def add(self, grad: torch.Tensor, start: int = 0) -> None:
         """A push between the first and the last: ``buf += g``."""
-        self._acc(start, grad.numel()).add_(self._master(grad))
+        self._acc(start, grad.numel()).add_(grad)  # promoted in the kernel, as in begin
 
     def finish(self, grad: torch.Tensor, start: int = 0) -> None:
         """The last push: ``buf += g; p -= lr*buf`` in one fused pass (momentum 1 makes

@@ -112,3 +112,14 @@ def test_a_compressed_server_sums_in_float32_and_answers_in_the_wire_dtype():
     params = decode(out[0].frames).tensors[0]
     assert params.dtype == torch.float16
     assert torch.equal(params, (-2 * small.float()).half())
+    # the other worker's pull of the same version shares that cast; the next version
+    # is cast afresh (the old tensor may still be on its way out)
+    other = h.handle(b"w1", req("pull", worker=1, seq=2, min_version=1))
+    assert decode(other[0].frames).tensors[0].data_ptr() == params.data_ptr()
+    h.handle(b"w0", req("push", seq=5, step=1, offset=0, tensors=[small]))
+    h.handle(b"w1", req("push", worker=1, seq=3, step=1, offset=0, tensors=[small]))
+    (nxt,) = h.handle(b"w0", req("pull", seq=6, min_version=2))
+    fresh = decode(nxt.frames).tensors[0]
+    assert fresh.data_ptr() != params.data_ptr()
+    assert torch.equal(fresh, (-4 * small.float()).half())
+    assert torch.equal(params, (-2 * small.float()).half())  # unchanged
