@@ -9,7 +9,9 @@
    (each client sends M, the relay answers with M; no header, no arithmetic). The
    relay answers once all N messages are in (as a synchronous round must) or each at
    once (full duplex); each repetition's PS round is divided by the faster of the two
-   measured right beside it, and the median of these paired ratios is the figure.
+   measured right beside it, and the median of these paired ratios is the figure. Both
+   go over abstract Unix sockets, as ``psring run``'s servers do on one Linux host, and
+   the relay has as many ZeroMQ I/O threads as a psring server.
    Target: <= 1.25x at M >= 16 MB.
 2. The same round with M = 10 KB: median round time. Target: <= 1 ms.
 3. ``--servers 2`` vs ``--servers 1``: the same round with the M bytes sharded across
@@ -37,17 +39,23 @@ import time
 import torch
 import zmq
 
-from psring.launch import free_port
+import secrets
 from psring.partition import even_split
 
 N = 2
 
 
-def start_server(port: int, servers: int) -> subprocess.Popen:
+def endpoint() -> str:
+    """Where a server or relay listens: an abstract Unix socket, as ``psring run``'s own
+    servers do on one Linux host (--transport auto)."""
+    return f"ipc://@psring-bench-{secrets.token_hex(8)}"
+
+
+def start_server(addr: str, servers: int) -> subprocess.Popen:
     from psring.launch import server_threads
 
     return subprocess.Popen([sys.executable, "-m", "psring.servers", "--bind",
-                             f"tcp://127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                             addr], stdout=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": str(server_threads(servers, N))})
 
 
@@ -96,13 +104,16 @@ def ps_worker(rank: int, addrs: list[str], numel: int, rounds: int, run: str, q)
     q.put((rank, times))
 
 
-def relay(port: int, nbytes: int, ready, barrier: bool) -> None:
+def relay(addr: str, nbytes: int, ready, barrier: bool) -> None:
     """Raw transport: answer every message with nbytes (a preallocated buffer); with
     ``barrier``, answer only once all N clients' messages are in (a synchronous round's
     order of events), else answer each at once (full duplex, the looser bound)."""
-    ctx = zmq.Context()
+    from psring.servers.server import default_io_threads
+
+    # as many I/O threads as a psring server has: the same transport, without the rest
+    ctx = zmq.Context(io_threads=default_io_threads())
     s = ctx.socket(zmq.ROUTER)
-    s.bind(f"tcp://127.0.0.1:{port}")
+    s.bind(addr)
     out = bytearray(nbytes)
     ready.set()
     waiting = []
@@ -119,10 +130,10 @@ def relay(port: int, nbytes: int, ready, barrier: bool) -> None:
     ctx.term()
 
 
-def raw_worker(rank: int, port: int, nbytes: int, rounds: int, q) -> None:
+def raw_worker(rank: int, addr: str, nbytes: int, rounds: int, q) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
-    s.connect(f"tcp://127.0.0.1:{port}")
+    s.connect(addr)
     buf = bytearray(nbytes)
     times = []
     for _ in range(rounds):
@@ -159,14 +170,13 @@ def server_arithmetic(numel: int, reps: int = 15) -> float:
 
 
 def run_ps(numel: int, servers: int, rounds: int) -> float:
-    ports = [free_port() for _ in range(servers)]
-    procs = [start_server(p, servers) for p in ports]
+    addrs = [endpoint() for _ in range(servers)]
+    procs = [start_server(a, servers) for a in addrs]
     try:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         run = f"bench-{time.time_ns()}"
-        ws = [ctx.Process(target=ps_worker, args=(r, [f"tcp://127.0.0.1:{p}" for p in ports],
-                                                   numel, rounds, run, q)) for r in range(N)]
+        ws = [ctx.Process(target=ps_worker, args=(r, addrs, numel, rounds, run, q)) for r in range(N)]
         for w in ws:
             w.start()
         res = dict(q.get(timeout=600) for _ in ws)
@@ -183,13 +193,13 @@ def run_ps(numel: int, servers: int, rounds: int) -> float:
 
 def run_raw(nbytes: int, rounds: int, barrier: bool) -> float:
     ctx = mp.get_context("spawn")
-    port = free_port()
+    addr = endpoint()
     ready = ctx.Event()
-    rel = ctx.Process(target=relay, args=(port, nbytes, ready, barrier))
+    rel = ctx.Process(target=relay, args=(addr, nbytes, ready, barrier))
     rel.start()
     ready.wait(30)
     q = ctx.Queue()
-    ws = [ctx.Process(target=raw_worker, args=(r, port, nbytes, rounds, q)) for r in range(N)]
+    ws = [ctx.Process(target=raw_worker, args=(r, addr, nbytes, rounds, q)) for r in range(N)]
     for w in ws:
         w.start()
     res = dict(q.get(timeout=600) for _ in ws)
@@ -197,7 +207,7 @@ def run_raw(nbytes: int, rounds: int, barrier: bool) -> float:
         w.join(timeout=30)
     zc = zmq.Context()
     s = zc.socket(zmq.DEALER)
-    s.connect(f"tcp://127.0.0.1:{port}")
+    s.connect(addr)
     s.send(b"")
     rel.join(timeout=30)
     s.close(linger=0)
@@ -228,7 +238,7 @@ def main() -> int:
     arith = server_arithmetic(numel)
     small = st.median(run_ps(10 * 1024 // 4, 1, small_rounds) for _ in range(reps))
     small_raw = st.median(run_raw(10 * 1024, small_rounds, barrier=True) for _ in range(reps))
-    print(f"psring PS benchmark (N={N} workers, {os.cpu_count()} cores, loopback tcp, "
+    print(f"psring PS benchmark (N={N} workers, {os.cpu_count()} cores, ipc (Unix sockets), "
           f"{reps} repetitions alternated)")
     print(f"1. sync round, M = {mb} MiB, 1 server: {ps1 * 1e3:.1f} ms. Raw pyzmq moving the "
           f"same 2*N*M bytes through one process: {sraw * 1e3:.1f} ms answering once all N "

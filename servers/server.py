@@ -96,6 +96,11 @@ def check_endpoint(endpoint: str, what: str = "--bind") -> None:
 MAX_IO_THREADS = 4
 
 
+def default_io_threads() -> int:
+    """One ZeroMQ I/O thread per core, at most MAX_IO_THREADS (--io-threads 0)."""
+    return min(MAX_IO_THREADS, os.cpu_count() or 1)
+
+
 class Server:
     """``secret``: the shared secret (psring.protocol.load_secret); with one, only
     signed requests are served and every reply is signed. ``max_frame_bytes``: the
@@ -123,7 +128,7 @@ class Server:
         # kernel copies. With one, every worker's pushes and pulls are copied in turn
         # while the workers wait on the round; with one per core they are copied side by
         # side (a synchronous ps round 1.1-1.2x faster on 2 cores, docs/benchmarks.md).
-        self.io_threads = io_threads or min(MAX_IO_THREADS, os.cpu_count() or 1)
+        self.io_threads = io_threads or default_io_threads()
         self.ctx = zmq.Context(io_threads=self.io_threads)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
