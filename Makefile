@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_foundation.py
 	$(BIN)/python benchmarks/bench_ps.py
 	$(BIN)/python benchmarks/bench_links.py
+	$(BIN)/python benchmarks/bench_runs.py
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info
