@@ -90,7 +90,7 @@ def test_resume_refuses_clearly(tmp_path):
                                              ("ps", ["--servers", 2])])
 def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path, strategy,
                                                                        extra):
-    steps, every = 300, 25
+    steps, every = 100, 10
     args = ["--strategy", strategy, "--workers", 2, *SMALL, *extra, "--steps", steps,
             "--checkpoint-every", every]
     ref = tmp_path / "ref"
