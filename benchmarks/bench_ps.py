@@ -39,8 +39,8 @@ import time
 import torch
 import zmq
 
-import secrets
 from psring.partition import even_split
+from psring.protocol import abstract_ipc_endpoint
 
 N = 2
 
@@ -48,7 +48,7 @@ N = 2
 def endpoint() -> str:
     """Where a server or relay listens: an abstract Unix socket, as ``psring run``'s own
     servers do on one Linux host (--transport auto)."""
-    return f"ipc://@psring-bench-{secrets.token_hex(8)}"
+    return abstract_ipc_endpoint("psring-bench")
 
 
 def start_server(addr: str, servers: int) -> subprocess.Popen:

@@ -39,7 +39,6 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import platform
-import secrets
 import socket
 import statistics as st
 import sys
@@ -52,6 +51,7 @@ from typing import Any, Callable
 from .costmodel import Calibration, default_path
 from .errors import ConfigError, PsringError
 from .launch import die_with_parent, free_port
+from .protocol import ABSTRACT_IPC, abstract_ipc_endpoint
 
 KB, MB = 1024, 1024 * 1024
 #: message sizes of the ping-pongs: from latency-bound to bandwidth-bound. They stop at
@@ -255,8 +255,8 @@ def measure_zmq(sizes: list[int], quick: bool, link: "Link | None" = None
     if link:
         host, budget, where = link.args()
         addr = f"tcp://{host}:{free_port()}"
-    elif sys.platform.startswith("linux"):  # as psring.launch.local_ipc chooses
-        addr, budget, where = f"ipc://@psring-calibrate-{secrets.token_hex(8)}", None, None
+    elif ABSTRACT_IPC:  # as psring.launch.local_ipc chooses for a run's own servers
+        addr, budget, where = abstract_ipc_endpoint("psring-calibrate"), None, None
     else:
         addr, budget, where = f"tcp://127.0.0.1:{free_port()}", None, None
     _, points = run_pair(_zmq_pingpong, (addr, sizes, quick, timeout, budget),
@@ -486,7 +486,7 @@ def describe(cal: Calibration) -> str:
 
     lines = [
         # on Linux measured over the Unix sockets runs use on one host (measure_zmq)
-        link("ZeroMQ (ipc)" if sys.platform.startswith("linux") else "ZeroMQ (tcp lo)",
+        link("ZeroMQ (ipc)" if ABSTRACT_IPC else "ZeroMQ (tcp lo)",
              cal.zmq_alpha, cal.zmq_beta),
         link("gloo send/recv", cal.dist_alpha, cal.dist_beta),
         f"{'local add':<18} γ = {cal.gamma * 1e9:8.3f} ns/B  1/γ = {1 / cal.gamma / 1e9:6.2f} GB/s",

@@ -64,7 +64,7 @@ class RunConfig:
         "instead of starting them, e.g. tcp://10.0.0.5:5555,tcp://10.0.0.6:5555"))
     transport: str = field(default="auto", metadata=_flag(
         "ps/async-ps: how workers reach the servers psring starts: ipc (Unix domain sockets, "
-        "one host; fewer copies than TCP), tcp (loopback TCP, as across hosts), auto = ipc "
+        "one host; less kernel work per message than TCP), tcp (loopback TCP, as across hosts), auto = ipc "
         "on Linux without emulated hosts, else tcp", choices=("auto", "tcp", "ipc")))
     secret_file: str = field(default="", metadata=_flag(
         "ps/async-ps: file holding the servers' shared secret; every message is then signed "
@@ -217,7 +217,9 @@ class RunConfig:
                 raise ConfigError("--transport ipc reaches only this host's own processes; "
                                   "emulated hosts talk over their links: drop --transport "
                                   "(or use tcp).")
-            if self.transport == "ipc" and not sys.platform.startswith("linux"):
+            from .protocol import ABSTRACT_IPC
+
+            if self.transport == "ipc" and not ABSTRACT_IPC:
                 raise ConfigError("--transport ipc uses Linux's abstract Unix sockets; on "
                                   f"{sys.platform} use --transport tcp (or auto).")
         if self.max_staleness != -1 and not strategy_cls.supports_staleness_bound:

@@ -21,7 +21,6 @@ import dataclasses
 import errno
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -361,21 +360,23 @@ def server_threads(servers: int, workers: int) -> int:
 def local_ipc(cfg: RunConfig) -> bool:
     """Whether psring's own servers are reached over Unix domain sockets (--transport)."""
     from .emulate import emulated
+    from .protocol import ABSTRACT_IPC
 
     if cfg.transport == "auto":
-        return sys.platform.startswith("linux") and not emulated(cfg)
+        return ABSTRACT_IPC and not emulated(cfg)
     return cfg.transport == "ipc"
 
 
 def server_endpoint(cfg: RunConfig, plan: "ClusterPlan", k: int) -> str:
-    """Where server ``k`` of this run listens. On one host: an abstract Unix socket (a
-    name, no file to clean up; freed with the socket), since large messages cross a Unix
-    socket with less kernel work than TCP's segmenting and acknowledging (measured in
-    docs/benchmarks.md, "Transport"); the name is random, so concurrent runs never
-    meet. Else loopback TCP, or the server's emulated host's address (a fresh
-    namespace: any port free here is free there)."""
+    """Where server ``k`` of this run listens. On one host: an abstract Unix socket,
+    since large messages cross a Unix socket with less kernel work than TCP's
+    segmenting and acknowledging (docs/benchmarks.md, issue 10, fix 4). Else loopback
+    TCP, or the server's emulated host's address (a fresh namespace: any port free
+    here is free there)."""
+    from .protocol import abstract_ipc_endpoint
+
     if local_ipc(cfg):
-        return f"ipc://@psring-{os.getpid()}-{secrets.token_hex(6)}-{k}"
+        return abstract_ipc_endpoint(f"psring-{os.getpid()}-{k}")
     host = plan.server_address(k) if plan.emulated else "127.0.0.1"
     return f"tcp://{host}:{free_port()}"
 

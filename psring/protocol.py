@@ -28,7 +28,9 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import secrets
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -156,6 +158,17 @@ def load_secret(path: str | os.PathLike | None = None) -> bytes | None:
         raise ConfigError(f"{source} holds {len(data)} bytes; a shared secret needs at "
                           f"least {MIN_SECRET_BYTES}: {HOW_TO_SET_A_SECRET}.")
     return data
+
+
+#: abstract Unix sockets (``ipc://@name``: a name, not a file; nothing to clean up, freed
+#: with the socket) exist on Linux only
+ABSTRACT_IPC = sys.platform.startswith("linux")
+
+
+def abstract_ipc_endpoint(prefix: str) -> str:
+    """A fresh abstract Unix socket name (random, so concurrent users never meet);
+    only where ABSTRACT_IPC."""
+    return f"ipc://@{prefix}-{secrets.token_hex(8)}"
 
 
 def is_local(endpoint: str) -> bool:

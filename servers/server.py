@@ -127,7 +127,7 @@ class Server:
         # libzmq gives each connection to one I/O thread, which does that connection's
         # kernel copies. With one, every worker's pushes and pulls are copied in turn
         # while the workers wait on the round; with one per core they are copied side by
-        # side (a synchronous ps round 1.1-1.2x faster on 2 cores, docs/benchmarks.md).
+        # side (docs/benchmarks.md, issue 10, fix 3).
         self.io_threads = io_threads or default_io_threads()
         self.ctx = zmq.Context(io_threads=self.io_threads)
         self.sock = self.ctx.socket(zmq.ROUTER)

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from psring.protocol import ABSTRACT_IPC
+
 from conftest import (SMALL, assert_no_processes, load_model, max_rel_diff, psring,
                       read_steps)
 
@@ -21,7 +23,7 @@ def test_sync_ps_matches_single_and_allreduce(small_runs, tmp_path, servers, tra
            "--transport", transport, "--out", out)
     # on one Linux host psring's own servers listen on abstract Unix sockets
     addrs = json.loads((out / "manifest.json").read_text())["config"]["server_addrs"]
-    scheme = "ipc://@" if transport == "auto" and sys.platform.startswith("linux") else "tcp://"
+    scheme = "ipc://@" if transport == "auto" and ABSTRACT_IPC else "tcp://"
     assert [a[:len(scheme)] for a in addrs.split(",")] == [scheme] * servers
     got = load_model(out)
     assert max_rel_diff(got, load_model(small_runs["single"])) < 1e-4

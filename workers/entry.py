@@ -25,9 +25,9 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from psring.allocator import keep_freed_memory
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
-from psring.allocator import keep_freed_memory
 from psring.launch import die_with_parent, worker_threads
 
 
