@@ -32,23 +32,26 @@ import torch.multiprocessing as mp
 
 from psring import data
 from psring.config import RunConfig
-from psring.models import build_model
+from psring.models import ModelSettings, build_model
 from psring.strategies import STRATEGIES, WorkerContext
 from psring.strategies.base import StepStats
 from psring.strategies.buckets import GradientBuckets, bucket_caps
 from psring.workers.loop import make_optimizer, train
+from psring.workload import build_workload
 
-MODEL = dict(model="mlp", width=1024, depth=3, features=256, batch_size=64)
+# eval_samples=0: these time steps, and the loop would otherwise also evaluate
+MODEL = dict(model="mlp", width=1024, depth=3, features=256, batch_size=64, eval_samples=0)
 
 
 def bench_loop_overhead(rounds: int, steps: int) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = RunConfig(strategy="single", steps=steps, out="unused", **MODEL)
-    ds = data.synthetic(cfg.samples, cfg.features, cfg.classes, cfg.seed)
+    split = build_workload(cfg).data
+    ds = split.train
     ctx = WorkerContext(cfg, 0, 1, 0, 1, torch.device("cpu"), Path("."), logging.getLogger())
 
     def bare() -> list[float]:
-        model = build_model("mlp", cfg.features, cfg.classes, cfg.width, cfg.depth, 0)
+        model = build_model("mlp", ModelSettings.from_config(cfg), 0)[0]
         opt = make_optimizer(model, cfg)
         loss_fn = torch.nn.CrossEntropyLoss()
         times = []
@@ -64,11 +67,11 @@ def bench_loop_overhead(rounds: int, steps: int) -> dict:
     def psring_loop(log_dir: str) -> list[float]:
         from psring.runlog import StepLog
 
-        model = build_model("mlp", cfg.features, cfg.classes, cfg.width, cfg.depth, 0)
+        model = build_model("mlp", ModelSettings.from_config(cfg), 0)[0]
         recs: list[dict] = []
         log = StepLog(Path(log_dir))  # the real loop writes its log line every step
         try:
-            train(ctx, STRATEGIES.get("single")(ctx), model, ds, log, on_step=recs.append)
+            train(ctx, STRATEGIES.get("single")(ctx), model, split, log, on_step=recs.append)
         finally:
             log.close()
         return [r["step_s"] for r in recs]
@@ -99,7 +102,7 @@ def _worker(rank: int, port: int, rounds: int, steps: int, queue) -> None:
 
 
 def _ar_vs_ddp(rank: int, rounds: int, steps: int) -> dict:
-    ds = data.synthetic(4096, MODEL["features"], 10, 0)
+    split = build_workload(RunConfig(out="unused", **MODEL)).data
     res: dict[str, list[float]] = {"allreduce": [], "ddp": []}
     for i in range(rounds):
         # alternate which goes first, so warm caches or a noisy neighbour favour neither
@@ -107,10 +110,10 @@ def _ar_vs_ddp(rank: int, rounds: int, steps: int) -> dict:
             cfg = RunConfig(strategy=name, workers=2, steps=steps, out="unused", **MODEL)
             ctx = WorkerContext(cfg, rank, 2, rank, 2, torch.device("cpu"), Path("."),
                                 logging.getLogger())
-            model = build_model("mlp", cfg.features, cfg.classes, cfg.width, cfg.depth, 0)
+            model = build_model("mlp", ModelSettings.from_config(cfg), 0)[0]
             strategy = STRATEGIES.get(name)(ctx)
             recs: list[dict] = []
-            train(ctx, strategy, model, ds, None, on_step=recs.append)
+            train(ctx, strategy, model, split, None, on_step=recs.append)
             strategy.close()
             # a synchronous step lasts as long as the slower rank
             t = torch.tensor([r["step_s"] for r in recs[3:]])
@@ -125,7 +128,8 @@ BUSBW_MODELS = {"mlp-1024x3": (1024, 3), "mlp-2048x4": (2048, 4)}
 
 
 def _busbw(rank: int, rounds: int, width: int, depth: int, iters: int = 25) -> dict:
-    model = build_model("mlp", MODEL["features"], 10, width, depth, 0)
+    settings = ModelSettings(features=MODEL["features"], width=width, depth=depth)
+    model = build_model("mlp", settings, 0)[0]
     params = list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p)

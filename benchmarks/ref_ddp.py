@@ -29,13 +29,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     from psring.data import synthetic, worker_batch
-    from psring.models import build_model
+    from psring.models import Inputs, ModelSettings, build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.workers))
     dist.init_process_group("gloo", rank=rank, world_size=args.workers)
-    ds = synthetic(4096, 256, 10, args.seed)
-    model = DDP(build_model("mlp", 256, 10, 0, 0, args.seed))
+    ds = synthetic(Inputs.vector(256, 10), 4096, 0, args.seed).train
+    model = DDP(build_model("mlp", ModelSettings(features=256, classes=10), args.seed)[0])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []

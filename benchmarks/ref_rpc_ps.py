@@ -34,9 +34,9 @@ from torch import nn
 
 
 def build(seed: int) -> nn.Module:
-    from psring.models import build_model
+    from psring.models import ModelSettings, build_model
 
-    return build_model("mlp", 256, 10, 0, 0, seed)
+    return build_model("mlp", ModelSettings(features=256, classes=10), seed)[0]
 
 
 class BatchUpdateParameterServer:
@@ -76,11 +76,12 @@ class BatchUpdateParameterServer:
 class Trainer:
     def __init__(self, ps_rref, rank: int, args: argparse.Namespace):
         from psring.data import synthetic
+        from psring.models import Inputs
 
         self.ps_rref = ps_rref
         self.rank, self.args = rank, args
         self.loss_fn = nn.CrossEntropyLoss()
-        self.ds = synthetic(4096, 256, 10, args.seed)
+        self.ds = synthetic(Inputs.vector(256, 10), 4096, 0, args.seed).train
 
     def train(self) -> list[float]:
         from psring.data import worker_batch

@@ -33,17 +33,36 @@ class RunConfig:
         "training strategy (see `psring strategies`)"))
     workers: int = field(default=1, metadata=_flag(
         "number of worker processes (data-parallel ranks); under torchrun taken from WORLD_SIZE"))
-    model: str = field(default="mlp", metadata=_flag("built-in model: mlp or cnn"))
+    model: str = field(default="mlp", metadata=_flag(
+        "mlp, cnn, resnet18, resnet50, vgg11, vgg16, mlstm, gpt (`psring models` lists "
+        "them), or your own as package.module:factory (examples/my_model.py)"))
     width: int = field(default=0, metadata=_flag(
-        "model width: hidden units (mlp) or channels (cnn); 0 = the model's default"))
+        "model width: hidden units (mlp, mlstm), channels (cnn), base channels (resnet, "
+        "vgg; 64 = the paper's), embedding (gpt); 0 = the model's default"))
     depth: int = field(default=0, metadata=_flag(
-        "model depth: hidden layers (mlp) or conv blocks (cnn); 0 = the model's default"))
+        "model depth: hidden layers (mlp), conv blocks (cnn), layers (mlstm), blocks "
+        "(gpt); 0 = the model's default"))
     data: str = field(default="synthetic", metadata=_flag(
         "data set: synthetic, digits (needs the [digits] extra) or a path to an .npz with arrays x and y"))
     samples: int = field(default=4096, metadata=_flag("rows in the synthetic data set"))
     features: int = field(default=256, metadata=_flag(
         "input features of the synthetic data set (a perfect square for cnn)"))
-    classes: int = field(default=10, metadata=_flag("classes of the synthetic data set"))
+    classes: int = field(default=10, metadata=_flag(
+        "classes of the synthetic data set (the vocabulary, for token models)"))
+    image_size: int = field(default=32, metadata=_flag(
+        "side of the synthetic images for image models (resnet, vgg; 224 = ImageNet's)"))
+    seq_len: int = field(default=32, metadata=_flag(
+        "tokens per sequence for sequence models (mlstm, gpt)"))
+    eval_samples: int = field(default=1024, metadata=_flag(
+        "held-out rows, never trained on, that evaluations use (a synthetic set gets them "
+        "on top of --samples; a file gives up to a fifth of its rows); 0 = no evaluation"))
+    eval_every: int = field(default=0, metadata=_flag(
+        "evaluate on the held-out rows before the first step and every N optimizer steps "
+        "(and after the last), outside the step timing, into evals.jsonl; 0 = about ten "
+        "times per run (every max(1, steps // 10) steps)"))
+    target_accuracy: float = field(default=0.0, metadata=_flag(
+        "held-out accuracy whose first evaluation at or above it ends the time to "
+        "accuracy (MLPerf's definition); reports show it per strategy; 0 = none"))
     batch_size: int = field(default=64, metadata=_flag(
         "GLOBAL batch per micro-step, split evenly across the workers"))
     steps: int = field(default=20, metadata=_flag("optimizer steps to run"))
@@ -117,11 +136,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         # Imported here: both registries import torch, and config must stay importable
         # without building models or strategies.
-        from .models import MODELS
+        from .models import model_factory
         from .strategies import STRATEGIES
 
         strategy_cls = STRATEGIES.get(self.strategy)
-        model_fn = MODELS.get(self.model)
+        model_factory(self.model)  # an unknown name or a module that won't import fails here
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1 (got {self.workers}).")
         if strategy_cls.max_workers is not None and self.workers > strategy_cls.max_workers:
@@ -134,7 +153,8 @@ class RunConfig:
                 f"--batch-size {self.batch_size} is the global batch and must be a positive "
                 f"multiple of --workers {self.workers}, so each worker gets an equal slice; "
                 f"try --batch-size {max(1, math.ceil(max(self.batch_size, 1) / self.workers)) * self.workers}.")
-        for name in ("steps", "accumulate", "samples", "features", "classes"):
+        for name in ("steps", "accumulate", "samples", "features", "classes", "image_size",
+                     "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 "
                                   f"(got {getattr(self, name)}).")
@@ -142,6 +162,12 @@ class RunConfig:
             raise ConfigError(f"--classes must be at least 2 (got {self.classes}).")
         if self.width < 0 or self.depth < 0 or self.threads < 0:
             raise ConfigError("--width, --depth and --threads must be >= 0 (0 = default).")
+        if self.eval_samples < 0 or self.eval_every < 0:
+            raise ConfigError("--eval-samples and --eval-every must be >= 0 (0 = none, and "
+                              "about ten evaluations per run, respectively).")
+        if not 0 <= self.target_accuracy <= 1:
+            raise ConfigError(f"--target-accuracy is a fraction of the held-out rows in "
+                              f"[0, 1], e.g. 0.9 (got {self.target_accuracy}); 0 = none.")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"--lr must be a positive number (got {self.lr}).")
         if not 0 <= self.momentum < 1:
@@ -189,10 +215,9 @@ class RunConfig:
         if self.data == "synthetic":
             # Build the model on the meta device (no memory, no compute) so a model that
             # can't take these inputs is refused here, before any process starts.
-            import torch
+            from .workload import meta_model
 
-            with torch.device("meta"):
-                model_fn(self.features, self.classes, width=self.width, depth=self.depth)
+            meta_model(self)
 
     def _check_servers(self, strategy_cls) -> None:
         if self.servers < 1:
@@ -297,6 +322,13 @@ class RunConfig:
             raise ConfigError(f"--data {self.data!r}: no such file.")
 
     # ------------------------------------------------------------------ derived
+    @property
+    def eval_interval(self) -> int:
+        """Steps between evaluations (0: no evaluation)."""
+        if not self.eval_samples:
+            return 0
+        return self.eval_every or max(1, self.steps // 10)
+
     @property
     def per_worker_batch(self) -> int:
         return self.batch_size // self.workers

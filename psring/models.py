@@ -1,9 +1,22 @@
-"""Built-in models, chosen to span arithmetic intensity (FLOPs per byte communicated).
+"""Models: the built-in ones, the field's (psring.zoo), and the user's own.
 
-- ``mlp``: a plain stack of Linear+ReLU layers. Each weight is used once per sample,
-  so FLOPs per parameter are low: communication-bound, the default.
-- ``cnn``: a small convnet. Each conv weight is reused at every pixel, so FLOPs per
-  parameter are high: compute-bound.
+A model factory takes the run's :class:`ModelSettings` and returns the module and the
+:class:`Inputs` it expects; psring generates synthetic data of that shape
+(psring.data), or checks a user's ``.npz`` against it. Built-in names:
+
+- ``mlp``: Linear+ReLU layers. Each weight is used once per sample, so FLOPs per
+  parameter are low: communication-bound, the default.
+- ``cnn``: a small convnet on the input viewed as a square image. Conv weights are
+  reused at every pixel: compute-bound.
+- ``resnet18``, ``resnet50``, ``vgg11``, ``vgg16``, ``mlstm``, ``gpt``: the seeds'
+  workloads, built from their papers' layer tables (psring.zoo; ``psring models``
+  lists them with their sizes).
+
+The user's own model is ``--model package.module:factory``, a function written like
+the built-ins (see examples/my_model.py):
+
+    def factory(s: ModelSettings) -> tuple[nn.Module, Inputs]:
+        return MyNet(s.classes), Inputs.image(3, s.image_size, s.classes)
 
 ``--width`` and ``--depth`` move a model between the regimes; ``psring run`` records
 the resulting FLOPs per sample and bytes per step in ``manifest.json``.
@@ -11,7 +24,13 @@ the resulting FLOPs per sample and bytes per step in ``manifest.json``.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -19,20 +38,120 @@ from torch import nn
 from .errors import ConfigError
 from .registry import Registry
 
+#: the kinds of input psring can generate synthetic data for (psring.data)
+KINDS = ("vector", "image", "tokens")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a model takes and predicts. ``shape`` is one sample's: ``(features,)`` for
+    a vector, ``(channels, side, side)`` for an image, ``(seq_len,)`` for a token
+    sequence (int64), whose target is the next token at every position."""
+
+    kind: str
+    shape: tuple[int, ...]
+    #: classes predicted per sample, or per position (the vocabulary) for tokens
+    classes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"Inputs.kind must be one of {', '.join(KINDS)} "
+                              f"(got {self.kind!r}).")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @classmethod
+    def vector(cls, features: int, classes: int) -> "Inputs":
+        return cls("vector", (features,), classes)
+
+    @classmethod
+    def image(cls, channels: int, side: int, classes: int) -> "Inputs":
+        return cls("image", (channels, side, side), classes)
+
+    @classmethod
+    def tokens(cls, seq_len: int, vocab: int) -> "Inputs":
+        return cls("tokens", (seq_len,), vocab)
+
+    def example(self, batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A batch of inputs of the right shape and dtype (values meaningless)."""
+        if self.kind == "tokens":
+            return torch.randint(0, self.classes, (batch, *self.shape), device=device)
+        return torch.randn(batch, *self.shape, device=device)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The run's settings a model factory may use (a subset of RunConfig's flags; for
+    an ``.npz`` data set, features, classes, channels, image size and sequence length
+    are the data's)."""
+
+    features: int = 256
+    classes: int = 10
+    image_size: int = 32
+    channels: int = 3
+    seq_len: int = 32
+    #: 0 = the model's default (hidden units, base channels, embedding width)
+    width: int = 0
+    #: 0 = the model's default (hidden layers, conv blocks, recurrent or transformer layers)
+    depth: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ModelSettings":
+        return cls(features=cfg.features, classes=cfg.classes, image_size=cfg.image_size,
+                   seq_len=cfg.seq_len, width=cfg.width, depth=cfg.depth)
+
+    def replace(self, **kw: Any) -> "ModelSettings":
+        return dataclasses.replace(self, **kw)
+
+
+Factory = Callable[[ModelSettings], "tuple[nn.Module, Inputs]"]
 MODELS: Registry = Registry("model")
 
 
+def model_factory(name: str) -> Factory:
+    """A built-in model's factory, or ``package.module:function`` imported."""
+    if ":" not in name:
+        return MODELS.get(name)
+    module_name, _, attr = name.partition(":")
+    # as `python -m` does: the directory psring runs in is searched first (the `psring`
+    # console script's own sys.path[0] is its bin directory)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"--model {name}: cannot import {module_name!r} ({e}); the module "
+                          f"must be importable from the directory psring runs in (or "
+                          f"installed), e.g. --model examples.my_model:build.") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"--model {name}: {module_name} has no function {attr!r}.")
+    return fn
+
+
+def build_model(name: str, settings: ModelSettings, seed: int) -> tuple[nn.Module, Inputs]:
+    """Every rank builds the model from the same seed, so all start identical."""
+    torch.manual_seed(seed)
+    out = model_factory(name)(settings)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)
+            and isinstance(out[1], Inputs)):
+        raise ConfigError(f"--model {name}: a model factory must return (nn.Module, "
+                          f"psring.models.Inputs), got {type(out).__name__}; see "
+                          f"examples/my_model.py.")
+    return out
+
+
+# ----------------------------------------------------------------- built-in models
 @MODELS.register("mlp")
-def mlp(features: int, classes: int, width: int = 0, depth: int = 0) -> nn.Module:
-    width = width or 1024
-    depth = depth or 3
+def mlp(s: ModelSettings) -> tuple[nn.Module, Inputs]:
+    width = s.width or 1024
+    depth = s.depth or 3
     layers: list[nn.Module] = []
-    d = features
+    d = s.features
     for _ in range(depth):
         layers += [nn.Linear(d, width), nn.ReLU()]
         d = width
-    layers.append(nn.Linear(d, classes))
-    return nn.Sequential(*layers)
+    layers.append(nn.Linear(d, s.classes))
+    return nn.Sequential(*layers), Inputs.vector(s.features, s.classes)
 
 
 class _SquareImage(nn.Module):
@@ -43,17 +162,18 @@ class _SquareImage(nn.Module):
         self.side = side
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], 1, self.side, self.side)
+        return x.reshape(x.shape[0], 1, self.side, self.side)
 
 
 @MODELS.register("cnn")
-def cnn(features: int, classes: int, width: int = 0, depth: int = 0) -> nn.Module:
-    side = math.isqrt(features)
-    if side * side != features:
+def cnn(s: ModelSettings) -> tuple[nn.Module, Inputs]:
+    side = math.isqrt(s.features)
+    if side * side != s.features:
         raise ConfigError(f"model cnn views inputs as square images, so --features must be "
-                          f"a perfect square (got {features}); try --features {side * side or 1}.")
-    width = width or 32
-    depth = depth or 2
+                          f"a perfect square (got {s.features}); try --features "
+                          f"{side * side or 1}.")
+    width = s.width or 32
+    depth = s.depth or 2
     layers: list[nn.Module] = [_SquareImage(side)]
     c = 1
     for i in range(depth):
@@ -62,33 +182,65 @@ def cnn(features: int, classes: int, width: int = 0, depth: int = 0) -> nn.Modul
         if i < depth - 1 and side >= 4:
             layers.append(nn.MaxPool2d(2))
             side //= 2
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)]
-    return nn.Sequential(*layers)
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, s.classes)]
+    return nn.Sequential(*layers), Inputs.vector(s.features, s.classes)
 
 
-def build_model(name: str, features: int, classes: int, width: int, depth: int,
-                seed: int) -> nn.Module:
-    """Every rank builds the model from the same seed, so all start identical."""
-    torch.manual_seed(seed)
-    return MODELS.get(name)(features, classes, width=width, depth=depth)
+# ---------------------------------------------------------------------- measures
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def flops_per_sample(model: nn.Module, features: int) -> float:
+def loss_and_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy, and the number of correct predictions, for a classifier's
+    ``(batch, classes)`` or a sequence model's ``(batch, positions, vocab)`` output."""
+    flat = out.reshape(-1, out.shape[-1])
+    target = y.reshape(-1)
+    loss = nn.functional.cross_entropy(flat, target)
+    return loss, (flat.argmax(dim=1) == target).sum()
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def flops_per_sample(model: nn.Module, inputs: Inputs) -> float:
     """FLOPs of forward+backward for one sample, counted by torch.utils.flop_counter.
 
-    Counts matmuls and convolutions (what dominates); elementwise ops are not counted.
+    Counts matmuls, convolutions and attention (what dominates); elementwise ops are
+    not counted. Runs on the model's device; on the meta device nothing is computed.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    batch = 8
-    x = torch.randn(batch, features)
+    batch = 2
+    device = next(model.parameters()).device
+    x = inputs.example(batch, device)
     counter = FlopCounterMode(display=False)
+    was_training = model.training
     with counter:
         out = model(x)
-        out.sum().backward()
+        out.float().sum().backward()
     model.zero_grad(set_to_none=True)
+    model.train(was_training)
     return counter.get_total_flops() / batch
+
+
+def describe(name: str, settings: ModelSettings, batch: int) -> dict[str, Any]:
+    """A model's size and cost, built on the meta device (no memory, no compute):
+    parameters, gradient bytes (float32), FLOPs per sample (forward+backward), and
+    arithmetic intensity: FLOPs of a batch per gradient byte (what a worker computes
+    per byte a step must synchronize)."""
+    with torch.device("meta"):
+        model, inputs = build_model(name, settings, 0)
+        fps = flops_per_sample(model, inputs)
+    pbytes = parameter_bytes(model)
+    return {"model": name, "parameters": parameter_count(model), "gradient_bytes": pbytes,
+            "flops_per_sample": fps, "intensity": fps * batch / pbytes,
+            "inputs": inputs}
+
+
+from . import zoo  # noqa: E402,F401  - registers the field's models

@@ -21,7 +21,10 @@ def assert_clean_error(proc, needle):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, needle", [
     (["--strategy", "warp-drive"], "valid strategy names are: single, allreduce, ddp"),
-    (["--model", "gpt"], "valid model names are: mlp, cnn"),
+    (["--model", "bert"], "valid model names are: mlp, cnn, resnet18"),
+    (["--model", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'"),
+    (["--model", "vgg16", "--image-size", "16"], "--image-size must be at least 32"),
+    (["--target-accuracy", "90"], "fraction of the held-out rows"),
     (["--strategy", "allreduce", "--workers", "0"], "--workers must be at least 1"),
     (["--strategy", "allreduce", "--workers", "3", "--batch-size", "32"], "multiple of --workers 3"),
     (["--model", "cnn", "--features", "50"], "perfect square"),

@@ -4,21 +4,38 @@ import torch
 
 from psring import data
 from psring.errors import ConfigError
+from psring.models import Inputs
+
+KINDS = [Inputs.vector(16, 5), Inputs.image(3, 8, 5), Inputs.tokens(12, 5)]
 
 
-def test_synthetic_is_deterministic_and_learnable_labels():
-    a = data.synthetic(512, 16, 5, seed=3)
-    b = data.synthetic(512, 16, 5, seed=3)
-    c = data.synthetic(512, 16, 5, seed=4)
-    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
-    assert not torch.equal(a.x, c.x)
-    # every class appears: the teacher does not collapse onto one label
-    assert len(torch.unique(a.y)) == 5
+@pytest.mark.parametrize("inputs", KINDS, ids=lambda i: i.kind)
+def test_synthetic_is_deterministic_shaped_and_held_out(inputs):
+    a = data.synthetic(inputs, 512, 128, seed=3)
+    b = data.synthetic(inputs, 512, 128, seed=3)
+    c = data.synthetic(inputs, 512, 128, seed=4)
+    assert torch.equal(a.train.x, b.train.x) and torch.equal(a.held_out.y, b.held_out.y)
+    assert not torch.equal(a.train.x, c.train.x)
+    assert a.train.x.shape == (512, *inputs.shape) and len(a.held_out) == 128
+    if inputs.kind == "tokens":
+        assert a.train.x.dtype == torch.int64 and a.train.y.shape == a.train.x.shape
+        # the targets are the inputs shifted by one: the next token at every position
+        assert torch.equal(a.train.x[:, 1:], a.train.y[:, :-1])
+        # the successor rule holds about 90% of the time: a learnable, not trivial, task
+        succ = {}
+        for p, n in zip(a.train.x.reshape(-1).tolist(), a.train.y.reshape(-1).tolist()):
+            succ.setdefault(p, []).append(n)
+        rule = np.mean([max(v.count(t) for t in set(v)) / len(v) for v in succ.values()])
+        assert 0.85 < rule < 0.96
+    else:
+        # every class appears, and the held-out rows are new draws, not copies
+        assert len(torch.unique(a.train.y)) == 5
+        assert not any(torch.equal(a.held_out.x[0], r) for r in a.train.x)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_worker_slices_compose_the_global_batch(world):
-    ds = data.synthetic(100, 4, 3, seed=0)  # 100 rows: batch 3 of size 32 wraps around
+    ds = data.synthetic(Inputs.vector(4, 3), 100, 0, seed=0).train  # batch 3 of 32 wraps
     for index in range(5):
         xs = [data.worker_batch(ds, 32, index, r, world)[0] for r in range(world)]
         whole = data.worker_batch(ds, 32, index, 0, 1)[0]
@@ -27,11 +44,18 @@ def test_worker_slices_compose_the_global_batch(world):
         assert torch.equal(whole, ds.x[rows])
 
 
-def test_npz_loading_and_rejection(tmp_path):
+def test_npz_loading_splitting_and_rejection(tmp_path):
     good = tmp_path / "good.npz"
-    np.savez(good, x=np.random.rand(10, 2, 2).astype(np.float32), y=np.arange(10) % 3)
+    np.savez(good, x=np.random.rand(100, 2, 2).astype(np.float32), y=np.arange(100) % 3)
     ds = data.from_npz(str(good))
-    assert ds.x.shape == (10, 4) and ds.classes == 3
+    assert ds.x.shape == (100, 2, 2) and ds.classes == 3 and ds.features == 4
+    # a model taking flat vectors gets the rows flattened; a fifth at most is held out
+    split = data.split_file(ds, 1000, Inputs.vector(4, 3), "good.npz", seed=0)
+    assert split.train.x.shape == (80, 4) and len(split.held_out) == 20
+    rows = {tuple(r.tolist()) for r in split.train.x} | {tuple(r.tolist()) for r in split.held_out.x}
+    assert len(rows) == 100  # every row is in exactly one part
+    with pytest.raises(ConfigError, match="do not fit the model"):
+        data.split_file(ds, 10, Inputs.image(3, 2, 3), "good.npz", seed=0)
     bad = tmp_path / "bad.npz"
     np.savez(bad, features=np.zeros((3, 2)))
     with pytest.raises(ConfigError, match="arrays named 'x' and 'y'"):
@@ -42,9 +66,21 @@ def test_npz_loading_and_rejection(tmp_path):
         data.from_npz(str(obj))
 
 
+def test_npz_token_sequences(tmp_path):
+    seqs = np.random.default_rng(0).integers(0, 7, (50, 9))
+    path = tmp_path / "text.npz"
+    np.savez(path, x=seqs[:, :-1], y=seqs[:, 1:])
+    ds = data.from_npz(str(path))
+    assert ds.x.dtype == torch.int64 and ds.classes == 7
+    from psring.models import ModelSettings
+
+    s = data.file_settings(ds, ModelSettings())
+    assert s.seq_len == 8 and s.classes == 7
+
+
 def test_digits_is_scikit_learns_bundled_set():
     pytest.importorskip("sklearn", reason="the [digits] extra (scikit-learn) is not installed")
-    ds = data.load("digits", 0, 0, 0, 0)
+    ds = data.load_file("digits")
     assert ds.x.shape == (1797, 64) and ds.classes == 10
     assert 0.0 <= float(ds.x.min()) and float(ds.x.max()) <= 1.0
     from psring.config import RunConfig

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
+def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device,
+            optimizer: bool = True) -> None:
     """One forward and backward, discarded, before anything is timed or shared. The
     first pass pays one-time costs (allocator, thread pools, kernel selection, lazy
     imports: ~0.6 s on a CPU). Rank 0 already paid them counting FLOPs for the manifest; without this every
@@ -96,11 +97,19 @@ def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
     import torch
 
     from psring.data import worker_batch
+    from psring.models import loss_of
 
+    # batch norm's running statistics must not count the discarded pass
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
     x, y = worker_batch(ds, cfg.batch_size, 0, rank, world)
-    torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+    loss_of(model(x.to(device)), y.to(device)).backward()
     model.zero_grad(set_to_none=True)
-    # the optimizer's first construction and step import torch._dynamo (~0.6 s); on a
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(buffers[k])
+    if not optimizer:
+        return
+    # the optimizer's first construction and step import torch._dynamo (0.6-2 s); on a
     # throwaway tensor, not the model
     dummy = torch.zeros(1, requires_grad=True)
     dummy.grad = torch.zeros(1)
@@ -112,8 +121,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     import torch
     import torch.distributed as dist
 
-    from psring import data as datasets
-    from psring.models import build_model
+    from psring.workload import build_workload
     from psring.runlog import MODEL, StepLog, host_name, save_state_dict
     from psring.strategies import STRATEGIES, WorkerContext
 
@@ -142,12 +150,12 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     ctx = WorkerContext(cfg=cfg, rank=rank, world=world, local_rank=local_rank,
                         local_world=local_world, device=device, run_dir=run_dir, log=log,
                         resume=resume, host=host_name())
-    ds = datasets.load(cfg.data, cfg.samples, cfg.features, cfg.classes, cfg.seed)
-    model = build_model(cfg.model, ds.features, ds.classes, cfg.width, cfg.depth, cfg.seed)
+    work = build_workload(cfg)
+    model, ds = work.model, work.data.train
     if rank == 0:
-        write_manifest(run_dir, cfg, model, ds, strategy_cls, threads)
+        write_manifest(run_dir, cfg, work, strategy_cls, threads)
     model.to(device)
-    warm_up(model, ds, cfg, rank, world, device)
+    warm_up(model, ds, cfg, rank, world, device, optimizer=strategy_cls.local_optimizer)
 
     strategy = None
     steps = StepLog(run_dir)
@@ -161,7 +169,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         strategy = strategy_cls(ctx)
         log.info("training %s on %s, %d steps, %d threads", cfg.strategy, device,
                  cfg.steps, threads)
-        train(ctx, strategy, model, ds, steps, resume=resume)
+        train(ctx, strategy, model, work.data, steps, resume=resume)
         if rank == 0:
             save_state_dict(run_dir / MODEL, strategy.final_state(model))
         if dist.is_initialized():

@@ -6,23 +6,21 @@ import os
 import sys
 from pathlib import Path
 
-from torch import nn
-
 from psring.compress import wire_bytes
 from psring.config import RunConfig
 from psring.emulate import ClusterPlan
-from psring.data import Dataset
 from psring.models import flops_per_sample, parameter_bytes
 from psring.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
 
 
-def build_manifest(cfg: RunConfig, model: nn.Module, ds: Dataset, strategy_cls,
-                   threads: int) -> dict:
+def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
+    """``work``: the run's psring.workload.Workload."""
+    model, ds = work.model, work.data.train
     pbytes = parameter_bytes(model)
     # gradients as they travel: half the bytes with --compress fp16/bf16
     wire = wire_bytes(pbytes, cfg.compress) if strategy_cls.supports_compression else pbytes
     sent, recv = strategy_cls.bytes_per_step(wire, cfg.workers)
-    fps = flops_per_sample(model, ds.features)
+    fps = flops_per_sample(model, work.inputs)
     flops_worker_step = fps * cfg.per_worker_batch * cfg.accumulate
     return {
         "config": cfg.to_dict(),
@@ -34,7 +32,9 @@ def build_manifest(cfg: RunConfig, model: nn.Module, ds: Dataset, strategy_cls,
         # which process ran on which (emulated) host, the links and the placement
         "cluster": ClusterPlan.for_config(cfg).describe(),
         "device": cfg.resolved_device,
-        "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes},
+        "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes,
+                 "held_out": len(work.data.held_out), "kind": work.inputs.kind,
+                 "shape": list(work.inputs.shape)},
         "parameters": sum(p.numel() for p in model.parameters()),
         "parameter_bytes": pbytes,
         "wire_bytes": wire,
@@ -46,8 +46,7 @@ def build_manifest(cfg: RunConfig, model: nn.Module, ds: Dataset, strategy_cls,
     }
 
 
-def write_manifest(run_dir: Path, cfg: RunConfig, model: nn.Module, ds: Dataset,
-                   strategy_cls, threads: int) -> dict:
-    m = build_manifest(cfg, model, ds, strategy_cls, threads)
+def write_manifest(run_dir: Path, cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
+    m = build_manifest(cfg, work, strategy_cls, threads)
     atomic_write_json(Path(run_dir) / MANIFEST, m)
     return m

@@ -1,0 +1,12 @@
+"""The seeds' workloads, written in-project from their papers' layer tables.
+
+torchvision cannot be installed beside torch 2.13's CPU build here, so ResNet and VGG
+are re-built to torchvision's exact layer shapes: at ``--classes 1000 --image-size
+224`` their parameter counts equal torchvision's (tests/test_zoo.py checks).
+``--width`` scales every layer's channels (64 = the paper's) so they fit a CPU.
+
+    psring models                                  # every model at this run's sizes
+    psring models --classes 1000 --image-size 224  # the papers' sizes
+"""
+
+from . import vision, text  # noqa: F401,I001  - registering is importing, in this order

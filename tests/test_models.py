@@ -1,0 +1,95 @@
+"""The model zoo: torchvision's parameter counts, and every model trained by the
+strategies through `psring run` (multi-process, numbers checked)."""
+
+import json
+
+import pytest
+import torch
+
+from psring.errors import ConfigError
+from psring.models import MODELS, ModelSettings, build_model, flops_per_sample, parameter_count
+
+from conftest import assert_no_processes, load_model, max_rel_diff, psring
+
+#: torchvision's counts at 1000 classes (and 224x224, which the count does not depend on)
+TORCHVISION = {"resnet18": 11_689_512, "resnet50": 25_557_032,
+               "vgg11": 132_863_336, "vgg16": 138_357_544}
+
+
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_parameter_counts_equal_torchvisions(name):
+    with torch.device("meta"):  # shapes only: vgg16 would be 553 MB of float32
+        model, inputs = build_model(name, ModelSettings(classes=1000, image_size=224), 0)
+    assert parameter_count(model) == TORCHVISION[name]
+    assert inputs.shape == (3, 224, 224)
+    # and shrinking them for a CPU shrinks them: --width scales every layer
+    with torch.device("meta"):
+        small, _ = build_model(name, ModelSettings(classes=10, width=16), 0)
+    assert parameter_count(small) < TORCHVISION[name] / 10
+
+
+def test_every_model_runs_forward_and_backward_at_cpu_size():
+    for name in MODELS:
+        s = ModelSettings(width=16 if name not in ("mlp", "cnn", "gpt") else 0,
+                          features=64, seq_len=8)
+        model, inputs = build_model(name, s, 0)
+        x = inputs.example(4)
+        out = model(x)
+        assert out.shape[-1] == s.classes, name
+        if inputs.kind == "tokens":
+            assert out.shape[:2] == (4, 8), name  # a prediction at every position
+        assert flops_per_sample(model, inputs) > 0
+
+
+def test_model_factory_errors_name_the_fix(monkeypatch):
+    monkeypatch.setitem(MODELS._items, "broken-for-test", lambda s: torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="must return"):
+        build_model("broken-for-test", ModelSettings(), 0)
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        build_model("examples.my_model:nope", ModelSettings(), 0)
+
+
+#: each model at a size that takes a second a step on one core
+CPU_SIZES = {
+    "resnet18": ["--width", "8"], "resnet50": ["--width", "8"],
+    "vgg11": ["--width", "8"], "vgg16": ["--width", "8"],
+    "mlstm": ["--width", "32", "--seq-len", "8"],
+    "gpt": ["--width", "32", "--depth", "1", "--seq-len", "8"],
+    "examples.my_model:build": ["--width", "8", "--image-size", "16"],
+}
+#: batch norm's batch statistics depend on each worker's slice of the batch, so these
+#: do not end with single's parameters (docs/models.md); they are checked for training
+BATCH_DEPENDENT = {"resnet18", "resnet50"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", CPU_SIZES)
+def test_model_trains_under_single_allreduce_and_ps(tmp_path, model):
+    args = ["--model", model, *CPU_SIZES[model], "--batch-size", "8", "--steps", "3",
+            "--samples", "64", "--eval-samples", "16", "--eval-every", "3", "--lr", "0.05"]
+    runs = {}
+    for strategy, workers in (("single", 1), ("allreduce", 2), ("ps", 2)):
+        out = tmp_path / strategy
+        psring("run", "--strategy", strategy, "--workers", workers, *args, "--out", out,
+               timeout=200)
+        runs[strategy] = load_model(out)
+        evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in evals] == [0, 3]
+        assert all(0 <= e["accuracy"] <= 1 and e["loss"] > 0 for e in evals)
+    init = build_model(model, _settings(args), 0)[0].state_dict()
+    assert max_rel_diff(runs["single"], init) > 1e-4  # training moved the parameters
+    for strategy in ("allreduce", "ps"):
+        if model in BATCH_DEPENDENT:
+            assert max_rel_diff(runs[strategy], init) > 1e-4, strategy
+        else:  # synchronous SGD on the same global batch: the same parameters
+            assert max_rel_diff(runs[strategy], runs["single"]) < 1e-4, strategy
+    assert_no_processes(tmp_path)
+
+
+def _settings(args: list[str]) -> ModelSettings:
+    kw = {}
+    for flag, key in (("--width", "width"), ("--depth", "depth"), ("--seq-len", "seq_len"),
+                      ("--image-size", "image_size")):
+        if flag in args:
+            kw[key] = int(args[args.index(flag) + 1])
+    return ModelSettings(**kw)
