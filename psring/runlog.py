@@ -2,6 +2,7 @@
 
     DIR/manifest.json   config, versions, host, sizes, FLOPs, bytes per step (rank 0)
     DIR/steps.jsonl     one JSON object per worker per step (every worker appends)
+    DIR/evals.jsonl     one JSON object per held-out evaluation (rank 0; psring.evaluate)
     DIR/model.pt        final parameters, a plain state_dict (rank 0)
     DIR/logs/*.log      each process's stdout and stderr (written by the launcher)
 
@@ -25,6 +26,7 @@ from typing import Any, Iterator
 
 MANIFEST = "manifest.json"
 STEPS = "steps.jsonl"
+EVALS = "evals.jsonl"
 MODEL = "model.pt"
 
 #: fields every step record has (docs/architecture.md explains each)
@@ -73,14 +75,14 @@ def load_state_dict(path: Path) -> dict:
 
 
 class StepLog:
-    """Appends step records to steps.jsonl, one write() per record.
+    """Appends records to steps.jsonl (or another .jsonl), one write() per record.
 
     Several workers (processes) append to the same file: O_APPEND makes each write
     land whole at the end, so lines never interleave.
     """
 
-    def __init__(self, run_dir: Path):
-        self.fd = os.open(Path(run_dir) / STEPS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    def __init__(self, run_dir: Path, name: str = STEPS):
+        self.fd = os.open(Path(run_dir) / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: dict) -> None:
         os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
@@ -91,8 +93,8 @@ class StepLog:
             self.fd = -1
 
 
-def read_steps(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / STEPS
+def read_steps(run_dir: Path, name: str = STEPS) -> list[dict]:
+    path = Path(run_dir) / name
     if not path.exists():
         return []
     out = []
@@ -105,6 +107,10 @@ def read_steps(run_dir: Path) -> list[dict]:
                 except json.JSONDecodeError:
                     continue  # a line cut short by a killed process
     return out
+
+
+def read_evals(run_dir: Path) -> list[dict]:
+    return read_steps(run_dir, EVALS)
 
 
 def read_manifest(run_dir: Path) -> dict:

@@ -128,3 +128,22 @@ def small_runs(tmp_path_factory) -> dict[str, Path]:
         runs[strategy] = out
     assert_no_processes(root)
     return runs
+
+
+def read_evals(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "evals.jsonl").read_text().splitlines()]
+
+
+def assert_evals(run_dir: Path, steps: int) -> list[dict]:
+    """evals.jsonl: the initial model and then every max(1, steps // 10) steps and the
+    last, rank 0's training time growing, accuracy a fraction, and learning seen."""
+    evals = read_evals(run_dir)
+    every = max(1, steps // 10)
+    assert [e["step"] for e in evals] == sorted({*range(0, steps + 1, every), steps})
+    assert evals[0]["train_s"] == 0.0
+    assert all(a["train_s"] < b["train_s"] for a, b in zip(evals, evals[1:]))
+    assert all(0 <= e["accuracy"] <= 1 and e["loss"] > 0 and e["eval_s"] > 0 for e in evals)
+    # it learned (at some point: asynchronous SGD with momentum may later overshoot)
+    assert min(e["loss"] for e in evals[1:]) < evals[0]["loss"]
+    assert max(e["accuracy"] for e in evals[1:]) > evals[0]["accuracy"]
+    return evals

@@ -3,9 +3,10 @@ parameters `single` ends with, on the same seed and global batch."""
 
 import pytest
 
-from psring.models import build_model
+from psring.models import ModelSettings, build_model
 
-from conftest import SMALL, assert_no_processes, load_model, max_rel_diff, psring, read_steps
+from conftest import (SMALL, assert_evals, assert_no_processes, load_model, max_rel_diff, psring,
+                      read_steps)
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_s", "update_s")
 
@@ -17,7 +18,7 @@ def test_same_parameters_as_single(small_runs, strategy):
     got = load_model(small_runs[strategy])
     assert max_rel_diff(got, ref) < 1e-4
     # and training moved the parameters: the match is not between two initializations
-    init = build_model("mlp", 64, 10, 256, 2, seed=0).state_dict()
+    init = build_model("mlp", ModelSettings(features=64, width=256, depth=2), seed=0)[0].state_dict()
     assert max_rel_diff(got, init) > 1e-3
 
 
@@ -41,6 +42,12 @@ def test_loss_falls_and_records_are_complete(small_runs, strategy):
         assert all(r[p] >= 0 for p in PHASES)
     if strategy != "single":
         assert all(r["bytes_sent"] > 0 and r["bytes_recv"] > 0 for r in records)
+    evals = assert_evals(small_runs[strategy], 12)
+    # the same parameters as single after every step: the same held-out results
+    ref = assert_evals(small_runs["single"], 12)
+    assert [e["accuracy"] for e in evals] == [e["accuracy"] for e in ref]
+    # evaluation is outside the step timing: training time is the steps' time, about
+    assert evals[-1]["train_s"] < 1.5 * sum(r["step_s"] for r in records if r["worker"] == 0) + 0.5
 
 
 @pytest.mark.timeout(300)
@@ -107,5 +114,7 @@ def test_cnn_on_a_user_npz_matches_single(tmp_path):
     import json
 
     m = json.loads((tmp_path / "ar" / "manifest.json").read_text())
-    assert m["data"] == {"samples": 256, "features": 64, "classes": 2}
+    # a fifth of the 256 rows is held out for evaluation
+    assert {k: m["data"][k] for k in ("samples", "features", "classes", "held_out")} == {
+        "samples": 205, "features": 64, "classes": 2, "held_out": 51}
     assert_no_processes(tmp_path)

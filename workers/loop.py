@@ -23,9 +23,11 @@ from torch import nn
 
 from psring import checkpoint
 from psring.checkpoint import Checkpoint
-from psring.data import Dataset, worker_batch
+from psring.data import Split, worker_batch
 from psring.errors import PsringError
-from psring.runlog import PHASES, StepLog
+from psring.evaluate import evaluate, is_due
+from psring.models import loss_of
+from psring.runlog import EVALS, PHASES, StepLog
 from psring.strategies.base import Strategy, WorkerContext
 
 now = time.perf_counter
@@ -36,20 +38,24 @@ def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
                            weight_decay=cfg.weight_decay)
 
 
-def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Dataset,
+def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
           log: StepLog | None, on_step: Callable[[dict], None] | None = None,
           resume: Checkpoint | None = None) -> None:
     cfg = ctx.cfg
     module = strategy.setup(model)
     optimizer = make_optimizer(model, cfg) if strategy.local_optimizer else None
     first_step = 0
+    clock = TrainingClock()
     if resume is not None:
         # The step counter is also the data position: batches are a function of (step,
         # rank), so from here on every worker sees what the uninterrupted run saw.
         strategy.restore_checkpoint(model, optimizer, resume.tensors)
         first_step = resume.step
+        clock.resumed = float(resume.meta.get("train_s", 0.0))
+    evals = StepLog(ctx.run_dir, EVALS) if ctx.rank == 0 and log is not None else None
     try:
-        _steps(ctx, strategy, model, module, optimizer, data, log, on_step, first_step)
+        _steps(ctx, strategy, model, module, optimizer, data, log, on_step, first_step,
+               clock, evals)
     except RuntimeError as e:
         # torch.distributed's timeouts (gloo, NCCL) say only "timed out"; name what was
         # waited for and the knob, as the parameter-server client does for its servers
@@ -60,14 +66,59 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Datase
             f"waiting for {strategy.waits_for}; see the other workers' logs for which one "
             f"stopped (or raise --timeout if a step can legitimately take that long). "
             f"({str(e).splitlines()[0][:200]})") from e
+    finally:
+        if evals is not None:
+            evals.close()
+
+
+class TrainingClock:
+    """Rank 0's training time: wall-clock since its first step began, less what is not
+    training (evaluations, checkpoints); a resumed run continues its checkpoint's."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.excluded = 0.0
+        self.resumed = 0.0
+
+    def begin(self) -> None:
+        if self.start is None:
+            self.start = now()
+            self.excluded = 0.0  # (the evaluation of the initial model came before)
+
+    def elapsed(self) -> float:
+        return self.resumed + (now() - self.start - self.excluded if self.start else 0.0)
+
+    @contextlib.contextmanager
+    def paused(self):
+        t = now()
+        try:
+            yield
+        finally:
+            self.excluded += now() - t
+
+
+def _evaluate(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
+              done: int, clock: TrainingClock, evals: StepLog | None) -> None:
+    """Every worker evaluates at the same steps (so synchronous workers stay in step,
+    and asynchronous ones pause alike); rank 0 records. Outside the step timing."""
+    train_s = clock.elapsed()
+    with clock.paused():
+        t = now()
+        loss, accuracy = evaluate(strategy.eval_model(model), data.held_out, ctx.device)
+        if evals is not None:
+            evals.write({"step": done, "train_s": round(train_s, 6),
+                         "loss": loss, "accuracy": accuracy, "eval_s": round(now() - t, 6),
+                         "time": time.time(), "samples": len(data.held_out)})
 
 
 def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.Module,
-           optimizer: torch.optim.Optimizer | None, data: Dataset, log: StepLog | None,
-           on_step: Callable[[dict], None] | None, first_step: int) -> None:
+           optimizer: torch.optim.Optimizer | None, split: Split, log: StepLog | None,
+           on_step: Callable[[dict], None] | None, first_step: int, clock: TrainingClock,
+           evals: StepLog | None) -> None:
     cfg = ctx.cfg
     device = ctx.device
-    loss_fn = nn.CrossEntropyLoss()
+    data = split.train
+    every = cfg.eval_interval
     micro = cfg.accumulate
     # On CUDA, kernels run asynchronously: synchronize at phase boundaries so time lands
     # in the phase that caused it. On CPU this is a no-op.
@@ -87,7 +138,10 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(stamp)
 
+    if first_step == 0 and is_due(0, cfg.steps, every):
+        _evaluate(ctx, strategy, model, split, 0, clock, evals)  # the starting point
     for step in range(first_step, cfg.steps):
+        clock.begin()
         ph = dict.fromkeys(PHASES, 0.0)
         t0 = mark = now()
         start = time.time()
@@ -116,7 +170,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
             last = m == micro - 1
             compute_start = mark
             with contextlib.nullcontext() if last else strategy.no_sync():
-                loss = loss_fn(module(x), y) / micro
+                loss = loss_of(module(x), y) / micro
                 if slowed:
                     # --slow-worker: a straggler's gradients come late, so stretch the
                     # compute before backward, by the previous micro-batch's compute time
@@ -168,9 +222,14 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
         if on_step is not None:
             on_step(record)
         done = step + 1
+        if is_due(done, cfg.steps, every):
+            _evaluate(ctx, strategy, model, split, done, clock, evals)
         if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             # outside the step's timing: a checkpoint is not part of training's cost
-            state = strategy.checkpoint_state(model, optimizer)
-            if ctx.rank == 0:
-                checkpoint.save(ctx.run_dir, done, state,
-                                {"strategy": cfg.strategy, "workers": ctx.world})
+            train_s = clock.elapsed()
+            with clock.paused():
+                state = strategy.checkpoint_state(model, optimizer)
+                if ctx.rank == 0:
+                    checkpoint.save(ctx.run_dir, done, state,
+                                    {"strategy": cfg.strategy, "workers": ctx.world,
+                                     "train_s": train_s})

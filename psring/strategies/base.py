@@ -162,6 +162,13 @@ class Strategy:
         stats, self.stats = self.stats, StepStats()
         return stats
 
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """The module holding the parameters to evaluate after an update (outside the
+        step timing): the parameters the next step starts from. Default: the local
+        model (synchronous strategies end a step with it; hogwild's is the shared one).
+        A strategy whose parameters live elsewhere brings them here first."""
+        return model
+
     # -- checkpoints ---------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module,
                          optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:

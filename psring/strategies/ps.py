@@ -186,15 +186,14 @@ def server_frame_limit(cfg) -> int | None:
     a peer sending anything larger. None when the model's size is known only once the
     data is loaded (digits, .npz) or the model can't be built on the meta device: the
     servers then keep their default bound."""
-    from ..models import MODELS
     from psring.servers.server import FRAME_SLACK
+
+    from ..workload import meta_model
 
     if cfg.data != "synthetic":
         return None
     try:
-        with torch.device("meta"):
-            model = MODELS.get(cfg.model)(cfg.features, cfg.classes, width=cfg.width,
-                                          depth=cfg.depth)
+        model, _ = meta_model(cfg)
     except Exception:  # noqa: BLE001 - a plugin model may not build on meta; keep the default
         return None
     numel = sum(p.numel() for p in model.parameters())
@@ -257,6 +256,7 @@ class ParameterServer(Strategy):
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
         self.finished = False  # the last step's pushes were acknowledged
+        self._early_recv = 0  # bytes of the next step's pull received by eval_model
         self.step = 0
         self._staleness = -1
         # resuming: the servers start at the checkpoint's version, with its momentum
@@ -361,7 +361,8 @@ class ParameterServer(Strategy):
         self.step = step
         self._staleness = -1
         sent, recv = self.client.bytes_sent, self.client.bytes_recv
-        self._bytes_at_start = (sent, recv)
+        self._bytes_at_start = (sent, recv - self._early_recv)
+        self._early_recv = 0
         return self.pull
 
     def finish_backward(self) -> Handle:
@@ -383,6 +384,17 @@ class ParameterServer(Strategy):
     def update(self, optimizer) -> None:
         """Nothing to do: the servers applied the update; the next pull brings it."""
 
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """The pull sent after this step's pushes brings the servers' parameters: in
+        sync mode the version after this step's update, in async mode the latest one
+        (the servers' state at that moment). The next step reuses the same pull."""
+        recv = self.client.bytes_recv
+        self.pull.wait()
+        # the next step's begin_step would have received this pull: its bytes are that
+        # step's, not lost between steps
+        self._early_recv += self.client.bytes_recv - recv
+        return model
+
     # -- checkpoints: the state is in the servers ------------------------------------
     def checkpoint_state(self, model, optimizer) -> dict[str, torch.Tensor]:
         """Worker 0 fetches every shard's copy of the same version (each server took it
@@ -391,7 +403,12 @@ class ParameterServer(Strategy):
         is no shared version boundary: each shard is copied as it is when asked."""
         if self.ctx.rank != 0:
             return {}
-        return self._servers_state("a checkpoint")
+        state = self._servers_state("a checkpoint")
+        # buffers (batch norm's running statistics) are each worker's own, never sent to
+        # the servers: the checkpoint keeps rank 0's, as the final model does
+        state.update({"buffer/" + k: v.detach().cpu().clone()
+                      for k, v in model.named_buffers()})
+        return state
 
     def _servers_state(self, what: str) -> dict[str, torch.Tensor]:
         """Every shard's float32 copy of the version after this step (sync; in async
@@ -415,7 +432,12 @@ class ParameterServer(Strategy):
         return state
 
     def restore_checkpoint(self, model, optimizer, state) -> None:
-        """Done in setup(): the servers were initialized from the checkpoint."""
+        """The parameters were put back in setup() (the servers were initialized from the
+        checkpoint); the buffers are put back here, on every worker."""
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                if "buffer/" + k in state:
+                    v.copy_(state["buffer/" + k])
 
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         self.pull.wait()  # the parameters after the last step
