@@ -33,7 +33,7 @@ def default_sweep(workers: int = 2, repeats: int | None = None) -> Sweep:
         sweep = Sweep(name="compare", description="every strategy on one MLP",
                       look_at="the key table", repeats=2,
                       base={"model": "mlp", "width": 1024, "depth": 3, "batch_size": 64,
-                            "steps": 30})
+                            "steps": 30, "eval_every": 3, "target_accuracy": 0.9})
     grid = {**sweep.grid, "strategy": list(STRATEGIES), "workers": [workers]}
     return Sweep(**{**sweep.to_dict(), "grid": grid,
                     "repeats": repeats if repeats is not None else sweep.repeats})

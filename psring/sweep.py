@@ -13,13 +13,19 @@ A sweep definition is a TOML file (see experiments/README.md):
     strategy = ["allreduce", "ps"]
     width = [64, 256, 1024]
     [report]                     # optional: what the report plots against what
-    target_loss = 2.0
+    target_accuracy = 0.9        # time to accuracy (else the runs' --target-accuracy)
+
+A grid value may be a table that brings settings of its own, for workloads that need
+different ones; the key's own value names the point:
+
+    model = [{model = "resnet18", lr = 0.01}, {model = "mlstm", width = 64, lr = 0.05}]
 
 ``batch_per_worker`` (in base or grid) sets ``batch_size = batch_per_worker * workers``
 (weak scaling); otherwise ``batch_size`` is the global batch (strong scaling).
 Settings that do not apply to a strategy are normalized, and points that become the
 same run are run once: ``single`` runs 1 worker, ``servers`` is 1 for strategies
-without servers, ``max_staleness`` is -1 where it does not apply.
+without servers, ``max_staleness`` is -1 where it does not apply, and a
+``slow_worker`` that names no worker of the point (``1:3`` for ``single``) is dropped.
 
 Each point runs in ``OUT/<point id>/`` and is done when its ``point.json`` says so
 (written atomically, last). Running the sweep again skips done points and reruns the
@@ -47,7 +53,7 @@ from .runlog import atomic_write_json
 SWEEP_FILE = "sweep.json"
 POINT_FILE = "point.json"
 #: keys of a definition's [report] table
-REPORT_KEYS = {"target_loss", "title"}
+REPORT_KEYS = {"target_accuracy", "title"}
 #: grid keys that are not RunConfig fields
 EXTRA_KEYS = {"batch_per_worker"}
 
@@ -100,6 +106,16 @@ class Sweep:
             if not isinstance(v, list) or not v:
                 raise ConfigError(f"sweep {self.name!r}: grid.{k} must be a non-empty list "
                                   f"(got {v!r}); put single values in [base].")
+            tables = [e for e in v if isinstance(e, dict)]
+            for e in tables:  # a value that brings settings of its own (see the docstring)
+                if k not in e or set(e) - valid:
+                    raise ConfigError(
+                        f"sweep {self.name!r}: a table in grid.{k} must set {k} (it names "
+                        f"the point) and only `psring run` flags; got {e!r}.")
+            names = [e[k] if isinstance(e, dict) else e for e in v]
+            if tables and len(set(map(str, names))) != len(names):
+                raise ConfigError(f"sweep {self.name!r}: grid.{k} names a value twice "
+                                  f"({names}); each table's {k} must differ.")
         unknown = sorted(set(self.report) - REPORT_KEYS)
         if unknown:
             raise ConfigError(f"sweep {self.name!r}: unknown [report] key(s) "
@@ -131,8 +147,10 @@ class Sweep:
         keys = list(self.grid)
         seen: dict[str, Point] = {}
         for combo in itertools.product(*(self.grid[k] for k in keys)):
-            values = {**self.base, **dict(zip(keys, combo))}
-            varied = dict(zip(keys, combo))
+            values = dict(self.base)
+            for k, v in zip(keys, combo):
+                values.update(v if isinstance(v, dict) else {k: v})
+            varied = {k: v[k] if isinstance(v, dict) else v for k, v in zip(keys, combo)}
             strategy = STRATEGIES.get(values.get("strategy", "single"))
             if strategy.max_workers is not None:
                 values["workers"] = min(values.get("workers", 1), strategy.max_workers)
@@ -140,6 +158,9 @@ class Sweep:
                 values["servers"] = 1
             if not strategy.supports_staleness_bound:
                 values["max_staleness"] = -1
+            slow = str(values.get("slow_worker") or "")
+            if slow and int(slow.split(":")[0] or 0) >= values.get("workers", 1):
+                values["slow_worker"] = ""  # no such worker (single): nobody is slowed
             _normalize_cluster(values, strategy)
             per_worker = values.pop("batch_per_worker", None)
             if per_worker is not None:

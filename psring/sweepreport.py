@@ -9,12 +9,14 @@ as the median with the min–max range. What is in it:
 
 - the key table: throughput, step time, communication time measured beside the cost
   model's prediction (psring.costmodel, from ``psring calibrate``) and its relative
-  error, speedup over ``single``, time to the target loss;
+  error, speedup over ``single``, time to the target accuracy;
 - the step-time breakdown per setting (data / forward / backward / comm / update);
 - throughput and scaling efficiency vs workers (when the sweep varies workers);
 - throughput vs arithmetic intensity per strategy with the measured crossovers, and
   the crossover the cost model predicts (when the sweep varies intensity);
-- loss vs wall-clock time and vs step, time to a target loss;
+- held-out accuracy vs training time and vs step, and time to accuracy: time to the
+  target, steps to it (statistical efficiency) and time per step (hardware efficiency);
+- training loss vs time and vs step (an EMA, the raw points faint);
 - the staleness distribution of asynchronous runs.
 
 Definitions (also in docs/cost-model.md):
@@ -25,12 +27,10 @@ Definitions (also in docs/cost-model.md):
   in-flight intervals before backward ended), less, in synchronous strategies, the
   time a worker was blocked only because a slower peer was still in backward (its
   *peer wait*). It is what the cost model predicts.
-- *time to target* = wall-clock seconds from the end of the first step (connection
-  set-up excluded) until the loss (mean
-  over workers, moving average over a tenth of the steps) first reaches the target:
-  ``[report] target_loss`` of the definition, else halfway from the mean initial
-  loss down to the highest final loss among the settings (so every setting that
-  learns reaches it).
+- *time to accuracy* (MLPerf Training's) = the training time (rank 0's clock,
+  evaluations excluded; psring.evaluate) of the first held-out evaluation whose
+  accuracy reaches the target: ``[report] target_accuracy`` of the definition, else
+  the runs' own ``--target-accuracy``. A run that never reaches it is "not reached".
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from typing import Any
 
 from .errors import ConfigError
 from .report import WORKLOAD_KEYS, summarize, warmup_steps
-from .runlog import PHASES, atomic_write_bytes, read_manifest, read_steps
+from .evaluate import time_to_accuracy
+from .runlog import PHASES, atomic_write_bytes, read_evals, read_manifest, read_steps
 from .sweep import POINT_FILE, SWEEP_FILE, point_status
 
 REPORT = "report.md"
@@ -98,16 +99,6 @@ def _round_comm(records: list[dict], waits: dict[tuple[int, int], float]) -> lis
     return list(by_step.values())
 
 
-def _moving_average(xs: list[float], w: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= w:
-            acc -= xs[i - w]
-        out.append(acc / min(i + 1, w))
-    return out
-
-
 def load_point(run_dir: Path) -> dict[str, Any]:
     """One finished point: the run summary plus what the sweep report needs."""
     row = summarize(run_dir)
@@ -146,6 +137,8 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     row["curve"] = [(s, max(r["time"] for r in by_step[s]) - start,
                      st.fmean(r["loss"] for r in by_step[s])) for s in steps]
     row["staleness"] = [r["staleness"] for r in records if "staleness" in r]
+    row["evals"] = sorted(read_evals(run_dir), key=lambda e: e["step"])
+    row["accuracy_final"] = row["evals"][-1]["accuracy"] if row["evals"] else None
     row["train_seconds"] = max(r["time"] for r in records) - start
     return row
 
@@ -210,6 +203,7 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
             "comm_ms": _agg([r["comm_time_s"] * 1e3 for r in rs]),
             "phase_ms": {p: st.median(r["phase_ms"][p] for r in rs) for p in PHASES},
             "loss_final": _agg([r["loss_final"] for r in rs]),
+            "accuracy_final": _agg([r["accuracy_final"] for r in rs]),
             "rows": rs,
         }
         pred = None
@@ -287,32 +281,35 @@ def _efficiency(settings: list[dict]) -> None:
                            if b else None)
 
 
-def target_loss(settings: list[dict], spec: dict) -> float | None:
-    """``[report] target_loss``, else halfway from the mean initial loss down to the
-    highest final loss among the settings: every setting that learned reaches it, and
-    reaching it takes some learning (the noisy first steps don't count)."""
-    t = (spec.get("report") or {}).get("target_loss")
+def target_accuracy(rows: list[dict], spec: dict) -> float | None:
+    """``[report] target_accuracy`` of the definition, else the runs' own
+    ``--target-accuracy`` (the highest, if they differ); None when neither is set."""
+    t = (spec.get("report") or {}).get("target_accuracy")
     if t is not None:
         return float(t)
-    firsts, finals = [], []
+    own = [r["config"].get("target_accuracy") or 0 for r in rows]
+    return max(own) if any(own) else None
+
+
+def add_time_to_accuracy(settings: list[dict], target: float | None) -> None:
+    """Per setting, over its repeats: time to target, steps to target, and how many
+    runs reached it."""
     for s in settings:
-        for r in s["rows"]:
-            losses = [c[2] for c in r["curve"]]
-            w = max(1, len(losses) // 10)
-            firsts.append(losses[0])
-            finals.append(_moving_average(losses, w)[-1])
-    if not finals:
-        return None
-    return (st.fmean(firsts) + max(finals)) / 2
+        got = [time_to_accuracy(r["evals"], target) if target is not None and r["evals"]
+               else (None, None) for r in s["rows"]]
+        s["tta_s"] = _agg([t for t, _ in got if t is not None])
+        s["tta_steps"] = _agg([n for _, n in got if n is not None])
+        s["tta_reached"] = sum(t is not None for t, _ in got)
+        s["has_evals"] = any(r["evals"] for r in s["rows"])
 
 
-def time_to_target(row: dict, target: float) -> tuple[float | None, int | None]:
-    losses = [c[2] for c in row["curve"]]
-    smooth = _moving_average(losses, max(1, len(losses) // 10))
-    for (step, t, _), v in zip(row["curve"], smooth):
-        if v <= target:
-            return t, step
-    return None, None
+def _tta_text(s: dict) -> str:
+    if not s["has_evals"]:
+        return "-"
+    if not s["tta_s"]:
+        return "not reached"
+    return _fmt(s["tta_s"], digits=2) + ("" if s["tta_reached"] == s["repeats"] else
+                                         f" [{s['tta_reached']}/{s['repeats']} reached]")
 
 
 #: what a crossover is sought along: the x value, and the settings a group shares
@@ -567,25 +564,60 @@ def plot_along(settings: list[dict], found: list[dict], path: Path,
     return _save(fig, path, settings)
 
 
-def plot_loss(settings: list[dict], target: float | None, path: Path) -> Path:
+def _ema(xs: list[float], span: int) -> list[float]:
+    a, out, v = 2 / (span + 1), [], None
+    for x in xs:
+        v = x if v is None else a * x + (1 - a) * v
+        out.append(v)
+    return out
+
+
+def plot_loss(settings: list[dict], path: Path) -> Path:
+    """Training loss (mean over workers) vs time and vs step: an EMA over a tenth of
+    the steps, the raw points faint behind it."""
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, s in enumerate(settings):
+        c = colors[i % len(colors)]
+        for j, r in enumerate(s["rows"]):
+            steps, ts, losses = zip(*r["curve"])
+            smooth = _ema(list(losses), max(2, len(losses) // 10))
+            for a, x in ((a1, ts), (a2, steps)):
+                a.plot(x, losses, color=c, lw=0.6, alpha=0.2)
+                a.plot(x, smooth, color=c, lw=1.4, label=_label(s) if j == 0 else None)
+    for a in (a1, a2):
+        a.set_ylabel("training loss (EMA; raw faint)")
+    a1.set_xlabel("wall-clock seconds since the end of step 0")
+    a2.set_xlabel("step")
+    a1.set_title("Training loss vs time")
+    a2.set_title("Training loss vs step")
+    a2.legend(fontsize=7)
+    return _save(fig, path, settings)
+
+
+def plot_accuracy(settings: list[dict], target: float | None, path: Path) -> Path:
+    """Held-out accuracy vs training time and vs step, one line per run."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, s in enumerate(settings):
         for j, r in enumerate(s["rows"]):
-            steps, ts, losses = zip(*r["curve"])
-            kw = {"color": colors[i % len(colors)], "lw": 1, "alpha": 0.8,
-                  "label": _label(s) if j == 0 else None}
-            a1.plot(ts, losses, **kw)
-            a2.plot(steps, losses, **kw)
+            if not r["evals"]:
+                continue
+            kw = {"color": colors[i % len(colors)], "lw": 1.2, "alpha": 0.85, "marker": ".",
+                  "ms": 3, "label": _label(s) if j == 0 else None}
+            a1.plot([e["train_s"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], **kw)
+            a2.plot([e["step"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], **kw)
     for a in (a1, a2):
         if target is not None:
             a.axhline(target, color="k", ls="--", lw=1)
-        a.set_ylabel("loss (mean over workers)")
-    a1.set_xlabel("wall-clock seconds since the end of step 0")
-    a2.set_xlabel("step")
-    a1.set_title("Loss vs time (dashed: target)")
-    a2.set_title("Loss vs step")
+        a.set_ylabel("held-out accuracy")
+        a.set_ylim(0, 1.02)
+    a1.set_xlabel("training seconds (evaluation excluded)")
+    a2.set_xlabel("optimizer step")
+    a1.set_title("Accuracy vs time" + (" (dashed: target)" if target is not None else ""))
+    a2.set_title("Accuracy vs step (statistical efficiency)")
     a2.legend(fontsize=7)
     return _save(fig, path, settings)
 
@@ -715,12 +747,9 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     cal_path = find_calibration(sweep_dir)
     cal = Calibration.load(cal_path) if cal_path else None
     settings = aggregate(rows, cal)
-    target = target_loss(settings, spec)
+    target = target_accuracy(rows, spec)
+    add_time_to_accuracy(settings, target)
     for s in settings:
-        tta = [time_to_target(r, target) if target is not None else (None, None)
-               for r in s["rows"]]
-        s["tta_s"] = _agg([t for t, _ in tta if t is not None])
-        s["tta_reached"] = sum(t is not None for t, _ in tta)
         s["staleness"] = [x for r in s["rows"] for x in r["staleness"]]
     # points that ran on different clusters say where in their labels
     mixed = len({s["cluster"] for s in settings}) > 1
@@ -739,7 +768,10 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     distributed = [s for s in settings if s["strategy"] != "single"]
     if len({s["gradient_bytes"] for s in distributed}) > 1:
         plots["size"] = plot_along(settings, found_size, sweep_dir / "size.png", "size")
-    plots["loss"] = plot_loss(settings, target, sweep_dir / "loss.png")
+    plots["loss"] = plot_loss(settings, sweep_dir / "loss.png")
+    evaluated = [s for s in settings if s["has_evals"]]
+    if evaluated:
+        plots["accuracy"] = plot_accuracy(settings, target, sweep_dir / "accuracy.png")
     if any(s["staleness"] for s in settings):
         plots["staleness"] = plot_staleness(settings, sweep_dir / "staleness.png")
     if any(s["predicted_comm_ms"] is not None for s in settings):
@@ -748,7 +780,7 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     emulated = any(s["cluster"] != "this machine" for s in settings)
     key_header = ["setting", *(["cluster"] if emulated else []), "samples/s", "step ms",
                   "comm ms", "predicted comm ms", "error", "speedup vs single",
-                  "time to target s"]
+                  "final acc", "time to target s"]
     key_rows = []
     for s in settings:
         key_rows.append([
@@ -758,9 +790,7 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
             f"{s['predicted_comm_ms']:.1f}" if s["predicted_comm_ms"] is not None else "-",
             f"{s['comm_error']:+.0%}" if s["comm_error"] is not None else "-",
             f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-",
-            (_fmt(s["tta_s"], digits=1) + ("" if s["tta_reached"] == s["repeats"] else
-                                           f" [{s['tta_reached']}/{s['repeats']} reached]"))
-            if s["tta_s"] else "not reached",
+            _fmt(s["accuracy_final"], digits=3), _tta_text(s) if target is not None else "-",
         ])
     md = [f"# Sweep report: {spec.get('name', sweep_dir.name)}", ""]
     if spec.get("description"):
@@ -786,7 +816,10 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     md += ["## Key table", "", _md_table(key_header, key_rows), "",
            f"Communication time = blocked + hidden under backward, less waiting for a slower "
            f"peer (see docs/cost-model.md). "
-           f"Target loss for time to target: {target:.4g}." if target is not None else "", ""]
+           f"Time to target: training seconds until the first held-out evaluation at "
+           f"accuracy {target:g} or above (evaluation time excluded)." if target is not None
+           else "No target accuracy set (`--target-accuracy`, or `[report] target_accuracy` "
+           "in the definition): no time to target.", ""]
     if cal is None:
         md += ["No calibration found, so no predictions: run `psring calibrate` (or put a "
                "calibration.json in the sweep directory) and report again.", ""]
@@ -828,11 +861,21 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                              [[_label(s), f"{s['gradient_bytes'] / 1e6:.2f}",
                                _fmt(s["comm_ms"], digits=2), f"{s['predicted_comm_ms']:.2f}",
                                f"{s['comm_error']:+.0%}"] for s in errs]), ""]
-    md += ["## Loss and time to target", "", f"![loss]({plots['loss'].name})", "",
-           _md_table(["setting", "final loss", "time to target s", "runs reaching it"],
-                     [[_label(s), _fmt(s["loss_final"], digits=3),
-                       _fmt(s["tta_s"], digits=2), f"{s['tta_reached']}/{s['repeats']}"]
-                      for s in settings]), ""]
+    if "accuracy" in plots:
+        md += ["## Time to accuracy", "", f"![accuracy]({plots['accuracy'].name})", "",
+               "Time to target = steps to target (statistical efficiency) x time per step "
+               "(hardware efficiency), roughly: an asynchronous or compressed strategy wins "
+               "only if its faster steps outweigh any extra steps it needs.", "",
+               _md_table(["setting", "time to target s", "steps to target", "step ms",
+                          "final accuracy", "runs reaching it"],
+                         [[_label(s), _tta_text(s) if target is not None else "-",
+                           _fmt(s["tta_steps"]) if s["tta_steps"] else "-",
+                           _fmt(s["step_ms"], digits=1), _fmt(s["accuracy_final"], digits=3),
+                           f"{s['tta_reached']}/{s['repeats']}" if target is not None else "-"]
+                          for s in evaluated]), ""]
+    md += ["## Training loss", "", f"![loss]({plots['loss'].name})", "",
+           _md_table(["setting", "final loss"],
+                     [[_label(s), _fmt(s["loss_final"], digits=3)] for s in settings]), ""]
     if "staleness" in plots:
         md += ["## Staleness", "", f"![staleness]({plots['staleness'].name})", "",
                _md_table(["setting", "steps", "mean", "p50", "max"],
@@ -845,7 +888,7 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     path = sweep_dir / REPORT
     atomic_write_bytes(path, "\n".join(md).encode())
     atomic_write_bytes(sweep_dir / "report.json", json.dumps(
-        [{k: v for k, v in s.items() if k not in ("rows", "config", "staleness")}
+        [{k: v for k, v in s.items() if k not in ("rows", "config", "staleness", "has_evals")}
          for s in settings], indent=2, default=str).encode())
     return path, render_key_table(key_header, key_rows, spec.get("name", ""))
 

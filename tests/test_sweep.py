@@ -57,6 +57,31 @@ def test_transport_is_swept_only_where_there_are_servers(tmp_path):
     assert got == [("allreduce", "auto"), ("ps", "ipc"), ("ps", "tcp")]
 
 
+def test_grid_tables_bring_their_own_settings_and_stragglers_need_a_worker(tmp_path):
+    sweep = Sweep(name="t", base={"steps": 2, "batch_size": 8, "lr": 0.1, "workers": 2},
+                  grid={"model": [{"model": "mlp", "width": 16},
+                                  {"model": "gpt", "width": 32, "lr": 0.05}],
+                        "strategy": ["single", "allreduce"], "slow_worker": ["", "1:3"]})
+    points = sweep.points(tmp_path)
+    got = sorted((p.config.model, p.config.width, p.config.lr, p.config.strategy,
+                  p.config.slow_worker) for p in points)
+    assert got == [("gpt", 32, 0.05, "allreduce", ""), ("gpt", 32, 0.05, "allreduce", "1:3"),
+                   ("gpt", 32, 0.05, "single", ""), ("mlp", 16, 0.1, "allreduce", ""),
+                   ("mlp", 16, 0.1, "allreduce", "1:3"), ("mlp", 16, 0.1, "single", "")]
+    assert {p.id.split("_")[0] for p in points} == {"model=mlp", "model=gpt"}
+    assert all(p.varied["model"] in ("mlp", "gpt") for p in points)
+
+
+@pytest.mark.parametrize("models, needle", [
+    ([{"width": 8}], "must set model"),
+    ([{"model": "mlp", "colour": 1}], "must set model"),
+    ([{"model": "mlp"}, {"model": "mlp", "width": 2}], "names a value twice"),
+])
+def test_bad_grid_tables_name_the_fix(models, needle):
+    with pytest.raises(ConfigError, match=needle):
+        Sweep(name="t", grid={"model": models})
+
+
 @pytest.mark.parametrize("grid, needle", [
     ({"strategy": ["single"], "colour": [1]}, "unknown key(s) colour"),
     ({"strategy": "single"}, "must be a non-empty list"),
