@@ -10,6 +10,7 @@
     psring trace runs/ps                      (after psring run ... --trace)
     psring server --bind tcp://127.0.0.1:5555
     psring strategies
+    psring models [--classes 1000 --image-size 224]   (sizes, FLOPs, intensity)
 
 Errors meant for the user (bad flags, a failed worker) print one paragraph and exit
 non-zero; see psring.errors.
@@ -133,6 +134,34 @@ def _cmd_server(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .models import MODELS, ModelSettings, describe
+
+    s = ModelSettings(classes=args.classes, image_size=args.image_size, seq_len=args.seq_len,
+                      features=args.features, width=args.width, depth=args.depth)
+    names = args.model or list(MODELS)
+    table = Table(title=f"psring models: {args.classes} classes, {args.image_size}x"
+                  f"{args.image_size} images, {args.seq_len}-token sequences, "
+                  f"{args.features} features; intensity at batch {args.batch_size}")
+    for col in ("model", "input", "parameters", "gradient MB", "GFLOPs/sample",
+                "FLOPs/byte"):
+        table.add_column(col, justify="left" if col in ("model", "input") else "right")
+    for name in names:
+        d = describe(name, s, args.batch_size)
+        i = d["inputs"]
+        table.add_row(name, f"{i.kind} {'x'.join(map(str, i.shape))}", f"{d['parameters']:,}",
+                      f"{d['gradient_bytes'] / 1e6:.2f}",
+                      f"{d['flops_per_sample'] / 1e9:.4g}", f"{d['intensity']:.3g}")
+    Console(width=130).print(table)
+    print("FLOPs: forward+backward per sample (torch.utils.flop_counter: matmuls, "
+          "convolutions, attention). FLOPs/byte: a batch's FLOPs per byte of float32 "
+          "gradients, the arithmetic intensity a strategy's communication is set against.")
+    return 0
+
+
 def _cmd_strategies(args: argparse.Namespace) -> int:
     from .strategies import STRATEGIES
 
@@ -201,6 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_flags(srv)
     srv.set_defaults(func=_cmd_server)
+
+    md = sub.add_parser("models", help="list the models with their parameters, "
+                        "gradient MB, FLOPs per sample and arithmetic intensity")
+    md.add_argument("model", nargs="*", help="models to describe (default: every "
+                    "built-in one); package.module:factory for your own")
+    for flag, default, what in (("--classes", 10, "classes (the vocabulary, for token "
+                                 "models)"), ("--image-size", 32, "image side"),
+                                ("--seq-len", 32, "tokens per sequence"),
+                                ("--features", 256, "input features (mlp, cnn)"),
+                                ("--width", 0, "width (0 = each model's default)"),
+                                ("--depth", 0, "depth (0 = each model's default)"),
+                                ("--batch-size", 64, "batch for the arithmetic intensity")):
+        md.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+    md.set_defaults(func=_cmd_models)
 
     st = sub.add_parser("strategies", help="list the registered strategies")
     st.set_defaults(func=_cmd_strategies)
