@@ -1,8 +1,9 @@
 """Summaries of run directories: ``psring report DIR [DIR...] [--json]``.
 
 For each run: samples/s, step time p50/p95, the share of the step spent computing
-(data + forward + backward + update) versus blocked on communication, and the speedup
-over a ``single`` run of the same workload when one is among the directories given.
+(data + forward + backward + update) versus blocked on communication, the speedup
+over a ``single`` run of the same workload when one is among the directories given,
+and the last held-out accuracy with the time to ``--target-accuracy`` (evals.jsonl).
 The first steps (warm-up: allocator, connection set-up) are left out of the figures.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .runlog import PHASES, iter_run_dirs, read_manifest, read_steps
+from .runlog import PHASES, iter_run_dirs, read_evals, read_manifest, read_steps
 
 #: config keys that define "the same workload" for speedups
 WORKLOAD_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",
@@ -54,6 +55,14 @@ def summarize(run_dir: Path) -> dict[str, Any]:
                         for rs in by_worker.values())
     total = sum(r["step_s"] for r in kept)
     phase_share = {p: sum(r[p] for r in kept) / total for p in PHASES}
+    evals = read_evals(run_dir)
+    target = cfg.get("target_accuracy") or 0
+    if target and evals:
+        from .evaluate import time_to_accuracy
+
+        tta_s, tta_step = time_to_accuracy(evals, target)
+    else:
+        tta_s = tta_step = None
     last_step = max(r["step"] for r in records)
     final = [r["loss"] for r in records if r["step"] == last_step]
     first = [r["loss"] for r in records if r["step"] == 0]
@@ -72,6 +81,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "phase_share": phase_share,
         "loss_first": statistics.fmean(first) if first else None,
         "loss_final": statistics.fmean(final),
+        # held-out evaluation (evals.jsonl): the last one, and time to --target-accuracy
+        "accuracy_final": max(evals, key=lambda e: e["step"])["accuracy"] if evals else None,
+        "target_accuracy": target or None,
+        "time_to_accuracy_s": tta_s,
+        "steps_to_accuracy": tta_step,
         "parameter_bytes": manifest.get("parameter_bytes"),
         "arithmetic_intensity": manifest.get("arithmetic_intensity"),
         "workload": {k: cfg.get(k) for k in WORKLOAD_KEYS},
@@ -103,13 +117,25 @@ def summarize_all(paths: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def _accuracy_text(r: dict[str, Any]) -> str:
+    if r["accuracy_final"] is None:
+        return "-"
+    text = f"{r['accuracy_final']:.3f}"
+    if r["target_accuracy"]:
+        text += (f"; {r['target_accuracy']:g} at {r['time_to_accuracy_s']:.2f} s"
+                 if r["time_to_accuracy_s"] is not None else
+                 f"; {r['target_accuracy']:g} not reached")
+    return text
+
+
 def render_table(rows: list[dict[str, Any]]) -> str:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="psring report (medians exclude warm-up steps)")
     for col in ("strategy", "workers", "samples/s", "step p50 ms", "step p95 ms",
-                "compute %", "comm %", "speedup", "loss first→final", "run"):
+                "compute %", "comm %", "speedup", "loss first→final", "held-out acc",
+                "run"):
         table.add_column(col, justify="left" if col in ("strategy", "run") else "right")
     for r in rows:
         speed = f"{r['speedup_vs_single']:.2f}x" if r["speedup_vs_single"] is not None else "-"
@@ -118,8 +144,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         table.add_row(r["strategy"], str(r["workers"]), f"{r['samples_per_s']:.0f}",
                       f"{r['step_p50_s'] * 1e3:.1f}", f"{r['step_p95_s'] * 1e3:.1f}",
                       f"{r['compute_share'] * 100:.0f}", f"{r['comm_share'] * 100:.0f}",
-                      speed, loss, r["run"])
-    console = Console(width=160, record=True, force_terminal=False)
+                      speed, loss, _accuracy_text(r), r["run"])
+    console = Console(width=190, record=True, force_terminal=False)
     with console.capture() as cap:
         console.print(table)
     return cap.get()

@@ -110,7 +110,10 @@ def read_steps(run_dir: Path, name: str = STEPS) -> list[dict]:
 
 
 def read_evals(run_dir: Path) -> list[dict]:
-    return read_steps(run_dir, EVALS)
+    """evals.jsonl by step; a resumed run may have evaluated a step twice (before the
+    crash and after the resume): the later record counts."""
+    by_step = {e["step"]: e for e in read_steps(run_dir, EVALS)}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def read_manifest(run_dir: Path) -> dict:
