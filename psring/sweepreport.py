@@ -486,7 +486,7 @@ def plot_scaling(settings: list[dict], path: Path) -> Path:
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 5))
     series = _scaling_series(settings)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = _colors(plt, len(settings))
     strategies = list(dict.fromkeys(s["strategy"] for s in settings))
     links = sorted({s["config"].get("link", "") for s in settings} - {""})
     styles = dict(zip(links, ("--", "-", ":", "-.")))
@@ -564,6 +564,13 @@ def plot_along(settings: list[dict], found: list[dict], path: Path,
     return _save(fig, path, settings)
 
 
+def _colors(plt, n: int) -> list:
+    """One distinct colour per setting: the default cycle has 10, tab20 has 20."""
+    if n <= 10:
+        return plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return [plt.get_cmap("tab20")(i % 20) for i in range(20)]
+
+
 def _ema(xs: list[float], span: int) -> list[float]:
     a, out, v = 2 / (span + 1), [], None
     for x in xs:
@@ -577,7 +584,7 @@ def plot_loss(settings: list[dict], path: Path) -> Path:
     the steps, the raw points faint behind it."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = _colors(plt, len(settings))
     for i, s in enumerate(settings):
         c = colors[i % len(colors)]
         for j, r in enumerate(s["rows"]):
@@ -600,7 +607,7 @@ def plot_accuracy(settings: list[dict], target: float | None, path: Path) -> Pat
     """Held-out accuracy vs training time and vs step, one line per run."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = _colors(plt, len(settings))
     for i, s in enumerate(settings):
         for j, r in enumerate(s["rows"]):
             if not r["evals"]:
