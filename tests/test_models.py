@@ -55,7 +55,6 @@ CPU_SIZES = {
     "vgg11": ["--width", "8"], "vgg16": ["--width", "8"],
     "mlstm": ["--width", "32", "--seq-len", "8"],
     "gpt": ["--width", "32", "--depth", "1", "--seq-len", "8"],
-    "examples.my_model:build": ["--width", "8", "--image-size", "16"],
 }
 #: batch norm's batch statistics depend on each worker's slice of the batch, so these
 #: do not end with single's parameters (docs/models.md); they are checked for training
@@ -93,3 +92,36 @@ def _settings(args: list[str]) -> ModelSettings:
         if flag in args:
             kw[key] = int(args[args.index(flag) + 1])
     return ModelSettings(**kw)
+
+
+@pytest.mark.timeout(300)
+def test_a_user_factory_runs_under_every_kind_of_strategy(tmp_path):
+    """examples/my_model.py through `--model package.module:factory`: the synchronous
+    reference (ddp) ends with single's parameters, the asynchronous ones train."""
+    args = ["--model", "examples.my_model:build", "--width", "8", "--image-size", "16",
+            "--batch-size", "8", "--steps", "4", "--samples", "64", "--eval-samples", "16",
+            "--eval-every", "2", "--lr", "0.05"]
+    for strategy, workers in (("single", 1), ("ddp", 2), ("async-ps", 2), ("hogwild", 2)):
+        psring("run", "--strategy", strategy, "--workers", workers, *args,
+               "--out", tmp_path / strategy, timeout=200)
+        evals = [json.loads(line) for line in
+                 (tmp_path / strategy / "evals.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in evals] == [0, 2, 4]
+    m = json.loads((tmp_path / "single" / "manifest.json").read_text())
+    assert m["config"]["model"] == "examples.my_model:build"
+    assert m["data"]["kind"] == "image" and m["data"]["shape"] == [3, 16, 16]
+    single = load_model(tmp_path / "single")
+    assert max_rel_diff(load_model(tmp_path / "ddp"), single) < 1e-4
+    init = build_model("examples.my_model:build", ModelSettings(width=8, image_size=16),
+                       0)[0].state_dict()
+    for strategy in ("async-ps", "hogwild"):
+        assert max_rel_diff(load_model(tmp_path / strategy), init) > 1e-4
+    assert_no_processes(tmp_path)
+
+
+def test_psring_models_shows_torchvisions_counts():
+    out = psring("models", "--classes", "1000", "--image-size", "224", timeout=120).stdout
+    for name, count in TORCHVISION.items():
+        line = next(l for l in out.splitlines() if f" {name} " in l)
+        assert f"{count:,}" in line, line
+    assert "mlstm" in out and "gpt" in out
