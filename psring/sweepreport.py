@@ -593,14 +593,19 @@ def plot_loss(settings: list[dict], path: Path) -> Path:
             for a, x in ((a1, ts), (a2, steps)):
                 a.plot(x, losses, color=c, lw=0.6, alpha=0.2)
                 a.plot(x, smooth, color=c, lw=1.4, label=_label(s) if j == 0 else None)
-    for a in (a1, a2):
-        a.set_ylabel("training loss (EMA; raw faint)")
-    a1.set_xlabel("wall-clock seconds since the end of step 0")
-    a2.set_xlabel("step")
-    a1.set_title("Training loss vs time")
-    a2.set_title("Training loss vs step")
-    a2.legend(fontsize=7)
+    _label_pair(a1, a2, "training loss (EMA; raw faint)",
+                ("wall-clock seconds since the end of step 0", "Training loss vs time"),
+                ("step", "Training loss vs step"))
     return _save(fig, path, settings)
+
+
+def _label_pair(a1, a2, ylabel: str, left: tuple[str, str], right: tuple[str, str]) -> None:
+    """The two panels of a vs-time / vs-step figure: (x label, title) each."""
+    for a, (xlabel, title) in ((a1, left), (a2, right)):
+        a.set_ylabel(ylabel)
+        a.set_xlabel(xlabel)
+        a.set_title(title)
+    a2.legend(fontsize=7)
 
 
 def plot_accuracy(settings: list[dict], target: float | None, path: Path) -> Path:
@@ -619,13 +624,11 @@ def plot_accuracy(settings: list[dict], target: float | None, path: Path) -> Pat
     for a in (a1, a2):
         if target is not None:
             a.axhline(target, color="k", ls="--", lw=1)
-        a.set_ylabel("held-out accuracy")
         a.set_ylim(0, 1.02)
-    a1.set_xlabel("training seconds (evaluation excluded)")
-    a2.set_xlabel("optimizer step")
-    a1.set_title("Accuracy vs time" + (" (dashed: target)" if target is not None else ""))
-    a2.set_title("Accuracy vs step (statistical efficiency)")
-    a2.legend(fontsize=7)
+    _label_pair(a1, a2, "held-out accuracy",
+                ("training seconds (evaluation excluded)",
+                 "Accuracy vs time" + (" (dashed: target)" if target is not None else "")),
+                ("optimizer step", "Accuracy vs step (statistical efficiency)"))
     return _save(fig, path, settings)
 
 
