@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from .config import RunConfig
 from .errors import ConfigError, RunFailed
-from .runlog import STEPS, atomic_write_bytes, atomic_write_json, count_lines
+from .runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
 
 if TYPE_CHECKING:
     from .emulate import ClusterPlan
@@ -268,8 +268,8 @@ def resume_config(resume_dir: str, given: dict) -> RunConfig:
 
 
 def _truncate_steps(path: Path, before: int) -> None:
-    """Keep the step records of steps before ``before`` (the checkpoint a resumed run
-    continues from): the steps after it are run again."""
+    """Keep the records (steps.jsonl, evals.jsonl) whose ``step`` is before ``before``
+    (the checkpoint a resumed run continues from): what came after is run again."""
     if not path.exists():
         return
     kept = []
@@ -312,6 +312,9 @@ def prepare(cfg: RunConfig) -> RunConfig:
                               f"{ckpt.step} and the run has {cfg.steps} steps: nothing to "
                               f"do (pass a larger --steps to train on).")
         _truncate_steps(Path(out, STEPS), ckpt.step)
+        # evaluations of the model after the checkpoint's step are made again; the one
+        # at that step (made before the checkpoint was written) stands
+        _truncate_steps(Path(out, EVALS), ckpt.step + 1)
     elif Path(out, STEPS).exists():
         raise ConfigError(f"run directory {out} already holds a run (steps.jsonl); pass a new "
                           f"--out, or remove the old one.")

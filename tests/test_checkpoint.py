@@ -126,6 +126,14 @@ def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path,
     assert sorted((r["step"], r["worker"]) for r in records) == \
         [(s, w) for s in range(steps) for w in range(2)]
     assert max_rel_diff(load_model(out), load_model(ref)) == 0.0
+    # every evaluation exactly once, the same results as the uninterrupted run's, and
+    # the training clock continued from the checkpoint's
+    evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+    ref_evals = [json.loads(line) for line in (ref / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [e["step"] for e in ref_evals] == \
+        list(range(0, steps + 1, 10))
+    assert [e["accuracy"] for e in evals] == [e["accuracy"] for e in ref_evals]
+    assert all(a["train_s"] < b["train_s"] for a, b in zip(evals, evals[1:]))
 
 
 @pytest.mark.timeout(240)
