@@ -215,9 +215,20 @@ class RunConfig:
         if self.data == "synthetic":
             # Build the model on the meta device (no memory, no compute) so a model that
             # can't take these inputs is refused here, before any process starts.
+            from .errors import PsringError
             from .workload import meta_model
 
-            meta_model(self)
+            try:
+                meta_model(self)
+            except PsringError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a user factory's own failure
+                raise ConfigError(
+                    f"--model {self.model}: building the model failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:300] if str(e) else ''}). psring builds it once "
+                    f"on torch's meta device (shapes only) to check it before starting any "
+                    f"process: a factory must build from the settings it is given, without "
+                    f"reading tensor values.") from None
 
     def _check_servers(self, strategy_cls) -> None:
         if self.servers < 1:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import data as datasets
+from .errors import ConfigError
 from .models import Inputs, ModelSettings, build_model
 
 
@@ -59,4 +60,12 @@ def _meta_model(name: str, settings: ModelSettings) -> tuple[nn.Module, Inputs]:
     # cached: a config is validated on every replace(), and building a ResNet on the
     # meta device still takes ~0.7 s of Python
     with torch.device("meta"):
-        return build_model(name, settings, 0)
+        model, inputs = build_model(name, settings, 0)
+        try:
+            model(inputs.example(2, "meta"))  # shapes only: does it take its inputs?
+        except Exception as e:  # noqa: BLE001 - a user factory's own mistake
+            raise ConfigError(
+                f"--model {name}: the model does not take the inputs its factory declares "
+                f"({inputs.kind} of shape {inputs.shape}): {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:300] if str(e) else ''}") from None
+        return model, inputs

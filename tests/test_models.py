@@ -125,3 +125,27 @@ def test_psring_models_shows_torchvisions_counts():
         line = next(l for l in out.splitlines() if f" {name} " in l)
         assert f"{count:,}" in line, line
     assert "mlstm" in out and "gpt" in out
+
+
+def test_a_broken_user_factory_is_refused_before_any_process_starts(tmp_path, monkeypatch):
+    """Config validation builds the model on the meta device and runs one forward pass
+    on meta inputs of the declared shape: no memory, no compute, a clear error."""
+    from psring.config import RunConfig
+
+    (tmp_path / "usermodels.py").write_text(
+        "import torch\n"
+        "from psring.models import Inputs\n"
+        "def reads_values(s):\n"
+        "    m = torch.nn.Linear(s.features, s.classes)\n"
+        "    m.weight[0, 0].item()\n"
+        "    return m, Inputs.vector(s.features, s.classes)\n"
+        "def wrong_shape(s):\n"
+        "    return torch.nn.Linear(s.features + 1, s.classes), Inputs.vector(s.features, s.classes)\n"
+        "def fine(s):\n"
+        "    return torch.nn.Linear(s.features, s.classes), Inputs.vector(s.features, s.classes)\n")
+    monkeypatch.chdir(tmp_path)  # a factory is imported from the directory psring runs in
+    with pytest.raises(ConfigError, match="without reading tensor values"):
+        RunConfig(model="usermodels:reads_values")
+    with pytest.raises(ConfigError, match="does not take the inputs its factory declares"):
+        RunConfig(model="usermodels:wrong_shape")
+    assert RunConfig(model="usermodels:fine").model == "usermodels:fine"
