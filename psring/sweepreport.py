@@ -535,6 +535,12 @@ def plot_along(settings: list[dict], found: list[dict], path: Path,
     """Throughput against intensity or gradient size, a line per everything else, with
     the measured crossovers dotted."""
     attr, moves, xlabel, fmt = _X_AXES[along]
+    varied = {k for s in settings for k in s["varied"]}
+    # a sweep over models (experiments/models.toml) moves along x by changing the model:
+    # one line per strategy through every model, each point named
+    by_model = "model" in varied and not varied & set(moves)
+    if by_model:
+        moves = (*moves, "model")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
     series: dict[str, list[dict]] = defaultdict(list)
@@ -548,6 +554,10 @@ def plot_along(settings: list[dict], found: list[dict], path: Path,
         err = [[m - s["samples_per_s"]["min"] for m, s in zip(med, ss)],
                [s["samples_per_s"]["max"] - m for m, s in zip(med, ss)]]
         ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=label)
+        if by_model:
+            for x, y, s in zip(xs, med, ss):
+                ax.annotate(s["varied"]["model"], (x, y), fontsize=6, alpha=0.7,
+                            xytext=(3, 3), textcoords="offset points")
     for c in found:
         ax.axvline(c["x"], color="k", ls=":", lw=1)
         at = f"{c['x'] / 1e3:.0f} kB" if along == "size" else fmt.format(c["x"])
