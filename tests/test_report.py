@@ -61,5 +61,11 @@ def test_compare_runs_every_strategy_and_reports(tmp_path):
         assert rows[name]["predicted_comm_ms"] > 0
         assert rows[name]["comm_error"] is not None
     assert rows["hogwild"]["predicted_comm_ms"] is None
+    # time to accuracy: compare.toml's 90% target, which single reaches at step 24 and
+    # every synchronous strategy at the same step (the same SGD)
+    assert "## Time to accuracy" in report and (out / "accuracy.png").exists()
+    for name in ("single", "allreduce", "ddp", "ps"):
+        assert rows[name]["tta_steps"]["median"] == rows["single"]["tta_steps"]["median"] <= 30
+        assert rows[name]["accuracy_final"]["median"] >= 0.9
     assert f"report: {out / 'report.md'}" in proc.stdout
     assert_no_processes(out)
