@@ -25,6 +25,7 @@ the resulting FLOPs per sample and bytes per step in ``manifest.json``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -198,13 +199,12 @@ def parameter_bytes(model: nn.Module) -> int:
 def loss_and_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy, and the number of correct predictions, for a classifier's
     ``(batch, classes)`` or a sequence model's ``(batch, positions, vocab)`` output."""
-    flat = out.reshape(-1, out.shape[-1])
-    target = y.reshape(-1)
-    loss = nn.functional.cross_entropy(flat, target)
-    return loss, (flat.argmax(dim=1) == target).sum()
+    predicted = out.reshape(-1, out.shape[-1]).argmax(dim=1)
+    return loss_of(out, y), (predicted == y.reshape(-1)).sum()
 
 
 def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss: cross-entropy over the output's last dimension."""
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
@@ -229,14 +229,31 @@ def flops_per_sample(model: nn.Module, inputs: Inputs) -> float:
     return counter.get_total_flops() / batch
 
 
+@functools.lru_cache(maxsize=8)
+def meta_build(name: str, settings: ModelSettings) -> tuple[nn.Module, Inputs]:
+    """The model on the meta device (shapes only: no memory, no compute), checked by
+    one forward pass on meta inputs of the shape its factory declares. Cached and
+    shared: config validation runs on every RunConfig.replace(), and building a ResNet
+    on the meta device still takes ~0.7 s of Python; callers must not change it."""
+    with torch.device("meta"):
+        model, inputs = build_model(name, settings, 0)
+        try:
+            model(inputs.example(2, "meta"))
+        except Exception as e:  # noqa: BLE001 - a user factory's own mistake
+            raise ConfigError(
+                f"--model {name}: the model does not take the inputs its factory declares "
+                f"({inputs.kind} of shape {inputs.shape}): {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:300] if str(e) else ''}") from None
+    return model, inputs
+
+
 def describe(name: str, settings: ModelSettings, batch: int) -> dict[str, Any]:
     """A model's size and cost, built on the meta device (no memory, no compute):
     parameters, gradient bytes (float32), FLOPs per sample (forward+backward), and
     arithmetic intensity: FLOPs of a batch per gradient byte (what a worker computes
     per byte a step must synchronize)."""
-    with torch.device("meta"):
-        model, inputs = build_model(name, settings, 0)
-        fps = flops_per_sample(model, inputs)
+    model, inputs = meta_build(name, settings)
+    fps = flops_per_sample(model, inputs)
     pbytes = parameter_bytes(model)
     return {"model": name, "parameters": parameter_count(model), "gradient_bytes": pbytes,
             "flops_per_sample": fps, "intensity": fps * batch / pbytes,

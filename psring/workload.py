@@ -10,15 +10,12 @@ generated after the model, in the shape the model asks for.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from . import data as datasets
-from .errors import ConfigError
-from .models import Inputs, ModelSettings, build_model
+from .models import Inputs, ModelSettings, build_model, meta_build
 
 
 @dataclass
@@ -49,23 +46,7 @@ def build_workload(cfg) -> Workload:
 
 
 def meta_model(cfg) -> tuple[nn.Module, Inputs]:
-    """The model built on the meta device: shapes and counts, no memory, no compute.
-    Synthetic data only (a file's shape is known once it is loaded). Shared: callers
-    read it, never change it."""
-    return _meta_model(cfg.model, ModelSettings.from_config(cfg))
-
-
-@functools.lru_cache(maxsize=8)
-def _meta_model(name: str, settings: ModelSettings) -> tuple[nn.Module, Inputs]:
-    # cached: a config is validated on every replace(), and building a ResNet on the
-    # meta device still takes ~0.7 s of Python
-    with torch.device("meta"):
-        model, inputs = build_model(name, settings, 0)
-        try:
-            model(inputs.example(2, "meta"))  # shapes only: does it take its inputs?
-        except Exception as e:  # noqa: BLE001 - a user factory's own mistake
-            raise ConfigError(
-                f"--model {name}: the model does not take the inputs its factory declares "
-                f"({inputs.kind} of shape {inputs.shape}): {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:300] if str(e) else ''}") from None
-        return model, inputs
+    """The run's model on the meta device (psring.models.meta_build): shapes and
+    counts, checked against its inputs. Synthetic data only (a file's shape is known
+    once it is loaded)."""
+    return meta_build(cfg.model, ModelSettings.from_config(cfg))

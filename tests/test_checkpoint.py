@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import (PSRING, SMALL, assert_no_processes, interruptible, load_model,
-                      max_rel_diff, psring, read_steps)
+                      max_rel_diff, psring, read_evals, read_steps)
 from psring import checkpoint
 from psring.errors import ConfigError
 
@@ -128,8 +128,7 @@ def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path,
     assert max_rel_diff(load_model(out), load_model(ref)) == 0.0
     # every evaluation exactly once, the same results as the uninterrupted run's, and
     # the training clock continued from the checkpoint's
-    evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
-    ref_evals = [json.loads(line) for line in (ref / "evals.jsonl").read_text().splitlines()]
+    evals, ref_evals = read_evals(out), read_evals(ref)
     assert [e["step"] for e in evals] == [e["step"] for e in ref_evals] == \
         list(range(0, steps + 1, 10))
     assert [e["accuracy"] for e in evals] == [e["accuracy"] for e in ref_evals]

@@ -6,7 +6,7 @@ import pytest
 
 from psring.evaluate import is_due, time_to_accuracy
 
-from conftest import assert_no_processes, psring
+from conftest import assert_no_processes, psring, read_evals
 
 
 @pytest.mark.timeout(200)
@@ -16,7 +16,8 @@ def test_default_single_run_reaches_90_percent_in_compares_steps(tmp_path):
     out = tmp_path / "single"
     psring("run", "--strategy", "single", "--batch-size", 64, "--steps", 30,
            "--eval-every", 3, "--target-accuracy", 0.9, "--out", out, timeout=150)
-    evals = assert_evals_every(out, 30, 3)
+    evals = read_evals(out)
+    assert [e["step"] for e in evals] == list(range(0, 31, 3))
     assert evals[0]["accuracy"] < 0.2  # chance is 0.1: it starts knowing nothing
     tta, step = time_to_accuracy(evals, 0.9)
     assert tta is not None and step <= 30, evals
@@ -25,12 +26,6 @@ def test_default_single_run_reaches_90_percent_in_compares_steps(tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     assert m["data"]["held_out"] == 1024 and m["data"]["samples"] == 4096
     assert_no_processes(out)
-
-
-def assert_evals_every(out, steps, every):
-    evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == list(range(0, steps + 1, every))
-    return evals
 
 
 def test_time_to_accuracy_is_the_first_evaluation_reaching_the_target():

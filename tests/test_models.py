@@ -9,7 +9,7 @@ import torch
 from psring.errors import ConfigError
 from psring.models import MODELS, ModelSettings, build_model, flops_per_sample, parameter_count
 
-from conftest import assert_no_processes, load_model, max_rel_diff, psring
+from conftest import assert_no_processes, load_model, max_rel_diff, psring, read_evals
 
 #: torchvision's counts at 1000 classes (and 224x224, which the count does not depend on)
 TORCHVISION = {"resnet18": 11_689_512, "resnet50": 25_557_032,
@@ -72,7 +72,7 @@ def test_model_trains_under_single_allreduce_and_ps(tmp_path, model):
         psring("run", "--strategy", strategy, "--workers", workers, *args, "--out", out,
                timeout=200)
         runs[strategy] = load_model(out)
-        evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+        evals = read_evals(out)
         assert [e["step"] for e in evals] == [0, 3]
         assert all(0 <= e["accuracy"] <= 1 and e["loss"] > 0 for e in evals)
     init = build_model(model, _settings(args), 0)[0].state_dict()
@@ -104,8 +104,7 @@ def test_a_user_factory_runs_under_every_kind_of_strategy(tmp_path):
     for strategy, workers in (("single", 1), ("ddp", 2), ("async-ps", 2), ("hogwild", 2)):
         psring("run", "--strategy", strategy, "--workers", workers, *args,
                "--out", tmp_path / strategy, timeout=200)
-        evals = [json.loads(line) for line in
-                 (tmp_path / strategy / "evals.jsonl").read_text().splitlines()]
+        evals = read_evals(tmp_path / strategy)
         assert [e["step"] for e in evals] == [0, 2, 4]
     m = json.loads((tmp_path / "single" / "manifest.json").read_text())
     assert m["config"]["model"] == "examples.my_model:build"
