@@ -80,9 +80,10 @@ class TrainingClock:
         self.excluded = 0.0
         self.resumed = 0.0
 
-    def begin(self) -> None:
+    def begin(self, already: float = 0.0) -> None:
+        """The first step begins (``already`` seconds ago: a wait charged to it)."""
         if self.start is None:
-            self.start = now()
+            self.start = now() - already
             self.excluded = 0.0  # (the evaluation of the initial model came before)
 
     def elapsed(self) -> float:
@@ -98,17 +99,24 @@ class TrainingClock:
 
 
 def _evaluate(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
-              done: int, clock: TrainingClock, evals: StepLog | None) -> None:
+              done: int, clock: TrainingClock, evals: StepLog | None) -> float:
     """Every worker evaluates at the same steps (so synchronous workers stay in step,
-    and asynchronous ones pause alike); rank 0 records. Outside the step timing."""
+    and asynchronous ones pause alike); rank 0 records. Outside the step timing, except
+    the wait in eval_model for the parameters (a PS pull): the next step would have
+    waited for them, so that time is returned, to be charged to the next step's
+    communication, and the training clock keeps running through it."""
+    t = now()
+    target = strategy.eval_model(model)
+    fetch = now() - t
     train_s = clock.elapsed()
     with clock.paused():
         t = now()
-        loss, accuracy = evaluate(strategy.eval_model(model), data.held_out, ctx.device)
+        loss, accuracy = evaluate(target, data.held_out, ctx.device)
         if evals is not None:
             evals.write({"step": done, "train_s": round(train_s, 6),
                          "loss": loss, "accuracy": accuracy, "eval_s": round(now() - t, 6),
                          "time": time.time(), "samples": len(data.held_out)})
+    return fetch
 
 
 def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.Module,
@@ -138,14 +146,20 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(stamp)
 
+    carried = 0.0  # communication an evaluation waited for on this step's behalf
     if first_step == 0 and is_due(0, cfg.steps, every):
-        _evaluate(ctx, strategy, model, split, 0, clock, evals)  # the starting point
+        carried = _evaluate(ctx, strategy, model, split, 0, clock, evals)  # the start
     for step in range(first_step, cfg.steps):
-        clock.begin()
+        clock.begin(carried)
         ph = dict.fromkeys(PHASES, 0.0)
-        t0 = mark = now()
-        start = time.time()
+        mark = now()
+        t0 = mark - carried  # the step began with that wait
+        ph["comm_s"] = carried
+        start = time.time() - carried
         spans: list[list] | None = [] if cfg.trace else None
+        if spans is not None and carried:
+            spans.append(["comm", 0.0, round(carried, 7)])
+        carried = 0.0
 
         def lap(phase: str) -> None:
             nonlocal mark
@@ -223,7 +237,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
             on_step(record)
         done = step + 1
         if is_due(done, cfg.steps, every):
-            _evaluate(ctx, strategy, model, split, done, clock, evals)
+            carried = _evaluate(ctx, strategy, model, split, done, clock, evals)
         if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             # outside the step's timing: a checkpoint is not part of training's cost
             train_s = clock.elapsed()

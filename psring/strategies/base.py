@@ -166,7 +166,8 @@ class Strategy:
         """The module holding the parameters to evaluate after an update (outside the
         step timing): the parameters the next step starts from. Default: the local
         model (synchronous strategies end a step with it; hogwild's is the shared one).
-        A strategy whose parameters live elsewhere brings them here first."""
+        A strategy whose parameters live elsewhere brings them here first; the loop
+        charges the time this takes to the next step's communication."""
         return model
 
     # -- checkpoints ---------------------------------------------------------------
