@@ -106,10 +106,13 @@ def build_trace(run_dir: Path) -> dict[str, Any]:
                            "dur": round(apply_s * 1e6, 1),
                            "args": {"worker": s.get("worker"), "step": s.get("step"),
                                     "bytes": s.get("bytes_in")}})
-        elif s.get("op") == "pull" and wait_s > 0:
+        elif s.get("op") == "pull" and wait_s > 0 and end - apply_s > t_base:
+            # A pull may have been held since before the first traced step (the
+            # parameters a worker evaluates at step 0): show the part inside the trace.
+            held_from = max(end - apply_s - wait_s, t_base)
             events.append({"ph": "X", "name": f"held w{s.get('worker')}", "cat": "held",
-                           "pid": pid, "tid": 1, "ts": us(end - apply_s - wait_s),
-                           "dur": round(wait_s * 1e6, 1),
+                           "pid": pid, "tid": 1, "ts": us(held_from),
+                           "dur": round((end - apply_s - held_from) * 1e6, 1),
                            "args": {"worker": s.get("worker"), "version": s.get("version")}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"clock": "time.time() in µs since the first traced step began",
