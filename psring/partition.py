@@ -36,3 +36,40 @@ def overlaps(lo: int, hi: int, ranges: list[tuple[int, int]]) -> list[tuple[int,
         if s < e:
             out.append((k, s, e))
     return out
+
+
+def bucket_assignment(sizes: list[int], cap_bytes: int, first_cap_bytes: int,
+                      kinds: list[object] | None = None) -> list[list[int]]:
+    """Gradient buckets as lists of parameter indices, by DDP's rule
+    (compute_bucket_assignment_by_size): parameters are taken in reverse order (roughly
+    the order backward produces their gradients); a bucket closes once it reaches its
+    cap (so it may exceed it by one tensor), the first at ``first_cap_bytes``, and
+    holds one kind (dtype and device) only. ``sizes`` are bytes per parameter. Pure:
+    psring.strategies.buckets groups real tensors with it, psring.simulate sizes."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, cap = 0, first_cap_bytes
+    for i in reversed(range(len(sizes))):
+        if current and kinds is not None and kinds[i] != kinds[current[0]]:
+            buckets.append(current)
+            current, size, cap = [], 0, cap_bytes
+        current.append(i)
+        size += sizes[i]
+        if size >= cap:
+            buckets.append(current)
+            current, size, cap = [], 0, cap_bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+MB = 1024 * 1024
+DEFAULT_BUCKET_MB = 25.0
+
+
+def bucket_caps(bucket_mb: float) -> tuple[int, int]:
+    """(cap, first-bucket cap) in bytes, by DDP's own rule (torch 2.x): the small 1 MB
+    first bucket applies only with the default 25 MB cap; an explicit cap applies to
+    every bucket. ``ddp`` is given the same, so the two always bucket alike."""
+    cap = max(1, int(bucket_mb * MB))
+    return cap, (min(cap, MB) if bucket_mb == DEFAULT_BUCKET_MB else cap)

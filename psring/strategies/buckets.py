@@ -25,9 +25,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ..partition import DEFAULT_BUCKET_MB, bucket_assignment, bucket_caps  # noqa: F401
 from .base import Handle, StepStats
 
-_MB = 1024 * 1024
 
 
 class Bucket:
@@ -173,32 +173,7 @@ class GradientBuckets:
 
 
 def _group(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
-    buckets: list[Bucket] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    cap = first_cap_bytes
-    # As DDP's compute_bucket_assignment_by_size: a bucket closes once it reaches its
-    # cap (so it may exceed it by one tensor), and only holds one dtype and device.
-    for p in reversed([p for p in params if p.requires_grad]):
-        if current and (p.dtype != current[0].dtype or p.device != current[0].device):
-            buckets.append(Bucket(len(buckets), current))
-            current, size, cap = [], 0, cap_bytes
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= cap:
-            buckets.append(Bucket(len(buckets), current))
-            current, size, cap = [], 0, cap_bytes
-    if current:
-        buckets.append(Bucket(len(buckets), current))
-    return buckets
-
-
-DEFAULT_BUCKET_MB = 25.0
-
-
-def bucket_caps(bucket_mb: float) -> tuple[int, int]:
-    """(cap, first-bucket cap) in bytes, by DDP's own rule (torch 2.x): the small 1 MB
-    first bucket applies only with the default 25 MB cap; an explicit cap applies to
-    every bucket. ``ddp`` is given the same, so the two always bucket alike."""
-    cap = max(1, int(bucket_mb * _MB))
-    return cap, (min(cap, _MB) if bucket_mb == DEFAULT_BUCKET_MB else cap)
+    params = [p for p in params if p.requires_grad]
+    groups = bucket_assignment([p.numel() * p.element_size() for p in params], cap_bytes,
+                               first_cap_bytes, [(p.dtype, p.device) for p in params])
+    return [Bucket(i, [params[j] for j in g]) for i, g in enumerate(groups)]
