@@ -146,6 +146,21 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(stamp)
 
+    # --trace: when each parameter's gradient became final, for psring.profile (the
+    # simulator rebuckets a profile at any bucket size, so it needs every parameter's)
+    grad_ready: list[float] | None = None
+    if cfg.trace:
+        params = [p for p in model.parameters() if p.requires_grad]
+        grad_ready = [0.0] * len(params)
+
+        def ready(i: int) -> Callable[[torch.Tensor], None]:
+            def hook(_: torch.Tensor) -> None:
+                grad_ready[i] = now()  # type: ignore[index]
+            return hook
+
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(ready(i))
+
     carried = 0.0  # communication an evaluation waited for on this step's behalf
     if first_step == 0 and is_due(0, cfg.steps, every):
         carried = _evaluate(ctx, strategy, model, split, 0, clock, evals)  # the start
@@ -227,6 +242,10 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
         if spans is not None:
             record["start"] = start
             record["spans"] = spans
+        if grad_ready is not None:
+            # offsets from the last micro-batch's backward start, in parameter order
+            record["grad_ready_s"] = [round(max(0.0, t - backward_start), 7)
+                                      for t in grad_ready]
         if stats.bucket_launch:
             record["bucket_launch_s"] = [round(t - t0, 7) for t in stats.bucket_launch]
             record["bucket_done_s"] = [round(t - t0, 7) for t in stats.bucket_done]

@@ -37,6 +37,10 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
                  "shape": list(work.inputs.shape)},
         "parameters": sum(p.numel() for p in model.parameters()),
         "parameter_bytes": pbytes,
+        # each trainable parameter's gradient bytes, in model.parameters() order: what
+        # psring.profile rebuckets at any bucket size
+        "parameter_sizes": [p.numel() * p.element_size() for p in model.parameters()
+                            if p.requires_grad],
         "wire_bytes": wire,
         "bytes_per_step": {"sent": sent, "recv": recv},
         "flops_per_sample": fps,
