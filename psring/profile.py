@@ -1,0 +1,256 @@
+"""A model's profile: what the step-time simulator (psring.simulate) needs to know of it.
+
+    psring profile --model resnet18 --batch-size 32 --out runs/prof-r18   # one short run
+    python -c "from psring.profile import Profile; print(Profile.load('runs/prof-r18'))"
+
+A profile is taken from one short ``single`` run with ``--trace``: the loop then stamps
+the moment each parameter's gradient becomes final in backward (``grad_ready_s``), and
+the manifest lists each parameter's gradient bytes (``parameter_sizes``). Kept are the
+medians, over the steps after warm-up, of the data, forward, backward and update
+(optimizer) times and of each parameter's ready time (seconds after backward starts).
+Kept per parameter, not per bucket, so the simulator can bucket the gradients at any
+``--bucket-mb``, as DDP would (psring.partition.bucket_assignment).
+
+:meth:`Profile.from_run` also reads a run of any strategy (what ``psring report`` does
+to replay a measured run, as dPRO replays a profiled trace): its own phase times, and
+the buckets' launch times standing in for the gradients' ready times when it was not
+traced. :meth:`Profile.on_paper` builds one from published per-device times, for
+clusters no one here has (docs/prediction.md).
+
+The file is ``profile.json`` (atomically written, versioned, validated on load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .partition import bucket_assignment, bucket_caps
+from .runlog import atomic_write_json, read_manifest, read_steps
+
+PROFILE_FILE = "profile.json"
+#: bumped when the file's meaning changes; load() refuses other formats
+FORMAT = 1
+_MB = 1024 * 1024
+
+
+@dataclass
+class Profile:
+    """One worker's step on its own device: phase times and when each gradient is ready."""
+
+    #: gradient bytes of each trainable parameter, in ``model.parameters()`` order
+    param_bytes: list[int]
+    #: seconds after backward starts at which each parameter's gradient is final
+    ready_s: list[float]
+    forward_s: float
+    backward_s: float
+    #: the local optimizer's step (SGD with momentum) over all parameters
+    update_s: float
+    data_s: float = 0.0
+    #: samples per worker per step (the profile's batch)
+    batch_size: int = 0
+    #: torch threads the profiled process ran with
+    threads: int = 0
+    #: where it comes from: model settings, run directory, host, time
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.param_bytes:
+            raise ValueError("a profile needs at least one parameter")
+        if len(self.ready_s) != len(self.param_bytes):
+            raise ValueError(f"{len(self.ready_s)} ready times for {len(self.param_bytes)} "
+                             f"parameters")
+        for name in ("forward_s", "backward_s", "update_s", "data_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} is {v!r}, not a time in seconds")
+        if any(not isinstance(b, int) or b < 0 for b in self.param_bytes):
+            raise ValueError("param_bytes must be non-negative integers")
+        if any(not isinstance(t, (int, float)) or t < 0 for t in self.ready_s):
+            raise ValueError("ready_s must be non-negative seconds")
+
+    # -- what the simulator reads ---------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.param_bytes)
+
+    @property
+    def compute_s(self) -> float:
+        """One step without communication: what ``single`` takes."""
+        return self.data_s + self.forward_s + self.backward_s + self.update_s
+
+    def buckets(self, bucket_mb: float) -> list[tuple[int, float]]:
+        """(bytes, ready seconds after backward starts) of each gradient bucket at
+        ``bucket_mb``, by the strategies' own rule (psring.strategies.buckets.bucket_caps):
+        a bucket is ready when its last gradient is."""
+        cap, first = bucket_caps(bucket_mb)
+        return [(sum(self.param_bytes[i] for i in g), max(self.ready_s[i] for i in g))
+                for g in bucket_assignment(self.param_bytes, cap, first)]
+
+    # -- building one -----------------------------------------------------------------
+    @classmethod
+    def from_run(cls, run_dir: str | os.PathLike, worker: int = 0) -> "Profile":
+        """From a run directory: its worker's median phase times after warm-up, and each
+        parameter's ready time — traced (``--trace``), else interpolated from when its
+        bucket was launched (a bucket launches once its last gradient is ready), else
+        spread over backward in proportion to the bytes already produced."""
+        from .report import warmup_steps
+
+        run_dir = Path(run_dir)
+        try:
+            manifest = read_manifest(run_dir)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{run_dir}: not a psring run directory ({e}); profile a "
+                              f"model with `psring profile --model M`.") from None
+        cfg = manifest["config"]
+        sizes = manifest.get("parameter_sizes")
+        if not sizes:
+            raise ConfigError(f"{run_dir}: its manifest lacks parameter_sizes (a run made "
+                              f"before profiles existed); run it again.")
+        records = [r for r in read_steps(run_dir) if r.get("worker") == worker]
+        skip = warmup_steps(cfg["steps"])
+        kept = [r for r in records if r["step"] >= skip] or records
+        if not kept:
+            raise ConfigError(f"{run_dir}: no step records of worker {worker}; the run did "
+                              f"not get through a step.")
+        med = lambda key: statistics.median(r.get(key, 0.0) for r in kept)  # noqa: E731
+        backward = med("backward_s")
+        traced = [r["grad_ready_s"] for r in kept
+                  if len(r.get("grad_ready_s", ())) == len(sizes)]
+        if traced:
+            ready = [statistics.median(t[i] for t in traced) for i in range(len(sizes))]
+        else:
+            ready = _ready_from_buckets(kept, sizes, cfg.get("bucket_mb", 25.0), backward)
+        return cls(param_bytes=list(sizes), ready_s=[round(t, 7) for t in ready],
+                   forward_s=med("forward_s"), backward_s=backward,
+                   update_s=med("update_s"), data_s=med("data_s"),
+                   batch_size=cfg["batch_size"] // cfg["workers"] * cfg.get("accumulate", 1),
+                   threads=int(manifest.get("threads_per_process") or 0),
+                   source={"run": str(run_dir), "strategy": cfg["strategy"],
+                           "model": cfg["model"], "traced": bool(traced),
+                           "steps": len(kept), "host": manifest.get("host", {}),
+                           **{k: cfg.get(k) for k in _MODEL_KEYS}})
+
+    @classmethod
+    def on_paper(cls, param_bytes: list[int], forward_s: float, backward_s: float,
+                 update_s: float = 0.0, batch_size: int = 0,
+                 source: dict[str, Any] | None = None) -> "Profile":
+        """A profile from published figures: gradients become ready through backward
+        in proportion to the bytes already produced (last parameter first), the shape
+        a backward pass has when time per layer follows its parameters."""
+        ready = _spread(param_bytes, backward_s)
+        return cls(list(param_bytes), ready, forward_s, backward_s, update_s,
+                    batch_size=batch_size, source=dict(source or {}, on_paper=True))
+
+    # -- the file -----------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically to ``path`` (a directory gets ``profile.json``)."""
+        path = Path(path)
+        if path.is_dir() or not path.suffix:
+            path = path / PROFILE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"format": FORMAT, **asdict(self)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Profile":
+        """Read and validate ``profile.json`` (or a directory holding one); a run
+        directory without one is read with :meth:`from_run`."""
+        path = Path(path)
+        if path.is_dir():
+            if (path / PROFILE_FILE).is_file():
+                path = path / PROFILE_FILE
+            else:
+                return cls.from_run(path)
+        fix = "make one with `psring profile --model M --out DIR`"
+        try:
+            obj = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no profile at {path}; {fix}.") from None
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"profile {path} is unreadable or not JSON ({e}); {fix}.") \
+                from None
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+            raise ConfigError(f"profile {path} is not a format-{FORMAT} psring profile; {fix}.")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in obj.items() if k in known})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"profile {path}: {e}; {fix}.") from None
+
+    def describe(self) -> str:
+        return (f"{len(self.param_bytes)} parameters, {self.total_bytes / 1e6:.2f} MB of "
+                f"gradients; forward {self.forward_s * 1e3:.1f} ms, backward "
+                f"{self.backward_s * 1e3:.1f} ms, update {self.update_s * 1e3:.1f} ms at "
+                f"batch {self.batch_size}, {self.threads} thread(s)")
+
+
+#: the run settings that say which model a profile is of
+_MODEL_KEYS = ("width", "depth", "classes", "image_size", "seq_len", "features")
+
+
+def _spread(param_bytes: list[int], backward_s: float) -> list[float]:
+    """Ready times with backward producing bytes at a constant rate, last parameter first."""
+    total = sum(param_bytes) or 1
+    ready = [0.0] * len(param_bytes)
+    done = 0
+    for i in reversed(range(len(param_bytes))):
+        done += param_bytes[i]
+        ready[i] = round(backward_s * done / total, 7)
+    return ready
+
+
+def _ready_from_buckets(records: list[dict], sizes: list[int], bucket_mb: float,
+                        backward_s: float) -> list[float]:
+    """Per-parameter ready times from a run's bucket launches (offsets from the step's
+    start), measured from backward's start (its end less its length). Inside a bucket
+    the gradients are spread in proportion to bytes, from the previous bucket's launch
+    to this one's."""
+    cap, first = bucket_caps(bucket_mb)
+    groups = bucket_assignment(sizes, cap, first)
+    launches = [r for r in records if len(r.get("bucket_launch_s", ())) == len(groups)]
+    if not launches:
+        return _spread(sizes, backward_s)
+    per_bucket = []
+    for k in range(len(groups)):
+        per_bucket.append(statistics.median(
+            max(0.0, r["bucket_launch_s"][k] - (r["backward_end_s"] - r["backward_s"]))
+            for r in launches))
+    ready = [0.0] * len(sizes)
+    prev = 0.0
+    for g, at in zip(groups, per_bucket):
+        at = max(at, prev)
+        total = sum(sizes[i] for i in g) or 1
+        done = 0
+        for i in g:
+            done += sizes[i]
+            ready[i] = prev + (at - prev) * done / total
+        prev = at
+    return ready
+
+
+def profile_config(**run_flags: Any):
+    """The RunConfig of a profiling run: ``single``, traced, 8 steps unless told."""
+    from .config import RunConfig
+
+    values = {"steps": 8, **run_flags}
+    values.update(strategy="single", workers=1, trace=True, hosts=1)
+    values.setdefault("out", os.path.join("runs", f"profile-{time.strftime('%Y%m%d-%H%M%S')}"))
+    return RunConfig(**values)
+
+
+def take_profile(cfg) -> Profile:
+    """Run ``cfg`` (see :func:`profile_config`), then read and save its profile in the
+    run directory."""
+    from .launch import launch
+
+    run_dir = launch(cfg)
+    prof = Profile.from_run(run_dir)
+    prof.save(run_dir)
+    return prof
