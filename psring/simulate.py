@@ -1,0 +1,503 @@
+"""The step-time simulator: a whole training step of each strategy, predicted from a
+profile of the model (psring.profile) and a cluster, without running anything.
+
+    from psring.costmodel import Calibration, find_calibration
+    from psring.profile import Profile
+    from psring.simulate import Cluster, simulate
+
+    prof = Profile.load("runs/prof-r18")          # psring profile --model resnet18 ...
+    cal = Calibration.load(find_calibration())    # psring calibrate
+    p = simulate(prof, Cluster(hosts=4, workers_per_host=1, link_bits=10e9), "ring", cal)
+    print(p.step_s, p.phases, p.bound)
+
+Pure Python, no processes, no torch. Each worker's step is played out as a timeline of
+events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
+
+- compute: data, forward, then backward, during which each gradient bucket becomes ready
+  at the profile's time (buckets formed at ``bucket_mb`` by the strategies' own rule and
+  launched in order, as psring.strategies.buckets does);
+- a launched bucket's communication, by the strategy's ``comm_model``:
+
+  - ``ring`` (allreduce, ddp): collectives run one at a time in launch order; each is
+    the ring's 2(n−1) steps, every step sending an M/n chunk over every edge at once,
+    so a step lasts as long as its slowest edge (a host link where the ring crosses
+    hosts, else loopback): α + (M/n)·β, plus (M/n)·γ to add it in the reduce-scatter's
+    n−1 steps (psring.costmodel.ring_allreduce, step by step);
+  - ``ps`` (synchronous): the bucket is pushed in pieces to the K servers whose ranges
+    it overlaps. A message occupies each *resource* on its path in turn, FIFO, for
+    bytes·β of that resource: the sender's transport, the sender host's outgoing link
+    and the receiver host's incoming link when it crosses hosts (full duplex: one
+    resource per direction), the receiver's transport; it arrives α after its last
+    resource is done. A server adds each piece on arrival (bytes·γ on its CPU); once all
+    n workers' pieces of the step are in, it applies the update (the profile's
+    optimizer time per byte) and answers the pulls, each pull another message back.
+    The next step starts when every shard's parameters are in;
+  - ``ps-async`` (Downpour): a server applies each worker's piece on arrival and answers
+    that worker's pull once its own pushes are applied: no worker waits for another.
+    (Staleness, async's price in accuracy, is measured by runs, not predicted here.)
+  - None (single, hogwild): no messages; the step is the compute.
+
+- the update: the local optimizer after the last collective (ring, none); nothing on a
+  PS worker (the server applied it).
+
+Cores: a cluster emulated on one machine (``cores`` set) shares that machine's cores
+between every worker, so compute stretches by max(1, n·threads/cores). A real cluster
+gives each worker its own device (``cores`` None). Contention between communication and
+compute for the same cores is not modelled (docs/prediction.md: the loopback error).
+
+Several steps are played (the first starts every worker at once; steady state follows)
+and the step time is the mean period of the last two. The prediction names what bounds
+the step: compute, a link, a server's transport or CPU, or latency (α terms dominate).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .costmodel import Calibration
+from .partition import even_split, overlaps
+
+COMM_MODELS = (None, "ring", "ps", "ps-async")
+PLACEMENTS = ("colocated", "own-hosts")
+#: bytes on the wire per float32 byte of gradient
+WIRE = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where the workers and servers are and what joins them."""
+
+    hosts: int = 1
+    workers_per_host: int = 1
+    #: each host link's rate in bits/s; None: one host, or links the transport outruns
+    link_bits: float | None = None
+    #: one-way delay of each link
+    delay_s: float = 0.0
+    #: parameter servers (ps, ps-async)
+    servers: int = 1
+    #: colocated (server k on host k mod hosts) or own-hosts (each on a host of its own)
+    placement: str = "colocated"
+    compress: str = "none"
+    bucket_mb: float = 25.0
+    #: cores every process shares (a cluster emulated on one machine); None: each
+    #: worker computes on a device of its own
+    cores: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hosts", "workers_per_host", "servers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, not {v!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+        if self.compress not in WIRE:
+            raise ValueError(f"compress {self.compress!r}: choose one of {', '.join(WIRE)}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, not {self.bucket_mb!r}")
+        if self.link_bits is not None and not self.link_bits > 0:
+            raise ValueError(f"link_bits must be positive, not {self.link_bits!r}")
+        if not self.delay_s >= 0:
+            raise ValueError(f"delay_s must be at least 0, not {self.delay_s!r}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be at least 1, not {self.cores!r}")
+
+    @property
+    def workers(self) -> int:
+        return self.hosts * self.workers_per_host
+
+    @property
+    def worker_host(self) -> list[int]:
+        return [h for h in range(self.hosts) for _ in range(self.workers_per_host)]
+
+    @property
+    def server_host(self) -> list[int]:
+        if self.placement == "own-hosts":
+            return [self.hosts + k for k in range(self.servers)]
+        return [k % self.hosts for k in range(self.servers)]
+
+    def describe(self) -> str:
+        link = "loopback" if self.link_bits is None else f"{self.link_bits / 1e9:g} Gbit/s"
+        delay = f" +{self.delay_s * 1e3:g} ms" if self.delay_s else ""
+        return f"{self.hosts} host(s) x {self.workers_per_host} worker(s), {link}{delay}"
+
+
+@dataclass
+class Prediction:
+    comm_model: str | None
+    cluster: Cluster
+    #: seconds per step (steady state)
+    step_s: float
+    #: data_s, forward_s, backward_s, comm_s (the wait communication adds), update_s
+    phases: dict[str, float]
+    samples_per_s: float
+    #: throughput / (n x one worker alone at the same per-worker batch)
+    efficiency: float
+    #: what bounds the step: "compute", "latency", or a resource's name
+    bound: str
+    #: share of the step each resource was busy (compute included)
+    utilization: dict[str, float]
+    #: worker 0's last step: bucket (launch, done) seconds from the step's start
+    buckets: list[tuple[float, float]] = field(default_factory=list)
+    #: bytes of gradients per step (as float32)
+    gradient_bytes: int = 0
+    #: when worker 0 started each simulated step (the last: when the last one ended)
+    starts: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.cluster
+        return {"comm_model": self.comm_model, "step_s": self.step_s, "phases": self.phases,
+                "samples_per_s": self.samples_per_s, "efficiency": self.efficiency,
+                "bound": self.bound, "utilization": self.utilization,
+                "cluster": {k: getattr(c, k) for k in c.__dataclass_fields__}}
+
+
+# -- the engine -------------------------------------------------------------------------
+
+class _Resource:
+    """Something messages queue for, FIFO: a transport, one direction of a link, a CPU."""
+
+    def __init__(self, name: str, beta: float):
+        self.name = name
+        self.beta = beta  # seconds per byte
+        self.free = 0.0
+        self.spans: list[tuple[float, float]] = []
+
+    def occupy(self, t: float, seconds: float) -> float:
+        start = max(self.free, t)
+        self.free = start + seconds
+        if seconds > 0:
+            self.spans.append((start, self.free))
+        return self.free
+
+    def busy_between(self, a: float, b: float) -> float:
+        return sum(max(0.0, min(e, b) - max(s, a)) for s, e in self.spans)
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.queue: list[tuple[float, int, Callable[[float], None]]] = []
+        self.seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self.queue, (t, next(self.seq), fn))
+
+    def run(self) -> None:
+        while self.queue:
+            t, _, fn = heapq.heappop(self.queue)
+            fn(t)
+
+
+def _send(t: float, nbytes: float, path: list[_Resource], alpha: float) -> float:
+    """A message requested at t: it occupies each resource of its path (pipelined, each
+    FIFO) and arrives α after the last is done."""
+    end = t
+    for r in path:
+        end = max(end, r.occupy(t, nbytes * r.beta))
+    return end + alpha
+
+
+def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> list[float]:
+    """The durations of a ring all-reduce's 2(n−1) steps on M bytes: n−1 of the
+    reduce-scatter (send a chunk, add the received one) then n−1 of the all-gather."""
+    if n <= 1:
+        return []
+    c = M / n
+    return [alpha + c * beta + (c * gamma if j < n - 1 else 0.0) for j in range(2 * (n - 1))]
+
+
+# -- the simulation -------------------------------------------------------------------------
+
+def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibration,
+             steps: int = 0) -> Prediction:
+    """Predict one steady-state step of every worker (see the module docstring)."""
+    if comm_model not in COMM_MODELS:
+        raise ValueError(f"comm_model {comm_model!r}: one of {COMM_MODELS}")
+    n = cluster.workers
+    threads = max(1, profile.threads or 1)
+    stretch = max(1.0, n * threads / cluster.cores) if cluster.cores else 1.0
+    D, F, B = (profile.data_s * stretch, profile.forward_s * stretch,
+               profile.backward_s * stretch)
+    U = profile.update_s * stretch
+    buckets = [(m, r * stretch) for m, r in profile.buckets(cluster.bucket_mb)]
+    wire = WIRE[cluster.compress]
+    total = sum(m for m, _ in buckets)
+    steps = steps or (8 if comm_model == "ps-async" else 4)
+    if comm_model is None or n == 1 and comm_model == "ring":
+        return _no_messages(profile, cluster, comm_model, (D, F, B, U), buckets, total)
+    if comm_model == "ring":
+        return _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cal, steps)
+    return _ps(profile, cluster, comm_model, (D, F, B, U), buckets, total, wire, cal, steps)
+
+
+def _finish(profile: Any, cluster: Cluster, comm_model: str | None, period: float,
+            compute: tuple[float, float, float, float], local_update: bool,
+            util: dict[str, float], latency: float, bucket_times: list[tuple[float, float]],
+            total: int, starts: list[float] | None = None) -> Prediction:
+    D, F, B, U = compute
+    u = U if local_update else 0.0
+    busy = D + F + B + u
+    phases = {"data_s": D, "forward_s": F, "backward_s": B,
+              "comm_s": max(0.0, period - busy), "update_s": u}
+    util = {"compute": busy / period if period else 1.0, **util}
+    # Compute bounds the step when communication adds (almost) nothing to it; else the
+    # busiest resource does, unless the α terms on the critical path exceed its busy
+    # time (small messages: latency).
+    bound = "compute"
+    others = {k: v for k, v in util.items() if k != "compute"}
+    if others and phases["comm_s"] > 0.05 * period:
+        bound, share = max(others.items(), key=lambda kv: kv[1])
+        if latency > share * period:
+            bound = "latency"
+    alone = profile.compute_s
+    n = cluster.workers
+    return Prediction(comm_model, cluster, period, phases,
+                      samples_per_s=n * profile.batch_size / period if period else 0.0,
+                      efficiency=min(1.0, alone / period) if period else 1.0, bound=bound,
+                      utilization={k: round(v, 4) for k, v in util.items()},
+                      buckets=bucket_times, gradient_bytes=total, starts=starts or [])
+
+
+def _no_messages(profile, cluster, comm_model, compute, buckets, total) -> Prediction:
+    D, F, B, U = compute
+    return _finish(profile, cluster, comm_model, D + F + B + U, compute, True, {}, 0.0,
+                   [], total)
+
+
+def _launches(start: float, compute, buckets) -> list[float]:
+    """When each bucket is launched: ready in backward, strictly in order."""
+    D, F, _, _ = compute
+    out, last = [], start
+    for _, ready in buckets:
+        last = max(last, start + D + F + ready)
+        out.append(last)
+    return out
+
+
+def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cal, steps) -> Prediction:
+    n = cluster.workers
+    D, F, B, U = compute
+    alpha, beta = cal.link("ring")
+    edge = "ring edges (loopback)"
+    if cluster.hosts > 1:
+        a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
+        # a step lasts as long as its slowest edge: the link the ring crosses hosts on
+        if a_link + b_link >= alpha + beta:
+            alpha, beta, edge = a_link, max(b_link, beta), "host links (ring)"
+    # Every rank runs the same timeline (they launch the same buckets at the same
+    # moments and each collective ends for all at once): play rank 0's.
+    stream = _Resource(edge, beta)
+    starts, bucket_times, latency_in, spans_bw = [0.0], [], 0.0, []
+    t = 0.0
+    for s in range(steps):
+        launches = _launches(t, compute, buckets)
+        done = t
+        times = []
+        for (m, _), at in zip(buckets, launches):
+            begin = max(at, stream.free)
+            dur = 0.0
+            for d in ring_steps(n, m * wire, alpha, beta, cal.gamma * (1 / wire)):
+                dur += d
+            stream.occupy(begin, dur)
+            done = stream.free
+            times.append((at - t, done - t))
+            if s == steps - 1:
+                latency_in += 2 * (n - 1) * alpha
+                spans_bw.append(dur - 2 * (n - 1) * alpha)
+        t = max(t + D + F + B, done) + U
+        starts.append(t)
+        bucket_times = times
+    period = (starts[-1] - starts[-3]) / 2
+    window = (starts[-2], starts[-1])
+    util = {edge: stream.busy_between(*window) / (window[1] - window[0])}
+    bw_busy = sum(spans_bw)
+    return _finish(profile, cluster, "ring", period, compute, True,
+                   {edge: min(util[edge], bw_busy / period) if period else 0.0},
+                   latency_in, bucket_times, total, starts)
+
+
+def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal,
+        steps) -> Prediction:
+    n, K = cluster.workers, cluster.servers
+    D, F, B, U = compute
+    sync = mode == "ps"
+    a_loc, b_loc = cal.link(mode)
+    a_link, b_link = a_loc, b_loc
+    if cluster.hosts > 1 or cluster.placement == "own-hosts":
+        a_link, b_link, _ = cal.between_hosts(mode, cluster.link_bits, cluster.delay_s)
+    # a message costs the most of its path's β: the link's figure is the transport's
+    # between hosts (calibrated, or the rate's on paper), never below loopback's
+    link_beta = b_link
+    whost, shost = cluster.worker_host, cluster.server_host
+    w_io = [_Resource(f"worker {w} transport", b_loc) for w in range(n)]
+    s_io = [_Resource(f"server {k} transport", b_loc) for k in range(K)]
+    s_cpu = [_Resource(f"server {k} CPU", cal.gamma) for k in range(K)]
+    hosts = sorted({*whost, *shost})
+    out = {h: _Resource(f"host {h} link out", link_beta) for h in hosts}
+    inn = {h: _Resource(f"host {h} link in", link_beta) for h in hosts}
+    # The server's update is an SGD step over its shard: the profile's optimizer time
+    # per byte; never below two adds' worth (a PS run's own profile has no optimizer
+    # time: its workers do not update)
+    apply_per_byte = max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
+
+    def path(src_io: _Resource, h_src: int, h_dst: int, dst_io: _Resource) -> tuple:
+        if h_src == h_dst:
+            return [src_io, dst_io], a_loc
+        return [src_io, out[h_src], inn[h_dst], dst_io], a_link
+
+    # each bucket's pieces: (shard, float32 bytes) by the servers' element ranges, as
+    # psring.strategies.ps splits them (float32 elements: 4 bytes)
+    ranges = even_split(total // 4, K)
+    pieces, start = [], 0
+    for m, _ in buckets:
+        pieces.append([(k, (e - a) * 4) for k, a, e in overlaps(start, start + m // 4, ranges)])
+        start += m // 4
+    shard_bytes = [(hi - lo) * 4 for lo, hi in ranges]
+
+    ev = _Events()
+    starts = [[0.0] for _ in range(n)]
+    bw_end = [[0.0] * steps for _ in range(n)]
+    got = {}            # (k, s) -> float32 bytes received (sync)
+    own = {}            # (k, w, s) -> bytes of w's pushes applied (async)
+    pull_req = {}       # (k, w, s) -> when w's pull reached server k
+    ready_v = {}        # (k, s) -> when version s+1 is ready (sync)
+    pulled = {}         # (w, s) -> shards whose parameters arrived
+    pull_done = {}      # (w, s) -> when the last shard's arrived
+    bucket_times: list[tuple[float, float]] = []
+    last_push = {}      # (w, s, k) -> when w's last piece reached server k
+    own_done = {}       # (k, w, s) -> when the server applied w's last piece (async)
+    answered = set()    # (k, w, s) pulls answered (async)
+    # the α on a step's critical path: a push, then a pull
+    crossing = any(h != hk for h in whost for hk in shost)
+    latency = [2 * (a_link if crossing else a_loc)]
+
+    def step_start(w: int, s: int, t: float) -> None:
+        if s == steps:
+            return
+        launches = _launches(t, compute, buckets)
+        for i, at in enumerate(launches):
+            ev.at(at, lambda tt, w=w, s=s, i=i: launch(w, s, i, tt))
+        end = t + D + F + B
+        bw_end[w][s] = end
+        ev.at(end, lambda tt, w=w, s=s: send_pulls(w, s, tt))
+
+    def launch(w: int, s: int, i: int, t: float) -> None:
+        arrive = t
+        for k, m in pieces[i]:
+            p, a = path(w_io[w], whost[w], shost[k], s_io[k])
+            arrive = _send(t, m * wire, p, a)
+            last_push[(w, s, k)] = max(last_push.get((w, s, k), 0.0), arrive)
+            ev.at(arrive, lambda tt, k=k, w=w, s=s, m=m: push_arrives(k, w, s, m, tt))
+        if w == 0 and s == steps - 1:
+            bucket_times.append((t - starts[0][-1], arrive - starts[0][-1]))
+
+    def push_arrives(k: int, w: int, s: int, m: float, t: float) -> None:
+        if sync:
+            done = s_cpu[k].occupy(t, m * cal.gamma)
+            got[(k, s)] = got.get((k, s), 0) + m
+            if got[(k, s)] >= n * shard_bytes[k]:
+                done = s_cpu[k].occupy(done, shard_bytes[k] * apply_per_byte)
+                ready_v[(k, s)] = done
+                for ww in range(n):
+                    if (k, ww, s) in pull_req:
+                        ev.at(max(done, pull_req[(k, ww, s)]),
+                              lambda tt, k=k, ww=ww, s=s: answer(k, ww, s, tt))
+        else:
+            own_done[(k, w, s)] = s_cpu[k].occupy(t, m * (cal.gamma + apply_per_byte))
+            own[(k, w, s)] = own.get((k, w, s), 0) + m
+            maybe_answer_async(k, w, s)
+
+    def send_pulls(w: int, s: int, t: float) -> None:
+        for k in range(K):
+            a = a_loc if whost[w] == shost[k] else a_link
+            # behind this worker's pushes on the same connection
+            req = max(t + a, last_push.get((w, s, k), 0.0))
+            pull_req[(k, w, s)] = req
+            if sync:
+                if (k, s) in ready_v:
+                    ev.at(max(req, ready_v[(k, s)]),
+                          lambda tt, k=k, w=w, s=s: answer(k, w, s, tt))
+            else:
+                maybe_answer_async(k, w, s)
+
+    def maybe_answer_async(k: int, w: int, s: int) -> None:
+        """Once w's pull is in and its pushes of step s are applied (the same
+        connection: the server sees the pull behind them)."""
+        if (k, w, s) in pull_req and own.get((k, w, s), 0) >= shard_bytes[k] and \
+                (k, w, s) not in answered:
+            answered.add((k, w, s))
+            ev.at(max(pull_req[(k, w, s)], own_done[(k, w, s)]),
+                  lambda tt, k=k, w=w, s=s: answer(k, w, s, tt))
+
+    def answer(k: int, w: int, s: int, t: float) -> None:
+        p, a = path(s_io[k], shost[k], whost[w], w_io[w])
+        arrive = _send(t, shard_bytes[k] * wire, p, a)
+        ev.at(arrive, lambda tt, k=k, w=w, s=s: pull_arrives(k, w, s, tt))
+
+    def pull_arrives(k: int, w: int, s: int, t: float) -> None:
+        pulled[(w, s)] = pulled.get((w, s), 0) + 1
+        pull_done[(w, s)] = max(pull_done.get((w, s), 0.0), t)
+        if pulled[(w, s)] == K:
+            nxt = max(pull_done[(w, s)], bw_end[w][s])
+            starts[w].append(nxt)
+            step_start(w, s + 1, nxt)
+
+    for w in range(n):
+        step_start(w, 0, 0.0)
+    ev.run()
+    periods = [(st[-1] - st[-3]) / 2 for st in starts]
+    period = sum(periods) / n
+    window = (starts[0][-2], starts[0][-1])
+    width = max(1e-12, window[1] - window[0])
+    util = {}
+    for r in [*w_io, *s_io, *s_cpu, *out.values(), *inn.values()]:
+        if r.beta > 0:
+            util[r.name] = r.busy_between(*window) / width
+    # per-step view of the busiest one in steady state (a shared resource's busy time
+    # over worker 0's window stands for every worker's)
+    return _finish(profile, cluster, mode, period, compute, False, util, latency[0],
+                   bucket_times, total, starts[0])
+
+
+
+# -- replaying a measured run ------------------------------------------------------------
+
+def cluster_for_run(cfg: dict, strategy_cls: Any = None) -> Cluster:
+    """The Cluster a run ran on, from its config (as its manifest records it). Workers
+    spread unevenly over hosts are taken as ceil(n / hosts) per host."""
+    from .costmodel import Topology
+
+    topo = Topology.for_config(cfg)
+    hosts = len(set(topo.worker_host))
+    n = len(topo.worker_host)
+    servers = len(topo.server_host)
+    own = bool(topo.server_host) and not set(topo.server_host) <= set(topo.worker_host)
+    return Cluster(hosts=hosts, workers_per_host=-(-n // hosts), link_bits=topo.link_bits,
+                   delay_s=topo.delay_s, servers=max(1, servers),
+                   placement="own-hosts" if own else "colocated",
+                   compress=cfg.get("compress", "none")
+                   if getattr(strategy_cls, "supports_compression", False) else "none",
+                   bucket_mb=float(cfg.get("bucket_mb", 25.0)))
+
+
+def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
+    """The simulator's step time for a measured run, from the run's own profile (its
+    compute phases and when its buckets were launched; psring.profile.Profile.from_run),
+    as dPRO replays a profiled trace: what the run's communication should have cost on
+    its cluster, given its compute. None for a run the simulator cannot read."""
+    from .errors import PsringError
+    from .profile import Profile
+    from .runlog import read_manifest
+    from .strategies import STRATEGIES
+
+    try:
+        cfg = read_manifest(run_dir)["config"]
+        cls = STRATEGIES.get(cfg["strategy"])
+        prof = Profile.from_run(run_dir)
+    except (PsringError, KeyError, OSError, ValueError):
+        return None
+    # the run's own compute already carries its share of the cores: no stretch
+    return simulate(prof, cluster_for_run(cfg, cls), cls.comm_model, cal)

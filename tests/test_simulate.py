@@ -1,0 +1,156 @@
+"""The step-time simulator (psring.simulate) against timelines worked out by hand.
+
+Every case uses round numbers: α = 1 ms, β = 1 ns/byte (1 GB/s) on loopback, 2 ms and
+8 ns/byte between hosts, γ = 0.1 ns/byte; the model's compute is forward 10 ms,
+backward 20 ms, update 4 ms. The arithmetic is written out beside each expectation.
+"""
+
+import pytest
+
+from psring.costmodel import Calibration, ring_allreduce
+from psring.profile import Profile
+from psring.simulate import Cluster, ring_steps, simulate
+
+A, BETA, GAMMA = 1e-3, 1e-9, 1e-10
+A_LINK, B_LINK = 2e-3, 8e-9
+F, B, U = 0.010, 0.020, 0.004
+MiB = 1024 * 1024
+
+CAL = Calibration(zmq_alpha=A, zmq_beta=BETA, dist_alpha=A, dist_beta=BETA, gamma=GAMMA,
+                  links={"1gbit": {"zmq_alpha": A_LINK, "zmq_beta": B_LINK,
+                                   "dist_alpha": A_LINK, "dist_beta": B_LINK}})
+
+
+def profile(sizes, ready, update=U):
+    return Profile(param_bytes=sizes, ready_s=ready, forward_s=F, backward_s=B,
+                   update_s=update, batch_size=8, threads=1)
+
+
+def test_one_bucket_on_one_link():
+    # One 1e6-byte gradient (under the 1 MiB first bucket: one bucket), ready when
+    # backward ends (t = F + B = 30 ms). Two hosts, one worker each: the ring's two steps
+    # cross the link. Reduce-scatter step: α + (M/2)β + (M/2)γ; all-gather step:
+    # α + (M/2)β. T = 2·2 ms + 1e6·8e-9 s + 0.5e6·1e-10 s = 4 + 8 + 0.05 ms = 12.05 ms.
+    M = 1_000_000
+    p = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9), "ring", CAL)
+    T = 2 * A_LINK + M * B_LINK + M / 2 * GAMMA
+    assert T == pytest.approx(0.01205)
+    assert p.step_s == pytest.approx(F + B + T + U)
+    assert p.phases["comm_s"] == pytest.approx(T)
+    assert p.buckets == [pytest.approx((F + B, F + B + T))]
+    assert p.bound == "host links (ring)"
+    assert p.efficiency == pytest.approx((F + B + U) / (F + B + T + U))
+
+
+def test_two_buckets_overlap_backward():
+    # Two 1 MiB gradients, bucketed at 1 MB: one bucket each. The last-registered one is
+    # ready 5 ms into backward (t = 15 ms) and its all-reduce (2 ranks on loopback:
+    # 2α + Mβ + Mγ/2 = 3.101 ms) ends at 18.1 ms, under backward; the other is ready when
+    # backward ends (30 ms) and ends at 33.1 ms. Only the second is waited for.
+    T = 2 * A + MiB * BETA + MiB / 2 * GAMMA
+    p = simulate(profile([MiB, MiB], [B, 0.005]),
+                 Cluster(hosts=1, workers_per_host=2, bucket_mb=1.0), "ring", CAL)
+    assert p.buckets == [pytest.approx((0.015, 0.015 + T)), pytest.approx((0.030, 0.030 + T))]
+    assert p.step_s == pytest.approx(F + B + T + U)
+    assert p.phases["comm_s"] == pytest.approx(T)
+    # ready 1 ms before backward ends instead: the first all-reduce is still running
+    # when the second is launched, which queues behind it
+    p = simulate(profile([MiB, MiB], [B, B - 0.001]),
+                 Cluster(hosts=1, workers_per_host=2, bucket_mb=1.0), "ring", CAL)
+    first_done = F + B - 0.001 + T
+    assert p.buckets[1] == pytest.approx((F + B, first_done + T))
+    assert p.step_s == pytest.approx(first_done + T + U)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_at_n_workers_is_its_2n_minus_2_steps(n):
+    M = 3 * 4 * 250_000  # divisible by 2, 3, 4
+    steps = ring_steps(n, M, A, BETA, GAMMA)
+    assert len(steps) == 2 * (n - 1)
+    # reduce-scatter steps add the received chunk, all-gather steps do not
+    assert steps[0] == pytest.approx(A + M / n * BETA + M / n * GAMMA)
+    assert steps[-1] == pytest.approx(A + M / n * BETA)
+    T = 2 * (n - 1) * A + 2 * (n - 1) / n * M * BETA + (n - 1) / n * M * GAMMA
+    assert sum(steps) == pytest.approx(T)
+    assert sum(steps) == pytest.approx(ring_allreduce(n, M, A, BETA, GAMMA))
+    p = simulate(profile([M], [B]), Cluster(hosts=1, workers_per_host=n), "ring", CAL)
+    assert p.step_s == pytest.approx(F + B + T + U)
+    assert p.samples_per_s == pytest.approx(n * 8 / (F + B + T + U))
+
+
+@pytest.mark.parametrize("K,expected", [
+    # K = 1: the 8e6-byte push leaves at 30 ms through the worker's and the server's
+    # transports (8 ms, both), arrives at 39 ms (+α); the server adds it (8e6·γ =
+    # 0.8 ms) and applies the update (the profile's 4 ms per 8e6 bytes): 43.8 ms; the
+    # pull's answer takes 8 ms through both transports and α: 52.8 ms.
+    (1, 0.0528),
+    # K = 2: two 4e6-byte pieces, sent one after the other by the worker's transport:
+    # piece 0 arrives at 35 ms, piece 1 at 39 ms. Server 0: +0.4 ms add, +2 ms apply =
+    # 37.4 ms; answer 0 leaves when the worker's transport is free (38 ms) and arrives
+    # at 43 ms. Server 1: 39 + 0.4 + 2 = 41.4 ms; answer 1 queues behind answer 0 at the
+    # worker (42 ms) and arrives at 47 ms: the next step starts then.
+    (2, 0.047),
+])
+def test_a_ps_round_with_k_shards(K, expected):
+    M = 8_000_000
+    p = simulate(profile([M], [B]), Cluster(hosts=1, workers_per_host=1, servers=K),
+                 "ps", CAL)
+    assert p.step_s == pytest.approx(expected)
+    assert p.starts[1] == pytest.approx(expected)
+    assert p.phases["update_s"] == 0  # the server applied it
+    assert p.phases["comm_s"] == pytest.approx(expected - F - B)
+
+
+def test_an_async_step_does_not_wait_for_the_other_worker():
+    # Two workers, one server, 8e6 bytes. Both push at 30 ms; the server's transport takes
+    # worker 0's push first (arrives 39 ms), then worker 1's (arrives 47 ms).
+    M = 8_000_000
+    cl = Cluster(hosts=1, workers_per_host=2, servers=1)
+    # ps (sync): the server applies once both are in: adds at 39-39.8 and 47-47.8 ms,
+    # update 4 ms -> 51.8 ms; answers: worker 0's 51.8-59.8 ms (+α: 60.8 ms), then
+    # worker 1's behind it in the server's transport (68.8 ms).
+    sync = simulate(profile([M], [B]), cl, "ps", CAL)
+    assert sync.starts[1] == pytest.approx(0.0608)
+    # async-ps: worker 0's push is applied on arrival (add + update: 4.8 ms -> 43.8 ms)
+    # and its pull answered at once: its transport is free, the server's frees at 46 ms
+    # (after receiving worker 1's push), so the answer arrives at 46 + 8 + 1 = 55 ms.
+    asyn = simulate(profile([M], [B]), cl, "ps-async", CAL)
+    assert asyn.starts[1] == pytest.approx(0.055)
+    assert asyn.phases["update_s"] == 0
+
+
+def test_no_messages_and_shared_cores():
+    prof = profile([MiB], [B])
+    p = simulate(prof, Cluster(hosts=1, workers_per_host=1), None, CAL)
+    assert p.step_s == pytest.approx(F + B + U)
+    assert p.bound == "compute" and p.efficiency == 1.0
+    # four one-thread workers emulated on two cores compute at half speed
+    p = simulate(prof, Cluster(hosts=1, workers_per_host=4, cores=2), None, CAL)
+    assert p.step_s == pytest.approx(2 * (F + B + U))
+
+
+def test_compression_halves_the_bytes_on_the_link():
+    M = 1_000_000
+    full = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9), "ring", CAL)
+    half = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9, compress="fp16"),
+                    "ring", CAL)
+    # T = 2α + (M/2)·β_link + (M/4)·2γ (the same adds, on half the bytes' worth of elements)
+    assert half.phases["comm_s"] == pytest.approx(2 * A_LINK + M / 2 * B_LINK + M / 2 * GAMMA)
+    assert half.step_s < full.step_s
+
+
+def test_the_busiest_link_bounds_a_ps_on_a_slow_link():
+    M = 8_000_000
+    p = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9, servers=1), "ps", CAL)
+    # worker 1's push and pull cross host 1's link: 8e6·8 ns = 64 ms each way
+    assert p.bound in ("host 1 link out", "host 1 link in", "host 0 link out",
+                       "host 0 link in")
+    assert p.step_s > F + B + 2 * M * B_LINK
+
+
+@pytest.mark.parametrize("bad", [dict(hosts=0), dict(placement="elsewhere"),
+                                 dict(compress="zip"), dict(bucket_mb=0),
+                                 dict(link_bits=-1.0)])
+def test_a_bad_cluster_is_refused(bad):
+    with pytest.raises(ValueError):
+        Cluster(**bad)
