@@ -11,6 +11,8 @@
     psring server --bind tcp://127.0.0.1:5555
     psring strategies
     psring models [--classes 1000 --image-size 224]   (sizes, FLOPs, intensity)
+    psring profile --model resnet18 --batch-size 32   (for the simulator)
+    psring advise --model resnet18 --hosts 4 --link 10gbit [--verify]
 
 Errors meant for the user (bad flags, a failed worker) print one paragraph and exit
 non-zero; see psring.errors.
@@ -162,6 +164,22 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from .profile import profile_config, take_profile
+
+    flags = {k: v for k, v in vars(args).items()
+             if k not in ("func", "argv", "command", "out") and v is not None}
+    if args.out:
+        flags["out"] = args.out
+    cfg = profile_config(**flags)
+    print(f"psring: profiling {cfg.model} at batch {cfg.batch_size}, {cfg.steps} steps",
+          file=sys.stderr)
+    prof = take_profile(cfg)
+    print(prof.describe())
+    print(f"profile: {cfg.out}/profile.json")
+    return 0
+
+
 def _cmd_strategies(args: argparse.Namespace) -> int:
     from .strategies import STRATEGIES
 
@@ -244,6 +262,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("--batch-size", 64, "batch for the arithmetic intensity")):
         md.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
     md.set_defaults(func=_cmd_models)
+
+    pr = sub.add_parser("profile", help="profile a model for the simulator: one short "
+                        "traced single run -> DIR/profile.json (psring.profile)")
+    add_config_flags(pr, only=("model", "width", "depth", "classes", "image_size", "seq_len",
+                               "features", "batch_size", "threads", "seed", "data",
+                               "device"))
+    pr.add_argument("--steps", type=int, default=8, help="steps to time (the first are "
+                    "warm-up; default 8)")
+    pr.add_argument("--out", default="", help="run directory (default runs/profile-<time>)")
+    pr.set_defaults(func=_cmd_profile)
+
+    from .advise import add_advise_parser
+
+    add_advise_parser(sub)
 
     st = sub.add_parser("strategies", help="list the registered strategies")
     st.set_defaults(func=_cmd_strategies)

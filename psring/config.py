@@ -375,11 +375,14 @@ def _flag_name(name: str) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, defaults: RunConfig | None = None,
-                     suppress: bool = False) -> None:
+                     suppress: bool = False, only: tuple[str, ...] | None = None) -> None:
     """Add one flag per RunConfig field, typed from the field's default. With
     ``suppress`` a flag not given is absent from the parsed namespace (which flags a
-    user gave; see :func:`given_fields`)."""
+    user gave; see :func:`given_fields`); ``only`` adds just those fields' flags (a
+    command that takes some of psring run's)."""
     for f in fields(RunConfig):
+        if only is not None and f.name not in only:
+            continue
         default = getattr(defaults, f.name) if defaults else f.default
         if suppress:
             default = argparse.SUPPRESS

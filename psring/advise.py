@@ -1,0 +1,463 @@
+"""``psring advise``: which strategy, bucket size and servers for this model on that
+cluster, and why — predicted by the simulator (psring.simulate), optionally verified.
+
+    psring advise --model resnet18 --batch-size 64 --hosts 4 --workers-per-host 1 --link 10gbit
+    psring advise --model vgg11 --width 8 --hosts 2 --link 1gbit --verify
+    psring advise --profile runs/prof-r18 --hosts 16 --link 25gbit     (a saved profile)
+
+Without ``--profile`` it first profiles the model (psring.profile: one short traced
+``single`` run at the per-worker batch, a few seconds). Then, for every registered
+strategy that can run on the cluster, it simulates each of its settings — bucket size
+(1, 5, 25, 100 MB), parameter servers K (1, 2, 4, 8, up to twice the hosts) placed with
+the workers or on hosts of their own, and fp16 compression where the strategy supports
+it — and ranks the strategies by their best predicted step time, each with the one
+sentence that says what bounds it. It prints the table, writes ``advise.png`` and
+``advise.json`` into ``--out``, and recommends a bucket size, the servers and whether
+compression pays.
+
+``--verify`` runs the winner, the runner-up and the best of the other family (ring vs
+parameter server) on this machine as the cluster's emulation (psring.emulate: one
+network namespace per host, links shaped to ``--link``) and prints predicted against
+measured step times. The emulated hosts share this machine's cores, so the predictions
+verified are those of that emulation (compute stretched by the workers sharing the
+cores), not of a cluster with a device per worker; with ``--verify`` the ranking shown
+is the emulation's. Clusters larger than this machine can hold are refused for
+``--verify`` with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .profile import Profile
+from .simulate import Cluster, Prediction, simulate
+
+BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
+#: the most worker and server processes --verify starts on this machine
+VERIFY_MAX_PROCESSES = 12
+
+
+@dataclass
+class Candidate:
+    strategy: str
+    prediction: Prediction
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.prediction.cluster
+
+    def setting(self, uses_servers: bool, compresses: bool) -> str:
+        c = self.cluster
+        parts = [f"bucket {c.bucket_mb:g} MB"]
+        if uses_servers:
+            where = "on own hosts" if c.placement == "own-hosts" else "colocated"
+            parts.append(f"{c.servers} server{'s' if c.servers > 1 else ''} {where}")
+        if compresses and c.compress != "none":
+            parts.append(c.compress)
+        return ", ".join(parts)
+
+    def run_flags(self) -> dict[str, Any]:
+        c = self.cluster
+        return {"strategy": self.strategy, "bucket_mb": c.bucket_mb, "servers": c.servers,
+                "server_placement": c.placement, "compress": c.compress}
+
+
+def _strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
+    from .strategies import STRATEGIES
+
+    out = {}
+    for name in STRATEGIES:
+        cls = STRATEGIES.get(name)
+        if cls.max_workers is not None and workers > cls.max_workers:
+            continue
+        if cls.max_hosts is not None and hosts > cls.max_hosts:
+            continue
+        out[name] = cls
+    return out
+
+
+def candidates(profile: Profile, base: Cluster, cal: Any,
+               classes: dict[str, Any]) -> list[Candidate]:
+    """Every setting of every strategy the cluster can run, simulated."""
+    out = []
+    seen_buckets: list[float] = []
+    for mb in BUCKET_MB:  # bucket sizes that bucket this model differently
+        if not any(profile.buckets(mb) == profile.buckets(m) for m in seen_buckets):
+            seen_buckets.append(mb)
+    max_k = max(1, min(8, 2 * base.hosts))
+    for name, cls in classes.items():
+        if cls.comm_model is None:
+            out.append(Candidate(name, simulate(profile, base, None, cal)))
+            continue
+        servers = [k for k in (1, 2, 4, 8) if k <= max_k] if cls.uses_servers else [1]
+        placements = ["colocated", "own-hosts"] if cls.uses_servers and base.link_bits \
+            else ["colocated"]
+        compress = ["none", "fp16"] if cls.supports_compression else ["none"]
+        for mb in seen_buckets:
+            for k in servers:
+                for place in placements:
+                    for comp in compress:
+                        cl = Cluster(**{**_fields(base), "bucket_mb": mb, "servers": k,
+                                        "placement": place, "compress": comp})
+                        out.append(Candidate(name, simulate(profile, cl, cls.comm_model, cal)))
+    return out
+
+
+def _fields(c: Cluster) -> dict[str, Any]:
+    return {k: getattr(c, k) for k in c.__dataclass_fields__}
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """The best setting of each strategy, fastest first."""
+    best: dict[str, Candidate] = {}
+    for c in cands:
+        if c.strategy not in best or c.prediction.step_s < best[c.strategy].prediction.step_s:
+            best[c.strategy] = c
+    return sorted(best.values(), key=lambda c: c.prediction.step_s)
+
+
+def why(c: Candidate, cls: Any) -> str:
+    """One sentence: what bounds this strategy's step on this cluster, in numbers."""
+    from .costmodel import ps_link_load
+
+    p, cl = c.prediction, c.cluster
+    n = cl.workers
+    M = p.gradient_bytes * (0.5 if cl.compress != "none" else 1.0)
+    mb = lambda b: f"{b / 1e6:.3g} MB"  # noqa: E731
+    comm = f"{p.phases['comm_s'] * 1e3:.1f} ms of communication exposed"
+    if cls.comm_model is None:
+        return (f"no messages: the step is compute ({p.step_s * 1e3:.1f} ms); "
+                + ("workers share one memory" if n > 1 else "one worker"))
+    if p.bound == "compute":
+        return f"compute-bound: communication hides under backward ({comm})"
+    if p.bound == "latency":
+        return (f"latency-bound: per-message costs (α) outweigh the bytes; {comm}")
+    if cls.comm_model == "ring":
+        return (f"bound by the {p.bound}: each worker sends and receives 2(n−1)/n·M = "
+                f"{mb(2 * (n - 1) / n * M)} per step ({comm})")
+    tail = "; no worker waits for another (staleness not priced here)" \
+        if cls.comm_model == "ps-async" else ""
+    if "link" in p.bound:
+        cross = ps_link_load(cl.worker_host, cl.server_host)
+        return (f"bound by the {p.bound}: the busiest host link carries {mb(cross * M)} each way "
+                f"per step, {cl.servers} server(s) {cl.placement} ({comm}){tail}")
+    return (f"bound by the {p.bound}: each server's transport carries 2n·M/K = "
+            f"{mb(2 * n * M / cl.servers)} per step ({comm}){tail}")
+
+
+def recommendations(cands: list[Candidate], ranking: list[Candidate],
+                    classes: dict[str, Any]) -> list[str]:
+    win = ranking[0]
+    cls = classes[win.strategy]
+    lines = [f"Fastest: {win.strategy} ({win.setting(cls.uses_servers, cls.supports_compression)}), "
+             f"{win.prediction.step_s * 1e3:.1f} ms per step, scaling efficiency "
+             f"{win.prediction.efficiency:.0%}."]
+    if cls.comm_model is not None:
+        same = [c for c in cands if c.strategy == win.strategy
+                and c.cluster.servers == win.cluster.servers
+                and c.cluster.placement == win.cluster.placement
+                and c.cluster.compress == win.cluster.compress]
+        by_mb = sorted(same, key=lambda c: c.cluster.bucket_mb)
+        lines.append("Bucket size: " + f"{win.cluster.bucket_mb:g} MB (" + ", ".join(
+            f"{c.cluster.bucket_mb:g} MB {c.prediction.step_s * 1e3:.1f} ms" for c in by_mb)
+            + ").")
+    ps = [c for c in cands if classes[c.strategy].uses_servers
+          and classes[c.strategy].comm_model == "ps"]
+    if ps:
+        best = min(ps, key=lambda c: c.prediction.step_s)
+        one = min((c for c in ps if c.cluster.servers == 1), key=lambda c: c.prediction.step_s)
+        lines.append(f"Parameter servers: {best.cluster.servers} "
+                     f"{'on hosts of their own' if best.cluster.placement == 'own-hosts' else 'colocated with the workers'}"
+                     f" ({best.prediction.step_s * 1e3:.1f} ms per step; one colocated or not: "
+                     f"{one.prediction.step_s * 1e3:.1f} ms).")
+    if classes[win.strategy].supports_compression:
+        twin = [c for c in cands if c.strategy == win.strategy
+                and c.cluster.bucket_mb == win.cluster.bucket_mb
+                and c.cluster.servers == win.cluster.servers
+                and c.cluster.placement == win.cluster.placement]
+        on = min((c for c in twin if c.cluster.compress != "none"),
+                 key=lambda c: c.prediction.step_s, default=None)
+        off = min((c for c in twin if c.cluster.compress == "none"),
+                  key=lambda c: c.prediction.step_s, default=None)
+        if on and off:
+            gain = 1 - on.prediction.step_s / off.prediction.step_s
+            lines.append(f"Compression (fp16): {'pays' if gain > 0.02 else 'does not pay'}: "
+                         f"{gain:+.0%} of the step "
+                         f"({off.prediction.step_s * 1e3:.1f} -> {on.prediction.step_s * 1e3:.1f} ms;"
+                         f" its accuracy cost is not priced here).")
+    return lines
+
+
+def table(ranking: list[Candidate], classes: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for i, c in enumerate(ranking, 1):
+        p, cls = c.prediction, classes[c.strategy]
+        rows.append([str(i), c.strategy, c.setting(cls.uses_servers, cls.supports_compression),
+                     f"{p.step_s * 1e3:.1f}",
+                     f"{(p.step_s - p.phases['comm_s']) * 1e3:.1f}",
+                     f"{p.phases['comm_s'] * 1e3:.1f}", f"{p.samples_per_s:.0f}",
+                     f"{p.efficiency:.0%}", why(c, cls)])
+    return rows
+
+
+HEADER = ["#", "strategy", "best setting", "step ms", "compute ms", "comm ms (exposed)",
+          "samples/s", "efficiency", "why"]
+
+
+def plot(ranking: list[Candidate], title: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c.strategy for c in ranking][::-1]
+    comp = [(c.prediction.step_s - c.prediction.phases["comm_s"]) * 1e3 for c in ranking][::-1]
+    comm = [c.prediction.phases["comm_s"] * 1e3 for c in ranking][::-1]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.6))
+    ax.barh(names, comp, color="#4c72b0", label="compute")
+    ax.barh(names, comm, left=comp, color="#dd8452", label="communication (exposed)")
+    for y, (a, b, c) in enumerate(zip(comp, comm, ranking[::-1])):
+        ax.text(a + b, y, f" {a + b:.1f} ms · {c.prediction.bound}", va="center", fontsize=8)
+    ax.set_xlabel("predicted ms per step (best setting of each strategy)")
+    ax.set_xlim(0, max(a + b for a, b in zip(comp, comm)) * 1.5)
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- the command -------------------------------------------------------------------------
+
+def add_advise_parser(sub: Any) -> None:
+    from .config import add_config_flags
+
+    p = sub.add_parser("advise", help="predict which strategy, bucket size and servers "
+                       "train fastest on a cluster, and why (psring.simulate)")
+    add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
+                              "features", "batch_size", "hosts", "workers_per_host",
+                              "link", "delay", "seed"))
+    p.add_argument("--workers", type=int, default=0, help="workers in all (default: "
+                   "hosts x workers-per-host)")
+    p.add_argument("--profile", default="", help="a profile (psring profile, or any run "
+                   "directory) instead of profiling the model now")
+    p.add_argument("--calibration", default="", help="α-β-γ calibration file (default: "
+                   "$PSRING_CALIBRATION or ~/.cache/psring/calibration.json; measured "
+                   "quickly when there is none)")
+    p.add_argument("--verify", action="store_true", help="run the top candidates on this "
+                   "machine's emulation of the cluster and print predicted vs measured")
+    p.add_argument("--verify-steps", type=int, default=20, help="steps per verifying run")
+    p.add_argument("--out", default="", help="directory for the profile, advise.json, "
+                   "advise.png and verifying runs (default runs/advise-<time>)")
+    p.set_defaults(func=advise_command)
+
+
+def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
+    """The cluster of the flags, or a ConfigError that names the fix."""
+    from .emulate import parse_delay, parse_rate
+
+    if args.hosts < 1:
+        raise ConfigError(f"--hosts {args.hosts}: a cluster has at least one host.")
+    if args.workers_per_host < 0 or args.workers < 0:
+        raise ConfigError("--workers and --workers-per-host count processes: give "
+                          "positive numbers (or leave them out).")
+    per_host = args.workers_per_host or max(1, math.ceil((args.workers or args.hosts)
+                                                          / args.hosts))
+    slots = args.hosts * per_host
+    n = args.workers or slots
+    if n > slots:
+        raise ConfigError(f"--workers {n} do not fit on {args.hosts} host(s) x "
+                          f"{per_host} worker(s) per host ({slots} slots): raise --hosts or "
+                          f"--workers-per-host, or lower --workers.")
+    if n < slots:
+        raise ConfigError(f"--workers {n} would leave {slots - n} of {slots} slots empty; "
+                          f"the simulator places the same number of workers on every host: "
+                          f"give --workers {slots}, or leave it out.")
+    link = parse_rate(args.link) if args.link else None
+    delay = parse_delay(args.delay) if args.delay else 0.0
+    if args.hosts > 1 and link is None:
+        raise ConfigError(f"--hosts {args.hosts} needs the link between them: give "
+                          f"--link RATE (e.g. 1gbit, 10gbit, 100gbit).")
+    if args.batch_size < 1 or args.batch_size % n:
+        raise ConfigError(f"--batch-size {args.batch_size} is the global batch and must be a "
+                          f"positive multiple of the {n} workers; try --batch-size "
+                          f"{max(1, math.ceil(max(args.batch_size, 1) / n)) * n}.")
+    return Cluster(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
+                   delay_s=delay), n
+
+
+def _calibration(args: argparse.Namespace, out: Path):
+    from .costmodel import Calibration, find_calibration
+
+    if args.calibration:
+        return Calibration.load(args.calibration)
+    path = find_calibration(out)
+    if path is not None:
+        return Calibration.load(path)
+    from .calibrate import calibrate
+
+    print("psring: no α-β-γ calibration found (psring calibrate); measuring a quick one",
+          flush=True)
+    cal = calibrate(quick=True)
+    cal.save(out / "calibration.json")
+    return cal
+
+
+def _verify_fits(cluster: Cluster, n: int, classes: dict[str, Any], top: list[Candidate]
+                 ) -> str | None:
+    """Why this machine cannot emulate the cluster for --verify, or None."""
+    procs = max(n + (c.cluster.servers if classes[c.strategy].uses_servers else 0)
+                for c in top)
+    if procs > VERIFY_MAX_PROCESSES:
+        return (f"{procs} processes (workers and servers) do not fit this machine's "
+                f"{os.cpu_count()} cores for a measurement (at most {VERIFY_MAX_PROCESSES})")
+    return None
+
+
+def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespace,
+           n: int, out: Path) -> list[dict[str, Any]]:
+    """Run each candidate as the cluster's emulation; predicted vs measured step time."""
+    from .config import RunConfig
+    from .launch import launch
+    from .report import summarize
+
+    results = []
+    for c in top:
+        flags = {**_model_flags(args), **c.run_flags(), "workers": n,
+                 "hosts": args.hosts, "workers_per_host": c.cluster.workers_per_host,
+                 "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
+                 else "", "delay": args.delay, "batch_size": args.batch_size,
+                 "steps": args.verify_steps, "eval_every": args.verify_steps,
+                 "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
+        cls = classes[c.strategy]
+        if not cls.uses_servers:
+            flags.pop("servers"), flags.pop("server_placement")
+        if not cls.supports_compression:
+            flags.pop("compress")
+        if cls.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
+            flags["link"] = args.link
+        print(f"psring: verifying {c.strategy} ({c.setting(cls.uses_servers, cls.supports_compression)})",
+              flush=True)
+        run_dir = launch(RunConfig(**flags))
+        measured = summarize(run_dir)["step_p50_s"]
+        predicted = c.prediction.step_s
+        results.append({"strategy": c.strategy, "setting":
+                        c.setting(cls.uses_servers, cls.supports_compression),
+                        "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
+                        "error": (predicted - measured) / measured, "run": str(run_dir)})
+    return results
+
+
+def _slug(c: Candidate) -> str:
+    cl = c.cluster
+    return f"{c.strategy}-b{cl.bucket_mb:g}-k{cl.servers}-{cl.placement}-{cl.compress}"
+
+
+def _model_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("model", "width", "depth", "classes", "image_size",
+                                           "seq_len", "features", "seed")}
+
+
+def advise_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .models import ModelSettings, meta_build
+    from .profile import profile_config, take_profile
+    from .runlog import atomic_write_json
+
+    cluster, n = _cluster(args)
+    if args.verify_steps < 5:
+        raise ConfigError(f"--verify-steps {args.verify_steps}: give at least 5 (the first "
+                          f"steps are warm-up, left out of the measured step time).")
+    out = Path(args.out or os.path.join("runs", f"advise-{time.strftime('%Y%m%d-%H%M%S')}"))
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // n) if args.verify else 0
+    if args.profile:
+        prof = Profile.load(args.profile)
+    else:
+        cfg = profile_config(**_model_flags(args), batch_size=args.batch_size // n,
+                             threads=threads, out=str(out / "profile"))
+        meta_build(cfg.model, ModelSettings.from_config(cfg))  # a bad model: exit 2 now
+        print(f"psring: profiling {cfg.model} at batch {cfg.batch_size} per worker "
+              f"({cfg.steps} steps of single, traced)", flush=True)
+        prof = take_profile(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    cal = _calibration(args, out)
+    if args.verify:  # the emulation on this machine: every process shares its cores
+        cluster = Cluster(**{**_fields(cluster), "cores": cores})
+    classes = _strategy_classes(n, cluster.hosts)
+    cands = candidates(prof, cluster, cal, classes)
+    ranking = rank(cands)
+    where = cluster.describe() + (f", emulated on this machine's {cores} cores"
+                                  if args.verify else "")
+    title = (f"psring advise: {prof.source.get('model', 'profiled model')}, "
+             f"{prof.total_bytes / 1e6:.2f} MB of gradients, batch {args.batch_size} "
+             f"({prof.batch_size} per worker), {n} workers on {where}")
+    t = Table(title=title, show_lines=True)
+    for h in HEADER:
+        t.add_column(h, justify="right" if h in ("step ms", "compute ms", "comm ms (exposed)",
+                                                 "samples/s", "efficiency", "#") else "left")
+    rows = table(ranking, classes)
+    for r in rows:
+        t.add_row(*r)
+    console = Console(width=160)
+    console.print(t)
+    recs = recommendations(cands, ranking, classes)
+    for line in recs:
+        print(line)
+    png = plot(ranking, title, out / "advise.png")
+    report: dict[str, Any] = {
+        "title": title, "profile": {**prof.source, "summary": prof.describe()},
+        "cluster": _fields(cluster), "workers": n, "calibration_host": cal.host,
+        "ranking": [dict(zip(HEADER, r)) for r in rows],
+        "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
+        "recommendations": recs}
+    if args.verify:
+        top = _verify_candidates(ranking, classes)
+        reason = _verify_fits(cluster, n, classes, top)
+        if reason is not None:
+            raise ConfigError(f"--verify: {reason}; run advise without --verify for the "
+                              f"prediction alone.")
+        results = verify(top, classes, args, n, out)
+        vt = Table(title="predicted vs measured (this machine's emulation of the cluster)")
+        for h in ("strategy", "setting", "predicted ms", "measured ms", "error"):
+            vt.add_column(h)
+        for r in results:
+            vt.add_row(r["strategy"], r["setting"], f"{r['predicted_ms']:.1f}",
+                       f"{r['measured_ms']:.1f}", f"{r['error']:+.0%}")
+        console.print(vt)
+        fastest = min(results, key=lambda r: r["measured_ms"])
+        rec = results[0]
+        ok = rec["measured_ms"] <= 1.05 * fastest["measured_ms"]
+        print(f"Recommended {rec['strategy']}: measured {rec['measured_ms']:.1f} ms; the "
+              f"measured fastest is {fastest['strategy']} ({fastest['measured_ms']:.1f} ms): "
+              + ("the recommendation holds." if ok else "the recommendation is off by "
+                 f"{rec['measured_ms'] / fastest['measured_ms'] - 1:.0%}."))
+        report["verify"] = {"results": results, "recommended_is_fastest_within_5pct": ok,
+                            "median_abs_error": statistics.median(abs(r["error"])
+                                                                  for r in results)}
+    atomic_write_json(out / "advise.json", report)
+    print(f"advise: {out / 'advise.json'}, {png}")
+    return 0
+
+
+def _verify_candidates(ranking: list[Candidate], classes: dict[str, Any]) -> list[Candidate]:
+    """The winner, the runner-up, and the best of the other family (ring or PS)."""
+    family = lambda c: classes[c.strategy].comm_model  # noqa: E731
+    top = ranking[:2]
+    other = next((c for c in ranking if c not in top and family(c) not in
+                  {family(t) for t in top} and family(c) is not None), None)
+    if other is not None:
+        top.append(other)
+    return top
