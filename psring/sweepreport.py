@@ -211,6 +211,7 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
             pred = predict_comm(model, s["workers"], s["servers"], s["gradient_bytes"], cal,
                                 Topology.for_config(r0["config"]))
         s["predicted_comm_ms"] = pred * 1e3 if pred is not None else None
+        _predict_step(s, rs, cal)
         if pred and s["comm_ms"]:  # (one worker: nothing to predict but 0)
             s["comm_error"] = (pred * 1e3 - s["comm_ms"]["median"]) / s["comm_ms"]["median"]
         else:
@@ -223,6 +224,48 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
                             s["servers"], s["intensity"] or 0, s["gradient_bytes"],
                             s["setting"]))
     return out
+
+
+def _predict_step(s: dict, rs: list[dict], cal: Any) -> None:
+    """The simulator's step time (psring.simulate.replay: each run's own compute, its
+    cluster's communication played out) beside the measured one, and what bounds it."""
+    from .simulate import replay
+
+    preds = [replay(Path(r["run"]), cal) for r in rs] if cal is not None else []
+    preds = [p for p in preds if p is not None]
+    s["predicted_step_ms"] = st.median(p.step_s * 1e3 for p in preds) if preds else None
+    s["predicted_bound"] = preds[0].bound if preds else None
+    s["step_error"] = ((s["predicted_step_ms"] - s["step_ms"]["median"]) / s["step_ms"]["median"]
+                       if preds and s["step_ms"] else None)
+
+
+def prediction_check(settings: list[dict]) -> dict[str, Any]:
+    """How well the simulator did over a sweep: the median and largest absolute error of
+    the predicted step time, and, per group of settings that differ only in strategy
+    (and the servers' number and placement), whether the predicted fastest is the
+    measured fastest."""
+    errs = [abs(s["step_error"]) for s in settings
+            if s.get("step_error") is not None and s["strategy"] != "single"]
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for s in settings:
+        if s.get("step_error") is None or s["strategy"] == "single":
+            continue
+        key = {k: v for k, v in s["config"].items()
+               if k not in ("strategy", "servers", "server_placement", "out", "seed",
+                            "master_port")}
+        groups[json.dumps(key, sort_keys=True, default=str)].append(s)
+    winners = []
+    for g in groups.values():
+        if len(g) < 2:
+            continue
+        measured = min(g, key=lambda s: s["step_ms"]["median"])
+        predicted = min(g, key=lambda s: s["predicted_step_ms"])
+        # a tie within 5% measured counts either way: noise decides it
+        close = predicted["step_ms"]["median"] <= 1.05 * measured["step_ms"]["median"]
+        winners.append({"measured": _label(measured), "predicted": _label(predicted),
+                        "right": predicted is measured or close})
+    return {"n": len(errs), "median_abs_error": st.median(errs) if errs else None,
+            "max_abs_error": max(errs) if errs else None, "winners": winners}
 
 
 #: the settings that place a run on an emulated cluster (psring.emulate)
@@ -799,7 +842,7 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
 
     emulated = any(s["cluster"] != "this machine" for s in settings)
     key_header = ["setting", *(["cluster"] if emulated else []), "samples/s", "step ms",
-                  "comm ms", "predicted comm ms", "error", "speedup vs single",
+                  "comm ms", "predicted step ms", "error", "speedup vs single",
                   "final acc", "time to target s"]
     key_rows = []
     for s in settings:
@@ -807,8 +850,8 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
             make_label(s, with_cluster=False), *([s["cluster"]] if emulated else []),
             _fmt(s["samples_per_s"]), _fmt(s["step_ms"], digits=1),
             _fmt(s["comm_ms"], digits=1),
-            f"{s['predicted_comm_ms']:.1f}" if s["predicted_comm_ms"] is not None else "-",
-            f"{s['comm_error']:+.0%}" if s["comm_error"] is not None else "-",
+            f"{s['predicted_step_ms']:.1f}" if s["predicted_step_ms"] is not None else "-",
+            f"{s['step_error']:+.0%}" if s["step_error"] is not None else "-",
             f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-",
             _fmt(s["accuracy_final"], digits=3), _tta_text(s) if target is not None else "-",
         ])
@@ -873,6 +916,28 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                "predicted faster, above it the one with the smaller cost per byte. Along "
                "intensity at a fixed size the model predicts no crossover: the strategy "
                "with the cheaper communication stays ahead, by less as compute grows.", ""]
+    check = prediction_check(settings)
+    if check["n"]:
+        md += ["## Step-time prediction", "",
+               "The simulator (psring.simulate, docs/prediction.md) replays each run: its "
+               "own forward, backward and update times and when its buckets were "
+               "launched, with its cluster's communication played out on the calibrated "
+               f"α-β-γ costs. Over {check['n']} distributed setting(s): median absolute "
+               f"error {check['median_abs_error']:.0%}, largest "
+               f"{check['max_abs_error']:.0%}."
+               + (f" Predicted fastest = measured fastest (or within 5% of it) in "
+                  f"{sum(w['right'] for w in check['winners'])} of "
+                  f"{len(check['winners'])} comparison(s)." if check["winners"] else ""), "",
+               _md_table(["setting", "measured step ms", "predicted step ms", "error",
+                          "predicted bound"],
+                         [[_label(s), _fmt(s["step_ms"], digits=1),
+                           f"{s['predicted_step_ms']:.1f}", f"{s['step_error']:+.0%}",
+                           s["predicted_bound"] or "-"]
+                          for s in settings if s.get("step_error") is not None]), ""]
+        if check["winners"]:
+            md += [_md_table(["measured fastest", "predicted fastest", "right"],
+                             [[w["measured"], w["predicted"], "yes" if w["right"] else "no"]
+                              for w in check["winners"]]), ""]
     if "costmodel" in plots:
         errs = [s for s in settings if s["comm_error"] is not None]
         md += ["## Cost model vs measurement", "", f"![costmodel]({plots['costmodel'].name})",
