@@ -95,11 +95,15 @@ class Profile:
 
     # -- building one -----------------------------------------------------------------
     @classmethod
-    def from_run(cls, run_dir: str | os.PathLike, worker: int = 0) -> "Profile":
+    def from_run(cls, run_dir: str | os.PathLike, worker: int | None = 0) -> "Profile":
         """From a run directory: its worker's median phase times after warm-up, and each
         parameter's ready time — traced (``--trace``), else interpolated from when its
         bucket was launched (a bucket launches once its last gradient is ready), else
-        spread over backward in proportion to the bytes already produced."""
+        spread over backward in proportion to the bytes already produced.
+
+        ``worker=None``: each step's slowest worker (the most compute), the one a
+        synchronous step waits for; on shared cores the workers' compute jitters, and
+        the step follows the maximum, not the median."""
         from .report import warmup_steps
 
         run_dir = Path(run_dir)
@@ -113,12 +117,21 @@ class Profile:
         if not sizes:
             raise ConfigError(f"{run_dir}: its manifest lacks parameter_sizes (a run made "
                               f"before profiles existed); run it again.")
-        records = [r for r in read_steps(run_dir) if r.get("worker") == worker]
+        records = read_steps(run_dir)
+        if worker is not None:
+            records = [r for r in records if r.get("worker") == worker]
+        else:
+            slowest: dict[int, dict] = {}
+            for r in records:
+                if r["step"] not in slowest or _compute(r) > _compute(slowest[r["step"]]):
+                    slowest[r["step"]] = r
+            records = [slowest[k] for k in sorted(slowest)]
         skip = warmup_steps(cfg["steps"])
         kept = [r for r in records if r["step"] >= skip] or records
         if not kept:
-            raise ConfigError(f"{run_dir}: no step records of worker {worker}; the run did "
-                              f"not get through a step.")
+            raise ConfigError(f"{run_dir}: no step records"
+                              f"{'' if worker is None else f' of worker {worker}'}; the run "
+                              f"did not get through a step.")
         med = lambda key: statistics.median(r.get(key, 0.0) for r in kept)  # noqa: E731
         backward = med("backward_s")
         traced = [r["grad_ready_s"] for r in kept
@@ -193,6 +206,10 @@ class Profile:
 
 #: the run settings that say which model a profile is of
 _MODEL_KEYS = ("width", "depth", "classes", "image_size", "seq_len", "features")
+
+
+def _compute(r: dict) -> float:
+    return sum(r.get(k, 0.0) for k in ("data_s", "forward_s", "backward_s", "update_s"))
 
 
 def _spread(param_bytes: list[int], backward_s: float) -> list[float]:

@@ -194,10 +194,24 @@ class _Events:
 def _send(t: float, nbytes: float, path: list[_Resource], alpha: float) -> float:
     """A message requested at t: it occupies each resource of its path (pipelined, each
     FIFO) and arrives α after the last is done."""
-    end = t
-    for r in path:
-        end = max(end, r.occupy(t, nbytes * r.beta))
-    return end + alpha
+    return _send_together(t, [(nbytes, path, alpha)])[0]
+
+
+def _send_together(t: float, msgs: list[tuple[float, list[_Resource], float]]) -> list[float]:
+    """Messages sent at the same moment from one process (a server answering every
+    held pull, a worker pushing a bucket's pieces to K servers): they go out on separate
+    connections, which share each resource fairly (TCP flows through a link, ZeroMQ's
+    I/O thread over its pipes), not one after another. So a resource they share carries
+    their bytes together and each message is done when all its resources have carried
+    the group's bytes (processor sharing of equal-sized messages started together).
+    Returns each message's arrival."""
+    load: dict[int, tuple[_Resource, float]] = {}
+    for nbytes, path, _ in msgs:
+        for r in path:
+            res, b = load.get(id(r), (r, 0.0))
+            load[id(r)] = (res, b + nbytes)
+    done = {key: res.occupy(t, b * res.beta) for key, (res, b) in load.items()}
+    return [max([t, *(done[id(r)] for r in path)]) + alpha for _, path, alpha in msgs]
 
 
 def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> list[float]:
@@ -285,8 +299,8 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cal, steps) 
     if cluster.hosts > 1:
         a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
         # a step lasts as long as its slowest edge: the link the ring crosses hosts on
-        if a_link + b_link >= alpha + beta:
-            alpha, beta, edge = a_link, max(b_link, beta), "host links (ring)"
+        # (never faster than loopback: between_hosts keeps β at least loopback's)
+        alpha, beta, edge = max(a_link, alpha), b_link, "host links (ring)"
     # Every rank runs the same timeline (they launch the same buckets at the same
     # moments and each collective ends for all at once): play rank 0's.
     stream = _Resource(edge, beta)
@@ -359,7 +373,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
 
     ev = _Events()
     starts = [[0.0] for _ in range(n)]
-    bw_end = [[0.0] * steps for _ in range(n)]
+    bw_end: dict[tuple[int, int], float] = {}  # (w, s) -> when w's backward ended
     got = {}            # (k, s) -> float32 bytes received (sync)
     own = {}            # (k, w, s) -> bytes of w's pushes applied (async)
     pull_req = {}       # (k, w, s) -> when w's pull reached server k
@@ -375,24 +389,25 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
     latency = [2 * (a_link if crossing else a_loc)]
 
     def step_start(w: int, s: int, t: float) -> None:
-        if s == steps:
+        # async workers that are ahead keep going until the slowest has played its
+        # steps, so every worker's last steps meet the others' traffic
+        if s >= steps and (sync or min(len(st) for st in starts) > steps):
             return
         launches = _launches(t, compute, buckets)
         for i, at in enumerate(launches):
             ev.at(at, lambda tt, w=w, s=s, i=i: launch(w, s, i, tt))
         end = t + D + F + B
-        bw_end[w][s] = end
+        bw_end[(w, s)] = end
         ev.at(end, lambda tt, w=w, s=s: send_pulls(w, s, tt))
 
     def launch(w: int, s: int, i: int, t: float) -> None:
-        arrive = t
-        for k, m in pieces[i]:
-            p, a = path(w_io[w], whost[w], shost[k], s_io[k])
-            arrive = _send(t, m * wire, p, a)
+        msgs = [(m * wire, *path(w_io[w], whost[w], shost[k], s_io[k])) for k, m in pieces[i]]
+        arrivals = _send_together(t, msgs)
+        for (k, m), arrive in zip(pieces[i], arrivals):
             last_push[(w, s, k)] = max(last_push.get((w, s, k), 0.0), arrive)
             ev.at(arrive, lambda tt, k=k, w=w, s=s, m=m: push_arrives(k, w, s, m, tt))
         if w == 0 and s == steps - 1:
-            bucket_times.append((t - starts[0][-1], arrive - starts[0][-1]))
+            bucket_times.append((t - starts[0][-1], max(arrivals) - starts[0][-1]))
 
     def push_arrives(k: int, w: int, s: int, m: float, t: float) -> None:
         if sync:
@@ -401,9 +416,15 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
             if got[(k, s)] >= n * shard_bytes[k]:
                 done = s_cpu[k].occupy(done, shard_bytes[k] * apply_per_byte)
                 ready_v[(k, s)] = done
+                # the pulls held for this version are answered together; one that
+                # arrives later, on its own
+                held = [ww for ww in range(n)
+                        if (k, ww, s) in pull_req and pull_req[(k, ww, s)] <= done]
+                if held:
+                    ev.at(done, lambda tt, k=k, held=held, s=s: answer_all(k, held, s, tt))
                 for ww in range(n):
-                    if (k, ww, s) in pull_req:
-                        ev.at(max(done, pull_req[(k, ww, s)]),
+                    if (k, ww, s) in pull_req and ww not in held:
+                        ev.at(pull_req[(k, ww, s)],
                               lambda tt, k=k, ww=ww, s=s: answer(k, ww, s, tt))
         else:
             own_done[(k, w, s)] = s_cpu[k].occupy(t, m * (cal.gamma + apply_per_byte))
@@ -433,15 +454,19 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
                   lambda tt, k=k, w=w, s=s: answer(k, w, s, tt))
 
     def answer(k: int, w: int, s: int, t: float) -> None:
-        p, a = path(s_io[k], shost[k], whost[w], w_io[w])
-        arrive = _send(t, shard_bytes[k] * wire, p, a)
-        ev.at(arrive, lambda tt, k=k, w=w, s=s: pull_arrives(k, w, s, tt))
+        answer_all(k, [w], s, t)
+
+    def answer_all(k: int, ws: list[int], s: int, t: float) -> None:
+        msgs = [(shard_bytes[k] * wire, *path(s_io[k], shost[k], whost[w], w_io[w]))
+                for w in ws]
+        for w, arrive in zip(ws, _send_together(t, msgs)):
+            ev.at(arrive, lambda tt, k=k, w=w, s=s: pull_arrives(k, w, s, tt))
 
     def pull_arrives(k: int, w: int, s: int, t: float) -> None:
         pulled[(w, s)] = pulled.get((w, s), 0) + 1
         pull_done[(w, s)] = max(pull_done.get((w, s), 0.0), t)
         if pulled[(w, s)] == K:
-            nxt = max(pull_done[(w, s)], bw_end[w][s])
+            nxt = max(pull_done[(w, s)], bw_end[(w, s)])
             starts[w].append(nxt)
             step_start(w, s + 1, nxt)
 
@@ -449,8 +474,13 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
         step_start(w, 0, 0.0)
     ev.run()
     periods = [(st[-1] - st[-3]) / 2 for st in starts]
-    period = sum(periods) / n
-    window = (starts[0][-2], starts[0][-1])
+    # the step time is the slowest worker's (a synchronous step's, for every worker; an
+    # asynchronous run's slowest worker, as a sweep report's step time is the slowest
+    # worker's), and the throughput every worker's
+    period = max(periods)
+    rate = sum(profile.batch_size / p for p in periods if p > 0)
+    w0 = periods.index(period)
+    window = (starts[w0][-2], starts[w0][-1])
     width = max(1e-12, window[1] - window[0])
     util = {}
     for r in [*w_io, *s_io, *s_cpu, *out.values(), *inn.values()]:
@@ -458,8 +488,10 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
             util[r.name] = r.busy_between(*window) / width
     # per-step view of the busiest one in steady state (a shared resource's busy time
     # over worker 0's window stands for every worker's)
-    return _finish(profile, cluster, mode, period, compute, False, util, latency[0],
+    pred = _finish(profile, cluster, mode, period, compute, False, util, latency[0],
                    bucket_times, total, starts[0])
+    pred.samples_per_s = rate
+    return pred
 
 
 
@@ -496,7 +528,9 @@ def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
     try:
         cfg = read_manifest(run_dir)["config"]
         cls = STRATEGIES.get(cfg["strategy"])
-        prof = Profile.from_run(run_dir)
+        # each step's slowest worker: the one a synchronous step waits for, and the one
+        # whose step a report measures (the slowest worker's step, async runs included)
+        prof = Profile.from_run(run_dir, worker=None)
     except (PsringError, KeyError, OSError, ValueError):
         return None
     # the run's own compute already carries its share of the cores: no stretch

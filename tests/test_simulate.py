@@ -84,12 +84,12 @@ def test_ring_at_n_workers_is_its_2n_minus_2_steps(n):
     # 0.8 ms) and applies the update (the profile's 4 ms per 8e6 bytes): 43.8 ms; the
     # pull's answer takes 8 ms through both transports and α: 52.8 ms.
     (1, 0.0528),
-    # K = 2: two 4e6-byte pieces, sent one after the other by the worker's transport:
-    # piece 0 arrives at 35 ms, piece 1 at 39 ms. Server 0: +0.4 ms add, +2 ms apply =
-    # 37.4 ms; answer 0 leaves when the worker's transport is free (38 ms) and arrives
-    # at 43 ms. Server 1: 39 + 0.4 + 2 = 41.4 ms; answer 1 queues behind answer 0 at the
-    # worker (42 ms) and arrives at 47 ms: the next step starts then.
-    (2, 0.047),
+    # K = 2: two 4e6-byte pieces sent together share the worker's transport (8e6 bytes:
+    # 30-38 ms) and arrive together at 39 ms. Each server adds its piece (0.4 ms) and
+    # applies (the profile's 0.5 ns per byte: 2 ms): 41.4 ms, and answers. Answer 0
+    # takes the worker's transport 41.4-45.4 ms (arrives 46.4), answer 1 queues behind it
+    # (45.4-49.4) and arrives at 50.4 ms: the next step starts then.
+    (2, 0.0504),
 ])
 def test_a_ps_round_with_k_shards(K, expected):
     M = 8_000_000
@@ -107,10 +107,10 @@ def test_an_async_step_does_not_wait_for_the_other_worker():
     M = 8_000_000
     cl = Cluster(hosts=1, workers_per_host=2, servers=1)
     # ps (sync): the server applies once both are in: adds at 39-39.8 and 47-47.8 ms,
-    # update 4 ms -> 51.8 ms; answers: worker 0's 51.8-59.8 ms (+α: 60.8 ms), then
-    # worker 1's behind it in the server's transport (68.8 ms).
+    # update 4 ms -> 51.8 ms; it answers both held pulls together, sharing its transport
+    # (16e6 bytes: 51.8-67.8 ms): both arrive at 68.8 ms.
     sync = simulate(profile([M], [B]), cl, "ps", CAL)
-    assert sync.starts[1] == pytest.approx(0.0608)
+    assert sync.starts[1] == pytest.approx(0.0688)
     # async-ps: worker 0's push is applied on arrival (add + update: 4.8 ms -> 43.8 ms)
     # and its pull answered at once: its transport is free, the server's frees at 46 ms
     # (after receiving worker 1's push), so the answer arrives at 46 + 8 + 1 = 55 ms.
