@@ -250,9 +250,9 @@ def prediction_check(settings: list[dict]) -> dict[str, Any]:
     for s in settings:
         if s.get("step_error") is None or s["strategy"] == "single":
             continue
-        key = {k: v for k, v in s["config"].items()
-               if k not in ("strategy", "servers", "server_placement", "out", "seed",
-                            "master_port")}
+        # the sweep's varied settings (its base is shared), less what is compared
+        key = {k: v for k, v in s["varied"].items()
+               if k not in ("strategy", "servers", "server_placement")}
         groups[json.dumps(key, sort_keys=True, default=str)].append(s)
     winners = []
     for g in groups.values():
@@ -973,7 +973,7 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     path = sweep_dir / REPORT
     atomic_write_bytes(path, "\n".join(md).encode())
     atomic_write_bytes(sweep_dir / "report.json", json.dumps(
-        [{k: v for k, v in s.items() if k not in ("rows", "config", "staleness", "has_evals")}
+        [{k: v for k, v in s.items() if k not in ("rows", "staleness", "has_evals")}
          for s in settings], indent=2, default=str).encode())
     return path, render_key_table(key_header, key_rows, spec.get("name", ""))
 

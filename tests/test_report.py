@@ -61,6 +61,15 @@ def test_compare_runs_every_strategy_and_reports(tmp_path):
         assert rows[name]["predicted_comm_ms"] > 0
         assert rows[name]["comm_error"] is not None
     assert rows["hogwild"]["predicted_comm_ms"] is None
+    # the simulator replays every run: a step time beside each measured one, whose
+    # error is what the report says it is; hogwild's prediction is its compute alone
+    for name in STRATEGIES:
+        r = rows[name]
+        assert r["predicted_step_ms"] > 0, name
+        assert r["step_error"] == pytest.approx(
+            r["predicted_step_ms"] / r["step_ms"]["median"] - 1)
+    assert rows["ps"]["predicted_bound"] is not None
+    assert "## Step-time prediction" in report
     # time to accuracy: compare.toml's 90% target, which single reaches at step 24 and
     # every synchronous strategy at the same step (the same SGD)
     assert "## Time to accuracy" in report and (out / "accuracy.png").exists()

@@ -1,0 +1,62 @@
+"""The simulator's step-time error over several sweeps, split by where they ran.
+
+    psring sweep experiments/models.toml --out runs/models
+    psring sweep experiments/emulated_costmodel.toml --out runs/emulated_costmodel
+    python experiments/prediction_report.py runs/models runs/emulated_costmodel
+
+Reads each sweep's report.json (``psring report DIR`` writes it, with the simulator's
+replay of every run: psring.simulate.replay) and prints, for the runs on emulated links
+and for those on this machine's loopback separately: the median and largest absolute
+error of the predicted step time, and how often the predicted fastest strategy of a
+setting was the measured fastest (or within 5% of it). Then every point, as a Markdown
+table for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def main(dirs: list[str]) -> int:
+    from psring.sweepreport import prediction_check
+
+    rows, checks = [], {"emulated links": [], "loopback": []}
+    for d in dirs:
+        settings = json.loads((Path(d) / "report.json").read_text())
+        for where in checks:
+            part = [s for s in settings
+                    if (s["cluster"] != "this machine") == (where == "emulated links")]
+            checks[where].append(prediction_check(part))
+        for s in settings:
+            if s.get("step_error") is None or s["strategy"] == "single":
+                continue
+            rows.append((Path(d).name, s["label"] if s.get("label") else s["strategy"],
+                         s["cluster"], s["step_ms"]["median"], s["predicted_step_ms"],
+                         s["step_error"], s.get("predicted_bound") or "-"))
+    for where, cs in checks.items():
+        errs = [abs(r[5]) for r in rows if (r[2] != "this machine") == (where == "emulated links")]
+        wins = [w for c in cs for w in c["winners"]]
+        if not errs:
+            continue
+        print(f"{where}: {len(errs)} settings, median |error| {statistics.median(errs):.1%}, "
+              f"largest {max(errs):.1%}, within 25%: {sum(e <= 0.25 for e in errs)}/{len(errs)}; "
+              f"winner right {sum(w['right'] for w in wins)}/{len(wins)}")
+        for w in wins:
+            if not w["right"]:
+                print(f"  wrong winner: measured {w['measured']}, predicted {w['predicted']}")
+    print()
+    print("| sweep | setting | cluster | measured ms | predicted ms | error | bound |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:+.0%} | {r[6]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        print(__doc__)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1:]))
