@@ -1,0 +1,142 @@
+"""The simulator on paper: published clusters and scaling figures, predicted from their
+published per-device compute times (docs/prediction.md has the sources and the reading).
+
+    python experiments/published.py            # prints the two Markdown tables
+
+1. Against published figures: Horovod's 512 Pascal GPUs (128 servers x 4, 25 Gbit/s
+   RoCE; Inception V3, ResNet-101, VGG-16 at batch 64 per GPU), and PyTorch's DDP
+   benchmark (ResNet-50, batch 32 per GPU, 8 and 16 V100s, 8 per machine, 4 x 100 Gbit/s
+   InfiniBand per machine).
+2. Beyond this machine: ring all-reduce and a sharded PS (servers on hosts of their own,
+   as many as the workers' hosts, BytePS's setting) for 8 to 256 workers at 10, 25 and
+   100 Gbit/s.
+
+Every number the simulator is given is stated below with its source; nothing here is
+measured on this machine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from psring.costmodel import Calibration
+from psring.profile import Profile
+from psring.simulate import Cluster, simulate
+
+# -- the hardware, on paper ------------------------------------------------------------
+#: GPU clusters: NCCL over RDMA; per-message latency ~10 µs; inside a server PCIe/NVLink
+#: at ~10 GB/s (β 1e-10 s/byte); a GPU adds at several hundred GB/s (γ 2e-12 s/byte).
+#: Between servers the link's nominal rate sets β (psring.emulate.payload_beta: TCP
+#: payload at a 1500-byte MTU, a conservative reading of RoCE's).
+GPU = Calibration(zmq_alpha=1e-5, zmq_beta=1e-10, dist_alpha=1e-5, dist_beta=1e-10,
+                  gamma=2e-12, host="on paper: GPU servers")
+
+# -- the models' parameters, layer by layer ----------------------------------------------
+
+
+def _sizes(build) -> list[int]:
+    import torch
+
+    with torch.device("meta"):
+        model = build()
+    return [p.numel() * 4 for p in model.parameters()]
+
+
+def resnet(layers: list[int]) -> list[int]:
+    from psring.zoo.vision import Bottleneck, ResNet
+
+    return _sizes(lambda: ResNet(Bottleneck, layers, 1000, 64, 3))
+
+
+def vgg16() -> list[int]:
+    from psring.models import ModelSettings, build_model
+
+    def build():
+        return build_model("vgg16", ModelSettings(classes=1000, image_size=224), 0)[0]
+
+    return _sizes(build)
+
+
+def scaled(sizes: list[int], params: float) -> list[int]:
+    """A layer list rescaled to a published parameter count."""
+    k = params * 4 / sum(sizes)
+    return [max(4, int(s * k) // 4 * 4) for s in sizes]
+
+
+def profile(sizes: list[int], per_gpu_img_s: float, batch: int, name: str) -> Profile:
+    """A step of ``batch`` images at the published images/s: one third forward, two
+    thirds backward (the usual split), the update on the GPU (3 passes over the
+    parameters at ~500 GB/s)."""
+    step = batch / per_gpu_img_s
+    update = 3 * sum(sizes) / 500e9
+    compute = step - update
+    return Profile.on_paper(sizes, forward_s=compute / 3, backward_s=2 * compute / 3,
+                            update_s=update, batch_size=batch, source={"model": name})
+
+
+def published() -> list[list[str]]:
+    r50, r101 = resnet([3, 4, 6, 3]), resnet([3, 4, 23, 3])
+    rows = []
+    horovod = Cluster(hosts=128, workers_per_host=4, link_bits=25e9)
+    # Horovod's own single-GPU baselines at batch 64 (its README's table, PR #44):
+    # Inception V3 134.4, ResNet-101 119.4, VGG-16 130.9 images/s. Inception V3's layers
+    # are not built here: ResNet-50's, rescaled to its 23.9M parameters (Keras).
+    for name, sizes, ips, eff in (
+            ("Inception V3", scaled(r50, 23.9e6), 134.4, 0.90),
+            ("ResNet-101", r101, 119.4, 0.90),
+            ("VGG-16", vgg16(), 130.9, 0.68)):
+        prof = profile(sizes, ips, 64, name)
+        p = simulate(prof, horovod, "ring", GPU, steps=3)
+        rows.append([f"Horovod, {name}", "512 Pascal GPUs (128 x 4), 25 Gbit/s RoCE",
+                     f"{sum(sizes) / 1e6:.0f} MB", f"{prof.compute_s * 1e3:.0f} ms",
+                     f"{eff:.0%}", f"{p.efficiency:.0%}", p.bound])
+    # PyTorch's DDP benchmark (benchmarks/distributed/ddp/README.md): ResNet-50 at batch
+    # 32, p50 0.097 s on one GPU, 0.104 s on 8 (one machine) and 16 (two machines).
+    prof = profile(r50, 32 / 0.097, 32, "ResNet-50")
+    for gpus, hosts, measured in ((8, 1, 0.104), (16, 2, 0.104)):
+        cl = Cluster(hosts=hosts, workers_per_host=8, link_bits=400e9)
+        p = simulate(prof, cl, "ring", GPU, steps=3)
+        rows.append([f"PyTorch DDP benchmark, ResNet-50 ({gpus} GPUs)",
+                     f"{hosts} x 8 V100, 4 x 100 Gbit/s InfiniBand per machine",
+                     f"{sum(r50) / 1e6:.0f} MB", f"{prof.compute_s * 1e3:.0f} ms",
+                     f"{0.097 / measured:.0%}", f"{p.efficiency:.0%}", p.bound])
+    return rows
+
+
+def beyond() -> list[list[str]]:
+    prof = profile(resnet([3, 4, 6, 3]), 32 / 0.097, 32, "ResNet-50")
+    big = profile(vgg16(), 130.9, 64, "VGG-16")
+    rows = []
+    for name, pr in (("ResNet-50", prof), ("VGG-16", big)):
+        for rate in (10e9, 25e9, 100e9):
+            cells = []
+            for n in (8, 32, 128, 256):
+                ring = simulate(pr, Cluster(hosts=n // 4, workers_per_host=4, link_bits=rate),
+                                "ring", GPU, steps=3)
+                k = n // 4  # a server host per worker host (BytePS)
+                ps = simulate(pr, Cluster(hosts=n // 4, workers_per_host=4, link_bits=rate,
+                                          servers=k, placement="own-hosts"), "ps", GPU,
+                              steps=3)
+                cells.append(f"{ring.efficiency:.0%} / {ps.efficiency:.0%}")
+            rows.append([name, f"{rate / 1e9:g} Gbit/s", *cells])
+    return rows
+
+
+def md(header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def main() -> int:
+    print(md(["published setting", "cluster", "gradients", "compute per step (published)",
+              "published efficiency", "predicted", "predicted bound"], published()))
+    print()
+    print("Scaling efficiency predicted, ring / sharded PS (one server host per worker "
+          "host, BytePS's setting), 4 GPUs per host:")
+    print()
+    print(md(["model", "link", "8 workers", "32", "128", "256"], beyond()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
