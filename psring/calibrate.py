@@ -368,6 +368,29 @@ def measure_gamma(nbytes: int, reps: int = 9) -> float:
         torch.set_num_threads(threads)
 
 
+def measure_cast(nbytes: int, reps: int = 5) -> float:
+    """Seconds per float32 byte to cast to float16 and back (what --compress costs per
+    message on each side), one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.ones(nbytes // 4)
+        half = torch.empty(nbytes // 4, dtype=torch.float16)
+        half.copy_(a)
+        a.copy_(half)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            half.copy_(a)
+            a.copy_(half)
+            times.append(time.perf_counter() - t0)
+        return st.median(times) / 2 / nbytes
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- the fit ---------------------------------------------------------------------------------
 
 def fit(points: list[list[float]], what: str = "") -> tuple[float, float]:
@@ -446,9 +469,11 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
         "gloo", measure_gloo, sizes, quick, say)
     say("calibrate: local add (gamma) ...")
     gamma = measure_gamma(gamma_bytes, reps=5 if quick else 9)
+    cast = measure_cast(gamma_bytes // 4, reps=3 if quick else 5)
     return Calibration(
         zmq_alpha=zmq_alpha, zmq_beta=zmq_beta, dist_alpha=dist_alpha, dist_beta=dist_beta,
-        gamma=gamma, host=socket.gethostname(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        gamma=gamma, cast=cast, host=socket.gethostname(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         cores=os.cpu_count(), versions=_versions(), sizes=list(sizes),
         gamma_bytes=gamma_bytes, quick=quick,
         measurements={"zmq": zmq_points, "dist": dist_points, **dist_extra,
@@ -491,6 +516,8 @@ def describe(cal: Calibration) -> str:
         link("gloo send/recv", cal.dist_alpha, cal.dist_beta),
         f"{'local add':<18} γ = {cal.gamma * 1e9:8.3f} ns/B  1/γ = {1 / cal.gamma / 1e9:6.2f} GB/s",
     ]
+    if cal.cast:
+        lines.append(f"{'fp16 cast':<18}   {cal.cast * 1e9:8.3f} ns per float32 byte, each way")
     for rate, m in sorted(cal.links.items(), key=lambda kv: kv[1].get("link_bits", 0)):
         lines += [link(f"ZeroMQ ({rate} link)", m["zmq_alpha"], m["zmq_beta"]),
                   link(f"gloo ({rate} link)", m["dist_alpha"], m["dist_beta"])]

@@ -183,6 +183,9 @@ class Calibration:
     dist_alpha: float
     dist_beta: float
     gamma: float
+    #: seconds per float32 byte to cast to float16 (or back): --compress's cost per
+    #: message end (psring.simulate); None in calibrations made before it was measured
+    cast: float | None = None
     #: where and when: hostname, ISO time, cores, torch / pyzmq / libzmq versions
     host: str = ""
     time: str = ""
@@ -205,6 +208,8 @@ class Calibration:
     def __post_init__(self) -> None:
         for name in _NUMBERS:
             check_positive(name, getattr(self, name))
+        if self.cast is not None:
+            check_positive("cast", self.cast)
         if not isinstance(self.links, dict):
             raise ValueError(f"links is {type(self.links).__name__}, not an object")
         for rate, numbers in self.links.items():
