@@ -238,13 +238,61 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     U = profile.update_s * stretch
     buckets = [(m, r * stretch) for m, r in profile.buckets(cluster.bucket_mb)]
     wire = WIRE[cluster.compress]
+    # --compress casts every message to 16 bits and back: the calibration's measured
+    # cost, else γ (one pass over the bytes; psring calibrate measures it)
+    cast = 0.0 if wire == 1.0 else (cal.cast or cal.gamma)
     total = sum(m for m, _ in buckets)
     steps = steps or (8 if comm_model == "ps-async" else 4)
     if comm_model is None or n == 1 and comm_model == "ring":
         return _no_messages(profile, cluster, comm_model, (D, F, B, U), buckets, total)
     if comm_model == "ring":
-        return _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cal, steps)
-    return _ps(profile, cluster, comm_model, (D, F, B, U), buckets, total, wire, cal, steps)
+        pred = _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cast, cal, steps)
+    else:
+        pred = _ps(profile, cluster, comm_model, (D, F, B, U), buckets, total, wire, cast,
+                   cal, steps)
+    if cluster.cores:
+        _cores_floor(pred, profile, cluster, comm_model, buckets, total, wire, cast, cal)
+    return pred
+
+
+def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, comm_model: str,
+                 buckets: list[tuple[int, float]], total: int, wire: float, cast: float,
+                 cal: Calibration) -> None:
+    """On shared cores a step cannot take less than the CPU work it needs divided by the
+    cores (work conservation): every worker's compute, and its messages' software cost —
+    α per message and loopback's β per byte, the transport's own work, which on one
+    machine is CPU — and the servers' adds and updates. Where that floor is above the
+    timeline's step, the step is the floor and the bound is the cores. (Many small
+    messages among more processes than cores: the timeline alone has them in flight at
+    once, as if each process had a core.)"""
+    n, K = cluster.workers, cluster.servers
+    alpha, beta = cal.link(comm_model)
+    threads = max(1, profile.threads or 1)
+    compute = profile.compute_s - (0.0 if comm_model == "ring" else profile.update_s)
+    if comm_model == "ring":
+        msgs = sum(2 * (n - 1) for _ in buckets)  # sends per worker (each also received)
+        sent = sum(2 * (n - 1) / n * m * wire for m, _ in buckets)
+        server = 0.0
+    else:
+        ranges = even_split(total // 4, K)
+        pieces, start = 0, 0
+        for m, _ in buckets:
+            pieces += len(overlaps(start, start + m // 4, ranges))
+            start += m // 4
+        msgs = 2 * pieces + 2 * K  # pushes and their acks, pulls and their parameters
+        sent = 2 * total * wire
+        apply = max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
+        server = n * total * (cal.gamma + cast) + total * (apply + cast)
+    work = n * (compute * threads + msgs * alpha + sent * beta + 2 * total * cast) + server
+    floor = work / cluster.cores
+    if floor > pred.step_s:
+        busy = pred.step_s - pred.phases["comm_s"]
+        pred.samples_per_s *= pred.step_s / floor
+        pred.step_s = floor
+        pred.phases["comm_s"] = floor - busy
+        pred.efficiency = min(1.0, profile.compute_s / floor)
+        pred.bound = "cores (shared)"
+    pred.utilization["cores (shared)"] = round(work / cluster.cores / pred.step_s, 4)
 
 
 def _finish(profile: Any, cluster: Cluster, comm_model: str | None, period: float,
@@ -291,7 +339,8 @@ def _launches(start: float, compute, buckets) -> list[float]:
     return out
 
 
-def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cal, steps) -> Prediction:
+def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
+          steps) -> Prediction:
     n = cluster.workers
     D, F, B, U = compute
     alpha, beta = cal.link("ring")
@@ -312,7 +361,7 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cal, steps) 
         times = []
         for (m, _), at in zip(buckets, launches):
             begin = max(at, stream.free)
-            dur = 0.0
+            dur = 2 * m * cast  # to 16 bits before, back after
             for d in ring_steps(n, m * wire, alpha, beta, cal.gamma * (1 / wire)):
                 dur += d
             stream.occupy(begin, dur)
@@ -333,7 +382,7 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cal, steps) 
                    latency_in, bucket_times, total, starts)
 
 
-def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal,
+def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cast, cal,
         steps) -> Prediction:
     n, K = cluster.workers, cluster.servers
     D, F, B, U = compute
@@ -402,6 +451,8 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
 
     def launch(w: int, s: int, i: int, t: float) -> None:
         msgs = [(m * wire, *path(w_io[w], whost[w], shost[k], s_io[k])) for k, m in pieces[i]]
+        if cast:  # the worker casts the bucket before it goes out
+            t = w_io[w].occupy(t, sum(m for _, m in pieces[i]) * cast)
         arrivals = _send_together(t, msgs)
         for (k, m), arrive in zip(pieces[i], arrivals):
             last_push[(w, s, k)] = max(last_push.get((w, s, k), 0.0), arrive)
@@ -411,10 +462,11 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
 
     def push_arrives(k: int, w: int, s: int, m: float, t: float) -> None:
         if sync:
-            done = s_cpu[k].occupy(t, m * cal.gamma)
+            done = s_cpu[k].occupy(t, m * (cal.gamma + cast))
             got[(k, s)] = got.get((k, s), 0) + m
             if got[(k, s)] >= n * shard_bytes[k]:
-                done = s_cpu[k].occupy(done, shard_bytes[k] * apply_per_byte)
+                # the update, and the new version cast once for every pull of it
+                done = s_cpu[k].occupy(done, shard_bytes[k] * (apply_per_byte + cast))
                 ready_v[(k, s)] = done
                 # the pulls held for this version are answered together; one that
                 # arrives later, on its own
@@ -427,7 +479,9 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
                         ev.at(pull_req[(k, ww, s)],
                               lambda tt, k=k, ww=ww, s=s: answer(k, ww, s, tt))
         else:
-            own_done[(k, w, s)] = s_cpu[k].occupy(t, m * (cal.gamma + apply_per_byte))
+            # async: applied on arrival; its pull gets a cast of the parameters then
+            own_done[(k, w, s)] = s_cpu[k].occupy(t, m * (cal.gamma + apply_per_byte
+                                                          + 2 * cast))
             own[(k, w, s)] = own.get((k, w, s), 0) + m
             maybe_answer_async(k, w, s)
 
@@ -464,6 +518,8 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cal
 
     def pull_arrives(k: int, w: int, s: int, t: float) -> None:
         pulled[(w, s)] = pulled.get((w, s), 0) + 1
+        if cast:  # back to 32 bits on the worker
+            t = w_io[w].occupy(t, shard_bytes[k] * cast)
         pull_done[(w, s)] = max(pull_done.get((w, s), 0.0), t)
         if pulled[(w, s)] == K:
             nxt = max(pull_done[(w, s)], bw_end[(w, s)])

@@ -5,6 +5,8 @@ Every case uses round numbers: α = 1 ms, β = 1 ns/byte (1 GB/s) on loopback, 2
 backward 20 ms, update 4 ms. The arithmetic is written out beside each expectation.
 """
 
+import dataclasses
+
 import pytest
 
 from psring.costmodel import Calibration, ring_allreduce
@@ -129,14 +131,42 @@ def test_no_messages_and_shared_cores():
     assert p.step_s == pytest.approx(2 * (F + B + U))
 
 
+def test_shared_cores_cap_a_step_at_its_cpu_work():
+    # Eight workers on two cores, each pushing one 1 KB gradient to one server: the
+    # timeline has every message in flight at once, but the machine must do the work.
+    # Per worker: compute (F + B, no local update) + 4 messages (push, ack, pull,
+    # parameters) x α + 2 KB x β; the server: 8 adds + one update of 1 KB.
+    M = 1024
+    cl = Cluster(hosts=1, workers_per_host=8, cores=2)
+    p = simulate(profile([M], [B], update=1e-6), cl, "ps", CAL)
+    apply = max(1e-6 / M, 2 * GAMMA)
+    work = 8 * (F + B + 4 * A + 2 * M * BETA) + 8 * M * GAMMA + M * apply
+    assert p.step_s == pytest.approx(work / 2)
+    assert p.bound == "cores (shared)"
+    # the same cluster with a core per worker: no floor, the timeline's step
+    free = simulate(profile([M], [B], update=1e-6),
+                    Cluster(hosts=1, workers_per_host=8), "ps", CAL)
+    assert free.step_s < p.step_s and free.bound != "cores (shared)"
+
+
 def test_compression_halves_the_bytes_on_the_link():
     M = 1_000_000
     full = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9), "ring", CAL)
     half = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9, compress="fp16"),
                     "ring", CAL)
-    # T = 2α + (M/2)·β_link + (M/4)·2γ (the same adds, on half the bytes' worth of elements)
-    assert half.phases["comm_s"] == pytest.approx(2 * A_LINK + M / 2 * B_LINK + M / 2 * GAMMA)
+    # T = 2α + (M/2)·β_link + (M/4)·2γ (the same adds, on half the bytes' worth of
+    # elements) + 2·M·cast (to 16 bits before, back after; a calibration without a cast
+    # figure takes γ per byte, one pass over them)
+    assert half.phases["comm_s"] == pytest.approx(
+        2 * A_LINK + M / 2 * B_LINK + M / 2 * GAMMA + 2 * M * GAMMA)
     assert half.step_s < full.step_s
+    # a measured cast cost replaces the estimate
+    slow = dataclasses.replace(CAL, cast=1e-8)
+    p = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9, compress="fp16"),
+                 "ring", slow)
+    assert p.phases["comm_s"] == pytest.approx(
+        2 * A_LINK + M / 2 * B_LINK + M / 2 * GAMMA + 2 * M * 1e-8)
+    assert p.step_s > full.step_s  # a cast that slow does not pay
 
 
 def test_the_busiest_link_bounds_a_ps_on_a_slow_link():
