@@ -85,15 +85,16 @@ def _strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
     return out
 
 
-def candidates(profile: Profile, base: Cluster, cal: Any,
-               classes: dict[str, Any]) -> list[Candidate]:
-    """Every setting of every strategy the cluster can run, simulated."""
+def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any],
+               max_servers: int = 8) -> list[Candidate]:
+    """Every setting of every strategy the cluster can run, simulated: servers up to
+    ``max_servers`` (and twice the hosts)."""
     out = []
     seen_buckets: list[float] = []
     for mb in BUCKET_MB:  # bucket sizes that bucket this model differently
         if not any(profile.buckets(mb) == profile.buckets(m) for m in seen_buckets):
             seen_buckets.append(mb)
-    max_k = max(1, min(8, 2 * base.hosts))
+    max_k = max(1, min(max_servers, 2 * base.hosts))
     for name, cls in classes.items():
         if cls.comm_model is None:
             out.append(Candidate(name, simulate(profile, base, None, cal)))
@@ -156,6 +157,9 @@ def why(c: Candidate, cls: Any) -> str:
         return f"compute-bound: communication hides under backward ({comm})"
     if p.bound == "latency":
         return (f"latency-bound: per-message costs (α) outweigh the bytes; {comm}")
+    if p.bound == "cores (shared)":
+        return (f"bound by this machine's shared cores: the workers' compute and every "
+                f"message's software cost exceed the cores' time ({comm})")
     if cls.comm_model == "ring":
         return (f"bound by the {p.bound}: each worker sends and receives 2(n−1)/n·M = "
                 f"{mb(2 * (n - 1) / n * M)} per step ({comm})")
@@ -165,6 +169,13 @@ def why(c: Candidate, cls: Any) -> str:
         cross = ps_link_load(cl.worker_host, cl.server_host)
         return (f"bound by the {p.bound}: the busiest host link carries {mb(cross * M)} each way "
                 f"per step, {cl.servers} server(s) {cl.placement} ({comm}){tail}")
+    if "CPU" in p.bound:
+        return (f"bound by the {p.bound}: each server adds n·M/K = "
+                f"{mb(n * p.gradient_bytes / cl.servers)} of gradients and updates its shard "
+                f"per step ({comm}){tail}")
+    if p.bound.startswith("worker"):
+        return (f"bound by the {p.bound}: each worker sends and receives 2·M = {mb(2 * M)} "
+                f"per step ({comm}){tail}")
     return (f"bound by the {p.bound}: each server's transport carries 2n·M/K = "
             f"{mb(2 * n * M / cl.servers)} per step ({comm}){tail}")
 
@@ -303,7 +314,14 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
     if args.hosts > 1 and link is None:
         raise ConfigError(f"--hosts {args.hosts} needs the link between them: give "
                           f"--link RATE (e.g. 1gbit, 10gbit, 100gbit).")
-    if args.batch_size < 1 or args.batch_size % n:
+    if delay and link is None:
+        raise ConfigError("--delay is the links' delay: give --link RATE too (one host "
+                          "and no link: nothing to delay).")
+    if args.verify and n + 1 > VERIFY_MAX_PROCESSES:
+        raise ConfigError(f"--verify: {n} workers and a server do not fit this machine for "
+                          f"a measurement (at most {VERIFY_MAX_PROCESSES} processes); run "
+                          f"advise without --verify for the prediction alone.")
+    if not args.profile and (args.batch_size < 1 or args.batch_size % n):
         raise ConfigError(f"--batch-size {args.batch_size} is the global batch and must be a "
                           f"positive multiple of the {n} workers; try --batch-size "
                           f"{max(1, math.ceil(max(args.batch_size, 1) / n)) * n}.")
@@ -328,30 +346,20 @@ def _calibration(args: argparse.Namespace, out: Path):
     return cal
 
 
-def _verify_fits(cluster: Cluster, n: int, classes: dict[str, Any], top: list[Candidate]
-                 ) -> str | None:
-    """Why this machine cannot emulate the cluster for --verify, or None."""
-    procs = max(n + (c.cluster.servers if classes[c.strategy].uses_servers else 0)
-                for c in top)
-    if procs > VERIFY_MAX_PROCESSES:
-        return (f"{procs} processes (workers and servers) do not fit this machine's "
-                f"{os.cpu_count()} cores for a measurement (at most {VERIFY_MAX_PROCESSES})")
-    return None
-
-
 def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespace,
-           n: int, out: Path) -> list[dict[str, Any]]:
-    """Run each candidate as the cluster's emulation; predicted vs measured step time."""
+           model: dict[str, Any], batch: int, n: int, out: Path) -> list[dict[str, Any]]:
+    """Run each candidate as the cluster's emulation (the profiled ``model`` at global
+    batch ``batch``); predicted vs measured step time."""
     from .config import RunConfig
     from .launch import launch
     from .report import summarize
 
     results = []
     for c in top:
-        flags = {**_model_flags(args), **c.run_flags(), "workers": n,
+        flags = {**model, **c.run_flags(), "workers": n,
                  "hosts": args.hosts, "workers_per_host": c.cluster.workers_per_host,
                  "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
-                 else "", "delay": args.delay, "batch_size": args.batch_size,
+                 else "", "delay": args.delay, "batch_size": batch,
                  "steps": args.verify_steps, "eval_every": args.verify_steps,
                  "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
         cls = classes[c.strategy]
@@ -378,9 +386,12 @@ def _slug(c: Candidate) -> str:
     return f"{c.strategy}-b{cl.bucket_mb:g}-k{cl.servers}-{cl.placement}-{cl.compress}"
 
 
+#: the model settings a profile records (psring.profile) and a verifying run takes
+_PROFILE_KEYS = ("width", "depth", "classes", "image_size", "seq_len", "features")
+
+
 def _model_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("model", "width", "depth", "classes", "image_size",
-                                           "seq_len", "features", "seed")}
+    return {k: getattr(args, k) for k in ("model", *_PROFILE_KEYS, "seed")}
 
 
 def advise_command(args: argparse.Namespace) -> int:
@@ -398,8 +409,22 @@ def advise_command(args: argparse.Namespace) -> int:
     out = Path(args.out or os.path.join("runs", f"advise-{time.strftime('%Y%m%d-%H%M%S')}"))
     cores = os.cpu_count() or 1
     threads = max(1, cores // n) if args.verify else 0
+    model = _model_flags(args)
     if args.profile:
         prof = Profile.load(args.profile)
+        # verify runs what was profiled: its model and its per-worker batch
+        src = prof.source
+        if args.verify and not src.get("model"):
+            raise ConfigError(f"--verify runs the profiled model, but the profile "
+                              f"{args.profile} does not say which model it is (a profile "
+                              f"on paper): profile it with `psring profile`, or drop "
+                              f"--verify.")
+        model = {**model, **{k: src[k] for k in ("model", *_PROFILE_KEYS)
+                             if src.get(k) is not None}}
+        if not prof.batch_size:
+            raise ConfigError(f"the profile {args.profile} has no batch size; profile the "
+                              f"model with `psring profile`.")
+        args.batch_size = prof.batch_size * n
     else:
         cfg = profile_config(**_model_flags(args), batch_size=args.batch_size // n,
                              threads=threads, out=str(out / "profile"))
@@ -412,7 +437,9 @@ def advise_command(args: argparse.Namespace) -> int:
     if args.verify:  # the emulation on this machine: every process shares its cores
         cluster = Cluster(**{**_fields(cluster), "cores": cores})
     classes = _strategy_classes(n, cluster.hosts)
-    cands = candidates(prof, cluster, cal, classes)
+    # --verify: only settings this machine can run (workers and servers <= the limit)
+    cands = candidates(prof, cluster, cal, classes,
+                       max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8)
     ranking = rank(cands)
     where = cluster.describe() + (f", emulated on this machine's {cores} cores"
                                   if args.verify else "")
@@ -438,13 +465,10 @@ def advise_command(args: argparse.Namespace) -> int:
         "ranking": [dict(zip(HEADER, r)) for r in rows],
         "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
         "recommendations": recs}
+    atomic_write_json(out / "advise.json", report)  # the prediction, before any run
     if args.verify:
         top = _verify_candidates(ranking, classes)
-        reason = _verify_fits(cluster, n, classes, top)
-        if reason is not None:
-            raise ConfigError(f"--verify: {reason}; run advise without --verify for the "
-                              f"prediction alone.")
-        results = verify(top, classes, args, n, out)
+        results = verify(top, classes, args, model, args.batch_size, n, out)
         vt = Table(title="predicted vs measured (this machine's emulation of the cluster)")
         for h in ("strategy", "setting", "predicted ms", "measured ms", "error"):
             vt.add_column(h)
@@ -469,7 +493,9 @@ def advise_command(args: argparse.Namespace) -> int:
 
 def _verify_candidates(ranking: list[Candidate], classes: dict[str, Any]) -> list[Candidate]:
     """The winner, the runner-up, and the best of the other family (ring or PS)."""
-    family = lambda c: classes[c.strategy].comm_model  # noqa: E731
+    # ring or parameter server (async-ps is of the PS family)
+    family = lambda c: {"ps-async": "ps"}.get(classes[c.strategy].comm_model,  # noqa: E731
+                                              classes[c.strategy].comm_model)
     top = ranking[:2]
     other = next((c for c in ranking if c not in top and family(c) not in
                   {family(t) for t in top} and family(c) is not None), None)

@@ -23,6 +23,7 @@ The file is ``profile.json`` (atomically written, versioned, validated on load).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -66,14 +67,22 @@ class Profile:
         if len(self.ready_s) != len(self.param_bytes):
             raise ValueError(f"{len(self.ready_s)} ready times for {len(self.param_bytes)} "
                              f"parameters")
+        def seconds(v: object) -> bool:
+            return (not isinstance(v, bool) and isinstance(v, (int, float))
+                    and math.isfinite(v) and v >= 0)
+
         for name in ("forward_s", "backward_s", "update_s", "data_s"):
+            if not seconds(getattr(self, name)):
+                raise ValueError(f"{name} is {getattr(self, name)!r}, not a time in seconds")
+        if not all(seconds(t) for t in self.ready_s):
+            raise ValueError("ready_s must be finite, non-negative seconds")
+        for name in ("batch_size", "threads"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"{name} is {v!r}, not a time in seconds")
-        if any(not isinstance(b, int) or b < 0 for b in self.param_bytes):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} is {v!r}, not a count")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 0
+               for b in self.param_bytes):
             raise ValueError("param_bytes must be non-negative integers")
-        if any(not isinstance(t, (int, float)) or t < 0 for t in self.ready_s):
-            raise ValueError("ready_s must be non-negative seconds")
 
     # -- what the simulator reads ---------------------------------------------------
     @property

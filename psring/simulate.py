@@ -24,11 +24,14 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     hosts, else loopback): α + (M/n)·β, plus (M/n)·γ to add it in the reduce-scatter's
     n−1 steps (psring.costmodel.ring_allreduce, step by step);
   - ``ps`` (synchronous): the bucket is pushed in pieces to the K servers whose ranges
-    it overlaps. A message occupies each *resource* on its path in turn, FIFO, for
-    bytes·β of that resource: the sender's transport, the sender host's outgoing link
-    and the receiver host's incoming link when it crosses hosts (full duplex: one
-    resource per direction), the receiver's transport; it arrives α after its last
-    resource is done. A server adds each piece on arrival (bytes·γ on its CPU); once all
+    it overlaps. A message occupies every *resource* on its path at once (cut-through:
+    each resource serves its messages first come first served), for bytes·β of that
+    resource: the sender's transport, the sender host's outgoing link and the receiver
+    host's incoming link when it crosses hosts (full duplex: one resource per
+    direction), the receiver's transport; it arrives α after the slowest is done.
+    Messages one process sends at the same moment (a bucket's pieces to K servers, a
+    server's answers to every held pull) share their resources fairly, as separate
+    connections do. A server adds each piece on arrival (bytes·γ on its CPU); once all
     n workers' pieces of the step are in, it applies the update (the profile's
     optimizer time per byte) and answers the pulls, each pull another message back.
     The next step starts when every shard's parameters are in;
@@ -41,13 +44,16 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
   PS worker (the server applied it).
 
 Cores: a cluster emulated on one machine (``cores`` set) shares that machine's cores
-between every worker, so compute stretches by max(1, n·threads/cores). A real cluster
-gives each worker its own device (``cores`` None). Contention between communication and
-compute for the same cores is not modelled (docs/prediction.md: the loopback error).
+between every worker, so compute stretches by max(1, n·threads/cores), and a step is
+never shorter than its whole CPU work over the cores (compute, each message's α and β,
+the servers' adds and updates). A real cluster gives each worker its own device
+(``cores`` None). The CPU that communication takes from backward while both run is not
+modelled (docs/prediction.md: the error on this machine).
 
 Several steps are played (the first starts every worker at once; steady state follows)
-and the step time is the mean period of the last two. The prediction names what bounds
-the step: compute, a link, a server's transport or CPU, or latency (α terms dominate).
+and the step time is the slowest worker's period over its last two. The prediction
+names what bounds the step: compute, a link, a server's transport or CPU, a worker's
+transport, the shared cores, or latency (α terms dominate).
 """
 
 from __future__ import annotations
@@ -214,6 +220,21 @@ def _send_together(t: float, msgs: list[tuple[float, list[_Resource], float]]) -
     return [max([t, *(done[id(r)] for r in path)]) + alpha for _, path, alpha in msgs]
 
 
+def shard_pieces(buckets: list[tuple[int, float]], servers: int
+                 ) -> tuple[list[list[tuple[int, int]]], list[int]]:
+    """Each bucket's pieces as (server, float32 bytes), and each server's shard bytes: the
+    flat vector of float32 elements split as psring.strategies.ps splits it. Servers
+    beyond the element count would hold nothing, as the strategy's would: at most one
+    server per element."""
+    elems = [-(-m // 4) for m, _ in buckets]
+    ranges = even_split(sum(elems), max(1, min(servers, sum(elems))))
+    pieces, start = [], 0
+    for e in elems:
+        pieces.append([(k, (b - a) * 4) for k, a, b in overlaps(start, start + e, ranges)])
+        start += e
+    return pieces, [(hi - lo) * 4 for lo, hi in ranges]
+
+
 def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> list[float]:
     """The durations of a ring all-reduce's 2(n−1) steps on M bytes: n−1 of the
     reduce-scatter (send a chunk, add the received one) then n−1 of the all-gather."""
@@ -230,6 +251,8 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     """Predict one steady-state step of every worker (see the module docstring)."""
     if comm_model not in COMM_MODELS:
         raise ValueError(f"comm_model {comm_model!r}: one of {COMM_MODELS}")
+    if steps and steps < 2:
+        raise ValueError(f"steps must be at least 2 (the step time is a period), not {steps}")
     n = cluster.workers
     threads = max(1, profile.threads or 1)
     stretch = max(1.0, n * threads / cluster.cores) if cluster.cores else 1.0
@@ -243,7 +266,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     cast = 0.0 if wire == 1.0 else (cal.cast or cal.gamma)
     total = sum(m for m, _ in buckets)
     steps = steps or (8 if comm_model == "ps-async" else 4)
-    if comm_model is None or n == 1 and comm_model == "ring":
+    if comm_model is None or n == 1 and comm_model == "ring" or total == 0:
         return _no_messages(profile, cluster, comm_model, (D, F, B, U), buckets, total)
     if comm_model == "ring":
         pred = _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cast, cal, steps)
@@ -274,15 +297,15 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, comm_model: s
         sent = sum(2 * (n - 1) / n * m * wire for m, _ in buckets)
         server = 0.0
     else:
-        ranges = even_split(total // 4, K)
-        pieces, start = 0, 0
-        for m, _ in buckets:
-            pieces += len(overlaps(start, start + m // 4, ranges))
-            start += m // 4
-        msgs = 2 * pieces + 2 * K  # pushes and their acks, pulls and their parameters
+        pieces, shards = shard_pieces(buckets, K)
+        # pushes and their acks, pulls and their parameters
+        msgs = 2 * sum(len(p) for p in pieces) + 2 * len(shards)
         sent = 2 * total * wire
         apply = max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
-        server = n * total * (cal.gamma + cast) + total * (apply + cast)
+        if comm_model == "ps-async":  # every push applied, and a cast for its pull
+            server = n * total * (cal.gamma + apply + 2 * cast)
+        else:  # every push added, one update and one cast per version
+            server = n * total * (cal.gamma + cast) + total * (apply + cast)
     work = n * (compute * threads + msgs * alpha + sent * beta + 2 * total * cast) + server
     floor = work / cluster.cores
     if floor > pred.step_s:
@@ -413,12 +436,8 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
 
     # each bucket's pieces: (shard, float32 bytes) by the servers' element ranges, as
     # psring.strategies.ps splits them (float32 elements: 4 bytes)
-    ranges = even_split(total // 4, K)
-    pieces, start = [], 0
-    for m, _ in buckets:
-        pieces.append([(k, (e - a) * 4) for k, a, e in overlaps(start, start + m // 4, ranges)])
-        start += m // 4
-    shard_bytes = [(hi - lo) * 4 for lo, hi in ranges]
+    pieces, shard_bytes = shard_pieces(buckets, K)
+    K = len(shard_bytes)
 
     ev = _Events()
     starts = [[0.0] for _ in range(n)]
@@ -529,6 +548,9 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     for w in range(n):
         step_start(w, 0, 0.0)
     ev.run()
+    if any(len(st) < 3 for st in starts):  # a bug, not an input: say so plainly
+        raise RuntimeError(f"the simulated {mode} round did not complete; steps per worker: "
+                           f"{[len(st) - 1 for st in starts]}")
     periods = [(st[-1] - st[-3]) / 2 for st in starts]
     # the step time is the slowest worker's (a synchronous step's, for every worker; an
     # asynchronous run's slowest worker, as a sweep report's step time is the slowest
@@ -546,7 +568,10 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     # over worker 0's window stands for every worker's)
     pred = _finish(profile, cluster, mode, period, compute, False, util, latency[0],
                    bucket_times, total, starts[0])
+    # throughput is every worker's; efficiency is that against n workers alone
     pred.samples_per_s = rate
+    if profile.batch_size:
+        pred.efficiency = min(1.0, rate * profile.compute_s / (n * profile.batch_size))
     return pred
 
 
@@ -590,4 +615,7 @@ def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
     except (PsringError, KeyError, OSError, ValueError):
         return None
     # the run's own compute already carries its share of the cores: no stretch
-    return simulate(prof, cluster_for_run(cfg, cls), cls.comm_model, cal)
+    try:
+        return simulate(prof, cluster_for_run(cfg, cls), cls.comm_model, cal)
+    except (ValueError, RuntimeError):
+        return None

@@ -233,8 +233,9 @@ def _predict_step(s: dict, rs: list[dict], cal: Any) -> None:
 
     preds = [replay(Path(r["run"]), cal) for r in rs] if cal is not None else []
     preds = [p for p in preds if p is not None]
+    preds.sort(key=lambda p: p.step_s)
     s["predicted_step_ms"] = st.median(p.step_s * 1e3 for p in preds) if preds else None
-    s["predicted_bound"] = preds[0].bound if preds else None
+    s["predicted_bound"] = preds[len(preds) // 2].bound if preds else None  # the median's
     s["step_error"] = ((s["predicted_step_ms"] - s["step_ms"]["median"]) / s["step_ms"]["median"]
                        if preds and s["step_ms"] else None)
 

@@ -58,6 +58,8 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     (["--hosts", "2", "--link", "fast"], "not a rate"),
     (["--hosts", "2"], "--link"),
     (["--hosts", "2", "--link", "1gbit", "--batch-size", "33"], "multiple"),
+    (["--hosts", "1", "--workers-per-host", "2", "--delay", "1ms"], "--link"),
+    (["--hosts", "13", "--link", "1gbit", "--verify"], "do not fit"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, words):
     res = psring("advise", *args, "--out", tmp_path / "adv", check=False, timeout=60)
@@ -65,6 +67,15 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, words):
     err = res.stderr.strip()
     assert err.startswith("psring: error:") and words in err
     assert "\n\n" not in err and "Traceback" not in err
+
+
+def test_verify_refuses_a_profile_that_names_no_model(tmp_path):
+    paper = Profile.on_paper([4096, 64], forward_s=0.01, backward_s=0.02, batch_size=8)
+    path = paper.save(tmp_path / "paper")
+    res = psring("advise", "--profile", path, "--hosts", "2", "--link", "1gbit",
+                 "--verify", "--out", tmp_path / "adv", check=False, timeout=60)
+    assert res.returncode == 2
+    assert "does not say which model" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_a_bad_profile_is_refused(tmp_path):

@@ -184,3 +184,26 @@ def test_the_busiest_link_bounds_a_ps_on_a_slow_link():
 def test_a_bad_cluster_is_refused(bad):
     with pytest.raises(ValueError):
         Cluster(**bad)
+
+
+@pytest.mark.parametrize("mode", ["ps", "ps-async"])
+def test_more_servers_than_elements_and_odd_sizes_still_play_out(mode):
+    # one float32 element and two servers: the second holds nothing, as the strategy's
+    # would; buckets whose bytes are not whole elements; a model with no gradient bytes
+    one = simulate(profile([4], [B]), Cluster(hosts=2, link_bits=1e9, servers=2), mode, CAL)
+    assert one.step_s > F + B
+    odd = simulate(profile([MiB + 2, MiB + 2], [B, 0.005]),
+                   Cluster(hosts=2, link_bits=1e9, servers=3, bucket_mb=1.0), mode, CAL)
+    assert odd.step_s > F + B
+    empty = simulate(profile([0], [B]), Cluster(hosts=2, link_bits=1e9), mode, CAL)
+    assert empty.step_s == pytest.approx(F + B + U)
+
+
+def test_a_profile_with_non_finite_times_is_refused():
+    with pytest.raises(ValueError):
+        profile([4], [float("nan")])
+    with pytest.raises(ValueError):
+        Profile(param_bytes=[4], ready_s=[0.0], forward_s=float("inf"), backward_s=B,
+                update_s=U)
+    with pytest.raises(ValueError):
+        simulate(profile([4], [B]), Cluster(), "ring", CAL, steps=1)
