@@ -273,6 +273,12 @@ def add_advise_parser(sub: Any) -> None:
     add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
                               "features", "batch_size", "hosts", "workers_per_host",
                               "link", "delay", "seed"))
+    # the cluster flags mean the cluster to predict (emulated only with --verify)
+    for flag, text in (("--hosts", "hosts in the cluster"),
+                       ("--workers-per-host", "workers on each host (default 1)"),
+                       ("--link", "each host's link rate, e.g. 1gbit, 25gbit, 100gbit"),
+                       ("--delay", "one-way delay of each link, e.g. 50us")):
+        p._option_string_actions[flag].help = text
     p.add_argument("--workers", type=int, default=0, help="workers in all (default: "
                    "hosts x workers-per-host)")
     p.add_argument("--profile", default="", help="a profile (psring profile, or any run "
