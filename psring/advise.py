@@ -28,7 +28,7 @@ is the emulation's. Clusters larger than this machine can hold are refused for
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import math
 import os
 import statistics
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .profile import Profile
+from .profile import MODEL_KEYS, Profile
 from .simulate import Cluster, Prediction, simulate
 
 BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
@@ -107,14 +107,10 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
             for k in servers:
                 for place in placements:
                     for comp in compress:
-                        cl = Cluster(**{**_fields(base), "bucket_mb": mb, "servers": k,
-                                        "placement": place, "compress": comp})
+                        cl = dataclasses.replace(base, bucket_mb=mb, servers=k,
+                                                 placement=place, compress=comp)
                         out.append(Candidate(name, simulate(profile, cl, cls.comm_model, cal)))
     return out
-
-
-def _fields(c: Cluster) -> dict[str, Any]:
-    return {k: getattr(c, k) for k in c.__dataclass_fields__}
 
 
 #: how much faster an asynchronous or compressed setting must be predicted to rank
@@ -327,10 +323,10 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
         raise ConfigError(f"--verify: {n} workers and a server do not fit this machine for "
                           f"a measurement (at most {VERIFY_MAX_PROCESSES} processes); run "
                           f"advise without --verify for the prediction alone.")
-    if not args.profile and (args.batch_size < 1 or args.batch_size % n):
-        raise ConfigError(f"--batch-size {args.batch_size} is the global batch and must be a "
-                          f"positive multiple of the {n} workers; try --batch-size "
-                          f"{max(1, math.ceil(max(args.batch_size, 1) / n)) * n}.")
+    if not args.profile:
+        from .config import check_global_batch
+
+        check_global_batch(args.batch_size, n)
     return Cluster(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
                    delay_s=delay), n
 
@@ -392,12 +388,8 @@ def _slug(c: Candidate) -> str:
     return f"{c.strategy}-b{cl.bucket_mb:g}-k{cl.servers}-{cl.placement}-{cl.compress}"
 
 
-#: the model settings a profile records (psring.profile) and a verifying run takes
-_PROFILE_KEYS = ("width", "depth", "classes", "image_size", "seq_len", "features")
-
-
 def _model_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("model", *_PROFILE_KEYS, "seed")}
+    return {k: getattr(args, k) for k in ("model", *MODEL_KEYS, "seed")}
 
 
 def advise_command(args: argparse.Namespace) -> int:
@@ -425,7 +417,7 @@ def advise_command(args: argparse.Namespace) -> int:
                               f"{args.profile} does not say which model it is (a profile "
                               f"on paper): profile it with `psring profile`, or drop "
                               f"--verify.")
-        model = {**model, **{k: src[k] for k in ("model", *_PROFILE_KEYS)
+        model = {**model, **{k: src[k] for k in ("model", *MODEL_KEYS)
                              if src.get(k) is not None}}
         if not prof.batch_size:
             raise ConfigError(f"the profile {args.profile} has no batch size; profile the "
@@ -441,7 +433,7 @@ def advise_command(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cal = _calibration(args, out)
     if args.verify:  # the emulation on this machine: every process shares its cores
-        cluster = Cluster(**{**_fields(cluster), "cores": cores})
+        cluster = dataclasses.replace(cluster, cores=cores)
     classes = _strategy_classes(n, cluster.hosts)
     # --verify: only settings this machine can run (workers and servers <= the limit)
     cands = candidates(prof, cluster, cal, classes,
@@ -467,7 +459,7 @@ def advise_command(args: argparse.Namespace) -> int:
     png = plot(ranking, title, out / "advise.png")
     report: dict[str, Any] = {
         "title": title, "profile": {**prof.source, "summary": prof.describe()},
-        "cluster": _fields(cluster), "workers": n, "calibration_host": cal.host,
+        "cluster": dataclasses.asdict(cluster), "workers": n, "calibration_host": cal.host,
         "ranking": [dict(zip(HEADER, r)) for r in rows],
         "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
         "recommendations": recs}

@@ -347,48 +347,47 @@ class Link:
 
 # -- γ ------------------------------------------------------------------------------------------
 
-def measure_gamma(nbytes: int, reps: int = 9) -> float:
-    """Seconds per byte (of one operand) of ``a.add_(b)`` on float32, one thread. Runs in
-    this process; the thread count is restored afterwards."""
+def _single_thread_median(step, reps: int) -> float:
+    """Median seconds of ``step()`` on one torch thread (after one untimed call, which
+    faults the pages in); the thread count is restored afterwards."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a = torch.ones(nbytes // 4)
-        b = torch.ones(nbytes // 4)
-        a.add_(b)  # fault the pages in before timing
+        step()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            a.add_(b)
+            step()
             times.append(time.perf_counter() - t0)
-        return st.median(times) / nbytes
+        return st.median(times)
     finally:
         torch.set_num_threads(threads)
+
+
+def measure_gamma(nbytes: int, reps: int = 9) -> float:
+    """Seconds per byte (of one operand) of ``a.add_(b)`` on float32, one thread."""
+    import torch
+
+    a = torch.ones(nbytes // 4)
+    b = torch.ones(nbytes // 4)
+    return _single_thread_median(lambda: a.add_(b), reps) / nbytes
 
 
 def measure_cast(nbytes: int, reps: int = 5) -> float:
     """Seconds per float32 byte to cast to float16 and back (what --compress costs per
-    message on each side), one thread."""
+    message on each side, into buffers allocated once as the strategies do), one thread."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.ones(nbytes // 4)
-        half = torch.empty(nbytes // 4, dtype=torch.float16)
+    a = torch.ones(nbytes // 4)
+    half = torch.empty(nbytes // 4, dtype=torch.float16)
+
+    def there_and_back() -> None:
         half.copy_(a)
         a.copy_(half)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            half.copy_(a)
-            a.copy_(half)
-            times.append(time.perf_counter() - t0)
-        return st.median(times) / 2 / nbytes
-    finally:
-        torch.set_num_threads(threads)
+
+    return _single_thread_median(there_and_back, reps) / 2 / nbytes
 
 
 # -- the fit ---------------------------------------------------------------------------------

@@ -148,11 +148,7 @@ class RunConfig:
                 f"strategy {self.strategy!r} runs at most {strategy_cls.max_workers} worker(s) "
                 f"(got --workers {self.workers}); use --workers 1, or a distributed strategy "
                 f"such as allreduce.")
-        if self.batch_size < 1 or self.batch_size % self.workers:
-            raise ConfigError(
-                f"--batch-size {self.batch_size} is the global batch and must be a positive "
-                f"multiple of --workers {self.workers}, so each worker gets an equal slice; "
-                f"try --batch-size {max(1, math.ceil(max(self.batch_size, 1) / self.workers)) * self.workers}.")
+        check_global_batch(self.batch_size, self.workers)
         for name in ("steps", "accumulate", "samples", "features", "classes", "image_size",
                      "seq_len"):
             if getattr(self, name) < 1:
@@ -372,6 +368,16 @@ class RunConfig:
 
 def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def check_global_batch(batch_size: int, workers: int) -> None:
+    """--batch-size is the global batch: a positive multiple of the workers, so each
+    gets an equal slice; else a ConfigError that suggests the next one."""
+    if batch_size < 1 or batch_size % workers:
+        raise ConfigError(
+            f"--batch-size {batch_size} is the global batch and must be a positive "
+            f"multiple of --workers {workers}, so each worker gets an equal slice; "
+            f"try --batch-size {max(1, math.ceil(max(batch_size, 1) / workers)) * workers}.")
 
 
 def add_config_flags(parser: argparse.ArgumentParser, defaults: RunConfig | None = None,

@@ -186,12 +186,8 @@ class ClusterPlan:
             local = Host("local", 0, cfg.master_addr,
                          [f"worker-{r}" for r in range(n)] + [f"server-{s}" for s in range(k)])
             return cls(False, [local], [0] * n, [0] * k)
-        counts = worker_counts(n, cfg.hosts, cfg.workers_per_host)
-        worker_host = [h for h, c in enumerate(counts) for _ in range(c)]
-        if cfg.server_placement == "own-hosts":
-            server_host = [cfg.hosts + s for s in range(k)]
-        else:  # spread over the worker hosts, as on a cluster without spare machines
-            server_host = [s % cfg.hosts for s in range(k)]
+        worker_host = worker_hosts(n, cfg.hosts, cfg.workers_per_host)
+        server_host = server_hosts(k, cfg.hosts, cfg.server_placement)
         count = cfg.hosts + (k if cfg.server_placement == "own-hosts" else 0)
         hosts = [Host(f"host-{i}", i, str(NETWORK.network_address + 1 + i))
                  for i in range(count)]
@@ -249,6 +245,20 @@ def derived_hosts(workers: int, hosts: int, per_host: int) -> int:
     if per_host > 0 and hosts == 1 and workers > per_host:
         return -(-workers // per_host)
     return hosts
+
+
+def worker_hosts(n: int, hosts: int, per_host: int) -> list[int]:
+    """Each worker's host, in rank order (see :func:`worker_counts`)."""
+    return [h for h, c in enumerate(worker_counts(n, hosts, per_host)) for _ in range(c)]
+
+
+def server_hosts(servers: int, hosts: int, placement: str) -> list[int]:
+    """Each server's host: ``own-hosts`` puts server k on host ``hosts + k`` (a machine
+    of its own); ``colocated`` spreads them over the worker hosts (host k mod hosts), as
+    on a cluster without spare machines."""
+    if placement == "own-hosts":
+        return [hosts + k for k in range(servers)]
+    return [k % hosts for k in range(servers)]
 
 
 def worker_counts(n: int, hosts: int, per_host: int) -> list[int]:

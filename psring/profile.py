@@ -157,7 +157,7 @@ class Profile:
                    source={"run": str(run_dir), "strategy": cfg["strategy"],
                            "model": cfg["model"], "traced": bool(traced),
                            "steps": len(kept), "host": manifest.get("host", {}),
-                           **{k: cfg.get(k) for k in _MODEL_KEYS}})
+                           **{k: cfg.get(k) for k in MODEL_KEYS}})
 
     @classmethod
     def on_paper(cls, param_bytes: list[int], forward_s: float, backward_s: float,
@@ -214,7 +214,7 @@ class Profile:
 
 
 #: the run settings that say which model a profile is of
-_MODEL_KEYS = ("width", "depth", "classes", "image_size", "seq_len", "features")
+MODEL_KEYS = ("width", "depth", "classes", "image_size", "seq_len", "features")
 
 
 def _compute(r: dict) -> float:

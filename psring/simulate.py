@@ -58,9 +58,9 @@ transport, the shared cores, or latency (α terms dominate).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -69,7 +69,9 @@ from .partition import even_split, overlaps
 
 COMM_MODELS = (None, "ring", "ps", "ps-async")
 PLACEMENTS = ("colocated", "own-hosts")
-#: bytes on the wire per float32 byte of gradient
+#: bytes on the wire per float32 byte of gradient, for each of psring.compress's choices
+#: (kept here so the simulator needs no torch; a test checks it against
+#: psring.compress.wire_bytes)
 WIRE = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
 
 
@@ -117,13 +119,15 @@ class Cluster:
 
     @property
     def worker_host(self) -> list[int]:
-        return [h for h in range(self.hosts) for _ in range(self.workers_per_host)]
+        from .emulate import worker_hosts
+
+        return worker_hosts(self.workers, self.hosts, self.workers_per_host)
 
     @property
     def server_host(self) -> list[int]:
-        if self.placement == "own-hosts":
-            return [self.hosts + k for k in range(self.servers)]
-        return [k % self.hosts for k in range(self.servers)]
+        from .emulate import server_hosts
+
+        return server_hosts(self.servers, self.hosts, self.placement)
 
     def describe(self) -> str:
         link = "loopback" if self.link_bits is None else f"{self.link_bits / 1e9:g} Gbit/s"
@@ -154,11 +158,10 @@ class Prediction:
     starts: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        c = self.cluster
         return {"comm_model": self.comm_model, "step_s": self.step_s, "phases": self.phases,
                 "samples_per_s": self.samples_per_s, "efficiency": self.efficiency,
                 "bound": self.bound, "utilization": self.utilization,
-                "cluster": {k: getattr(c, k) for k in c.__dataclass_fields__}}
+                "cluster": dataclasses.asdict(self.cluster)}
 
 
 # -- the engine -------------------------------------------------------------------------
@@ -195,12 +198,6 @@ class _Events:
         while self.queue:
             t, _, fn = heapq.heappop(self.queue)
             fn(t)
-
-
-def _send(t: float, nbytes: float, path: list[_Resource], alpha: float) -> float:
-    """A message requested at t: it occupies each resource of its path (pipelined, each
-    FIFO) and arrives α after the last is done."""
-    return _send_together(t, [(nbytes, path, alpha)])[0]
 
 
 def _send_together(t: float, msgs: list[tuple[float, list[_Resource], float]]) -> list[float]:
@@ -278,6 +275,13 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     return pred
 
 
+def _server_update_per_byte(profile: Any, cal: Calibration) -> float:
+    """Seconds per byte of a server's update, an SGD step over its shard: the profile's
+    optimizer time per byte, never below two adds' worth (a PS run's own profile has no
+    optimizer time: its workers do not update)."""
+    return max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
+
+
 def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, comm_model: str,
                  buckets: list[tuple[int, float]], total: int, wire: float, cast: float,
                  cal: Calibration) -> None:
@@ -301,7 +305,7 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, comm_model: s
         # pushes and their acks, pulls and their parameters
         msgs = 2 * sum(len(p) for p in pieces) + 2 * len(shards)
         sent = 2 * total * wire
-        apply = max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
+        apply = _server_update_per_byte(profile, cal)
         if comm_model == "ps-async":  # every push applied, and a cast for its pull
             server = n * total * (cal.gamma + apply + 2 * cast)
         else:  # every push added, one update and one cast per version
@@ -424,10 +428,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     hosts = sorted({*whost, *shost})
     out = {h: _Resource(f"host {h} link out", link_beta) for h in hosts}
     inn = {h: _Resource(f"host {h} link in", link_beta) for h in hosts}
-    # The server's update is an SGD step over its shard: the profile's optimizer time
-    # per byte; never below two adds' worth (a PS run's own profile has no optimizer
-    # time: its workers do not update)
-    apply_per_byte = max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
+    apply_per_byte = _server_update_per_byte(profile, cal)
 
     def path(src_io: _Resource, h_src: int, h_dst: int, dst_io: _Resource) -> tuple:
         if h_src == h_dst:
@@ -454,7 +455,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     answered = set()    # (k, w, s) pulls answered (async)
     # the α on a step's critical path: a push, then a pull
     crossing = any(h != hk for h in whost for hk in shost)
-    latency = [2 * (a_link if crossing else a_loc)]
+    latency = 2 * (a_link if crossing else a_loc)
 
     def step_start(w: int, s: int, t: float) -> None:
         # async workers that are ahead keep going until the slowest has played its
@@ -566,7 +567,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
             util[r.name] = r.busy_between(*window) / width
     # per-step view of the busiest one in steady state (a shared resource's busy time
     # over worker 0's window stands for every worker's)
-    pred = _finish(profile, cluster, mode, period, compute, False, util, latency[0],
+    pred = _finish(profile, cluster, mode, period, compute, False, util, latency,
                    bucket_times, total, starts[0])
     # throughput is every worker's; efficiency is that against n workers alone
     pred.samples_per_s = rate

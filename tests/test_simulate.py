@@ -207,3 +207,12 @@ def test_a_profile_with_non_finite_times_is_refused():
                 update_s=U)
     with pytest.raises(ValueError):
         simulate(profile([4], [B]), Cluster(), "ring", CAL, steps=1)
+
+
+def test_the_simulators_wire_fractions_are_psring_compress_s():
+    from psring.compress import CHOICES, wire_bytes
+    from psring.simulate import WIRE
+
+    assert set(WIRE) == set(CHOICES)
+    for choice in CHOICES:
+        assert WIRE[choice] * 4096 == wire_bytes(4096, choice)

@@ -136,26 +136,20 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
     slowed = slow_rank == ctx.rank and slow_factor > 1
 
     last_compute = 0.0
+    # When each parameter's gradient became final (one hook per parameter): the last
+    # one marks the end of backward's compute for a strategy that waits for
+    # communication inside backward(); with --trace all of them are logged, for
+    # psring.profile (the simulator rebuckets a profile at any bucket size).
     last_grad = [0.0]
-    if strategy.syncs_inside_backward:
-        # The strategy waits for communication inside backward(); the moment the last
-        # gradient is final marks the end of backward's compute.
-        def stamp(_: torch.Tensor) -> None:
-            last_grad[0] = now()
-
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(stamp)
-
-    # --trace: when each parameter's gradient became final, for psring.profile (the
-    # simulator rebuckets a profile at any bucket size, so it needs every parameter's)
     grad_ready: list[float] | None = None
-    if cfg.trace:
+    if strategy.syncs_inside_backward or cfg.trace:
         params = [p for p in model.parameters() if p.requires_grad]
-        grad_ready = [0.0] * len(params)
+        ready_at = [0.0] * len(params)
+        grad_ready = ready_at if cfg.trace else None
 
         def ready(i: int) -> Callable[[torch.Tensor], None]:
             def hook(_: torch.Tensor) -> None:
-                grad_ready[i] = now()  # type: ignore[index]
+                last_grad[0] = ready_at[i] = now()
             return hook
 
         for i, p in enumerate(params):
