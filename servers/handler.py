@@ -110,7 +110,7 @@ class _Run:
     snapshot_every: int = 0
     snapshot_last: int = 0
     snapshot: tuple | None = None
-    started: bool = False  # async: every worker has asked for parameters once
+    started: bool = False  # every worker has asked for parameters once
 
 
 class Handler:
@@ -290,6 +290,9 @@ class Handler:
         if got > st.store.numel:
             raise RequestError(f"worker {w} pushed more than one step's gradient for step "
                                f"{h['step']}")
+        # workers push only after their first pull was answered: a push means the run
+        # has started, even for a client that never asked for parameters
+        st.started = True
         staleness = 0
         if st.mode == "sync":
             if h["step"] != st.version:
@@ -461,18 +464,20 @@ class Handler:
         return out
 
     def _can_answer(self, st: _Run, msg: Message) -> bool:
-        if st.mode == "sync":
-            return st.version >= msg.header["min_version"]
         if not st.started:
-            # Start together: the first pulls are held until every worker has asked.
-            # Worker processes start up to hundreds of milliseconds apart; without this
-            # the first ones would run a short run's steps alone, unraced, and measure
-            # neither asynchronous SGD's contention nor its staleness.
+            # Start together: the first pulls are held until every worker has asked,
+            # as torch.distributed's rendezvous does for allreduce. Worker processes
+            # start up to hundreds of milliseconds apart; without this an async run's
+            # first workers would run a short run's steps alone, unraced (measuring
+            # neither contention nor staleness), and a sync run's first worker would
+            # count the last one's start-up as training time.
             asking = {d.msg.header["worker"] for d in self.deferred
                       if d.msg.header["run"] == st.run}
             if len(asking) < st.workers:
                 return False
             st.started = True
+        if st.mode == "sync":
+            return st.version >= msg.header["min_version"]
         if st.max_staleness < 0 or st.shard != 0:
             return True
         # Admission (shard 0 only): every worker x in flight must still be able to see

@@ -40,6 +40,7 @@ def test_sync_ps_matches_single_and_allreduce(small_runs, tmp_path, servers, tra
     evals = assert_evals(out, 12)
     ref = assert_evals(small_runs["single"], 12)
     assert [e["accuracy"] for e in evals] == [e["accuracy"] for e in ref]
+    assert_started_together(out)
     assert_no_processes(out)
 
 
@@ -89,6 +90,18 @@ def test_server_addrs_pointing_at_nothing_fails_fast(tmp_path):
     assert_no_processes(out)
 
 
+def assert_started_together(out, within=0.05):
+    """Every worker's first step began within ``within`` s of the others': servers
+    hold the first pulls until every worker has asked, and workers wait for them in
+    set-up, so worker 0 never counts a later worker's start-up (hundreds of ms of
+    process start) as training time or as its first steps' communication."""
+    first = {}
+    for r in read_steps(out):
+        if r["step"] == 0:
+            first[r["worker"]] = r["time"] - r["step_s"]
+    assert len(first) >= 2 and max(first.values()) - min(first.values()) < within, first
+
+
 def staleness_by_worker(out):
     counts = collections.defaultdict(collections.Counter)
     for r in read_steps(out):
@@ -112,6 +125,7 @@ def test_async_strategies_reduce_the_loss(tmp_path, strategy):
         assert all(r["staleness"] >= 0 for r in records if r["worker"] == w)
     # the workers really ran concurrently (they start together): some steps raced
     assert any(r["staleness"] > 0 for r in records)
+    assert_started_together(out)
     assert (out / "model.pt").exists()
     assert_evals(out, 40)  # the servers' or the shared parameters, as they were
     assert_no_processes(out)

@@ -78,9 +78,9 @@ def ops(replies):
 def test_sync_answers_pulls_only_when_all_workers_pushed():
     h = Handler()
     assert h.handle(b"w1", req("pull", worker=1, min_version=0)) == []  # before init: held
-    init(h, workers=2, released=[(b"w1", "params")])  # answered once initialized
+    init(h, workers=2)  # still held: workers start together, and worker 0 has not asked
     out = h.handle(b"w0", req("pull", min_version=0))
-    assert ops(out) == [(b"w0", "params")]
+    assert sorted(ops(out)) == [(b"w0", "params"), (b"w1", "params")]
     h.handle(b"w0", req("push", step=0, offset=0, tensors=[torch.ones(4)]))
     assert h.handle(b"w0", req("pull", seq=3, min_version=1)) == []  # waits for worker 1
     out = h.handle(b"w1", req("push", worker=1, step=0, offset=0, tensors=[3 * torch.ones(4)]))

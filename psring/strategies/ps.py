@@ -256,7 +256,7 @@ class ParameterServer(Strategy):
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
         self.finished = False  # the last step's pushes were acknowledged
-        self._early_recv = 0  # bytes of the next step's pull received by eval_model
+        self._early_recv = 0  # bytes of the next step's pull received early (set-up, eval_model)
         self.step = 0
         self._staleness = -1
         # resuming: the servers start at the checkpoint's version, with its momentum
@@ -264,6 +264,13 @@ class ParameterServer(Strategy):
         if ctx.rank == 0:
             self._initialize_servers(resume)
         self.pull = self._send_pull(min_version=self.version0 if self.mode == "sync" else 0)
+        # Start together: servers answer the first pulls once every worker has sent
+        # one, so waiting here is the rendezvous torch.distributed does for allreduce
+        # during set-up, outside the steps and the training clock. The bytes belong
+        # to step 0, as they did when step 0 received them.
+        recv = self.client.bytes_recv
+        self.pull.wait()
+        self._early_recv = self.client.bytes_recv - recv
         return model
 
     # -- servers ------------------------------------------------------------------
