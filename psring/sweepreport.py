@@ -727,12 +727,15 @@ def plot_costmodel(settings: list[dict], path: Path) -> Path:
 
 
 # ----------------------------------------------------------------------- report
-def _fmt(a: dict | None, scale: float = 1.0, digits: int = 0) -> str:
+def _fmt(a: dict | None, scale: float = 1.0, digits: int = 0, style: str = "f") -> str:
+    """Median (min–max); ``style`` "g" counts significant digits, for values such as
+    a final loss that can fall to 1e-4 and would print as 0.000."""
     if a is None:
         return "-"
-    m = f"{a['median'] * scale:.{digits}f}"
+    spec = f".{digits}{style}"
+    m = f"{a['median'] * scale:{spec}}"
     if a["n"] > 1:
-        m += f" ({a['min'] * scale:.{digits}f}–{a['max'] * scale:.{digits}f})"
+        m += f" ({a['min'] * scale:{spec}}–{a['max'] * scale:{spec}})"
     return m
 
 
@@ -961,7 +964,8 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                           for s in evaluated]), ""]
     md += ["## Training loss", "", f"![loss]({plots['loss'].name})", "",
            _md_table(["setting", "final loss"],
-                     [[_label(s), _fmt(s["loss_final"], digits=3)] for s in settings]), ""]
+                     [[_label(s), _fmt(s["loss_final"], digits=3, style="g")]
+                      for s in settings]), ""]
     if "staleness" in plots:
         md += ["## Staleness", "", f"![staleness]({plots['staleness'].name})", "",
                _md_table(["setting", "steps", "mean", "p50", "max"],
