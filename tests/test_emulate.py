@@ -216,25 +216,46 @@ def test_delay_needs_netem(tmp_path):
         assert_cluster_gone(out)
 
 
+def _blocked_dirs(paths: list[Path]) -> dict[Path, set[str]]:
+    """Directories an ordinary user cannot enter (no o+x) on the way to ``paths``, each
+    with the children the user must reach through it, outermost first."""
+    blocked: dict[Path, set[str]] = {}
+    for path in paths:
+        for parent in reversed(path.parents):
+            if parent != Path("/") and not os.stat(parent).st_mode & 0o001:
+                blocked.setdefault(parent, set()).add(path.relative_to(parent).parts[0])
+    return dict(sorted(blocked.items(), key=lambda kv: len(kv[0].parts)))
+
+
 def _as_ordinary_user(argv: list[str], home: Path) -> list[str]:
-    """argv run as uid 65534 without privileges. The interpreter may live under a
-    directory only root can enter (/root, mode 700); then a private mount namespace
-    re-mounts that directory's tree with the interpreter reachable, for this command
-    only."""
-    real = Path(os.path.realpath(sys.executable))
-    blocked = next((p for p in reversed(real.parents)
-                    if p != Path("/") and not os.stat(p).st_mode & 0o001), None)
+    """argv run as uid 65534 without privileges. What it needs (the interpreter, the
+    virtual environment, psring's source for an editable install) may live under
+    directories only root can enter: root's home, or a checkout in a ``mktemp -d``
+    directory (both mode 700). Then a private mount namespace, for this command only,
+    mounts over each such directory (outermost first) a 755 directory holding bind
+    mounts of just the children on those paths."""
+    import psring
+    import psring.workers
+
+    needed = [Path(os.path.realpath(sys.executable)), Path(sys.prefix).resolve(),
+              Path(psring.__file__).resolve().parent,
+              Path(psring.workers.__file__).resolve().parent]
     run = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env",
            f"HOME={home}", *argv]
-    if blocked is None:
+    blocked = _blocked_dirs(needed)
+    if not blocked:
         return run
-    # bind the blocked directory's child on the interpreter's path into a fresh 755
-    # directory mounted over the blocked one (recursively: the child is a submount)
-    child = real.relative_to(blocked).parts[0]
-    script = (f'set -e; X=$(mktemp -d); chmod 755 "$X"; mkdir -p "$X/{child}"; '
-              f'mount --bind "{blocked / child}" "$X/{child}"; mount --rbind "$X" "{blocked}"; '
-              f'exec "$@"')
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *run]
+    script = ["set -e"]
+    for directory, children in blocked.items():
+        script.append('X=$(mktemp -d); chmod 755 "$X"')
+        for child in sorted(children):
+            make = "mkdir -p" if (directory / child).is_dir() else "touch"
+            script.append(f'{make} "$X/{child}"; mount --bind "{directory / child}" "$X/{child}"')
+        # recursively: what was bound above may itself be overlaid by a later line
+        script.append(f'mount --rbind "$X" "{directory}"')
+    script.append('exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "; ".join(script),
+            "sh", *run]
 
 
 @needs_emulation
@@ -264,7 +285,7 @@ def test_an_ordinary_user_gets_the_cluster_inside_a_user_namespace(tmp_path, req
         pytest.skip("becoming an ordinary user for the test needs root")
     probe = subprocess.run(_as_ordinary_user(["unshare", "--user", "--net",
                                               "--map-root-user", "true"], tmp_path),
-                           capture_output=True, text=True, timeout=30)
+                           capture_output=True, text=True, timeout=30, cwd="/")
     if probe.returncode != 0:
         pytest.skip(f"this kernel gives ordinary users no user namespaces "
                     f"({probe.stderr.strip()}); the refusal is tested above")
@@ -276,7 +297,7 @@ def test_an_ordinary_user_gets_the_cluster_inside_a_user_namespace(tmp_path, req
     proc = subprocess.run(_as_ordinary_user(
         [*PSRING, "run", "--strategy", "ps", "--workers", "2", "--hosts", "2", "--link",
          "1gbit", *SMALL, "--steps", "4", "--out", str(out)], home),
-        capture_output=True, text=True, timeout=100)
+        capture_output=True, text=True, timeout=100, cwd=home)
     assert proc.returncode == 0, proc.stderr
     state = cluster_state(out)
     assert state["mode"] == "userns"
