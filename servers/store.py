@@ -1,11 +1,10 @@
 """A parameter server's store: one shard of the flat parameters and its optimizer state.
 
-The update is ``torch.optim.SGD``'s own arithmetic (lr, momentum, weight decay; no
-dampening, no Nesterov), so a synchronous parameter server trains exactly the model
-``allreduce`` trains. It runs as torch's fused SGD kernel (what ``SGD(fused=True)``
-calls): one pass over parameters, gradient and momentum instead of three, with
-bit-identical results (tests/test_server.py checks ``torch.equal``). Torch builds
-without that kernel get the same arithmetic as separate tensor ops.
+The update is the workers' own SGD (psring.optim.sgd_update: ``torch.optim.SGD``'s
+arithmetic; lr, momentum, weight decay; no dampening, no Nesterov) in its fused form:
+one pass over parameters, gradient and momentum instead of three (what
+``SGD(fused=True)`` calls), so a synchronous parameter server trains the model
+``allreduce`` trains (tests/test_server.py compares with ``torch.optim.SGD``).
 
 Synchronous steps with N > 1 workers sum the N pushes of a range straight into the
 momentum buffer instead of into a separate sum (``begin``/``add``/``finish``): the
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-_FUSED = getattr(torch, "_fused_sgd_", None)
+from psring.optim import sgd_update
 
 
 class ShardStore:
@@ -37,21 +36,6 @@ class ShardStore:
         self.buf = torch.zeros_like(self.params) if self.momentum else None
         self._sum: torch.Tensor | None = None  # the running sum when there is no buf
 
-    def _fused(self, p: torch.Tensor, grad: torch.Tensor, buf: list[torch.Tensor],
-               momentum: float, weight_decay: float) -> None:
-        if _FUSED is not None:
-            _FUSED([p], [grad], buf, weight_decay=weight_decay, momentum=momentum,
-                   lr=self.lr, dampening=0.0, nesterov=False, maximize=False,
-                   is_first_step=False)
-            return
-        d_p = grad
-        if weight_decay:
-            d_p = d_p.add(p, alpha=weight_decay)
-        if buf:
-            buf[0].mul_(momentum).add_(d_p)
-            d_p = buf[0]
-        p.add_(d_p, alpha=-self.lr)
-
     @property
     def numel(self) -> int:
         return self.hi - self.lo
@@ -65,8 +49,9 @@ class ShardStore:
         """SGD step on elements [start, start + len(grad)) of this shard."""
         grad = self._master(grad)
         end = start + grad.numel()
-        buf = [self.buf[start:end]] if self.buf is not None else []
-        self._fused(self.params[start:end], grad, buf, self.momentum, self.weight_decay)
+        buf = self.buf[start:end] if self.buf is not None else None
+        sgd_update(self.params[start:end], grad, buf, self.lr, self.momentum,
+                   self.weight_decay, fused=True)
 
     def _acc(self, start: int, n: int) -> torch.Tensor:
         if self.buf is not None:
@@ -96,4 +81,5 @@ class ShardStore:
         the fused kernel's ``buf = 1*buf + g`` exact)."""
         grad = self._master(grad)
         n = grad.numel()
-        self._fused(self.params[start:start + n], grad, [self._acc(start, n)], 1.0, 0.0)
+        sgd_update(self.params[start:start + n], grad, self._acc(start, n), self.lr, 1.0, 0.0,
+                   fused=True)

@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device,
-            optimizer: bool = True) -> None:
+def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
     """One forward and backward, discarded, before anything is timed or shared. The
     first pass pays one-time costs (allocator, thread pools, kernel selection, lazy
     imports: ~0.6 s on a CPU). Rank 0 already paid them counting FLOPs for the manifest; without this every
@@ -107,13 +106,6 @@ def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device,
     with torch.no_grad():
         for k, v in model.named_buffers():
             v.copy_(buffers[k])
-    if not optimizer:
-        return
-    # the optimizer's first construction and step import torch._dynamo (0.6-2 s); on a
-    # throwaway tensor, not the model
-    dummy = torch.zeros(1, requires_grad=True)
-    dummy.grad = torch.zeros(1)
-    torch.optim.SGD([dummy], lr=0.1, momentum=0.9).step()
 
 
 def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world: int,
@@ -155,7 +147,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     if rank == 0:
         write_manifest(run_dir, cfg, work, strategy_cls, threads)
     model.to(device)
-    warm_up(model, ds, cfg, rank, world, device, optimizer=strategy_cls.local_optimizer)
+    warm_up(model, ds, cfg, rank, world, device)
 
     strategy = None
     steps = StepLog(run_dir)

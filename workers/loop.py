@@ -27,15 +27,16 @@ from psring.data import Split, worker_batch
 from psring.errors import PsringError
 from psring.evaluate import evaluate, is_due
 from psring.models import loss_of
+from psring.optim import SGD
 from psring.runlog import EVALS, PHASES, StepLog
 from psring.strategies.base import Strategy, WorkerContext
 
 now = time.perf_counter
 
 
-def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                           weight_decay=cfg.weight_decay)
+def make_optimizer(model: nn.Module, cfg) -> SGD:
+    return SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+               weight_decay=cfg.weight_decay)
 
 
 def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
@@ -120,7 +121,7 @@ def _evaluate(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Sp
 
 
 def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.Module,
-           optimizer: torch.optim.Optimizer | None, split: Split, log: StepLog | None,
+           optimizer: SGD | None, split: Split, log: StepLog | None,
            on_step: Callable[[dict], None] | None, first_step: int, clock: TrainingClock,
            evals: StepLog | None) -> None:
     cfg = ctx.cfg

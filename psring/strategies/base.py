@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..config import RunConfig
+from ..optim import SGD
 from ..registry import Registry
 
 STRATEGIES: Registry = Registry("strategy")
@@ -109,7 +110,7 @@ class Strategy:
     max_hosts: ClassVar[int | None] = None
     #: the worker entry point must initialize torch.distributed before setup()
     uses_process_group: ClassVar[bool] = False
-    #: the loop builds a torch.optim.SGD and update() applies it; False when a server
+    #: the loop builds a psring.optim.SGD and update() applies it; False when a server
     #: applies the update and workers only receive parameters
     local_optimizer: ClassVar[bool] = True
     #: the launcher starts --servers parameter-server processes (unless --server-addrs
@@ -153,7 +154,7 @@ class Strategy:
     def finish_backward(self) -> Handle:
         return DONE
 
-    def update(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def update(self, optimizer: SGD | None) -> None:
         assert optimizer is not None
         optimizer.step()
 
@@ -172,7 +173,7 @@ class Strategy:
 
     # -- checkpoints ---------------------------------------------------------------
     def checkpoint_state(self, model: nn.Module,
-                         optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+                         optimizer: SGD | None) -> dict[str, torch.Tensor]:
         """The tensors of a checkpoint, taken after a step's update. Called on every
         worker at the same step (a strategy may communicate here); rank 0's result is
         written (psring.checkpoint). Default: the model's state_dict and the local
@@ -185,7 +186,7 @@ class Strategy:
                     state["momentum/" + name] = buf.detach().cpu().clone()
         return state
 
-    def restore_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def restore_checkpoint(self, model: nn.Module, optimizer: SGD | None,
                            state: dict[str, torch.Tensor]) -> None:
         """Put a checkpoint back, after setup(): what checkpoint_state took."""
         model.load_state_dict({k[len("model/"):]: v for k, v in state.items()
