@@ -208,18 +208,35 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def _skip_dynamo(mode_cls: Any) -> None:
+    """Let a torch dispatch mode run without importing torch._dynamo (~1 s).
+
+    torch wraps some of its own functions (FlopCounterMode's ``__torch_dispatch__``)
+    in ``torch._disable_dynamo``, which imports torch._dynamo on the first call, only
+    to keep torch.compile from tracing into them. psring never compiles, and rank 0
+    counts FLOPs in every run, so that import sat on every run's start-up. The wrapper
+    calls a cached ``__dynamo_disable`` when the function has one: the function itself
+    here. Where torch changes the wrapping, nothing is done and the import happens
+    (tests/test_optim.py notices)."""
+    dispatch = getattr(mode_cls, "__torch_dispatch__", None)
+    fn = getattr(dispatch, "__wrapped__", None)
+    if fn is not None and getattr(fn, "__dynamo_disable", None) is None:
+        setattr(fn, "__dynamo_disable", fn)
+
+
 def flops_per_sample(model: nn.Module, inputs: Inputs) -> float:
     """FLOPs of forward+backward for one sample, counted by torch.utils.flop_counter.
 
     Counts matmuls, convolutions and attention (what dominates); elementwise ops are
     not counted. Runs on the model's device; on the meta device nothing is computed.
     """
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils import flop_counter
 
+    _skip_dynamo(getattr(flop_counter, "_FlopCounterMode", None))
     batch = 2
     device = next(model.parameters()).device
     x = inputs.example(batch, device)
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter.FlopCounterMode(display=False)
     was_training = model.training
     with counter:
         out = model(x)
