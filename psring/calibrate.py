@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 from .costmodel import Calibration, default_path
 from .errors import ConfigError, PsringError
-from .launch import die_with_parent, free_port
+from .process import die_with_parent, free_port
 from .protocol import ABSTRACT_IPC, abstract_ipc_endpoint
 
 KB, MB = 1024, 1024 * 1024

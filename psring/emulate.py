@@ -48,13 +48,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from .errors import ConfigError, PsringError
+from .process import POLL_S, ProcessSpec, Supervisor, die_with_parent, tail
 from .runlog import atomic_write_json
-
-if TYPE_CHECKING:  # the launcher's types; imported lazily (this module stays light:
-    from .launch import ProcessSpec, Supervisor  # the trampoline imports it per process)
 
 #: the emulated network: RFC 2544's benchmarking range, never a real network's
 NETWORK = ipaddress.ip_network("198.18.0.0/15")
@@ -689,7 +687,6 @@ def _link_events(data: bytes):
 
 
 def agent_main(plan_json: str, state_path: str) -> int:
-    from .launch import die_with_parent
 
     die_with_parent()  # with the launcher; the holders die with this agent
 
@@ -758,10 +755,10 @@ class Network:
     def __init__(self, plan: ClusterPlan):
         self.plan = plan
 
-    def start(self, sup: "Supervisor") -> None:
+    def start(self, sup: Supervisor) -> None:
         """Start what the network needs (before any process is placed)."""
 
-    def place(self, spec: "ProcessSpec") -> "ProcessSpec":
+    def place(self, spec: ProcessSpec) -> ProcessSpec:
         """The spec to start ``spec`` on its host."""
         return spec
 
@@ -779,8 +776,7 @@ class EmulatedCluster(Network):
         self.state: dict[str, Any] = {}
         self.started = 0.0
 
-    def agent_spec(self) -> "ProcessSpec":
-        from .launch import ProcessSpec
+    def agent_spec(self) -> ProcessSpec:
 
         p = self.plan
         plan = {"hosts": [{"name": h.name, "index": h.index, "address": h.address,
@@ -790,8 +786,7 @@ class EmulatedCluster(Network):
         return ProcessSpec("cluster", [sys.executable, "-m", "psring.emulate", "agent",
                                        json.dumps(plan), str(self.state_path)], service=True)
 
-    def start(self, sup: "Supervisor") -> None:
-        from .launch import POLL_S
+    def start(self, sup: Supervisor) -> None:
 
         self.state_path.unlink(missing_ok=True)
         child = sup.start(self.agent_spec())
@@ -808,7 +803,6 @@ class EmulatedCluster(Network):
                 raise EmulationError(self.state["error"])
             died = child.proc.poll() is not None
             if died or time.monotonic() > deadline:
-                from .launch import tail
 
                 what = "died" if died else f"was not ready within {READY_TIMEOUT_S:.0f} s"
                 raise EmulationError(f"the emulated cluster's agent {what}; its log "
@@ -837,7 +831,7 @@ class EmulatedCluster(Network):
                 # shared memory or NVLink, around the emulated links (not run here: no GPU)
                 "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
-    def place(self, spec: "ProcessSpec") -> "ProcessSpec":
+    def place(self, spec: ProcessSpec) -> ProcessSpec:
         import dataclasses
 
         host = self.plan.host_of(spec.name).name
@@ -868,7 +862,6 @@ def standalone(hosts: int, link: str = "", delay: str = "",
     """An emulated cluster outside a run (calibration, benchmarks): its agent is
     supervised here and stopped on exit; ``cluster.command(host, argv)`` runs a program
     on a host, ``enter(cluster.host(name), cluster.mode)`` moves a fresh process there."""
-    from .launch import Supervisor
 
     with tempfile.TemporaryDirectory(prefix="psring-cluster-") as tmp:
         d = Path(log_dir) if log_dir else Path(tmp)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from psring.errors import ConfigError, PsringError
+from psring.process import die_with_parent, set_process_name
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -71,13 +72,12 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from psring.launch import die_with_parent
-
     die_with_parent()
     parser = argparse.ArgumentParser(prog="python -m psring.servers",
                                      description="a psring parameter server")
     add_server_flags(parser)
     args = parser.parse_args(argv)
+    set_process_name(args.name)
     try:
         return run_server(args)
     except PsringError as e:

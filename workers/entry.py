@@ -28,7 +28,8 @@ from pathlib import Path
 from psring.allocator import keep_freed_memory
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
-from psring.launch import die_with_parent, worker_threads
+from psring.launch import worker_threads
+from psring.process import die_with_parent, set_process_name
 
 
 #: objects kept alive until the process exits (see the end of run_worker)
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world or 1)
     prefix = f"[worker {rank}/{world or args.workers}]"
+    set_process_name(f"worker-{rank}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prefix} %(message)s",
                         stream=sys.stderr)
     log = logging.getLogger("psring.worker")

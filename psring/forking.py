@@ -1,0 +1,189 @@
+"""Start a run's workers and servers by forking the launcher instead of a new
+interpreter.
+
+Every psring worker and server imports torch, about 1-2 s on a 2-core machine: a
+2-worker ps run paid it four times (launcher, two workers, one server), a sweep once
+more per run. The launcher has imported torch already; once it has also imported the
+worker and server code (:func:`preload`), a child forked from it starts at
+``main()`` with nothing left to import. A forked child then behaves as if started by
+``python -m psring.workers ARGS`` with the spec's environment: its own session, stdio
+on its log file, default signal dispositions, no inherited file descriptors, and the
+same ``__main__`` module run with the same ``sys.argv``.
+
+Forking is safe only from a process in which nothing else runs: a thread holding a
+lock at fork time (an OpenMP pool that ran a parallel region, ZeroMQ's I/O threads, a
+progress-bar thread) leaves the child with a lock nobody will release. So forking is
+opt-in and checked:
+
+- a process declares that it will not compute before launching (:func:`allow`; the
+  ``psring run`` and ``psring sweep`` commands do), which also preloads;
+- at each start the process must still have the threads it had right after
+  preloading (numpy's BLAS pool, which hands itself over at fork), and no other
+  Python thread;
+- ``PSRING_FORK=0`` turns it off (benchmarks compare both ways; docs/benchmarks.md).
+
+Anything else (an in-process ``launch()`` from a test or a notebook, a process placed
+on an emulated host through its setns trampoline, another OS) starts a new interpreter
+as before.
+
+    PSRING_FORK=0 psring run --strategy ps --workers 2 --steps 1   # the exec path
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Mapping
+
+ENV = "PSRING_FORK"
+#: what can be forked: the modules of ``python -m MODULE`` that preload() imports
+MODULES = ("psring.workers", "psring.servers")
+_PRELOAD = ("torch", "torch.distributed", "psring.workers.entry", "psring.workers.loop",
+            "psring.workers.manifest", "psring.workload", "psring.strategies",
+            "psring.checkpoint", "psring.servers.entry", "psring.servers.server")
+
+_baseline_threads: int | None = None
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "fork") \
+        and os.environ.get(ENV, "1") != "0"
+
+
+def preload() -> None:
+    """Import what a worker and a server import, once, in this process."""
+    for name in _PRELOAD:
+        importlib.import_module(name)
+
+
+def allow() -> None:
+    """This process will start runs and compute nothing itself before it does: fork
+    their workers and servers from it (when :func:`supported`). Preloads now, and
+    remembers how many threads the process has afterwards."""
+    global _baseline_threads
+    if not supported():
+        return
+    preload()
+    _baseline_threads = _threads()
+
+
+def target(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(module, args)`` when ``argv`` is ``python -m MODULE ARGS`` for a module this
+    process can fork now; None to start a new interpreter."""
+    if _baseline_threads is None or not supported() or len(argv) < 3 \
+            or argv[:2] != [sys.executable, "-m"] or argv[2] not in MODULES:
+        return None
+    if threading.active_count() != 1 or _threads() > _baseline_threads:
+        return None  # a thread appeared since preload(): it may hold a lock
+    return argv[2], argv[3:]
+
+
+class ForkedProcess:
+    """A forked child, as much of ``subprocess.Popen`` as the supervisor uses."""
+
+    def __init__(self, pid: int, args: list[str]):
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: nothing more to learn
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def start(module: str, args: list[str], env: Mapping[str, str], log_fd: int) -> ForkedProcess:
+    """Fork a child that runs ``python -m module args`` in this interpreter."""
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered may be written twice
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    pid = os.fork()
+    if pid:
+        return ForkedProcess(pid, [sys.executable, "-m", module, *args])
+    code = 1
+    try:
+        _become_child(env, log_fd)
+        code = _run_main(module, args)
+    except BaseException:  # noqa: BLE001 - the child must never return into the launcher
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _become_child(env: Mapping[str, str], log_fd: int) -> None:
+    os.setsid()
+    # what a new interpreter starts with, whatever the launcher installed
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024)
+    # unbuffered, as PYTHONUNBUFFERED makes a new interpreter's
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False),
+                                                   write_through=True, line_buffering=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False),
+                                                   write_through=True, line_buffering=True,
+                                                   errors="backslashreplace")
+    os.environ.clear()
+    os.environ.update(env)
+    # the launcher's logging set-up is not the child's: its entry configures its own
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    threads = env.get("OMP_NUM_THREADS")
+    torch = sys.modules.get("torch")
+    if threads and torch is not None:
+        # OpenMP read OMP_NUM_THREADS when the launcher started, not now
+        torch.set_num_threads(int(threads))
+
+
+def _run_main(module: str, args: list[str]) -> int:
+    import runpy
+
+    sys.argv = [module, *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0

@@ -1,0 +1,227 @@
+"""Processes of a run: start them, watch them, stop them, leave no orphans.
+
+The :class:`Supervisor` is psring's process manager (psring.launch starts a run's
+workers and servers with it, psring.emulate its cluster agent):
+
+- every child runs in its own session (so a terminal's Ctrl-C reaches only the
+  launcher, which then stops the children in order) and is told to die with its
+  parent (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no orphans;
+- its stdout and stderr go to ``DIR/logs/<name>.log``;
+- when any child exits non-zero, the others get SIGTERM, then SIGKILL after a grace
+  period, and the run fails with that child's name, exit status and last lines.
+
+A child is started one of two ways (psring.forking): forked from this process, which
+has imported torch and psring's worker and server code once, or as a new interpreter
+(``python -m psring.workers ...``), which pays the ~1-2 s of importing torch again.
+Both look the same to the supervisor and to the child's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import forking
+from .errors import ConfigError, RunFailed
+
+GRACE_S = 5.0
+POLL_S = 0.05
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the launcher dies (even by SIGKILL),
+    so a killed ``psring run`` leaves no orphans. SIGKILL, not SIGTERM: a worker blocked
+    in a collective (C++, waiting for a peer that died with the launcher) would run its
+    Python SIGTERM handler only when the collective times out, minutes later. Nothing
+    is lost that a crash would not lose: checkpoints and run files are written
+    atomically. Linux only; elsewhere a no-op."""
+    parent = os.environ.get("PSRING_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(143)
+
+
+def set_process_name(name: str) -> None:
+    """This process's name in ps, top and /proc/PID/comm (15 bytes), e.g. worker-1: a
+    forked worker's command line is its launcher's, and every exec'd one's is
+    ``python -m psring.workers`` with the same flags. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_NAME = 15
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Fail before anything is spawned if ``port`` is already taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR: a port with only TIME_WAIT connections is free for a listener.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"{what} port {host}:{port} is already in use by another process; "
+                    f"pass a different port, or 0 to let psring pick a free one.") from None
+            raise ConfigError(f"cannot bind {what} address {host}:{port}: {e.strerror}; "
+                              f"check the address belongs to this host.") from None
+
+
+@dataclass
+class ProcessSpec:
+    name: str  # e.g. "worker-0"; also the log file's name
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    #: a service (a parameter server) runs until the workers are done; then it is stopped
+    service: bool = False
+
+
+@dataclass
+class Child:
+    spec: ProcessSpec
+    proc: subprocess.Popen | forking.ForkedProcess
+    log_path: Path
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# Lines a process prints when it fails only because a peer already did; the launcher
+# blames the process that failed for a reason of its own when it can tell.
+_CASCADE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                    "exit code 143", "SIGTERM", "caused by a remote worker crashing")
+#: seconds to wait for the cause of a failure to show when only peers' cascades have
+BLAME_WAIT_S = 2.0
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.children: list[Child] = []
+
+    def start(self, spec: ProcessSpec) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{spec.name}.log"
+        env = {**os.environ, **spec.env, "PSRING_PARENT_PID": str(os.getpid()),
+               "PYTHONUNBUFFERED": "1"}
+        fork = forking.target(spec.argv)
+        with open(log_path, "ab") as logf:
+            if fork is not None:
+                proc = forking.start(*fork, env=env, log_fd=logf.fileno())
+            else:
+                proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=logf,
+                                        stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        child = Child(spec, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.children]
+
+    def wait(self, on_tick: Callable[[], None] | None = None) -> None:
+        """Block until every non-service child exited 0; raise RunFailed as soon as any
+        child (services included) fails or a service exits before the workers are done."""
+        while True:
+            failed = self._failed()
+            if failed:
+                # A peer's disconnection is often seen before the process that caused it
+                # has finished dying: give it a moment to be the one named.
+                deadline = time.monotonic() + BLAME_WAIT_S
+                while all(self._cascade(c) for c in failed) and time.monotonic() < deadline \
+                        and any(c.proc.poll() is None for c in self.children):
+                    time.sleep(POLL_S)
+                    failed = self._failed()
+                self.stop()
+                raise RunFailed(self._failure_message(failed))
+            if all(c.proc.poll() == 0 for c in self.children if not c.spec.service):
+                return
+            if on_tick is not None:
+                on_tick()
+            time.sleep(POLL_S)
+
+    def _failed(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() not in (None, 0)
+                or (c.spec.service and c.proc.poll() == 0)]
+
+    @staticmethod
+    def _cascade(c: Child) -> bool:
+        """Did ``c`` fail only because a peer did (its log says a peer went away)?"""
+        text = tail(c.log_path, 20)
+        return any(m in text for m in _CASCADE_MARKERS)
+
+    def _failure_message(self, failed: list[Child]) -> str:
+        culprit = next((c for c in failed if not self._cascade(c)), failed[0])
+        others = [c.spec.name for c in failed if c is not culprit]
+        msg = (f"{culprit.spec.name} failed ({describe_exit(culprit.proc.returncode)}); "
+               f"the other processes were stopped. Its log is {culprit.log_path}")
+        if others:
+            msg += f" (also failed: {', '.join(others)})"
+        last = tail(culprit.log_path)
+        return msg + (f"; its last lines:\n{last}" if last else ".")
+
+    def stop(self, grace: float = GRACE_S) -> None:
+        """SIGTERM every live child's process group, then SIGKILL after ``grace``."""
+        live = [c for c in self.children if c.proc.poll() is None]
+        for c in live:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in live:
+            # Only children not yet reaped: a reaped pid may already belong to someone else.
+            if c.proc.poll() is None:
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen | forking.ForkedProcess, sig: int) -> None:
+    # The child leads its own session, so its pid is its process group's id; a child
+    # forked an instant ago may not have called setsid() yet: then signal it alone.
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, sig)
+    except PermissionError:
+        pass
