@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 
+from . import forking
 from .errors import PsringError
 
 
@@ -43,6 +44,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = config_from_args(args)
     print(f"psring: running {cfg.strategy} with {cfg.workers} worker(s)", file=sys.stderr)
+    forking.allow()  # this process only launches: its children are forked from it
     run_dir = launch(cfg, progress=_progress_printer(cfg.steps * cfg.workers))
     print(render_table(summarize_all([str(run_dir)])))
     print(f"run directory: {run_dir}")
@@ -90,6 +92,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.repeats is not None:
         sweep = Sweep(**{**sweep.to_dict(), "repeats": args.repeats})
     out = Path(args.out) if args.out else default_out(sweep)
+    forking.allow()  # this process only launches: its runs' children are forked from it
     res = run_sweep_with_progress(sweep, out)
     print(format_summary(res), file=sys.stderr)
     if args.report:

@@ -295,7 +295,10 @@ def run_sweep_with_progress(sweep: Sweep, out: Path) -> SweepResult:
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("points"), TimeElapsedColumn(), TextColumn("ETA"),
-                  TimeRemainingColumn(), console=console) as bar:
+                  TimeRemainingColumn(), console=console,
+                  # redrawn on each point, not by a thread: a thread would keep the
+                  # runs' workers from being forked (psring.forking)
+                  auto_refresh=False) as bar:
         task = bar.add_task(f"sweep {sweep.name}", total=None)
 
         def on_point(p: Point, status: str, seconds: float) -> None:
@@ -305,9 +308,13 @@ def run_sweep_with_progress(sweep: Sweep, out: Path) -> SweepResult:
             elif not console.is_terminal:
                 bar.console.print(f"point {p.id}: {status} ({seconds:.1f} s)")
             bar.advance(task)
+            bar.refresh()
 
-        return run_sweep(sweep, Path(out), on_point,
-                         on_start=lambda total: bar.update(task, total=total))
+        def on_start(total: int) -> None:
+            bar.update(task, total=total)
+            bar.refresh()
+
+        return run_sweep(sweep, Path(out), on_point, on_start=on_start)
 
 
 def default_out(sweep: Sweep) -> Path:
