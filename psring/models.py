@@ -5,12 +5,16 @@ A model factory takes the run's :class:`ModelSettings` and returns the module an
 (psring.data), or checks a user's ``.npz`` against it. Built-in names:
 
 - ``mlp``: Linear+ReLU layers. Each weight is used once per sample, so FLOPs per
-  parameter are low: communication-bound, the default.
+  parameter are low: communication-bound, the default (psring.zoo.simple).
 - ``cnn``: a small convnet on the input viewed as a square image. Conv weights are
-  reused at every pixel: compute-bound.
+  reused at every pixel: compute-bound (psring.zoo.simple).
 - ``resnet18``, ``resnet50``, ``vgg11``, ``vgg16``, ``mlstm``, ``gpt``: the seeds'
-  workloads, built from their papers' layer tables (psring.zoo; ``psring models``
-  lists them with their sizes).
+  workloads, built from their papers' layer tables (psring.zoo.vision, .text;
+  ``psring models`` lists them with their sizes).
+
+The vocabulary (:class:`Inputs`, :class:`ModelSettings`, the ``MODELS`` registry) is
+defined in psring.zoo.base and re-exported here; this module builds, imports and
+measures models.
 
 The user's own model is ``--model package.module:factory``, a function written like
 the built-ins (see examples/my_model.py):
@@ -24,89 +28,19 @@ the resulting FLOPs per sample and bytes per step in ``manifest.json``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
-import math
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
-from .registry import Registry
-
-#: the kinds of input psring can generate synthetic data for (psring.data)
-KINDS = ("vector", "image", "tokens")
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What a model takes and predicts. ``shape`` is one sample's: ``(features,)`` for
-    a vector, ``(channels, side, side)`` for an image, ``(seq_len,)`` for a token
-    sequence (int64), whose target is the next token at every position."""
-
-    kind: str
-    shape: tuple[int, ...]
-    #: classes predicted per sample, or per position (the vocabulary) for tokens
-    classes: int
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"Inputs.kind must be one of {', '.join(KINDS)} "
-                              f"(got {self.kind!r}).")
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-
-    @classmethod
-    def vector(cls, features: int, classes: int) -> "Inputs":
-        return cls("vector", (features,), classes)
-
-    @classmethod
-    def image(cls, channels: int, side: int, classes: int) -> "Inputs":
-        return cls("image", (channels, side, side), classes)
-
-    @classmethod
-    def tokens(cls, seq_len: int, vocab: int) -> "Inputs":
-        return cls("tokens", (seq_len,), vocab)
-
-    def example(self, batch: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A batch of inputs of the right shape and dtype (values meaningless)."""
-        if self.kind == "tokens":
-            return torch.randint(0, self.classes, (batch, *self.shape), device=device)
-        return torch.randn(batch, *self.shape, device=device)
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """The run's settings a model factory may use (a subset of RunConfig's flags; for
-    an ``.npz`` data set, features, classes, channels, image size and sequence length
-    are the data's)."""
-
-    features: int = 256
-    classes: int = 10
-    image_size: int = 32
-    channels: int = 3
-    seq_len: int = 32
-    #: 0 = the model's default (hidden units, base channels, embedding width)
-    width: int = 0
-    #: 0 = the model's default (hidden layers, conv blocks, recurrent or transformer layers)
-    depth: int = 0
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "ModelSettings":
-        return cls(features=cfg.features, classes=cfg.classes, image_size=cfg.image_size,
-                   seq_len=cfg.seq_len, width=cfg.width, depth=cfg.depth)
-
-    def replace(self, **kw: Any) -> "ModelSettings":
-        return dataclasses.replace(self, **kw)
-
-
-Factory = Callable[[ModelSettings], "tuple[nn.Module, Inputs]"]
-MODELS: Registry = Registry("model")
-
+# the model vocabulary lives with the models; re-exported here, where user factories
+# import it from (examples/my_model.py)
+from .zoo import KINDS, MODELS, Factory, Inputs, ModelSettings  # noqa: F401
 
 def model_factory(name: str) -> Factory:
     """A built-in model's factory, or ``package.module:function`` imported."""
@@ -139,52 +73,6 @@ def build_model(name: str, settings: ModelSettings, seed: int) -> tuple[nn.Modul
                           f"psring.models.Inputs), got {type(out).__name__}; see "
                           f"examples/my_model.py.")
     return out
-
-
-# ----------------------------------------------------------------- built-in models
-@MODELS.register("mlp")
-def mlp(s: ModelSettings) -> tuple[nn.Module, Inputs]:
-    width = s.width or 1024
-    depth = s.depth or 3
-    layers: list[nn.Module] = []
-    d = s.features
-    for _ in range(depth):
-        layers += [nn.Linear(d, width), nn.ReLU()]
-        d = width
-    layers.append(nn.Linear(d, s.classes))
-    return nn.Sequential(*layers), Inputs.vector(s.features, s.classes)
-
-
-class _SquareImage(nn.Module):
-    """Views flat feature vectors as 1-channel square images."""
-
-    def __init__(self, side: int):
-        super().__init__()
-        self.side = side
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(x.shape[0], 1, self.side, self.side)
-
-
-@MODELS.register("cnn")
-def cnn(s: ModelSettings) -> tuple[nn.Module, Inputs]:
-    side = math.isqrt(s.features)
-    if side * side != s.features:
-        raise ConfigError(f"model cnn views inputs as square images, so --features must be "
-                          f"a perfect square (got {s.features}); try --features "
-                          f"{side * side or 1}.")
-    width = s.width or 32
-    depth = s.depth or 2
-    layers: list[nn.Module] = [_SquareImage(side)]
-    c = 1
-    for i in range(depth):
-        layers += [nn.Conv2d(c, width, 3, padding=1), nn.ReLU()]
-        c = width
-        if i < depth - 1 and side >= 4:
-            layers.append(nn.MaxPool2d(2))
-            side //= 2
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, s.classes)]
-    return nn.Sequential(*layers), Inputs.vector(s.features, s.classes)
 
 
 # ---------------------------------------------------------------------- measures
@@ -281,5 +169,3 @@ def describe(name: str, settings: ModelSettings, batch: int) -> dict[str, Any]:
             "flops_per_sample": fps, "intensity": fps * batch / pbytes,
             "inputs": inputs}
 
-
-from . import zoo  # noqa: E402,F401  - registers the field's models

@@ -1,4 +1,5 @@
-"""The seeds' workloads, written in-project from their papers' layer tables.
+"""Model factories: psring's own (``simple``: mlp, cnn) and the seeds' workloads
+(``vision``, ``text``), written in-project from their papers' layer tables.
 
 torchvision cannot be installed beside torch 2.13's CPU build here, so ResNet and VGG
 are re-built to torchvision's exact layer shapes: at ``--classes 1000 --image-size
@@ -9,4 +10,5 @@ are re-built to torchvision's exact layer shapes: at ``--classes 1000 --image-si
     psring models --classes 1000 --image-size 224  # the papers' sizes
 """
 
-from . import vision, text  # noqa: F401,I001  - registering is importing, in this order
+from .base import KINDS, MODELS, Factory, Inputs, ModelSettings  # noqa: F401
+from . import simple, vision, text  # noqa: F401,I001  - registering is importing, in this order

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..models import MODELS, Inputs, ModelSettings
+from ..errors import ConfigError
+from .base import MODELS, Inputs, ModelSettings
 
 EMBED = 64  # sentiment-discovery's byte embedding
 
@@ -120,8 +121,6 @@ def gpt(s: ModelSettings):
     width = s.width or 128
     heads = max(1, width // 64)
     if width % heads:
-        from ..errors import ConfigError
-
         raise ConfigError(f"model gpt splits --width into 64-wide heads; use a multiple "
                           f"of 64 or a width below 128 (got {width}).")
     return GPT(s.classes, s.seq_len, width, s.depth or 2), Inputs.tokens(s.seq_len, s.classes)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import ConfigError
-from ..models import MODELS, Inputs, ModelSettings
+from .base import MODELS, Inputs, ModelSettings
 
 
 def _need_side(name: str, s: ModelSettings, least: int) -> None:

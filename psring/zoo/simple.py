@@ -1,0 +1,58 @@
+"""psring's own two models, the regimes' ends: ``mlp`` (communication-bound: each
+weight is used once per sample) and ``cnn`` (compute-bound: conv weights are reused at
+every pixel)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .base import MODELS, Inputs, ModelSettings
+
+
+@MODELS.register("mlp")
+def mlp(s: ModelSettings) -> tuple[nn.Module, Inputs]:
+    width = s.width or 1024
+    depth = s.depth or 3
+    layers: list[nn.Module] = []
+    d = s.features
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.ReLU()]
+        d = width
+    layers.append(nn.Linear(d, s.classes))
+    return nn.Sequential(*layers), Inputs.vector(s.features, s.classes)
+
+
+class _SquareImage(nn.Module):
+    """Views flat feature vectors as 1-channel square images."""
+
+    def __init__(self, side: int):
+        super().__init__()
+        self.side = side
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], 1, self.side, self.side)
+
+
+@MODELS.register("cnn")
+def cnn(s: ModelSettings) -> tuple[nn.Module, Inputs]:
+    side = math.isqrt(s.features)
+    if side * side != s.features:
+        raise ConfigError(f"model cnn views inputs as square images, so --features must be "
+                          f"a perfect square (got {s.features}); try --features "
+                          f"{side * side or 1}.")
+    width = s.width or 32
+    depth = s.depth or 2
+    layers: list[nn.Module] = [_SquareImage(side)]
+    c = 1
+    for i in range(depth):
+        layers += [nn.Conv2d(c, width, 3, padding=1), nn.ReLU()]
+        c = width
+        if i < depth - 1 and side >= 4:
+            layers.append(nn.MaxPool2d(2))
+            side //= 2
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, s.classes)]
+    return nn.Sequential(*layers), Inputs.vector(s.features, s.classes)
