@@ -30,7 +30,6 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterable, Protocol
 import torch
 from torch import nn
 
-from ..config import RunConfig
 from ..optim import SGD
 from ..registry import Registry
 
@@ -70,7 +69,9 @@ class WaitAll:
 class WorkerContext:
     """What a strategy may know about the process it runs in."""
 
-    cfg: RunConfig
+    #: the run's psring.config.RunConfig (not imported here: the config validates
+    #: itself against this registry, so the import goes that way only)
+    cfg: Any
     rank: int
     world: int
     local_rank: int
@@ -203,7 +204,7 @@ class Strategy:
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     @classmethod
-    def cleanup_run(cls, cfg: RunConfig) -> None:
+    def cleanup_run(cls, cfg: Any) -> None:
         """Remove what the run left outside its directory (shared memory files). The
         launcher calls it once the run's processes are gone, whether it failed or not."""
 

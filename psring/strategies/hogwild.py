@@ -19,17 +19,17 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import RunConfig
 from ..errors import ConfigError, PsringError
 from ..runlog import run_id
 from .base import STRATEGIES, Strategy
 
 
-def shm_paths(cfg: RunConfig) -> tuple[Path, Path]:
+def shm_paths(cfg: Any) -> tuple[Path, Path]:  # a RunConfig (see base.WorkerContext)
     """(parameters, counters) files of a run: derived from the run's id, so every
     worker (and the launcher, to clean up) finds the same ones."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -135,6 +135,6 @@ class Hogwild(Strategy):
             self.cleanup_run(self.ctx.cfg)
 
     @classmethod
-    def cleanup_run(cls, cfg: RunConfig) -> None:
+    def cleanup_run(cls, cfg: Any) -> None:
         for p in shm_paths(cfg):
             p.unlink(missing_ok=True)
