@@ -18,9 +18,12 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
+from urllib.parse import urlparse
 
-from .errors import ConfigError
+from .cluster import PLACEMENTS, Cluster, derived_hosts, host_address, in_network
+from .errors import ConfigError, PsringError
 
 
 def _flag(help: str, **kw: Any) -> dict:
@@ -201,17 +204,14 @@ class RunConfig:
             raise ConfigError(
                 f"--compress applies to strategies that send gradients (allreduce, ddp, ps, "
                 f"async-ps); {self.strategy!r} sends nothing to compress. Drop --compress.")
-        from .emulate import check_config, derived_hosts
-
         object.__setattr__(self, "hosts", derived_hosts(self.workers, self.hosts,
                                                         self.workers_per_host))
-        check_config(self, strategy_cls)
+        self._check_cluster(strategy_cls)
         self._check_servers(strategy_cls)
         self._check_slow_worker()
         if self.data == "synthetic":
             # Build the model on the meta device (no memory, no compute) so a model that
             # can't take these inputs is refused here, before any process starts.
-            from .errors import PsringError
             from .workload import meta_model
 
             try:
@@ -226,6 +226,40 @@ class RunConfig:
                     f"process: a factory must build from the settings it is given, without "
                     f"reading tensor values.") from None
 
+    def _check_cluster(self, strategy_cls) -> None:
+        """The cluster flags: what the strategy allows, then the cluster itself
+        (psring.cluster validates hosts, links and placement), kept as ``cluster``."""
+        if strategy_cls.max_hosts is not None and self.hosts > strategy_cls.max_hosts:
+            raise ConfigError(
+                f"strategy {self.strategy!r} runs on one host by definition (its workers share "
+                f"memory), so --hosts {self.hosts} cannot apply; drop --hosts, or use a "
+                f"message-passing strategy (allreduce, ps, async-ps) across hosts.")
+        if self.server_placement != "colocated" and not strategy_cls.uses_servers:
+            if self.server_placement not in PLACEMENTS:
+                raise ConfigError(f"--server-placement must be one of {', '.join(PLACEMENTS)} "
+                                  f"(got {self.server_placement!r}).")
+            raise ConfigError(f"--server-placement applies to parameter-server strategies "
+                              f"(ps, async-ps), not {self.strategy!r}.")
+        cluster = Cluster.from_config(self, strategy_cls.uses_servers)
+        if cluster.emulated:
+            # worker 0 is always on host-0, the network's first address
+            if self.master_addr not in ("127.0.0.1", host_address(0)):
+                raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
+                                  "host); drop it.")
+            wrong = [a for a in self.server_addr_list if not in_network(a)]
+            if wrong:
+                raise ConfigError(
+                    f"--server-addrs {', '.join(wrong)}: emulated hosts reach only each other "
+                    f"(198.18.0.0/15); with --hosts the launcher starts the servers itself "
+                    f"(drop --server-addrs).")
+        # computed once, here; `cluster` below is its reader
+        self.__dict__["cluster"] = cluster
+
+    @cached_property
+    def cluster(self) -> Cluster:
+        """Where this run's processes live (psring.cluster), as validated."""
+        return self.__dict__["cluster"]
+
     def _check_servers(self, strategy_cls) -> None:
         if self.servers < 1:
             raise ConfigError(f"--servers must be at least 1 (got {self.servers}).")
@@ -236,8 +270,6 @@ class RunConfig:
         if self.transport not in ("auto", "tcp", "ipc"):
             raise ConfigError(f"--transport must be auto, tcp or ipc (got {self.transport!r}).")
         if self.transport != "auto":
-            from .emulate import emulated
-
             if not strategy_cls.uses_servers:
                 raise ConfigError(f"--transport applies to parameter-server strategies (ps, "
                                   f"async-ps), not {self.strategy!r}; drop it.")
@@ -245,7 +277,7 @@ class RunConfig:
                 raise ConfigError("--transport applies to the servers psring starts; the "
                                   "--server-addrs already say how to reach yours (tcp:// or "
                                   "ipc://): drop --transport.")
-            if self.transport == "ipc" and emulated(self):
+            if self.transport == "ipc" and self.cluster.emulated:
                 raise ConfigError("--transport ipc reaches only this host's own processes; "
                                   "emulated hosts talk over their links: drop --transport "
                                   "(or use tcp).")
@@ -260,8 +292,6 @@ class RunConfig:
             raise ConfigError(f"--max-staleness must be >= 0, or -1 for no bound "
                               f"(got {self.max_staleness}).")
         if addrs:
-            from urllib.parse import urlparse
-
             for a in addrs:
                 u = urlparse(a)
                 if u.scheme not in ("tcp", "ipc") or (u.scheme == "tcp" and not u.port):
@@ -269,11 +299,9 @@ class RunConfig:
                                       f"tcp://127.0.0.1:5555.")
             from .protocol import HOW_TO_SET_A_SECRET, is_local, load_secret
 
-            from .emulate import emulated, in_network
-
             # an emulated cluster's own servers are reachable only inside it
             remote = [a for a in addrs if not is_local(a)
-                      and not (emulated(self) and in_network(a))]
+                      and not (self.cluster.emulated and in_network(a))]
             if remote and load_secret(self.secret_file) is None:
                 raise ConfigError(f"--server-addrs: {', '.join(remote)} lie(s) beyond loopback, "
                                   f"where servers accept only signed messages: "
@@ -282,6 +310,7 @@ class RunConfig:
                 raise ConfigError(f"--servers {self.servers} disagrees with the "
                                   f"{len(addrs)} --server-addrs; give one or the other.")
             object.__setattr__(self, "servers", len(addrs))
+            self.__dict__["cluster"] = self.cluster.replace(servers=len(addrs))
         if strategy_cls.uses_servers and self.secret_file:
             from .protocol import load_secret
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import ipaddress
 import json
 import os
-import re
 import select
 import shutil
 import signal
@@ -46,76 +46,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import ConfigError, PsringError
+from .cluster import NETWORK, Cluster
+from .errors import PsringError
 from .process import POLL_S, ProcessSpec, Supervisor, die_with_parent, tail
 from .runlog import atomic_write_json
 
-#: the emulated network: RFC 2544's benchmarking range, never a real network's
-NETWORK = ipaddress.ip_network("198.18.0.0/15")
 #: the interface of every emulated host, and the switch's port names
 HOST_IFACE = "eth0"
 BRIDGE = "psr-br"
 CLUSTER_FILE = "cluster.json"
-PLACEMENTS = ("colocated", "own-hosts")
 #: seconds the agent may take to build a cluster
 READY_TIMEOUT_S = 30.0
 
-# -- rates and delays, in tc's syntax ---------------------------------------------------
-
-#: tc(8)'s rate units, in bits per second (tc compares them case-insensitively)
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-               "kibps": 8 * 2**10, "mibps": 8 * 2**20, "gibps": 8 * 2**30,
-               "tibps": 8 * 2**40}
-_TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3,
-               "msecs": 1e-3, "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
-_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]+)\s*"
-#: slower links would make every run take minutes; faster ones only measure the CPU
-MIN_RATE_BITS = 1e6
-
-
-def parse_rate(text: str, flag: str = "--link") -> float:
-    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``1.5Gbit``, ``125mbps``)."""
-    m = re.fullmatch(_NUMBER, text or "")
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _RATE_UNITS:
-        raise ConfigError(f"{flag} {text!r} is not a rate: give a number and one of tc's "
-                          f"units, e.g. 100mbit, 1gbit, 10gbit (bit, kbit, mbit, gbit, "
-                          f"tbit are bits per second; bps, kbps, mbps, gbps are bytes per "
-                          f"second; kibit, mibit, ... are binary multiples).")
-    bits = float(m.group(1)) * _RATE_UNITS[unit]
-    if bits < MIN_RATE_BITS:
-        raise ConfigError(f"{flag} {text!r} is {bits:g} bit/s; emulated links start at "
-                          f"1mbit (slower ones make a step take minutes).")
-    return bits
-
-
-def parse_delay(text: str, flag: str = "--delay") -> float:
-    """Seconds of a tc time (``100us``, ``2ms``, ``0.5ms``)."""
-    m = re.fullmatch(_NUMBER, text or "")
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _TIME_UNITS:
-        raise ConfigError(f"{flag} {text!r} is not a time: give a number and a unit, "
-                          f"e.g. 100us, 2ms (s, ms, us).")
-    return float(m.group(1)) * _TIME_UNITS[unit]
-
-
-def format_rate(bits: float) -> str:
-    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bits >= scale:
-            return f"{bits / scale:g}{unit}"
-    return f"{bits:g}bit"
-
-
-def link_key(bits: float, delay_s: float = 0.0) -> str:
-    """How a calibration names a link: its rate, and its delay when it has one."""
-    return format_rate(bits) + (f"+{round(delay_s * 1e6)}us" if delay_s else "")
-
+# -- links, in tc's syntax ----------------------------------------------------------------
 
 def tbf_params(bits: float) -> tuple[int, int]:
     """(burst, limit) bytes of the token bucket that shapes a link of ``bits``/s.
@@ -135,199 +81,6 @@ def tbf_params(bits: float) -> tuple[int, int]:
     burst = max(16 * 1024, int(bytes_per_s * 1e-3))
     limit = max(4 * 2**20, int(bytes_per_s * 0.1))
     return burst, limit
-
-
-#: the share of a shaped link's rate that reaches TCP as payload: tbf counts each
-#: frame's bytes (Ethernet header included: 1514 per 1500-byte MTU), of which 1448 are
-#: payload (IPv4 20, TCP 20 + 12 of timestamps)
-PAYLOAD_FRACTION = 1448 / 1514
-
-
-def payload_beta(bits: float) -> float:
-    """Seconds per payload byte over a link of ``bits``/s: the cost model's nominal β."""
-    return 8 / (bits * PAYLOAD_FRACTION)
-
-
-# -- the plan: which process runs on which host ------------------------------------------
-
-@dataclass
-class Host:
-    name: str
-    index: int
-    address: str
-    #: what runs there, e.g. ["worker-0", "server-1"]
-    processes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ClusterPlan:
-    """Where every process of a run lives. Pure: computed from the config alone, so the
-    launcher, every worker (for its manifest and errors) and the reports agree."""
-
-    emulated: bool
-    hosts: list[Host]
-    worker_host: list[int]
-    server_host: list[int]
-    link: str = ""
-    link_bits: float | None = None
-    delay: str = ""
-    delay_s: float = 0.0
-    placement: str = "colocated"
-
-    @classmethod
-    def for_config(cls, cfg: Any) -> "ClusterPlan":
-        from .strategies import STRATEGIES
-
-        n = cfg.workers
-        k = cfg.servers if STRATEGIES.get(cfg.strategy).uses_servers else 0
-        if not emulated(cfg):
-            local = Host("local", 0, cfg.master_addr,
-                         [f"worker-{r}" for r in range(n)] + [f"server-{s}" for s in range(k)])
-            return cls(False, [local], [0] * n, [0] * k)
-        worker_host = worker_hosts(n, cfg.hosts, cfg.workers_per_host)
-        server_host = server_hosts(k, cfg.hosts, cfg.server_placement)
-        count = cfg.hosts + (k if cfg.server_placement == "own-hosts" else 0)
-        hosts = [Host(f"host-{i}", i, str(NETWORK.network_address + 1 + i))
-                 for i in range(count)]
-        for r, h in enumerate(worker_host):
-            hosts[h].processes.append(f"worker-{r}")
-        for s, h in enumerate(server_host):
-            hosts[h].processes.append(f"server-{s}")
-        return cls(True, hosts, worker_host, server_host, link=cfg.link,
-                   link_bits=parse_rate(cfg.link) if cfg.link else None, delay=cfg.delay,
-                   delay_s=parse_delay(cfg.delay) if cfg.delay else 0.0,
-                   placement=cfg.server_placement)
-
-    @classmethod
-    def bare(cls, hosts: int, link: str = "", delay: str = "") -> "ClusterPlan":
-        """``hosts`` emulated hosts with nothing planned on them (calibration, benchmarks)."""
-        return cls(True, [Host(f"host-{i}", i, str(NETWORK.network_address + 1 + i))
-                          for i in range(hosts)], [], [], link=link,
-                   link_bits=parse_rate(link) if link else None, delay=delay,
-                   delay_s=parse_delay(delay) if delay else 0.0)
-
-    # what the launcher needs
-    def master_addr(self) -> str:
-        return self.hosts[self.worker_host[0]].address if self.worker_host else ""
-
-    def server_address(self, k: int) -> str:
-        return self.hosts[self.server_host[k]].address
-
-    def local_ranks(self, rank: int) -> tuple[int, int]:
-        """(LOCAL_RANK, LOCAL_WORLD_SIZE) of a worker: its place among its host's workers."""
-        h = self.worker_host[rank]
-        mates = [r for r, hh in enumerate(self.worker_host) if hh == h]
-        return mates.index(rank), len(mates)
-
-    def host_of(self, process: str) -> Host:
-        return next(h for h in self.hosts if process in h.processes)
-
-    def describe(self) -> dict[str, Any]:
-        """For the manifest and reports."""
-        return {"emulated": self.emulated, "hosts": [asdict(h) for h in self.hosts],
-                "worker_hosts": len({*self.worker_host}), "link": self.link or None,
-                "link_bits_per_s": self.link_bits, "delay": self.delay or None,
-                "server_placement": self.placement if self.server_host else None}
-
-
-def emulated(cfg: Any) -> bool:
-    """Does the run need an emulated network (more than one host)?"""
-    from .strategies import STRATEGIES
-
-    own = cfg.server_placement == "own-hosts" and STRATEGIES.get(cfg.strategy).uses_servers
-    return cfg.hosts > 1 or own
-
-
-def derived_hosts(workers: int, hosts: int, per_host: int) -> int:
-    """--workers-per-host G without --hosts: as many hosts as the workers need."""
-    if per_host > 0 and hosts == 1 and workers > per_host:
-        return -(-workers // per_host)
-    return hosts
-
-
-def worker_hosts(n: int, hosts: int, per_host: int) -> list[int]:
-    """Each worker's host, in rank order (see :func:`worker_counts`)."""
-    return [h for h, c in enumerate(worker_counts(n, hosts, per_host)) for _ in range(c)]
-
-
-def server_hosts(servers: int, hosts: int, placement: str) -> list[int]:
-    """Each server's host: ``own-hosts`` puts server k on host ``hosts + k`` (a machine
-    of its own); ``colocated`` spreads them over the worker hosts (host k mod hosts), as
-    on a cluster without spare machines."""
-    if placement == "own-hosts":
-        return [hosts + k for k in range(servers)]
-    return [k % hosts for k in range(servers)]
-
-
-def worker_counts(n: int, hosts: int, per_host: int) -> list[int]:
-    """Workers on each host: ``per_host`` each (the last host gets the rest), or spread
-    evenly, the first ``n mod hosts`` hosts one more."""
-    if per_host:
-        return [min(per_host, n - h * per_host) for h in range(hosts)]
-    return [n // hosts + (1 if h < n % hosts else 0) for h in range(hosts)]
-
-
-def check_config(cfg: Any, strategy_cls: Any) -> None:
-    """RunConfig's validation of the cluster flags (pure; raises ConfigError)."""
-    if cfg.hosts < 1:
-        raise ConfigError(f"--hosts must be at least 1 (got {cfg.hosts}).")
-    if cfg.hosts > cfg.workers:
-        raise ConfigError(
-            f"--hosts {cfg.hosts} is more than --workers {cfg.workers}: every emulated host "
-            f"holds at least one worker. Use --hosts {cfg.workers} or fewer (servers of "
-            f"--server-placement own-hosts get hosts of their own besides these).")
-    if strategy_cls.max_hosts is not None and cfg.hosts > strategy_cls.max_hosts:
-        raise ConfigError(
-            f"strategy {cfg.strategy!r} runs on one host by definition (its workers share "
-            f"memory), so --hosts {cfg.hosts} cannot apply; drop --hosts, or use a "
-            f"message-passing strategy (allreduce, ps, async-ps) across hosts.")
-    if cfg.workers_per_host < 0:
-        raise ConfigError(f"--workers-per-host must be >= 0 (0 = spread evenly; got "
-                          f"{cfg.workers_per_host}).")
-    if cfg.workers_per_host:
-        g, h, n = cfg.workers_per_host, cfg.hosts, cfg.workers
-        if g * h < n or g * (h - 1) >= n:
-            need = -(-n // g)
-            raise ConfigError(
-                f"--workers-per-host {g} on --hosts {h} does not fit --workers {n}: "
-                f"{h} host(s) of {g} {'hold fewer' if g * h < n else 'leave a host empty'}; "
-                f"use --hosts {need}, or drop --workers-per-host to spread them evenly.")
-    if cfg.server_placement not in PLACEMENTS:
-        raise ConfigError(f"--server-placement must be one of {', '.join(PLACEMENTS)} "
-                          f"(got {cfg.server_placement!r}).")
-    if cfg.server_placement != "colocated" and not strategy_cls.uses_servers:
-        raise ConfigError(f"--server-placement applies to parameter-server strategies "
-                          f"(ps, async-ps), not {cfg.strategy!r}.")
-    if cfg.link:
-        parse_rate(cfg.link)
-    if cfg.delay:
-        parse_delay(cfg.delay)
-    if (cfg.link or cfg.delay) and not emulated(cfg):
-        raise ConfigError(
-            "--link and --delay shape the links between emulated hosts, and with --hosts 1 "
-            "(and servers, if any, colocated) nothing crosses one; give --hosts 2 or more, "
-            "or --server-placement own-hosts.")
-    if emulated(cfg):
-        # worker 0 is always on host-0, the network's first address
-        if cfg.master_addr not in ("127.0.0.1", str(NETWORK.network_address + 1)):
-            raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
-                              "host); drop it.")
-        wrong = [a for a in cfg.server_addr_list if not in_network(a)]
-        if wrong:
-            raise ConfigError(
-                f"--server-addrs {', '.join(wrong)}: emulated hosts reach only each other "
-                f"(198.18.0.0/15); with --hosts the launcher starts the servers itself "
-                f"(drop --server-addrs).")
-
-
-def in_network(endpoint: str) -> bool:
-    """Is a tcp:// endpoint's host inside the emulated network's range?"""
-    from urllib.parse import urlparse
-
-    try:
-        return ipaddress.ip_address(urlparse(endpoint).hostname or "") in NETWORK
-    except ValueError:
-        return False
 
 
 #: set by the launcher on every process it places on an emulated host: the inode of
@@ -752,7 +505,8 @@ def _enter_main(argv: list[str]) -> int:
 class Network:
     """What the launcher calls. This base is the machine's own network (no emulation)."""
 
-    def __init__(self, plan: ClusterPlan):
+    def __init__(self, plan: Cluster):
+        #: the run's cluster (psring.cluster): which process is on which host
         self.plan = plan
 
     def start(self, sup: Supervisor) -> None:
@@ -770,24 +524,22 @@ class Network:
 class EmulatedCluster(Network):
     """The cluster an agent builds; processes are started inside its hosts."""
 
-    def __init__(self, plan: ClusterPlan, run_dir: Path):
+    def __init__(self, plan: Cluster, run_dir: Path):
         super().__init__(plan)
         self.state_path = Path(run_dir) / CLUSTER_FILE
         self.state: dict[str, Any] = {}
         self.started = 0.0
 
     def agent_spec(self) -> ProcessSpec:
-
         p = self.plan
         plan = {"hosts": [{"name": h.name, "index": h.index, "address": h.address,
-                           "processes": h.processes} for h in p.hosts],
+                           "processes": h.processes} for h in p.host_list],
                 "link": p.link, "link_bits": p.link_bits, "delay": p.delay,
                 "delay_us": round(p.delay_s * 1e6)}
         return ProcessSpec("cluster", [sys.executable, "-m", "psring.emulate", "agent",
                                        json.dumps(plan), str(self.state_path)], service=True)
 
     def start(self, sup: Supervisor) -> None:
-
         self.state_path.unlink(missing_ok=True)
         child = sup.start(self.agent_spec())
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -803,7 +555,6 @@ class EmulatedCluster(Network):
                 raise EmulationError(self.state["error"])
             died = child.proc.poll() is not None
             if died or time.monotonic() > deadline:
-
                 what = "died" if died else f"was not ready within {READY_TIMEOUT_S:.0f} s"
                 raise EmulationError(f"the emulated cluster's agent {what}; its log "
                                      f"({child.log_path}) ends:\n{tail(child.log_path)}")
@@ -832,8 +583,6 @@ class EmulatedCluster(Network):
                 "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
     def place(self, spec: ProcessSpec) -> ProcessSpec:
-        import dataclasses
-
         host = self.plan.host_of(spec.name).name
         return dataclasses.replace(spec, argv=self.command(host, spec.argv),
                                    env={**spec.env, **self.environment(host)})
@@ -847,7 +596,7 @@ class EmulatedCluster(Network):
         if not downs:
             return ""
         parts = []
-        on_host = {h.name: h.processes for h in self.plan.hosts}
+        on_host = {h.name: h.processes for h in self.plan.host_list}
         for e in downs:
             on = ", ".join(on_host.get(e["host"], [])) or "nothing"
             parts.append(f"{e['host']}'s link ({e['address']}) went down "
@@ -862,10 +611,9 @@ def standalone(hosts: int, link: str = "", delay: str = "",
     """An emulated cluster outside a run (calibration, benchmarks): its agent is
     supervised here and stopped on exit; ``cluster.command(host, argv)`` runs a program
     on a host, ``enter(cluster.host(name), cluster.mode)`` moves a fresh process there."""
-
     with tempfile.TemporaryDirectory(prefix="psring-cluster-") as tmp:
         d = Path(log_dir) if log_dir else Path(tmp)
-        cluster = EmulatedCluster(ClusterPlan.bare(hosts, link, delay), d)
+        cluster = EmulatedCluster(Cluster.bare(hosts, link, delay), d)
         sup = Supervisor(d / "logs")
         try:
             cluster.start(sup)
@@ -874,10 +622,9 @@ def standalone(hosts: int, link: str = "", delay: str = "",
             sup.stop()
 
 
-def network_for(cfg: Any, run_dir: Path) -> Network:
+def network_for(cluster: Cluster, run_dir: Path) -> Network:
     """The launcher's one seam: the machine's network, or an emulated cluster."""
-    plan = ClusterPlan.for_config(cfg)
-    return EmulatedCluster(plan, run_dir) if plan.emulated else Network(plan)
+    return EmulatedCluster(cluster, run_dir) if cluster.emulated else Network(cluster)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,44 +1,34 @@
 """Start a run's processes, watch them, and make the run fail-stop.
 
-``psring run`` starts one OS process per worker (``python -m psring.workers``) with the
-environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), so the same worker runs unchanged under ``torchrun`` across
-hosts. The :class:`Supervisor` is the process manager:
-
-- every child runs in its own session (so a terminal's Ctrl-C reaches only the
-  launcher, which then stops the children in order) and is told to die with its
-  parent (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no orphans;
-- its stdout and stderr go to ``DIR/logs/<name>.log``;
-- when any child exits non-zero, the others get SIGTERM, then SIGKILL after a grace
-  period, and the run fails with that child's name, exit status and last lines.
+``psring run`` starts one OS process per worker (``python -m psring.workers``, or a
+fork of the launcher: psring.forking) with the environment torchrun would give it
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the
+same worker runs unchanged under ``torchrun`` across hosts; a parameter-server strategy
+gets its servers first. The run's cluster (``cfg.cluster``, psring.cluster) says where
+each process lives; psring.emulate builds it when it spans emulated hosts; the
+processes are supervised by psring.process (fail-stop, no orphans).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import errno
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 from .config import RunConfig
+from .emulate import network_for
 from .errors import ConfigError, RunFailed
 from .process import ProcessSpec, Supervisor, check_port_free, free_port
 from .runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
-
-if TYPE_CHECKING:
-    from .emulate import ClusterPlan
 
 #: RunConfig's default rendezvous address
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -113,7 +103,7 @@ def _truncate_steps(path: Path, before: int) -> None:
     atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
 
 
-def prepare(cfg: RunConfig) -> RunConfig:
+def prepare(cfg: RunConfig) -> tuple[str, int]:
     """Resolve the run directory and the rendezvous port, checking both up front."""
     out = cfg.out or default_out(cfg)
     try:
@@ -151,25 +141,20 @@ def prepare(cfg: RunConfig) -> RunConfig:
                           f"--out, or remove the old one.")
     # an emulated cluster's rendezvous is in a fresh namespace, where every port this
     # machine has free is free too; its address does not exist out here
-    from .emulate import emulated
-
-    where = DEFAULT_MASTER_ADDR if emulated(cfg) else cfg.master_addr
+    where = DEFAULT_MASTER_ADDR if cfg.cluster.emulated else cfg.master_addr
     port = cfg.master_port
     if port:
         check_port_free(where, port, "--master-port")
     else:
         port = free_port(where)
-    return cfg.replace(out=out, master_port=port)
+    return out, port
 
 
-def worker_specs(cfg: RunConfig, plan: "ClusterPlan | None" = None) -> list[ProcessSpec]:
-    from .emulate import ClusterPlan
-
-    plan = plan or ClusterPlan.for_config(cfg)
+def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
     argv = [sys.executable, "-m", "psring.workers", *cfg.to_argv()]
     specs = []
     for rank in range(cfg.workers):
-        local_rank, local_world = plan.local_ranks(rank)
+        local_rank, local_world = cfg.cluster.local_ranks(rank)
         env = {"RANK": str(rank), "WORLD_SIZE": str(cfg.workers), "LOCAL_RANK": str(local_rank),
                "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": cfg.master_addr,
                "MASTER_PORT": str(cfg.master_port),
@@ -193,15 +178,14 @@ def server_threads(servers: int, workers: int) -> int:
 
 def local_ipc(cfg: RunConfig) -> bool:
     """Whether psring's own servers are reached over Unix domain sockets (--transport)."""
-    from .emulate import emulated
     from .protocol import ABSTRACT_IPC
 
     if cfg.transport == "auto":
-        return ABSTRACT_IPC and not emulated(cfg)
+        return ABSTRACT_IPC and not cfg.cluster.emulated
     return cfg.transport == "ipc"
 
 
-def server_endpoint(cfg: RunConfig, plan: "ClusterPlan", k: int) -> str:
+def server_endpoint(cfg: RunConfig, k: int) -> str:
     """Where server ``k`` of this run listens. On one host: an abstract Unix socket,
     since large messages cross a Unix socket with less kernel work than TCP's
     segmenting and acknowledging (docs/benchmarks.md, issue 10, fix 4). Else loopback
@@ -211,23 +195,20 @@ def server_endpoint(cfg: RunConfig, plan: "ClusterPlan", k: int) -> str:
 
     if local_ipc(cfg):
         return abstract_ipc_endpoint(f"psring-{os.getpid()}-{k}")
-    host = plan.server_address(k) if plan.emulated else "127.0.0.1"
+    host = cfg.cluster.server_address(k) if cfg.cluster.emulated else "127.0.0.1"
     return f"tcp://{host}:{free_port()}"
 
 
-def server_specs(cfg: RunConfig, run_dir: Path, plan: "ClusterPlan | None" = None
-                 ) -> tuple[RunConfig, list[ProcessSpec]]:
+def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[ProcessSpec]]:
     """Parameter servers to start for ``cfg`` (none when it names running ones), and
-    the config the workers get, with the servers' addresses filled in."""
-    from .emulate import ClusterPlan
+    the settings the workers get to reach them (their addresses)."""
     from .strategies import STRATEGIES
 
     if not STRATEGIES.get(cfg.strategy).uses_servers or cfg.server_addrs:
-        return cfg, []
+        return {}, []
     from .strategies.ps import server_frame_limit
 
-    plan = plan or ClusterPlan.for_config(cfg)
-    addrs = [server_endpoint(cfg, plan, k) for k in range(cfg.servers)]
+    addrs = [server_endpoint(cfg, k) for k in range(cfg.servers)]
     extra = ["--secret-file", cfg.secret_file] if cfg.secret_file else []
     limit = server_frame_limit(cfg)
     if limit is not None:  # libzmq then refuses any larger frame (ZMQ_MAXMSGSIZE)
@@ -239,38 +220,39 @@ def server_specs(cfg: RunConfig, run_dir: Path, plan: "ClusterPlan | None" = Non
                          service=True)
              for k, addr in enumerate(addrs)]
     # the addresses now say the transport (tcp:// or ipc://)
-    return cfg.replace(server_addrs=",".join(addrs), transport="auto"), specs
+    return {"server_addrs": ",".join(addrs), "transport": "auto"}, specs
 
 
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
     """Run ``cfg`` to completion; return its run directory. Raises RunFailed."""
-    from .emulate import emulated, network_for
-
-    if emulated(cfg) and cfg.server_addrs:
+    cluster = cfg.cluster
+    if cluster.emulated and cfg.server_addrs:
         raise ConfigError("--server-addrs names servers outside the emulated cluster, "
                           "which its hosts cannot reach; with --hosts or own-hosts "
                           "placement psring starts the servers inside it: drop "
                           "--server-addrs.")
-    if emulated(cfg) and cfg.master_addr != DEFAULT_MASTER_ADDR:
+    if cluster.emulated and cfg.master_addr != DEFAULT_MASTER_ADDR:
         raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
                           "host); drop it.")
-    user_cfg = cfg
-    cfg = prepare(cfg)
-    run_dir = Path(cfg.out)
+    out, port = prepare(cfg)
+    run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.resume:
         # the settings as given (ports and server addresses not yet filled in): what
         # --resume starts from
-        atomic_write_json(run_dir / LAUNCH, {"config": user_cfg.replace(out=cfg.out).to_dict()})
+        atomic_write_json(run_dir / LAUNCH, {"config": {**cfg.to_dict(), "out": out}})
     # A new id for every launch, inherited by the run's processes (psring.runlog.run_id)
     os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
-    net = network_for(cfg, run_dir)
-    if net.plan.emulated:
+    net = network_for(cluster, run_dir)
+    # what the launcher decides, filled in at once (one more validation, not one each)
+    decided: dict = {"out": out, "master_port": port}
+    if cluster.emulated:
         # Emulated hosts share this machine's cores: threads are the machine's cores
         # shared by all the run's workers, not by a host's.
-        cfg = cfg.replace(master_addr=net.plan.master_addr(),
-                          threads=worker_threads(cfg, cfg.workers))
-    cfg, services = server_specs(cfg, run_dir, net.plan)
+        decided.update(master_addr=cluster.master_addr, threads=worker_threads(cfg, cfg.workers))
+    placed = cfg.replace(**decided)
+    reach, services = server_specs(placed, run_dir)
+    cfg = placed.replace(**reach) if reach else placed
     sup = Supervisor(run_dir / "logs")
     total = cfg.steps * cfg.workers
     steps_path = run_dir / STEPS
@@ -284,7 +266,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
     with _signals_raise():
         try:
             net.start(sup)
-            for spec in services + worker_specs(cfg, net.plan):
+            for spec in services + worker_specs(cfg):
                 sup.start(net.place(spec))
             sup.wait(tick)
         except RunFailed as e:

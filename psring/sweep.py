@@ -43,9 +43,9 @@ import shutil
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
+from .cluster import derived_hosts
 from .config import RunConfig
 from .errors import ConfigError, PsringError, RunFailed
 from .runlog import atomic_write_json
@@ -185,11 +185,9 @@ class Sweep:
 
 
 def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
-    """Emulation settings that cannot apply to a point are dropped (psring.emulate): a
+    """Emulation settings that cannot apply to a point are dropped (psring.cluster): a
     strategy of one host runs on one; no more hosts than workers; servers are placed
     only where there are servers; links and delays only where traffic crosses hosts."""
-    from .emulate import derived_hosts, emulated
-
     workers = values.get("workers", 1)
     per_host = values.get("workers_per_host", 0)
     hosts = derived_hosts(workers, values.get("hosts", 1), per_host)
@@ -203,10 +201,9 @@ def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
     if not strategy.uses_servers:
         values["server_placement"] = "colocated"
         values["transport"] = "auto"
-    probe = SimpleNamespace(hosts=values["hosts"], strategy=values.get("strategy", "single"),
-                            server_placement=values.get("server_placement", "colocated"),
-                            workers_per_host=values.get("workers_per_host", 0))
-    if not emulated(probe):
+    # hosts beyond one, or servers on hosts of their own: Cluster.emulated's rule
+    own = strategy.uses_servers and values.get("server_placement") == "own-hosts"
+    if values["hosts"] == 1 and not own:
         values["link"] = ""
         values["delay"] = ""
     elif values.get("transport") == "ipc":  # hosts talk over their links

@@ -23,6 +23,8 @@ from urllib.parse import urlparse
 
 import zmq
 
+from psring.cluster import in_network
+from psring.emulate import inside_cluster
 from psring.errors import ConfigError
 from psring.runlog import host_name
 from psring.protocol import (HOW_TO_SET_A_SECRET, MAX_HEADER_BYTES, REQUESTS, SIGNATURE_BYTES,
@@ -80,8 +82,6 @@ is_loopback = is_local
 def private_to_cluster(endpoint: str) -> bool:
     """An emulated host's address, bound inside the emulated network, which nothing
     outside psring's own namespaces can reach (psring.emulate): no secret needed."""
-    from psring.emulate import in_network, inside_cluster
-
     return in_network(endpoint) and inside_cluster()
 
 

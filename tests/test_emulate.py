@@ -26,7 +26,7 @@ from conftest import (PSRING, SMALL, assert_no_processes, interruptible, load_mo
                       max_rel_diff, processes_mentioning, psring, read_steps)
 from emutools import (assert_cluster_gone, cluster_state, cut_link, needs_emulation,
                       netem_available)
-from psring import emulate
+from psring import cluster as clusters, emulate
 from psring.config import RunConfig
 from psring.errors import ConfigError
 
@@ -37,21 +37,21 @@ from psring.errors import ConfigError
     ("100mbit", 1e8), ("1gbit", 1e9), ("1.5Gbit", 1.5e9), ("10gbit", 1e10),
     ("125mbps", 1e9), ("1mibit", 2**20), ("2.5GBIT", 2.5e9)])
 def test_rates_take_tc_syntax(text, bits):
-    assert emulate.parse_rate(text) == pytest.approx(bits)
+    assert clusters.parse_rate(text) == pytest.approx(bits)
 
 
 @pytest.mark.parametrize("text", ["", "fast", "100", "1gigabit", "100mb", "-1gbit",
                                   "1 gbit extra", "500kbit"])
 def test_a_rate_that_is_not_one_is_refused(text):
     with pytest.raises(ConfigError, match="--link"):
-        emulate.parse_rate(text)
+        clusters.parse_rate(text)
 
 
 def test_delays_take_tc_syntax():
-    assert emulate.parse_delay("100us") == pytest.approx(1e-4)
-    assert emulate.parse_delay("2ms") == pytest.approx(2e-3)
+    assert clusters.parse_delay("100us") == pytest.approx(1e-4)
+    assert clusters.parse_delay("2ms") == pytest.approx(2e-3)
     with pytest.raises(ConfigError, match="--delay"):
-        emulate.parse_delay("2")
+        clusters.parse_delay("2")
 
 
 def test_token_bucket_is_a_millisecond_of_the_rate_and_the_queue_deep():
@@ -61,25 +61,28 @@ def test_token_bucket_is_a_millisecond_of_the_rate_and_the_queue_deep():
         assert limit >= 4 * 2**20 and limit >= bits / 8 * 0.1
 
 
-def plan(**kw) -> emulate.ClusterPlan:
-    return emulate.ClusterPlan.for_config(RunConfig(**kw))
+def plan(**kw) -> clusters.Cluster:
+    return RunConfig(**kw).cluster
 
 
 def test_workers_are_spread_evenly_and_servers_colocated_by_default():
     p = plan(strategy="ps", workers=5, hosts=2, servers=3, batch_size=60, link="1gbit")
-    assert p.worker_host == [0, 0, 0, 1, 1]
-    assert p.server_host == [0, 1, 0]
-    assert [h.address for h in p.hosts] == ["198.18.0.1", "198.18.0.2"]
-    assert p.hosts[0].processes == ["worker-0", "worker-1", "worker-2", "server-0", "server-2"]
+    assert p.worker_host == (0, 0, 0, 1, 1)
+    assert p.server_host == (0, 1, 0)
+    assert [h.address for h in p.host_list] == ["198.18.0.1", "198.18.0.2"]
+    assert p.host_list[0].processes == ["worker-0", "worker-1", "worker-2", "server-0",
+                                        "server-2"]
     assert p.local_ranks(3) == (0, 2) and p.local_ranks(2) == (2, 3)
-    assert p.master_addr() == "198.18.0.1"
+    assert p.master_addr == "198.18.0.1"
+    assert p.text() == "2 hosts, 1gbit links, servers colocated"
 
 
 def test_servers_on_own_hosts_get_hosts_of_their_own():
     p = plan(strategy="ps", workers=4, hosts=4, servers=2, server_placement="own-hosts",
              link="100mbit")
-    assert len(p.hosts) == 6 and p.server_host == [4, 5]
-    assert p.hosts[5].processes == ["server-1"]
+    assert len(p.host_list) == 6 and p.server_host == (4, 5)
+    assert p.host_list[5].processes == ["server-1"]
+    assert p.text() == "4 hosts + 2 server hosts, 100mbit links, servers own-hosts"
     # own hosts need an emulated network even for the workers' single host
     assert plan(strategy="ps", workers=2, server_placement="own-hosts").emulated
 
@@ -88,8 +91,9 @@ def test_workers_per_host_fills_hosts_in_rank_order_and_derives_their_number():
     cfg = RunConfig(strategy="allreduce", workers=4, workers_per_host=1, link="1gbit")
     assert cfg.hosts == 4
     p = plan(strategy="allreduce", workers=5, hosts=2, workers_per_host=3, batch_size=60)
-    assert p.worker_host == [0, 0, 0, 1, 1]
+    assert p.worker_host == (0, 0, 0, 1, 1)
     assert not plan(strategy="allreduce", workers=2).emulated
+    assert plan(strategy="allreduce", workers=2).text() == "this machine"
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -496,7 +500,7 @@ def test_calibrate_measures_alpha_and_beta_across_an_emulated_link(tmp_path):
     assert "ZeroMQ (200mbit link)" in proc.stdout
     cal = json.loads(out.read_text())
     link = cal["links"]["200mbit"]
-    beta = emulate.payload_beta(2e8)
+    beta = clusters.payload_beta(2e8)
     # the link, not the loopback, sets β: within 10% of the rate's payload β
     for transport in ("zmq", "dist"):
         assert abs(link[f"{transport}_beta"] / beta - 1) < 0.10, (transport, link)

@@ -65,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("psring.worker")
     try:
         cfg = config_from_args(args, **({"workers": world} if world else {}))
-        from psring.emulate import emulated
-
-        if emulated(cfg) and not os.environ.get("PSRING_HOST"):
+        if cfg.cluster.emulated and not os.environ.get("PSRING_HOST"):
             raise ConfigError("--hosts, --link and --server-placement own-hosts ask for an "
                               "emulated cluster, which `psring run` builds; this worker was "
                               "started outside one (torchrun runs on real hosts): drop them.")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from psring.compress import wire_bytes
 from psring.config import RunConfig
-from psring.emulate import ClusterPlan
 from psring.models import flops_per_sample, parameter_bytes
 from psring.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
 
@@ -30,7 +29,7 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
         "git_commit": git_commit(),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         # which process ran on which (emulated) host, the links and the placement
-        "cluster": ClusterPlan.for_config(cfg).describe(),
+        "cluster": cfg.cluster.describe(),
         "device": cfg.resolved_device,
         "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes,
                  "held_out": len(work.data.held_out), "kind": work.inputs.kind,

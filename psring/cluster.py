@@ -1,0 +1,311 @@
+"""The cluster a run runs on, described once: hosts, workers per host, the link between
+hosts, its delay, and where the parameter servers are.
+
+Pure (no torch, no processes, no syscalls): computed from a run's config alone, so the
+launcher, every worker (its manifest), the emulated network (psring.emulate), the cost
+model, the simulator, ``psring advise`` and the reports all agree on one cluster.
+
+    >>> c = Cluster(workers=4, hosts=2, servers=2, link="1gbit")
+    >>> c.worker_host, c.server_host, c.link_bits
+    ((0, 0, 1, 1), (0, 1), 1000000000.0)
+    >>> c.text()
+    '2 hosts, 1gbit links, servers colocated'
+
+One host (``hosts=1`` and no server on a host of its own) is this machine, with no
+network emulated; more are emulated hosts in 198.18.0.0/15, RFC 2544's range for
+benchmarking network devices (docs/emulation.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from .errors import ConfigError
+
+#: the emulated network: RFC 2544's benchmarking range, never a real network's
+NETWORK = ipaddress.ip_network("198.18.0.0/15")
+#: colocated: server k on worker host k mod hosts; own-hosts: each on a host of its own
+PLACEMENTS = ("colocated", "own-hosts")
+#: which α-β-γ formula predicts a strategy's communication (psring.costmodel); None:
+#: it communicates nothing (single) or shares memory (hogwild)
+COMM_MODELS = (None, "ring", "ps", "ps-async")
+#: a run's cluster settings as a config records them, for configs (manifests) written
+#: before a setting existed: every run then was on this machine
+DEFAULTS: Mapping[str, Any] = {"workers": 1, "hosts": 1, "workers_per_host": 0, "link": "",
+                               "delay": "", "servers": 1, "server_placement": "colocated",
+                               "master_addr": "127.0.0.1"}
+
+#: tc(8)'s rate units, in bits per second (tc compares them case-insensitively)
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
+               "kibps": 8 * 2**10, "mibps": 8 * 2**20, "gibps": 8 * 2**30,
+               "tibps": 8 * 2**40}
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3,
+               "msecs": 1e-3, "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
+_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]+)\s*"
+#: slower links would make every run take minutes; faster ones only measure the CPU
+MIN_RATE_BITS = 1e6
+
+
+def parse_rate(text: str, flag: str = "--link") -> float:
+    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``1.5Gbit``, ``125mbps``)."""
+    m = re.fullmatch(_NUMBER, text or "")
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _RATE_UNITS:
+        raise ConfigError(f"{flag} {text!r} is not a rate: give a number and one of tc's "
+                          f"units, e.g. 100mbit, 1gbit, 10gbit (bit, kbit, mbit, gbit, "
+                          f"tbit are bits per second; bps, kbps, mbps, gbps are bytes per "
+                          f"second; kibit, mibit, ... are binary multiples).")
+    bits = float(m.group(1)) * _RATE_UNITS[unit]
+    if bits < MIN_RATE_BITS:
+        raise ConfigError(f"{flag} {text!r} is {bits:g} bit/s; emulated links start at "
+                          f"1mbit (slower ones make a step take minutes).")
+    return bits
+
+
+def parse_delay(text: str, flag: str = "--delay") -> float:
+    """Seconds of a tc time (``100us``, ``2ms``, ``0.5ms``)."""
+    m = re.fullmatch(_NUMBER, text or "")
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _TIME_UNITS:
+        raise ConfigError(f"{flag} {text!r} is not a time: give a number and a unit, "
+                          f"e.g. 100us, 2ms (s, ms, us).")
+    return float(m.group(1)) * _TIME_UNITS[unit]
+
+
+def format_rate(bits: float) -> str:
+    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g}{unit}"
+    return f"{bits:g}bit"
+
+
+def link_key(bits: float, delay_s: float = 0.0) -> str:
+    """How a calibration names a link: its rate, and its delay when it has one."""
+    return format_rate(bits) + (f"+{round(delay_s * 1e6)}us" if delay_s else "")
+
+
+#: the share of a shaped link's rate that reaches TCP as payload: tbf counts each
+#: frame's bytes (Ethernet header included: 1514 per 1500-byte MTU), of which 1448 are
+#: payload (IPv4 20, TCP 20 + 12 of timestamps)
+PAYLOAD_FRACTION = 1448 / 1514
+
+
+def payload_beta(bits: float) -> float:
+    """Seconds per payload byte over a link of ``bits``/s: the cost model's nominal β."""
+    return 8 / (bits * PAYLOAD_FRACTION)
+
+
+def in_network(endpoint: str) -> bool:
+    """Is a tcp:// endpoint's host inside the emulated network's range?"""
+    try:
+        return ipaddress.ip_address(urlparse(endpoint).hostname or "") in NETWORK
+    except ValueError:
+        return False
+
+
+def host_address(index: int) -> str:
+    """Emulated host ``index``'s address (host-0 is the network's first)."""
+    return str(NETWORK.network_address + 1 + index)
+
+
+def derived_hosts(workers: int, hosts: int, per_host: int) -> int:
+    """--workers-per-host G without --hosts: as many hosts as the workers need."""
+    if per_host > 0 and hosts == 1 and workers > per_host:
+        return -(-workers // per_host)
+    return hosts
+
+
+def worker_counts(n: int, hosts: int, per_host: int) -> list[int]:
+    """Workers on each host: ``per_host`` each (the last host gets the rest), or spread
+    evenly, the first ``n mod hosts`` hosts one more."""
+    if per_host:
+        return [min(per_host, n - h * per_host) for h in range(hosts)]
+    return [n // hosts + (1 if h < n % hosts else 0) for h in range(hosts)]
+
+
+@dataclass
+class Host:
+    name: str
+    index: int
+    address: str
+    #: what runs there, e.g. ["worker-0", "server-1"]
+    processes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where every process of a run lives, and what joins the hosts. Validated on
+    construction, with errors that name the flags to change."""
+
+    workers: int = 1
+    #: hosts holding workers; servers of ``own-hosts`` placement get more besides
+    hosts: int = 1
+    #: workers on each host (the last gets the rest); 0: spread evenly
+    workers_per_host: int = 0
+    #: each host link's rate, as tc reads it ('1gbit'); '': unshaped
+    link: str = ""
+    #: one-way delay added to each link direction ('1ms'; netem); '': none
+    delay: str = ""
+    #: parameter servers the run starts (0: a strategy without them)
+    servers: int = 0
+    placement: str = "colocated"
+    #: the one host's address when nothing is emulated (the rendezvous address)
+    local_address: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "hosts", "workers_per_host", "servers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a whole number "
+                                  f"(got {v!r}).")
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1 (got {self.workers}).")
+        if self.hosts < 1:
+            raise ConfigError(f"--hosts must be at least 1 (got {self.hosts}).")
+        if self.hosts > self.workers:
+            raise ConfigError(
+                f"--hosts {self.hosts} is more than --workers {self.workers}: every emulated "
+                f"host holds at least one worker. Use --hosts {self.workers} or fewer (servers "
+                f"of --server-placement own-hosts get hosts of their own besides these).")
+        if self.workers_per_host < 0:
+            raise ConfigError(f"--workers-per-host must be >= 0 (0 = spread evenly; got "
+                              f"{self.workers_per_host}).")
+        if self.workers_per_host:
+            g, h, n = self.workers_per_host, self.hosts, self.workers
+            if g * h < n or g * (h - 1) >= n:
+                raise ConfigError(
+                    f"--workers-per-host {g} on --hosts {h} does not fit --workers {n}: "
+                    f"{h} host(s) of {g} {'hold fewer' if g * h < n else 'leave a host empty'}"
+                    f"; use --hosts {-(-n // g)}, or drop --workers-per-host to spread them "
+                    f"evenly.")
+        if self.servers < 0:
+            raise ConfigError(f"--servers must be at least 1 (got {self.servers}).")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--server-placement must be one of {', '.join(PLACEMENTS)} "
+                              f"(got {self.placement!r}).")
+        self.link_bits, self.delay_s  # noqa: B018 - parse now: errors at construction
+        if (self.link or self.delay) and not self.emulated:
+            raise ConfigError(
+                "--link and --delay shape the links between emulated hosts, and with --hosts "
+                "1 (and servers, if any, colocated) nothing crosses one; give --hosts 2 or "
+                "more, or --server-placement own-hosts.")
+
+    # -- from what a run records -----------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: Any, uses_servers: bool) -> "Cluster":
+        """From a RunConfig, or a run's config as its manifest stores it (a dict; older
+        runs lack the newer settings: DEFAULTS). ``uses_servers``: the strategy's."""
+        get = cfg.get if isinstance(cfg, Mapping) else lambda k, d: getattr(cfg, k, d)
+        v = {k: get(k, d) for k, d in DEFAULTS.items()}
+        servers = v["servers"] if uses_servers else 0
+        # without its own servers, nothing is placed: own-hosts would place nothing
+        placement = v["server_placement"] if servers else "colocated"
+        return cls(workers=v["workers"], hosts=v["hosts"],
+                   workers_per_host=v["workers_per_host"], link=v["link"], delay=v["delay"],
+                   servers=servers, placement=placement, local_address=v["master_addr"])
+
+    @classmethod
+    def bare(cls, hosts: int, link: str = "", delay: str = "") -> "Cluster":
+        """``hosts`` emulated hosts, one process slot each (calibration, benchmarks)."""
+        return cls(workers=hosts, hosts=hosts, link=link, delay=delay)
+
+    def replace(self, **changes: Any) -> "Cluster":
+        return dataclasses.replace(self, **changes)
+
+    # -- derived ---------------------------------------------------------------------
+    @cached_property
+    def link_bits(self) -> float | None:
+        return parse_rate(self.link) if self.link else None
+
+    @cached_property
+    def delay_s(self) -> float:
+        return parse_delay(self.delay) if self.delay else 0.0
+
+    @property
+    def emulated(self) -> bool:
+        """Does the run need an emulated network (more than one host)?"""
+        return self.hosts > 1 or (self.placement == "own-hosts" and self.servers > 0)
+
+    @cached_property
+    def worker_host(self) -> tuple[int, ...]:
+        """Each worker's host, in rank order (see :func:`worker_counts`)."""
+        counts = worker_counts(self.workers, self.hosts, self.workers_per_host)
+        return tuple(h for h, c in enumerate(counts) for _ in range(c))
+
+    @cached_property
+    def server_host(self) -> tuple[int, ...]:
+        """Each server's host: ``own-hosts`` puts server k on host ``hosts + k`` (a
+        machine of its own); ``colocated`` spreads them over the worker hosts (host k
+        mod hosts), as on a cluster without spare machines."""
+        if self.placement == "own-hosts":
+            return tuple(self.hosts + k for k in range(self.servers))
+        return tuple(k % self.hosts for k in range(self.servers))
+
+    @property
+    def multi_host(self) -> bool:
+        return len({*self.worker_host, *self.server_host}) > 1
+
+    @cached_property
+    def host_list(self) -> tuple[Host, ...]:
+        """The hosts with what runs on each."""
+        procs = [f"worker-{r}" for r in range(self.workers)] + \
+                [f"server-{s}" for s in range(self.servers)]
+        if not self.emulated:
+            return (Host("local", 0, self.local_address, procs),)
+        count = self.hosts + (self.servers if self.placement == "own-hosts" else 0)
+        hosts = tuple(Host(f"host-{i}", i, host_address(i)) for i in range(count))
+        for r, h in enumerate(self.worker_host):
+            hosts[h].processes.append(f"worker-{r}")
+        for s, h in enumerate(self.server_host):
+            hosts[h].processes.append(f"server-{s}")
+        return hosts
+
+    # -- what the launcher needs -----------------------------------------------------
+    @property
+    def master_addr(self) -> str:
+        """The rendezvous address: worker 0's host."""
+        return self.host_list[self.worker_host[0]].address
+
+    def server_address(self, k: int) -> str:
+        return self.host_list[self.server_host[k]].address
+
+    def local_ranks(self, rank: int) -> tuple[int, int]:
+        """(LOCAL_RANK, LOCAL_WORLD_SIZE) of a worker: its place among its host's workers."""
+        h = self.worker_host[rank]
+        mates = [r for r, hh in enumerate(self.worker_host) if hh == h]
+        return mates.index(rank), len(mates)
+
+    def host_of(self, process: str) -> Host:
+        return next(h for h in self.host_list if process in h.processes)
+
+    # -- what reports show -----------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """For the manifest and reports."""
+        return {"emulated": self.emulated,
+                "hosts": [dataclasses.asdict(h) for h in self.host_list],
+                "worker_hosts": len({*self.worker_host}), "link": self.link or None,
+                "link_bits_per_s": self.link_bits, "delay": self.delay or None,
+                "server_placement": self.placement if self.servers else None}
+
+    def text(self) -> str:
+        """Where a run ran, in a few words: 'this machine', or e.g. '2 hosts, 1gbit
+        links' with the servers' placement when it matters."""
+        if not self.emulated:
+            return "this machine"
+        text = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
+        if self.placement == "own-hosts" and self.servers:
+            text += f" + {self.servers} server host{'s' if self.servers > 1 else ''}"
+        text += f", {self.link or 'unshaped'} links"
+        if self.delay:
+            text += f", {self.delay} delay"
+        if self.servers:
+            text += f", servers {self.placement}"
+        return text
