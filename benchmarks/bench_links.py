@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from psring.emulate import PAYLOAD_FRACTION, parse_rate, standalone
+from psring.cluster import PAYLOAD_FRACTION, parse_rate
+from psring.emulate import standalone
 
 RATES = ["100mbit", "200mbit", "500mbit", "1gbit", "2gbit", "5gbit"]
 

@@ -292,7 +292,7 @@ def add_advise_parser(sub: Any) -> None:
 
 def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
     """The cluster of the flags, or a ConfigError that names the fix."""
-    from .emulate import parse_delay, parse_rate
+    from .cluster import parse_delay, parse_rate
 
     if args.hosts < 1:
         raise ConfigError(f"--hosts {args.hosts}: a cluster has at least one host.")

@@ -483,7 +483,8 @@ def calibrate_link(link: str, delay: str = "", quick: bool = False,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """α and β of ZeroMQ and gloo between two emulated hosts joined by ``link``
     (psring.emulate): the entry ``Calibration.links[rate]``."""
-    from .emulate import parse_rate, standalone
+    from .cluster import parse_rate
+    from .emulate import standalone
 
     say = log or (lambda _msg: None)
     bits = parse_rate(link)
@@ -556,7 +557,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cal = None
     if args.hosts == 2:
-        from .emulate import link_key, parse_delay, parse_rate
+        from .cluster import link_key, parse_delay, parse_rate
 
         key = link_key(parse_rate(args.link), parse_delay(args.delay) if args.delay else 0.0)
         if out.is_file():

@@ -152,15 +152,11 @@ class Topology:
     def for_config(cls, cfg: Any) -> "Topology":
         """From a RunConfig, or a run's config as its manifest stores it (a dict; runs
         older than emulated clusters ran on one host)."""
-        from types import SimpleNamespace
+        from .cluster import Cluster
+        from .strategies import STRATEGIES
 
-        from .emulate import ClusterPlan
-
-        if isinstance(cfg, dict):
-            defaults = {"hosts": 1, "workers_per_host": 0, "server_placement": "colocated",
-                        "link": "", "delay": "", "master_addr": "127.0.0.1", "servers": 1}
-            cfg = SimpleNamespace(**{**defaults, **cfg})
-        plan = ClusterPlan.for_config(cfg)
+        strategy = cfg["strategy"] if isinstance(cfg, dict) else cfg.strategy
+        plan = Cluster.from_config(cfg, STRATEGIES.get(strategy).uses_servers)
         return cls(tuple(plan.worker_host), tuple(plan.server_host), plan.link_bits,
                    plan.delay_s)
 
@@ -200,7 +196,7 @@ class Calibration:
     #: [[bytes, median s]] of gloo's all_reduce on 2 ranks (a check, not fitted)
     measurements: dict[str, Any] = field(default_factory=dict)
     #: emulated links measured by ``psring calibrate --hosts 2 --link RATE [--delay D]``,
-    #: by rate and delay (psring.emulate.link_key: "1gbit", "1gbit+2000us"):
+    #: by rate and delay (psring.cluster.link_key: "1gbit", "1gbit+2000us"):
     #: {"zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "time", "measurements"}
     #: between two emulated hosts
     links: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -231,13 +227,13 @@ class Calibration:
         when this calibration has that rate (with that delay; a calibration without the
         delay gets 2·delay added to its α); else, on paper, loopback's α plus the delay of the
         two links a message crosses, and the rate's β for TCP payload
-        (psring.emulate.payload_beta). β is never below loopback's: a link faster than
+        (psring.cluster.payload_beta). β is never below loopback's: a link faster than
         the transport's software does not make it faster. Unshaped links (None): the
         loopback figures."""
         alpha, beta = self.link(comm_model)
         if link_bits is None:
             return alpha, beta, "loopback"
-        from .emulate import link_key, payload_beta
+        from .cluster import link_key, payload_beta
 
         key = "dist" if comm_model == "ring" else "zmq"
         # a calibration of this rate and delay; else of this rate, without the delay

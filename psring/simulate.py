@@ -119,15 +119,16 @@ class Cluster:
 
     @property
     def worker_host(self) -> list[int]:
-        from .emulate import worker_hosts
+        from .cluster import worker_counts
 
-        return worker_hosts(self.workers, self.hosts, self.workers_per_host)
+        counts = worker_counts(self.workers, self.hosts, self.workers_per_host)
+        return [h for h, c in enumerate(counts) for _ in range(c)]
 
     @property
     def server_host(self) -> list[int]:
-        from .emulate import server_hosts
-
-        return server_hosts(self.servers, self.hosts, self.placement)
+        if self.placement == "own-hosts":
+            return [self.hosts + k for k in range(self.servers)]
+        return [k % self.hosts for k in range(self.servers)]
 
     def describe(self) -> str:
         link = "loopback" if self.link_bits is None else f"{self.link_bits / 1e9:g} Gbit/s"

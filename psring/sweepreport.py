@@ -276,26 +276,11 @@ CLUSTER_KEYS = ("hosts", "workers_per_host", "link", "delay", "server_placement"
 def cluster_text(cfg: dict) -> str:
     """Where a point ran, in a few words: 'this machine', or e.g. '2 hosts, 1gbit links'
     with the servers' placement when it matters."""
-    from .emulate import ClusterPlan
+    from .cluster import Cluster
+    from .strategies import STRATEGIES
 
-    topo_cfg = {"hosts": 1, "workers_per_host": 0, "server_placement": "colocated",
-                "link": "", "delay": "", "master_addr": "127.0.0.1", **cfg}
-    from types import SimpleNamespace
-
-    plan = ClusterPlan.for_config(SimpleNamespace(**topo_cfg))
-    if not plan.emulated:
-        return "this machine"
-    hosts = len({*plan.worker_host})
-    text = f"{hosts} host{'s' if hosts > 1 else ''}"
-    if plan.placement == "own-hosts" and plan.server_host:
-        k = len(plan.server_host)
-        text += f" + {k} server host{'s' if k > 1 else ''}"
-    text += f", {plan.link or 'unshaped'} links"
-    if plan.delay:
-        text += f", {plan.delay} delay"
-    if plan.server_host:
-        text += f", servers {plan.placement}"
-    return text
+    uses = STRATEGIES.get(cfg["strategy"]).uses_servers if "strategy" in cfg else True
+    return Cluster.from_config(cfg, uses).text()
 
 
 def _workload(cfg: dict, keys=WORKLOAD_KEYS) -> str:

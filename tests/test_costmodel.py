@@ -322,7 +322,7 @@ def test_ps_link_load_by_hand():
 
 
 def test_links_cost_their_rate_unless_calibrated():
-    from psring.emulate import payload_beta
+    from psring.cluster import payload_beta
 
     c = cal()
     # on paper: loopback's α plus two link delays, the rate's payload β
@@ -347,7 +347,7 @@ def test_links_cost_their_rate_unless_calibrated():
 
 
 def test_predictions_on_an_emulated_cluster_by_hand():
-    from psring.emulate import payload_beta
+    from psring.cluster import payload_beta
 
     c = cal()
     bl = payload_beta(1e8)  # 100 Mbit/s
