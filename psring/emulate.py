@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import functools
 import ipaddress
 import json
 import os
@@ -478,6 +479,21 @@ def enter(host: dict, mode: str) -> None:
     _setns(f"/proc/{pid}/ns/net", CLONE_NEWNET, host["net_inode"])
 
 
+def enter_host(state_path: str | Path, host_name: str) -> None:
+    """Move this (single-threaded) process onto emulated host ``host_name`` of the
+    cluster whose state is at ``state_path``; PsringError naming the cause if it
+    cannot."""
+    try:
+        state = json.loads(Path(state_path).read_text())
+        host = next(h for h in state["hosts"] if h["name"] == host_name)
+        enter(host, state["mode"])
+    except (OSError, ValueError, KeyError, StopIteration) as e:
+        raise EmulationError(
+            f"cannot enter emulated host {host_name!r} of {state_path}: "
+            f"{getattr(e, 'strerror', None) or e or 'no such host'}; the cluster's agent "
+            f"may have died (see logs/cluster.log).") from None
+
+
 def _enter_main(argv: list[str]) -> int:
     # python -m psring.emulate enter STATE HOST -- COMMAND...
     if len(argv) < 4 or argv[2] != "--":
@@ -485,13 +501,9 @@ def _enter_main(argv: list[str]) -> int:
         return 2
     state_path, host_name, _, *command = argv
     try:
-        state = json.loads(Path(state_path).read_text())
-        host = next(h for h in state["hosts"] if h["name"] == host_name)
-        enter(host, state["mode"])
-    except (OSError, ValueError, KeyError, StopIteration) as e:
-        print(f"psring: cannot enter emulated host {host_name!r} of {state_path}: "
-              f"{getattr(e, 'strerror', None) or e or 'no such host'}; the cluster's agent "
-              f"may have died (see logs/cluster.log).", file=sys.stderr)
+        enter_host(state_path, host_name)
+    except EmulationError as e:
+        print(f"psring: {e}", file=sys.stderr)
         return 1
     # a program started on a host dies with whoever started it (the launcher restates
     # this for its own processes), so nothing keeps a namespace alive by accident
@@ -568,10 +580,14 @@ class EmulatedCluster(Network):
         """A host's entry in the cluster's state (address, holder pid, namespace inode)."""
         return next(h for h in self.state["hosts"] if h["name"] == name)
 
+    def trampoline(self, host: str) -> list[str]:
+        """The argv prefix that runs a command inside emulated ``host``."""
+        return [sys.executable, "-m", "psring.emulate", "enter", str(self.state_path), host,
+                "--"]
+
     def command(self, host: str, argv: list[str]) -> list[str]:
         """argv that runs ``argv`` inside emulated ``host``."""
-        return [sys.executable, "-m", "psring.emulate", "enter", str(self.state_path), host,
-                "--", *argv]
+        return [*self.trampoline(host), *argv]
 
     def environment(self, host: str) -> dict[str, str]:
         return {"PSRING_HOST": host, NETNS_ENV: str(self.host(host)["net_inode"]),
@@ -583,8 +599,11 @@ class EmulatedCluster(Network):
                 "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
     def place(self, spec: ProcessSpec) -> ProcessSpec:
+        # a new interpreter goes through the setns trampoline; a forked one enters the
+        # host itself (psring.forking): both the same namespaces, the same environment
         host = self.plan.host_of(spec.name).name
-        return dataclasses.replace(spec, argv=self.command(host, spec.argv),
+        return dataclasses.replace(spec, prefix=self.trampoline(host),
+                                   enter=functools.partial(enter_host, self.state_path, host),
                                    env={**spec.env, **self.environment(host)})
 
     def explain(self) -> str:

@@ -40,7 +40,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Mapping
+from typing import Callable, Mapping
 
 ENV = "PSRING_FORK"
 #: what can be forked: the modules of ``python -m MODULE`` that preload() imports
@@ -123,8 +123,11 @@ class ForkedProcess:
         return self.returncode
 
 
-def start(module: str, args: list[str], env: Mapping[str, str], log_fd: int) -> ForkedProcess:
-    """Fork a child that runs ``python -m module args`` in this interpreter."""
+def start(module: str, args: list[str], env: Mapping[str, str], log_fd: int,
+          enter: Callable[[], None] | None = None) -> ForkedProcess:
+    """Fork a child that runs ``python -m module args`` in this interpreter, after
+    ``enter()`` (e.g. moving onto an emulated host's namespaces; the child is
+    single-threaded, as setns into a user namespace requires)."""
     for stream in (sys.stdout, sys.stderr):  # nothing buffered may be written twice
         try:
             stream.flush()
@@ -136,6 +139,8 @@ def start(module: str, args: list[str], env: Mapping[str, str], log_fd: int) -> 
     code = 1
     try:
         _become_child(env, log_fd)
+        if enter is not None:
+            enter()
         code = _run_main(module, args)
     except BaseException:  # noqa: BLE001 - the child must never return into the launcher
         with contextlib.suppress(BaseException):

@@ -97,6 +97,11 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     #: a service (a parameter server) runs until the workers are done; then it is stopped
     service: bool = False
+    #: where the process runs when not on this machine's own network (psring.emulate's
+    #: hosts): ``prefix`` is a trampoline put before ``argv`` that moves a new process
+    #: there, ``enter`` the same move made by a forked child before its ``main``
+    prefix: list[str] = field(default_factory=list)
+    enter: Callable[[], None] | None = None
 
 
 @dataclass
@@ -144,9 +149,10 @@ class Supervisor:
         fork = forking.target(spec.argv)
         with open(log_path, "ab") as logf:
             if fork is not None:
-                proc = forking.start(*fork, env=env, log_fd=logf.fileno())
+                proc = forking.start(*fork, env=env, log_fd=logf.fileno(), enter=spec.enter)
             else:
-                proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=logf,
+                proc = subprocess.Popen([*spec.prefix, *spec.argv], stdin=subprocess.DEVNULL,
+                                        stdout=logf,
                                         stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
         child = Child(spec, proc, log_path)

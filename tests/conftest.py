@@ -77,6 +77,18 @@ def processes_mentioning(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def process_named(run_dir, name: str) -> int | None:
+    """The run's live process named ``name`` (worker-1, server-0: its /proc/PID/comm,
+    which the worker and server entry points set whether forked or started anew)."""
+    for pid, _ in processes_mentioning(str(run_dir)):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                return pid
+        except OSError:
+            continue
+    return None
+
+
 def assert_no_processes(text: str, within: float = 10.0) -> None:
     deadline = time.monotonic() + within
     while True:

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from conftest import (PSRING, SMALL, assert_no_processes, interruptible, load_model,
-                      max_rel_diff, processes_mentioning, psring, read_steps)
+                      max_rel_diff, process_named, psring,
+                      read_steps)
 from emutools import (assert_cluster_gone, cluster_state, cut_link, needs_emulation,
                       netem_available)
 from psring import cluster as clusters, emulate
@@ -407,12 +408,10 @@ def _start(out: Path, strategy: str, timeout: float = 300) -> subprocess.Popen:
     return proc
 
 
-def _pid(out: Path, module: str, env: str) -> int:
-    for pid, cmd in processes_mentioning(str(out)):
-        if module in cmd and "psring.emulate" not in cmd:
-            if env.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                return pid
-    raise AssertionError(f"no {module} process with {env}")
+def _pid(out: Path, name: str) -> int:
+    pid = process_named(out, name)
+    assert pid is not None, f"no process {name} of the run in {out}"
+    return pid
 
 
 @needs_emulation
@@ -428,9 +427,9 @@ def test_nothing_of_the_cluster_outlives_its_run(tmp_path, end, code):
     proc = _start(out, "ps")
     try:
         if end == "worker killed":
-            os.kill(_pid(out, "psring.workers", "RANK=1"), signal.SIGKILL)
+            os.kill(_pid(out, "worker-1"), signal.SIGKILL)
         elif end == "server killed":
-            os.kill(_pid(out, "psring.servers", "PSRING_HOST=host-0"), signal.SIGKILL)
+            os.kill(_pid(out, "server-0"), signal.SIGKILL)
         else:
             os.kill(proc.pid, {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM,
                                "SIGKILL of the launcher": signal.SIGKILL}[end])

@@ -9,19 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PSRING, SMALL, assert_no_processes, interruptible, processes_mentioning
-
-
-def pid_of(run_dir: Path, name: str) -> int | None:
-    """The run's process named ``name`` (worker-1, server-0: its /proc/PID/comm, set by
-    the worker and server entry points whether forked or started anew)."""
-    for pid, _ in processes_mentioning(str(run_dir)):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
-                return pid
-        except OSError:
-            continue
-    return None
+from conftest import PSRING, SMALL, assert_no_processes, interruptible, process_named
 
 
 def wait_for_training(proc: subprocess.Popen, out: Path, timeout: float = 60) -> None:
@@ -42,7 +30,7 @@ def start_and_kill(tmp_path: Path, args: list, name: str, sig: int = signal.SIGK
                             stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     try:
         wait_for_training(proc, out)
-        victim = pid_of(out, name)
+        victim = process_named(out, name)
         assert victim is not None
         t0 = time.monotonic()
         os.kill(victim, sig)
