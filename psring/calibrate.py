@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .costmodel import Calibration, default_path
-from .errors import ConfigError, PsringError
+from .errors import ConfigError, PsringError, run_guarded
 from .launch import die_with_parent, free_port
 from .protocol import ABSTRACT_IPC, abstract_ipc_endpoint
 
@@ -585,8 +585,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="psring calibrate", description=__doc__.splitlines()[0])
     _add_flags(parser)
     args = parser.parse_args(argv)
-    from .cli import run_guarded
-
     return run_guarded(_cmd_calibrate, args)
 
 

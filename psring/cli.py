@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 
-from .errors import PsringError
+from .errors import run_guarded
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -287,14 +287,3 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # which flags were given (psring run --resume keeps the others)
     return run_guarded(args.func, args)
 
-
-def run_guarded(func, args: argparse.Namespace) -> int:
-    """Run a command: a PsringError is one paragraph and its exit status; Ctrl-C is 130."""
-    try:
-        return func(args)
-    except PsringError as e:
-        print(f"psring: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("psring: interrupted", file=sys.stderr)
-        return 130
