@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .partition import bucket_assignment, bucket_caps
-from .runlog import atomic_write_json, read_manifest, read_steps
+from .runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
 
 PROFILE_FILE = "profile.json"
 #: bumped when the file's meaning changes; load() refuses other formats
@@ -113,8 +113,6 @@ class Profile:
         ``worker=None``: each step's slowest worker (the most compute), the one a
         synchronous step waits for; on shared cores the workers' compute jitters, and
         the step follows the maximum, not the median."""
-        from .report import warmup_steps
-
         run_dir = Path(run_dir)
         try:
             manifest = read_manifest(run_dir)

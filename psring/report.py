@@ -16,15 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .runlog import PHASES, iter_run_dirs, read_evals, read_manifest, read_steps
+from .runlog import PHASES, iter_run_dirs, read_evals, read_manifest, read_steps, warmup_steps
 
 #: config keys that define "the same workload" for speedups
 WORKLOAD_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",
                  "batch_size", "accumulate", "seed")
-
-
-def warmup_steps(steps: int) -> int:
-    return 0 if steps < 5 else max(1, steps // 10)
 
 
 def percentile(values: list[float], q: float) -> float:

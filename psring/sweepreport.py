@@ -44,9 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .report import WORKLOAD_KEYS, summarize, warmup_steps
+from .report import WORKLOAD_KEYS, summarize
 from .evaluate import time_to_accuracy
-from .runlog import PHASES, atomic_write_bytes, read_evals, read_manifest, read_steps
+from .runlog import (PHASES, atomic_write_bytes, read_evals, read_manifest, read_steps,
+                     warmup_steps)
 from .sweep import POINT_FILE, SWEEP_FILE, point_status
 
 REPORT = "report.md"
