@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import sys
 
-from psring.costmodel import Calibration
-from psring.profile import Profile
-from psring.simulate import Cluster, simulate
+from psring.predict.costmodel import Calibration
+from psring.predict.profile import Profile
+from psring.predict.simulate import Cluster, simulate
 
 # -- the hardware, on paper ------------------------------------------------------------
 #: GPU clusters: NCCL over RDMA; per-message latency ~10 µs; inside a server PCIe/NVLink

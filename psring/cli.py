@@ -165,7 +165,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .profile import profile_config, take_profile
+    from .predict.profile import profile_config, take_profile
 
     flags = {k: v for k, v in vars(args).items()
              if k not in ("func", "argv", "command", "out") and v is not None}
@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the report when the sweep is done (default: yes)")
     sw.set_defaults(func=_cmd_sweep)
 
-    from .calibrate import add_calibrate_parser
+    from .predict.calibrate import add_calibrate_parser
 
     add_calibrate_parser(sub)
 
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     md.set_defaults(func=_cmd_models)
 
     pr = sub.add_parser("profile", help="profile a model for the simulator: one short "
-                        "traced single run -> DIR/profile.json (psring.profile)")
+                        "traced single run -> DIR/profile.json (psring.predict.profile)")
     add_config_flags(pr, only=("model", "width", "depth", "classes", "image_size", "seq_len",
                                "features", "batch_size", "threads", "seed", "data",
                                "device"))
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default="", help="run directory (default runs/profile-<time>)")
     pr.set_defaults(func=_cmd_profile)
 
-    from .advise import add_advise_parser
+    from .predict.advise import add_advise_parser
 
     add_advise_parser(sub)
 

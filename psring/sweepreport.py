@@ -8,7 +8,7 @@ repeated R times are aggregated per *setting* (the point without its repeat numb
 as the median with the min–max range. What is in it:
 
 - the key table: throughput, step time, communication time measured beside the cost
-  model's prediction (psring.costmodel, from ``psring calibrate``) and its relative
+  model's prediction (psring.predict.costmodel, from ``psring calibrate``) and its relative
   error, speedup over ``single``, time to the target accuracy;
 - the step-time breakdown per setting (data / forward / backward / comm / update);
 - throughput and scaling efficiency vs workers (when the sweep varies workers);
@@ -182,7 +182,7 @@ def _agg(values: list[float]) -> dict[str, float] | None:
 
 def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
     """One entry per setting: medians and ranges over repeats, predictions, speedups."""
-    from .costmodel import Topology, predict_comm
+    from .predict.costmodel import Topology, predict_comm
     from .strategies import STRATEGIES
 
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -228,9 +228,9 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
 
 
 def _predict_step(s: dict, rs: list[dict], cal: Any) -> None:
-    """The simulator's step time (psring.simulate.replay: each run's own compute, its
+    """The simulator's step time (psring.predict.simulate.replay: each run's own compute, its
     cluster's communication played out) beside the measured one, and what bounds it."""
-    from .simulate import replay
+    from .predict.simulate import replay
 
     preds = [replay(Path(r["run"]), cal) for r in rs] if cal is not None else []
     preds = [p for p in preds if p is not None]
@@ -769,7 +769,7 @@ def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
     strategies' predicted communication times are equal. (Along intensity at a fixed
     size the model predicts no crossover: compute is the same for both, so the one
     with the cheaper communication is faster at every intensity, by less and less.)"""
-    from .costmodel import Topology, crossover_bytes
+    from .predict.costmodel import Topology, crossover_bytes
 
     if cal is None:
         return []
@@ -805,7 +805,7 @@ def predicted_crossovers(settings: list[dict], cal: Any) -> list[dict]:
 
 def write_report(sweep_dir: Path) -> tuple[Path, str]:
     """Write report.md and the plots into the sweep directory; return (path, key table)."""
-    from .costmodel import Calibration, find_calibration
+    from .predict.costmodel import Calibration, find_calibration
 
     sweep_dir = Path(sweep_dir)
     spec, rows, problems = collect(sweep_dir)
@@ -924,7 +924,7 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     check = prediction_check(settings)
     if check["n"]:
         md += ["## Step-time prediction", "",
-               "The simulator (psring.simulate, docs/prediction.md) replays each run: its "
+               "The simulator (psring.predict.simulate, docs/prediction.md) replays each run: its "
                "own forward, backward and update times and when its buckets were "
                "launched, with its cluster's communication played out on the calibrated "
                f"α-β-γ costs. Over {check['n']} distributed setting(s): median absolute "

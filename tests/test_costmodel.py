@@ -1,5 +1,5 @@
 """The α-β-γ cost model: formulas against hand-worked numbers, the crossover, the
-calibration file, and `python -m psring.calibrate --quick` end to end."""
+calibration file, and `python -m psring.predict.calibrate --quick` end to end."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from psring import costmodel as cm
-from psring.calibrate import fit, main as calibrate_main, run_pair
-from psring.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.errors import ConfigError, PsringError
+from psring.predict import costmodel as cm
+from psring.predict.calibrate import fit, main as calibrate_main, run_pair
+from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.strategies import STRATEGIES
 
 from conftest import assert_no_processes
@@ -280,8 +280,8 @@ def test_calibrate_quick_end_to_end(tmp_path):
     out = tmp_path / "cal.json"
     # its own session: every process it starts is found by session id afterwards
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "psring.calibrate", "--quick", "--out",
-                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "psring.predict.calibrate", "--quick",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=60)

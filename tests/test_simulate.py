@@ -1,4 +1,4 @@
-"""The step-time simulator (psring.simulate) against timelines worked out by hand.
+"""The step-time simulator (psring.predict.simulate) against timelines worked out by hand.
 
 Every case uses round numbers: α = 1 ms, β = 1 ns/byte (1 GB/s) on loopback, 2 ms and
 8 ns/byte between hosts, γ = 0.1 ns/byte; the model's compute is forward 10 ms,
@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from psring.costmodel import Calibration, ring_allreduce
-from psring.profile import Profile
-from psring.simulate import Cluster, ring_steps, simulate
+from psring.predict.costmodel import Calibration, ring_allreduce
+from psring.predict.profile import Profile
+from psring.predict.simulate import Cluster, ring_steps, simulate
 
 A, BETA, GAMMA = 1e-3, 1e-9, 1e-10
 A_LINK, B_LINK = 2e-3, 8e-9
@@ -211,7 +211,7 @@ def test_a_profile_with_non_finite_times_is_refused():
 
 def test_the_simulators_wire_fractions_are_psring_compress_s():
     from psring.compress import CHOICES, wire_bytes
-    from psring.simulate import WIRE
+    from psring.predict.simulate import WIRE
 
     assert set(WIRE) == set(CHOICES)
     for choice in CHOICES:

@@ -1,9 +1,9 @@
 """The step-time simulator: a whole training step of each strategy, predicted from a
-profile of the model (psring.profile) and a cluster, without running anything.
+profile of the model (psring.predict.profile) and a cluster, without running anything.
 
-    from psring.costmodel import Calibration, find_calibration
-    from psring.profile import Profile
-    from psring.simulate import Cluster, simulate
+    from psring.predict.costmodel import Calibration, find_calibration
+    from psring.predict.profile import Profile
+    from psring.predict.simulate import Cluster, simulate
 
     prof = Profile.load("runs/prof-r18")          # psring profile --model resnet18 ...
     cal = Calibration.load(find_calibration())    # psring calibrate
@@ -22,7 +22,7 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     the ring's 2(n−1) steps, every step sending an M/n chunk over every edge at once,
     so a step lasts as long as its slowest edge (a host link where the ring crosses
     hosts, else loopback): α + (M/n)·β, plus (M/n)·γ to add it in the reduce-scatter's
-    n−1 steps (psring.costmodel.ring_allreduce, step by step);
+    n−1 steps (psring.predict.costmodel.ring_allreduce, step by step);
   - ``ps`` (synchronous): the bucket is pushed in pieces to the K servers whose ranges
     it overlaps. A message occupies every *resource* on its path at once (cut-through:
     each resource serves its messages first come first served), for bytes·β of that
@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .costmodel import Calibration
-from .partition import even_split, overlaps
+from ..partition import even_split, overlaps
 
 COMM_MODELS = (None, "ring", "ps", "ps-async")
 PLACEMENTS = ("colocated", "own-hosts")
@@ -119,13 +119,13 @@ class Cluster:
 
     @property
     def worker_host(self) -> list[int]:
-        from .emulate import worker_hosts
+        from ..emulate import worker_hosts
 
         return worker_hosts(self.workers, self.hosts, self.workers_per_host)
 
     @property
     def server_host(self) -> list[int]:
-        from .emulate import server_hosts
+        from ..emulate import server_hosts
 
         return server_hosts(self.servers, self.hosts, self.placement)
 
@@ -599,13 +599,13 @@ def cluster_for_run(cfg: dict, strategy_cls: Any = None) -> Cluster:
 
 def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
     """The simulator's step time for a measured run, from the run's own profile (its
-    compute phases and when its buckets were launched; psring.profile.Profile.from_run),
+    compute phases and when its buckets were launched; psring.predict.profile.Profile.from_run),
     as dPRO replays a profiled trace: what the run's communication should have cost on
     its cluster, given its compute. None for a run the simulator cannot read."""
-    from .errors import PsringError
+    from ..errors import PsringError
     from .profile import Profile
-    from .runlog import read_manifest
-    from .strategies import STRATEGIES
+    from ..runlog import read_manifest
+    from ..strategies import STRATEGIES
 
     try:
         cfg = read_manifest(run_dir)["config"]

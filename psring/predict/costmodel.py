@@ -1,6 +1,7 @@
 """The α-β-γ cost model: predicted communication time per step for each strategy.
 
-    from psring.costmodel import Calibration, find_calibration, predict_comm, crossover_bytes
+    from psring.predict.costmodel import (Calibration, find_calibration, predict_comm,
+                                          crossover_bytes)
 
     path = find_calibration("runs/compare")        # or None: run `psring calibrate`
     cal = Calibration.load(path)
@@ -15,8 +16,8 @@ Symbols (docs/cost-model.md has the full story and sources):
 - ``gamma``  seconds per byte to reduce (add) locally.
 
 The formulas below are pure functions of these numbers. :class:`Calibration` holds the
-numbers measured on this machine by ``psring calibrate`` (``psring.calibrate``): one α, β
-pair for ZeroMQ (what the parameter-server strategies use) and one for
+numbers measured on this machine by ``psring calibrate`` (``psring.predict.calibrate``):
+one α, β pair for ZeroMQ (what the parameter-server strategies use) and one for
 torch.distributed's gloo (what ring all-reduce and DDP use), and one γ.
 
 Which formula a strategy follows is its ``comm_model`` class attribute
@@ -33,8 +34,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .runlog import atomic_write_json
+from ..errors import ConfigError
+from ..runlog import atomic_write_json
 
 #: the values a strategy's ``comm_model`` may take (besides None)
 COMM_MODELS = ("ring", "ps", "ps-async")
@@ -154,7 +155,7 @@ class Topology:
         older than emulated clusters ran on one host)."""
         from types import SimpleNamespace
 
-        from .emulate import ClusterPlan
+        from ..emulate import ClusterPlan
 
         if isinstance(cfg, dict):
             defaults = {"hosts": 1, "workers_per_host": 0, "server_placement": "colocated",
@@ -184,7 +185,8 @@ class Calibration:
     dist_beta: float
     gamma: float
     #: seconds per float32 byte to cast to float16 (or back): --compress's cost per
-    #: message end (psring.simulate); None in calibrations made before it was measured
+    #: message end (psring.predict.simulate); None in calibrations made before it was
+    #: measured
     cast: float | None = None
     #: where and when: hostname, ISO time, cores, torch / pyzmq / libzmq versions
     host: str = ""
@@ -237,7 +239,7 @@ class Calibration:
         alpha, beta = self.link(comm_model)
         if link_bits is None:
             return alpha, beta, "loopback"
-        from .emulate import link_key, payload_beta
+        from ..emulate import link_key, payload_beta
 
         key = "dist" if comm_model == "ring" else "zmq"
         # a calibration of this rate and delay; else of this rate, without the delay

@@ -1,11 +1,11 @@
 """``psring advise``: which strategy, bucket size and servers for this model on that
-cluster, and why — predicted by the simulator (psring.simulate), optionally verified.
+cluster, and why — predicted by the simulator (psring.predict.simulate), optionally verified.
 
     psring advise --model resnet18 --batch-size 64 --hosts 4 --workers-per-host 1 --link 10gbit
     psring advise --model vgg11 --width 8 --hosts 2 --link 1gbit --verify
     psring advise --profile runs/prof-r18 --hosts 16 --link 25gbit     (a saved profile)
 
-Without ``--profile`` it first profiles the model (psring.profile: one short traced
+Without ``--profile`` it first profiles the model (psring.predict.profile: one short traced
 ``single`` run at the per-worker batch, a few seconds). Then, for every registered
 strategy that can run on the cluster, it simulates each of its settings — bucket size
 (1, 5, 25, 100 MB), parameter servers K (1, 2, 4, 8, up to twice the hosts) placed with
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .profile import MODEL_KEYS, Profile
 from .simulate import Cluster, Prediction, simulate
 
@@ -72,7 +72,7 @@ class Candidate:
 
 
 def _strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
-    from .strategies import STRATEGIES
+    from ..strategies import STRATEGIES
 
     out = {}
     for name in STRATEGIES:
@@ -262,10 +262,10 @@ def plot(ranking: list[Candidate], title: str, path: Path) -> Path:
 # -- the command -------------------------------------------------------------------------
 
 def add_advise_parser(sub: Any) -> None:
-    from .config import add_config_flags
+    from ..config import add_config_flags
 
     p = sub.add_parser("advise", help="predict which strategy, bucket size and servers "
-                       "train fastest on a cluster, and why (psring.simulate)")
+                       "train fastest on a cluster, and why (psring.predict.simulate)")
     add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
                               "features", "batch_size", "hosts", "workers_per_host",
                               "link", "delay", "seed"))
@@ -292,7 +292,7 @@ def add_advise_parser(sub: Any) -> None:
 
 def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
     """The cluster of the flags, or a ConfigError that names the fix."""
-    from .emulate import parse_delay, parse_rate
+    from ..emulate import parse_delay, parse_rate
 
     if args.hosts < 1:
         raise ConfigError(f"--hosts {args.hosts}: a cluster has at least one host.")
@@ -324,7 +324,7 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
                           f"a measurement (at most {VERIFY_MAX_PROCESSES} processes); run "
                           f"advise without --verify for the prediction alone.")
     if not args.profile:
-        from .config import check_global_batch
+        from ..config import check_global_batch
 
         check_global_batch(args.batch_size, n)
     return Cluster(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
@@ -352,9 +352,9 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
            model: dict[str, Any], batch: int, n: int, out: Path) -> list[dict[str, Any]]:
     """Run each candidate as the cluster's emulation (the profiled ``model`` at global
     batch ``batch``); predicted vs measured step time."""
-    from .config import RunConfig
-    from .launch import launch
-    from .report import summarize
+    from ..config import RunConfig
+    from ..launch import launch
+    from ..report import summarize
 
     results = []
     for c in top:
@@ -396,9 +396,9 @@ def advise_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .models import ModelSettings, meta_build
+    from ..models import ModelSettings, meta_build
     from .profile import profile_config, take_profile
-    from .runlog import atomic_write_json
+    from ..runlog import atomic_write_json
 
     cluster, n = _cluster(args)
     if args.verify_steps < 5:

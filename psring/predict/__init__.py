@@ -1,0 +1,15 @@
+"""Prediction: what a step of each strategy should cost, worked out without training.
+
+- ``costmodel``: the α-β-γ formulas, the measured :class:`Calibration` and the
+  predicted communication time per step (docs/cost-model.md);
+- ``calibrate``: measures α, β and γ on this machine (``psring calibrate``);
+- ``profile``: a model's step on its own device, from one short traced run
+  (``psring profile``);
+- ``simulate``: the step-time simulator, pure Python: a profile and a cluster in, a
+  predicted step out (docs/prediction.md);
+- ``advise``: ranks the strategies on a cluster by their simulated steps
+  (``psring advise``).
+
+Nothing here trains a model; only measuring (``calibrate``, ``profile``, and
+``psring advise --verify``) starts processes.
+"""
