@@ -5,7 +5,7 @@
     python experiments/prediction_report.py runs/models runs/emulated_costmodel
 
 Reads each sweep's report.json (``psring report DIR`` writes it, with the simulator's
-replay of every run: psring.predict.simulate.replay) and prints, for the runs on
+replay of every run: psring.predict.replay) and prints, for the runs on
 emulated links and for those on this machine's loopback separately: the median and
 largest absolute error of the predicted step time, and how often the predicted fastest
 strategy of a setting was the measured fastest (or within 5% of it). Then every point,

@@ -228,9 +228,9 @@ def aggregate(rows: list[dict], cal: Any = None) -> list[dict]:
 
 
 def _predict_step(s: dict, rs: list[dict], cal: Any) -> None:
-    """The simulator's step time (psring.predict.simulate.replay: each run's own compute, its
+    """The simulator's step time (psring.predict.replay: each run's own compute, its
     cluster's communication played out) beside the measured one, and what bounds it."""
-    from .predict.simulate import replay
+    from .predict.replay import replay
 
     preds = [replay(Path(r["run"]), cal) for r in rs] if cal is not None else []
     preds = [p for p in preds if p is not None]

@@ -7,6 +7,8 @@
   (``psring profile``);
 - ``simulate``: the step-time simulator, pure Python: a profile and a cluster in, a
   predicted step out (docs/prediction.md);
+- ``replay``: the simulator on a measured run, its own compute and its cluster
+  (what ``psring report`` puts beside each measured step);
 - ``advise``: ranks the strategies on a cluster by their simulated steps
   (``psring advise``).
 
