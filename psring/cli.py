@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default="", help="run directory (default runs/profile-<time>)")
     pr.set_defaults(func=_cmd_profile)
 
-    from .predict.advise import add_advise_parser
+    from .predict.advise_cli import add_advise_parser
 
     add_advise_parser(sub)
 

@@ -1,0 +1,296 @@
+"""``psring advise``: which strategy, bucket size and servers for this model on that
+cluster, and why — predicted by the simulator (psring.predict.simulate), optionally
+verified.
+
+    psring advise --model resnet18 --batch-size 64 --hosts 4 --workers-per-host 1 --link 10gbit
+    psring advise --model vgg11 --width 8 --hosts 2 --link 1gbit --verify
+    psring advise --profile runs/prof-r18 --hosts 16 --link 25gbit     (a saved profile)
+
+Without ``--profile`` it first profiles the model (psring.predict.profile: one short traced
+``single`` run at the per-worker batch, a few seconds). Then, for every registered
+strategy that can run on the cluster, it simulates each of its settings — bucket size
+(1, 5, 25, 100 MB), parameter servers K (1, 2, 4, 8, up to twice the hosts) placed with
+the workers or on hosts of their own, and fp16 compression where the strategy supports
+it — and ranks the strategies by their best predicted step time, each with the one
+sentence that says what bounds it. It prints the table, writes ``advise.png`` and
+``advise.json`` into ``--out``, and recommends a bucket size, the servers and whether
+compression pays.
+
+This module is the command: its flags, the profile and calibration it needs, the
+printing, and ``--verify``; the ranking itself is psring.predict.advise.
+
+``--verify`` runs the winner, the runner-up and the best of the other family (ring vs
+parameter server) on this machine as the cluster's emulation (psring.emulate: one
+network namespace per host, links shaped to ``--link``) and prints predicted against
+measured step times. The emulated hosts share this machine's cores, so the predictions
+verified are those of that emulation (compute stretched by the workers sharing the
+cores), not of a cluster with a device per worker; with ``--verify`` the ranking shown
+is the emulation's. Clusters larger than this machine can hold are refused for
+``--verify`` with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..runlog import atomic_write_json
+from .advise import (HEADER, Candidate, candidates, plot, rank, recommendations, table,
+                     verify_candidates)
+from .costmodel import Calibration, find_calibration
+from .profile import MODEL_KEYS, Profile, profile_config, take_profile
+from .simulate import Cluster
+
+# Imported inside the functions that use them, as before this command had a module of
+# its own: psring.models, the strategy registry, calibrate and the run report (each
+# imports torch, which building this command's parser does not need), and
+# psring.config, emulate and launch (whose own import cycle is being untangled).
+
+#: the most worker and server processes --verify starts on this machine
+VERIFY_MAX_PROCESSES = 12
+
+
+def add_advise_parser(sub: Any) -> None:
+    from ..config import add_config_flags
+
+    p = sub.add_parser("advise", help="predict which strategy, bucket size and servers "
+                       "train fastest on a cluster, and why (psring.predict.simulate)")
+    add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
+                              "features", "batch_size", "hosts", "workers_per_host",
+                              "link", "delay", "seed"))
+    # the cluster flags mean the cluster to predict (emulated only with --verify)
+    for flag, text in (("--hosts", "hosts in the cluster"),
+                       ("--workers-per-host", "workers on each host (default 1)"),
+                       ("--link", "each host's link rate, e.g. 1gbit, 25gbit, 100gbit"),
+                       ("--delay", "one-way delay of each link, e.g. 50us")):
+        p._option_string_actions[flag].help = text
+    p.add_argument("--workers", type=int, default=0, help="workers in all (default: "
+                   "hosts x workers-per-host)")
+    p.add_argument("--profile", default="", help="a profile (psring profile, or any run "
+                   "directory) instead of profiling the model now")
+    p.add_argument("--calibration", default="", help="α-β-γ calibration file (default: "
+                   "$PSRING_CALIBRATION or ~/.cache/psring/calibration.json; measured "
+                   "quickly when there is none)")
+    p.add_argument("--verify", action="store_true", help="run the top candidates on this "
+                   "machine's emulation of the cluster and print predicted vs measured")
+    p.add_argument("--verify-steps", type=int, default=20, help="steps per verifying run")
+    p.add_argument("--out", default="", help="directory for the profile, advise.json, "
+                   "advise.png and verifying runs (default runs/advise-<time>)")
+    p.set_defaults(func=advise_command)
+
+
+def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
+    """The cluster of the flags, or a ConfigError that names the fix."""
+    from ..emulate import parse_delay, parse_rate
+
+    if args.hosts < 1:
+        raise ConfigError(f"--hosts {args.hosts}: a cluster has at least one host.")
+    if args.workers_per_host < 0 or args.workers < 0:
+        raise ConfigError("--workers and --workers-per-host count processes: give "
+                          "positive numbers (or leave them out).")
+    per_host = args.workers_per_host or max(1, math.ceil((args.workers or args.hosts)
+                                                          / args.hosts))
+    slots = args.hosts * per_host
+    n = args.workers or slots
+    if n > slots:
+        raise ConfigError(f"--workers {n} do not fit on {args.hosts} host(s) x "
+                          f"{per_host} worker(s) per host ({slots} slots): raise --hosts or "
+                          f"--workers-per-host, or lower --workers.")
+    if n < slots:
+        raise ConfigError(f"--workers {n} would leave {slots - n} of {slots} slots empty; "
+                          f"the simulator places the same number of workers on every host: "
+                          f"give --workers {slots}, or leave it out.")
+    link = parse_rate(args.link) if args.link else None
+    delay = parse_delay(args.delay) if args.delay else 0.0
+    if args.hosts > 1 and link is None:
+        raise ConfigError(f"--hosts {args.hosts} needs the link between them: give "
+                          f"--link RATE (e.g. 1gbit, 10gbit, 100gbit).")
+    if delay and link is None:
+        raise ConfigError("--delay is the links' delay: give --link RATE too (one host "
+                          "and no link: nothing to delay).")
+    if args.verify and n + 1 > VERIFY_MAX_PROCESSES:
+        raise ConfigError(f"--verify: {n} workers and a server do not fit this machine for "
+                          f"a measurement (at most {VERIFY_MAX_PROCESSES} processes); run "
+                          f"advise without --verify for the prediction alone.")
+    if not args.profile:
+        from ..config import check_global_batch
+
+        check_global_batch(args.batch_size, n)
+    return Cluster(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
+                   delay_s=delay), n
+
+
+def _calibration(args: argparse.Namespace, out: Path):
+    if args.calibration:
+        return Calibration.load(args.calibration)
+    path = find_calibration(out)
+    if path is not None:
+        return Calibration.load(path)
+    from .calibrate import calibrate
+
+    print("psring: no α-β-γ calibration found (psring calibrate); measuring a quick one",
+          flush=True)
+    cal = calibrate(quick=True)
+    cal.save(out / "calibration.json")
+    return cal
+
+
+def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespace,
+           model: dict[str, Any], batch: int, n: int, out: Path) -> list[dict[str, Any]]:
+    """Run each candidate as the cluster's emulation (the profiled ``model`` at global
+    batch ``batch``); predicted vs measured step time."""
+    from ..config import RunConfig
+    from ..launch import launch
+    from ..report import summarize
+
+    results = []
+    for c in top:
+        flags = {**model, **c.run_flags(), "workers": n,
+                 "hosts": args.hosts, "workers_per_host": c.cluster.workers_per_host,
+                 "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
+                 else "", "delay": args.delay, "batch_size": batch,
+                 "steps": args.verify_steps, "eval_every": args.verify_steps,
+                 "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
+        cls = classes[c.strategy]
+        if not cls.uses_servers:
+            flags.pop("servers"), flags.pop("server_placement")
+        if not cls.supports_compression:
+            flags.pop("compress")
+        if cls.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
+            flags["link"] = args.link
+        print(f"psring: verifying {c.strategy} ({c.setting(cls.uses_servers, cls.supports_compression)})",
+              flush=True)
+        run_dir = launch(RunConfig(**flags))
+        measured = summarize(run_dir)["step_p50_s"]
+        predicted = c.prediction.step_s
+        results.append({"strategy": c.strategy, "setting":
+                        c.setting(cls.uses_servers, cls.supports_compression),
+                        "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
+                        "error": (predicted - measured) / measured, "run": str(run_dir)})
+    return results
+
+
+def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
+    """The registered strategies that can run ``workers`` workers on ``hosts`` hosts."""
+    from ..strategies import STRATEGIES
+
+    out = {}
+    for name in STRATEGIES:
+        cls = STRATEGIES.get(name)
+        if cls.max_workers is not None and workers > cls.max_workers:
+            continue
+        if cls.max_hosts is not None and hosts > cls.max_hosts:
+            continue
+        out[name] = cls
+    return out
+
+
+def _slug(c: Candidate) -> str:
+    cl = c.cluster
+    return f"{c.strategy}-b{cl.bucket_mb:g}-k{cl.servers}-{cl.placement}-{cl.compress}"
+
+
+def _model_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("model", *MODEL_KEYS, "seed")}
+
+
+def advise_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..models import ModelSettings, meta_build
+
+    cluster, n = _cluster(args)
+    if args.verify_steps < 5:
+        raise ConfigError(f"--verify-steps {args.verify_steps}: give at least 5 (the first "
+                          f"steps are warm-up, left out of the measured step time).")
+    out = Path(args.out or os.path.join("runs", f"advise-{time.strftime('%Y%m%d-%H%M%S')}"))
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // n) if args.verify else 0
+    model = _model_flags(args)
+    if args.profile:
+        prof = Profile.load(args.profile)
+        # verify runs what was profiled: its model and its per-worker batch
+        src = prof.source
+        if args.verify and not src.get("model"):
+            raise ConfigError(f"--verify runs the profiled model, but the profile "
+                              f"{args.profile} does not say which model it is (a profile "
+                              f"on paper): profile it with `psring profile`, or drop "
+                              f"--verify.")
+        model = {**model, **{k: src[k] for k in ("model", *MODEL_KEYS)
+                             if src.get(k) is not None}}
+        if not prof.batch_size:
+            raise ConfigError(f"the profile {args.profile} has no batch size; profile the "
+                              f"model with `psring profile`.")
+        args.batch_size = prof.batch_size * n
+    else:
+        cfg = profile_config(**_model_flags(args), batch_size=args.batch_size // n,
+                             threads=threads, out=str(out / "profile"))
+        meta_build(cfg.model, ModelSettings.from_config(cfg))  # a bad model: exit 2 now
+        print(f"psring: profiling {cfg.model} at batch {cfg.batch_size} per worker "
+              f"({cfg.steps} steps of single, traced)", flush=True)
+        prof = take_profile(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    cal = _calibration(args, out)
+    if args.verify:  # the emulation on this machine: every process shares its cores
+        cluster = dataclasses.replace(cluster, cores=cores)
+    classes = strategy_classes(n, cluster.hosts)
+    # --verify: only settings this machine can run (workers and servers <= the limit)
+    cands = candidates(prof, cluster, cal, classes,
+                       max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8)
+    ranking = rank(cands)
+    where = cluster.describe() + (f", emulated on this machine's {cores} cores"
+                                  if args.verify else "")
+    title = (f"psring advise: {prof.source.get('model', 'profiled model')}, "
+             f"{prof.total_bytes / 1e6:.2f} MB of gradients, batch {args.batch_size} "
+             f"({prof.batch_size} per worker), {n} workers on {where}")
+    t = Table(title=title, show_lines=True)
+    for h in HEADER:
+        t.add_column(h, justify="right" if h in ("step ms", "compute ms", "comm ms (exposed)",
+                                                 "samples/s", "efficiency", "#") else "left")
+    rows = table(ranking, classes)
+    for r in rows:
+        t.add_row(*r)
+    console = Console(width=160)
+    console.print(t)
+    recs = recommendations(cands, ranking, classes)
+    for line in recs:
+        print(line)
+    png = plot(ranking, title, out / "advise.png")
+    report: dict[str, Any] = {
+        "title": title, "profile": {**prof.source, "summary": prof.describe()},
+        "cluster": dataclasses.asdict(cluster), "workers": n, "calibration_host": cal.host,
+        "ranking": [dict(zip(HEADER, r)) for r in rows],
+        "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
+        "recommendations": recs}
+    atomic_write_json(out / "advise.json", report)  # the prediction, before any run
+    if args.verify:
+        top = verify_candidates(ranking, classes)
+        results = verify(top, classes, args, model, args.batch_size, n, out)
+        vt = Table(title="predicted vs measured (this machine's emulation of the cluster)")
+        for h in ("strategy", "setting", "predicted ms", "measured ms", "error"):
+            vt.add_column(h)
+        for r in results:
+            vt.add_row(r["strategy"], r["setting"], f"{r['predicted_ms']:.1f}",
+                       f"{r['measured_ms']:.1f}", f"{r['error']:+.0%}")
+        console.print(vt)
+        fastest = min(results, key=lambda r: r["measured_ms"])
+        rec = results[0]
+        ok = rec["measured_ms"] <= 1.05 * fastest["measured_ms"]
+        print(f"Recommended {rec['strategy']}: measured {rec['measured_ms']:.1f} ms; the "
+              f"measured fastest is {fastest['strategy']} ({fastest['measured_ms']:.1f} ms): "
+              + ("the recommendation holds." if ok else "the recommendation is off by "
+                 f"{rec['measured_ms'] / fastest['measured_ms'] - 1:.0%}."))
+        report["verify"] = {"results": results, "recommended_is_fastest_within_5pct": ok,
+                            "median_abs_error": statistics.median(abs(r["error"])
+                                                                  for r in results)}
+    atomic_write_json(out / "advise.json", report)
+    print(f"advise: {out / 'advise.json'}, {png}")
+    return 0
