@@ -48,10 +48,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from .costmodel import Calibration, default_path
 from ..errors import ConfigError, PsringError, run_guarded
 from ..launch import die_with_parent, free_port
 from ..protocol import ABSTRACT_IPC, abstract_ipc_endpoint
+from .costmodel import Calibration, default_path
+
+# psring.emulate is imported only where a link is measured (--hosts 2): the loopback
+# calibration needs none of its namespace machinery.
 
 KB, MB = 1024, 1024 * 1024
 #: message sizes of the ping-pongs: from latency-bound to bandwidth-bound. They stop at

@@ -32,10 +32,15 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import ConfigError
 from ..runlog import atomic_write_json
+
+# psring.emulate (hosts' placement, link rates) is imported inside the two methods that
+# read it, as before this module moved: what they read is to become one shared cluster
+# description (issue 18), and emulate is being untangled from launch and config.
 
 #: the values a strategy's ``comm_model`` may take (besides None)
 COMM_MODELS = ("ring", "ps", "ps-async")
@@ -153,8 +158,6 @@ class Topology:
     def for_config(cls, cfg: Any) -> "Topology":
         """From a RunConfig, or a run's config as its manifest stores it (a dict; runs
         older than emulated clusters ran on one host)."""
-        from types import SimpleNamespace
-
         from ..emulate import ClusterPlan
 
         if isinstance(cfg, dict):

@@ -36,6 +36,9 @@ from ..errors import ConfigError
 from ..partition import bucket_assignment, bucket_caps
 from ..runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
 
+# psring.config and launch are imported by the two functions that take a profile:
+# reading and using one (the simulator, advise, replay) needs neither.
+
 PROFILE_FILE = "profile.json"
 #: bumped when the file's meaning changes; load() refuses other formats
 FORMAT = 1

@@ -64,8 +64,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .costmodel import Calibration
 from ..partition import even_split, overlaps
+from .costmodel import Calibration
+
+# psring.emulate's placement rules are imported inside Cluster's two properties, as
+# before this module moved: they are to become one shared cluster description (issue
+# 18), and emulate is being untangled from launch and config meanwhile.
 
 COMM_MODELS = (None, "ring", "ps", "ps-async")
 PLACEMENTS = ("colocated", "own-hosts")
