@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def main(dirs: list[str]) -> int:
-    from psring.sweepreport import prediction_check
+    from psring.report.aggregate import prediction_check
 
     rows, checks = [], {"emulated links": [], "loopback": []}
     for d in dirs:

@@ -67,7 +67,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from .sweep import is_sweep_dir
 
     if len(args.dirs) == 1 and is_sweep_dir(args.dirs[0]) and not args.json:
-        from .sweepreport import write_report
+        from .report import write_report
 
         path, table = write_report(args.dirs[0])
         print(table)
@@ -93,7 +93,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     res = run_sweep_with_progress(sweep, out)
     print(format_summary(res), file=sys.stderr)
     if args.report:
-        from .sweepreport import write_report
+        from .report import write_report
 
         path, table = write_report(out)
         print(table)
@@ -105,7 +105,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import run_compare
     from .sweep import format_summary
-    from .sweepreport import write_report
+    from .report import write_report
 
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
     print(format_summary(res), file=sys.stderr)

@@ -297,11 +297,11 @@ def comm_times(run_dir: Path, worker: int) -> list[float]:
     """A worker's communication time per step after the first two, as the report shows
     it (blocked time plus bucket time hidden under backward, less waiting for a slower
     peer)."""
-    from psring.sweepreport import _comm_time, _peer_waits
+    from psring.report.points import comm_time, peer_waits
 
     records = read_steps(run_dir)
-    waits = _peer_waits(records)
-    return [_comm_time(r, waits.get((r["worker"], r["step"]), 0.0))
+    waits = peer_waits(records)
+    return [comm_time(r, waits.get((r["worker"], r["step"]), 0.0))
             for r in records if r["step"] >= 2 and r["worker"] == worker]
 
 
@@ -448,7 +448,7 @@ def test_a_cut_link_fails_the_run_within_the_timeout_naming_the_host(tmp_path, s
 # -- calibration across a link, and where reports say points ran --------------------------
 
 def test_reports_say_where_a_point_ran():
-    from psring.sweepreport import cluster_text
+    from psring.report.cluster import cluster_text
 
     assert cluster_text({"strategy": "allreduce", "workers": 2}) == "this machine"
     assert cluster_text({"strategy": "allreduce", "workers": 2, "hosts": 2,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import assert_no_processes, psring, read_steps
-from psring.report import percentile
+from psring.report.runs import percentile
 from psring.runlog import warmup_steps
 
 
