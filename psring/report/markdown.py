@@ -30,8 +30,8 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..predict.costmodel import Calibration, find_calibration
 from ..runlog import PHASES, atomic_write_bytes, read_manifest
-from .aggregate import (add_time_to_accuracy, aggregate, crossovers, make_label,
-                        predicted_crossovers, prediction_check, setting_label,
+from .aggregate import (Setting, Spread, add_time_to_accuracy, aggregate, crossovers,
+                        make_label, predicted_crossovers, prediction_check, setting_label,
                         target_accuracy)
 from .plots import (plot_accuracy, plot_along, plot_breakdown, plot_costmodel, plot_loss,
                     plot_scaling, plot_staleness)
@@ -41,15 +41,15 @@ from .points import collect
 REPORT = "report.md"
 
 
-def _fmt(a: dict | None, scale: float = 1.0, digits: int = 0, style: str = "f") -> str:
+def _fmt(a: Spread | None, scale: float = 1.0, digits: int = 0, style: str = "f") -> str:
     """Median (min–max); ``style`` "g" counts significant digits, for values such as
     a final loss that can fall to 1e-4 and would print as 0.000."""
     if a is None:
         return "-"
     spec = f".{digits}{style}"
-    m = f"{a['median'] * scale:{spec}}"
-    if a["n"] > 1:
-        m += f" ({a['min'] * scale:{spec}}–{a['max'] * scale:{spec}})"
+    m = f"{a.median * scale:{spec}}"
+    if a.n > 1:
+        m += f" ({a.min * scale:{spec}}–{a.max * scale:{spec}})"
     return m
 
 
@@ -59,13 +59,13 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def _tta_text(s: dict) -> str:
-    if not s["has_evals"]:
+def _tta_text(s: Setting) -> str:
+    if not s.has_evals:
         return "-"
-    if not s["tta_s"]:
+    if not s.tta_s:
         return "not reached"
-    return _fmt(s["tta_s"], digits=2) + ("" if s["tta_reached"] == s["repeats"] else
-                                         f" [{s['tta_reached']}/{s['repeats']} reached]")
+    return _fmt(s.tta_s, digits=2) + ("" if s.tta_reached == s.repeats else
+                                      f" [{s.tta_reached}/{s.repeats} reached]")
 
 
 def _crossover_section(along: str, plot: Path, found: list[dict]) -> list[str]:
@@ -98,48 +98,46 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     settings = aggregate(rows, cal)
     target = target_accuracy(rows, spec)
     add_time_to_accuracy(settings, target)
-    for s in settings:
-        s["staleness"] = [x for r in s["rows"] for x in r["staleness"]]
     # points that ran on different clusters say where in their labels
-    mixed = len({s["cluster"] for s in settings}) > 1
+    mixed = len({s.cluster for s in settings}) > 1
     for s in settings:
-        s["label"] = make_label(s, with_cluster=mixed)
+        s.label = make_label(s, with_cluster=mixed)
     found = crossovers(settings)
     found_size = crossovers(settings, "size")
     predicted = predicted_crossovers(settings, cal)
 
     plots: dict[str, Path] = {}
     plots["breakdown"] = plot_breakdown(settings, sweep_dir / "breakdown.png")
-    if len({s["workers"] for s in settings}) > 1:
+    if len({s.workers for s in settings}) > 1:
         plots["scaling"] = plot_scaling(settings, sweep_dir / "scaling.png")
-    if len({round(s["intensity"] or 0, 6) for s in settings}) > 1:
+    if len({round(s.intensity or 0, 6) for s in settings}) > 1:
         plots["intensity"] = plot_along(settings, found, sweep_dir / "intensity.png")
-    distributed = [s for s in settings if s["strategy"] != "single"]
-    if len({s["gradient_bytes"] for s in distributed}) > 1:
+    distributed = [s for s in settings if s.strategy != "single"]
+    if len({s.gradient_bytes for s in distributed}) > 1:
         plots["size"] = plot_along(settings, found_size, sweep_dir / "size.png", "size")
     plots["loss"] = plot_loss(settings, sweep_dir / "loss.png")
-    evaluated = [s for s in settings if s["has_evals"]]
+    evaluated = [s for s in settings if s.has_evals]
     if evaluated:
         plots["accuracy"] = plot_accuracy(settings, target, sweep_dir / "accuracy.png")
-    if any(s["staleness"] for s in settings):
+    if any(s.staleness for s in settings):
         plots["staleness"] = plot_staleness(settings, sweep_dir / "staleness.png")
-    if any(s["predicted_comm_ms"] is not None for s in settings):
+    if any(s.predicted_comm_ms is not None for s in settings):
         plots["costmodel"] = plot_costmodel(settings, sweep_dir / "costmodel.png")
 
-    emulated = any(s["cluster"] != "this machine" for s in settings)
+    emulated = any(s.cluster != "this machine" for s in settings)
     key_header = ["setting", *(["cluster"] if emulated else []), "samples/s", "step ms",
                   "comm ms", "predicted step ms", "error", "speedup vs single",
                   "final acc", "time to target s"]
     key_rows = []
     for s in settings:
         key_rows.append([
-            make_label(s, with_cluster=False), *([s["cluster"]] if emulated else []),
-            _fmt(s["samples_per_s"]), _fmt(s["step_ms"], digits=1),
-            _fmt(s["comm_ms"], digits=1),
-            f"{s['predicted_step_ms']:.1f}" if s["predicted_step_ms"] is not None else "-",
-            f"{s['step_error']:+.0%}" if s["step_error"] is not None else "-",
-            f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-",
-            _fmt(s["accuracy_final"], digits=3), _tta_text(s) if target is not None else "-",
+            make_label(s, with_cluster=False), *([s.cluster] if emulated else []),
+            _fmt(s.samples_per_s), _fmt(s.step_ms, digits=1),
+            _fmt(s.comm_ms, digits=1),
+            f"{s.predicted_step_ms:.1f}" if s.predicted_step_ms is not None else "-",
+            f"{s.step_error:+.0%}" if s.step_error is not None else "-",
+            f"{s.speedup:.2f}x" if s.speedup is not None else "-",
+            _fmt(s.accuracy_final, digits=3), _tta_text(s) if target is not None else "-",
         ])
     md = [f"# Sweep report: {spec.get('name', sweep_dir.name)}", ""]
     if spec.get("description"):
@@ -148,7 +146,7 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
         md += ["**What to look at:** " + spec["look_at"].strip(), ""]
     host = read_manifest(Path(rows[0]["run"])).get("host", {})
     if emulated:
-        clusters = sorted({s["cluster"] for s in settings})
+        clusters = sorted({s.cluster for s in settings})
         md += ["**Where the points ran:** " + "; ".join(clusters) + " (emulated hosts: "
                "network namespaces joined by tbf-shaped links on this one machine, "
                "sharing its cores; see docs/emulation.md).", ""]
@@ -176,13 +174,13 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
         md += [f"Cost model calibration: `{cal_path}`.", ""]
     md += ["## Step-time breakdown", "", f"![breakdown]({plots['breakdown'].name})", "",
            _md_table(["setting", *[p[:-2] + " ms" for p in PHASES], "step ms"],
-                     [[setting_label(s), *[f"{s['phase_ms'][p]:.2f}" for p in PHASES],
-                       _fmt(s["step_ms"], digits=1)] for s in settings]), ""]
+                     [[setting_label(s), *[f"{s.phase_ms[p]:.2f}" for p in PHASES],
+                       _fmt(s.step_ms, digits=1)] for s in settings]), ""]
     if "scaling" in plots:
         md += ["## Scaling with workers", "", f"![scaling]({plots['scaling'].name})", "",
                _md_table(["setting", "workers", "samples/s", "efficiency"],
-                         [[setting_label(s), str(s["workers"]), _fmt(s["samples_per_s"]),
-                           f"{s['efficiency']:.2f}" if s["efficiency"] is not None else "-"]
+                         [[setting_label(s), str(s.workers), _fmt(s.samples_per_s),
+                           f"{s.efficiency:.2f}" if s.efficiency is not None else "-"]
                           for s in settings]), ""]
     if "intensity" in plots:
         md += _crossover_section("arithmetic intensity", plots["intensity"], found)
@@ -216,22 +214,22 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                   f"{len(check['winners'])} comparison(s)." if check["winners"] else ""), "",
                _md_table(["setting", "measured step ms", "predicted step ms", "error",
                           "predicted bound"],
-                         [[setting_label(s), _fmt(s["step_ms"], digits=1),
-                           f"{s['predicted_step_ms']:.1f}", f"{s['step_error']:+.0%}",
-                           s["predicted_bound"] or "-"]
-                          for s in settings if s.get("step_error") is not None]), ""]
+                         [[setting_label(s), _fmt(s.step_ms, digits=1),
+                           f"{s.predicted_step_ms:.1f}", f"{s.step_error:+.0%}",
+                           s.predicted_bound or "-"]
+                          for s in settings if s.step_error is not None]), ""]
         if check["winners"]:
             md += [_md_table(["measured fastest", "predicted fastest", "right"],
                              [[w["measured"], w["predicted"], "yes" if w["right"] else "no"]
                               for w in check["winners"]]), ""]
     if "costmodel" in plots:
-        errs = [s for s in settings if s["comm_error"] is not None]
+        errs = [s for s in settings if s.comm_error is not None]
         md += ["## Cost model vs measurement", "", f"![costmodel]({plots['costmodel'].name})",
                "", _md_table(["setting", "gradient MB", "measured comm ms", "predicted ms",
                               "relative error"],
-                             [[setting_label(s), f"{s['gradient_bytes'] / 1e6:.2f}",
-                               _fmt(s["comm_ms"], digits=2), f"{s['predicted_comm_ms']:.2f}",
-                               f"{s['comm_error']:+.0%}"] for s in errs]), ""]
+                             [[setting_label(s), f"{s.gradient_bytes / 1e6:.2f}",
+                               _fmt(s.comm_ms, digits=2), f"{s.predicted_comm_ms:.2f}",
+                               f"{s.comm_error:+.0%}"] for s in errs]), ""]
     if "accuracy" in plots:
         md += ["## Time to accuracy", "", f"![accuracy]({plots['accuracy'].name})", "",
                "Time to target = steps to target (statistical efficiency) x time per step "
@@ -240,28 +238,27 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                _md_table(["setting", "time to target s", "steps to target", "step ms",
                           "final accuracy", "runs reaching it"],
                          [[setting_label(s), _tta_text(s) if target is not None else "-",
-                           _fmt(s["tta_steps"]) if s["tta_steps"] else "-",
-                           _fmt(s["step_ms"], digits=1), _fmt(s["accuracy_final"], digits=3),
-                           f"{s['tta_reached']}/{s['repeats']}" if target is not None else "-"]
+                           _fmt(s.tta_steps) if s.tta_steps else "-",
+                           _fmt(s.step_ms, digits=1), _fmt(s.accuracy_final, digits=3),
+                           f"{s.tta_reached}/{s.repeats}" if target is not None else "-"]
                           for s in evaluated]), ""]
     md += ["## Training loss", "", f"![loss]({plots['loss'].name})", "",
            _md_table(["setting", "final loss"],
-                     [[setting_label(s), _fmt(s["loss_final"], digits=3, style="g")]
+                     [[setting_label(s), _fmt(s.loss_final, digits=3, style="g")]
                       for s in settings]), ""]
     if "staleness" in plots:
         md += ["## Staleness", "", f"![staleness]({plots['staleness'].name})", "",
                _md_table(["setting", "steps", "mean", "p50", "max"],
-                         [[setting_label(s), str(len(s["staleness"])),
-                           f"{st.fmean(s['staleness']):.2f}",
-                           f"{st.median(s['staleness']):.0f}", str(max(s["staleness"]))]
-                          for s in settings if s["staleness"]]), ""]
+                         [[setting_label(s), str(len(s.staleness)),
+                           f"{st.fmean(s.staleness):.2f}",
+                           f"{st.median(s.staleness):.0f}", str(max(s.staleness))]
+                          for s in settings if s.staleness]), ""]
     md += ["## Points", "", _md_table(["point", "run directory"],
                                       [[r["id"], f"`{r['run']}`"] for r in rows]), ""]
     path = sweep_dir / REPORT
     atomic_write_bytes(path, "\n".join(md).encode())
     atomic_write_bytes(sweep_dir / "report.json", json.dumps(
-        [{k: v for k, v in s.items() if k not in ("rows", "staleness", "has_evals")}
-         for s in settings], indent=2, default=str).encode())
+        [s.to_dict() for s in settings], indent=2, default=str).encode())
     return path, render_key_table(key_header, key_rows, spec.get("name", ""))
 
 
