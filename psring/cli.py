@@ -63,12 +63,10 @@ def _progress_printer(total: int):
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import render_table, summarize_all
+    from .report import render_table, summarize_all, write_report
     from .sweep import is_sweep_dir
 
     if len(args.dirs) == 1 and is_sweep_dir(args.dirs[0]) and not args.json:
-        from .report import write_report
-
         path, table = write_report(args.dirs[0])
         print(table)
         print(f"report: {path}")
@@ -104,8 +102,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import run_compare
-    from .sweep import format_summary
     from .report import write_report
+    from .sweep import format_summary
 
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
     print(format_summary(res), file=sys.stderr)
