@@ -21,21 +21,21 @@ from pathlib import Path
 
 
 def main(dirs: list[str]) -> int:
-    from psring.report.aggregate import prediction_check
+    from psring.report.aggregate import Setting, prediction_check
 
     rows, checks = [], {"emulated links": [], "loopback": []}
     for d in dirs:
-        settings = json.loads((Path(d) / "report.json").read_text())
+        settings = [Setting.from_dict(s)
+                    for s in json.loads((Path(d) / "report.json").read_text())]
         for where in checks:
             part = [s for s in settings
-                    if (s["cluster"] != "this machine") == (where == "emulated links")]
+                    if (s.cluster != "this machine") == (where == "emulated links")]
             checks[where].append(prediction_check(part))
         for s in settings:
-            if s.get("step_error") is None or s["strategy"] == "single":
+            if s.step_error is None or s.strategy == "single":
                 continue
-            rows.append((Path(d).name, s["label"] if s.get("label") else s["strategy"],
-                         s["cluster"], s["step_ms"]["median"], s["predicted_step_ms"],
-                         s["step_error"], s.get("predicted_bound") or "-"))
+            rows.append((Path(d).name, s.label or s.strategy, s.cluster, s.step_ms.median,
+                         s.predicted_step_ms, s.step_error, s.predicted_bound or "-"))
     for where, cs in checks.items():
         errs = [abs(r[5]) for r in rows if (r[2] != "this machine") == (where == "emulated links")]
         wins = [w for c in cs for w in c["winners"]]

@@ -110,6 +110,10 @@ class Setting:
     #: how the report names it (make_label); "" until the report sets it
     label: str = ""
 
+    #: the fields that are a Spread (in report.json: {median, min, max, n})
+    SPREADS = ("samples_per_s", "step_ms", "comm_ms", "loss_final", "accuracy_final",
+               "tta_s", "tta_steps")
+
     def to_dict(self) -> dict[str, Any]:
         """This setting in report.json: every field in order but the rows, staleness
         and has_evals; the id as "setting", a Spread as {median, min, max, n}."""
@@ -121,6 +125,17 @@ class Setting:
             out["setting" if f.name == "id" else f.name] = \
                 asdict(value) if isinstance(value, Spread) else value
         return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Setting:
+        """A setting as report.json holds it (:meth:`to_dict`), without its rows."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {("id" if k == "setting" else k): v for k, v in d.items()}
+        kwargs = {k: v for k, v in kwargs.items() if k in known}
+        for name in cls.SPREADS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = Spread(**kwargs[name])
+        return cls(**kwargs)
 
 
 def aggregate(rows: list[dict], cal: Calibration | None = None) -> list[Setting]:
