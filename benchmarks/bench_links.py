@@ -97,7 +97,7 @@ WORKLOAD = ["--model", "mlp", "--width", "512", "--depth", "2", "--batch-size", 
 
 def ps_run(out: Path, servers: int, placement: str, steps: int) -> float:
     """Median communication time per step (s) of one `psring run`, as reports show it."""
-    from psring.sweepreport import load_point
+    from psring.report.points import load_point
 
     proc = subprocess.run([sys.executable, "-m", "psring", "run", "--strategy", "ps",
                            "--workers", "4", "--hosts", "4", "--link", "100mbit",

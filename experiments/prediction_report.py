@@ -5,11 +5,11 @@
     python experiments/prediction_report.py runs/models runs/emulated_costmodel
 
 Reads each sweep's report.json (``psring report DIR`` writes it, with the simulator's
-replay of every run: psring.simulate.replay) and prints, for the runs on emulated links
-and for those on this machine's loopback separately: the median and largest absolute
-error of the predicted step time, and how often the predicted fastest strategy of a
-setting was the measured fastest (or within 5% of it). Then every point, as a Markdown
-table for docs/benchmarks.md.
+replay of every run: psring.predict.replay) and prints, for the runs on
+emulated links and for those on this machine's loopback separately: the median and
+largest absolute error of the predicted step time, and how often the predicted fastest
+strategy of a setting was the measured fastest (or within 5% of it). Then every point,
+as a Markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ from pathlib import Path
 
 
 def main(dirs: list[str]) -> int:
-    from psring.sweepreport import prediction_check
+    from psring.report.aggregate import Setting, prediction_check
 
     rows, checks = [], {"emulated links": [], "loopback": []}
     for d in dirs:
-        settings = json.loads((Path(d) / "report.json").read_text())
+        settings = [Setting.from_dict(s)
+                    for s in json.loads((Path(d) / "report.json").read_text())]
         for where in checks:
             part = [s for s in settings
-                    if (s["cluster"] != "this machine") == (where == "emulated links")]
+                    if (s.cluster != "this machine") == (where == "emulated links")]
             checks[where].append(prediction_check(part))
         for s in settings:
-            if s.get("step_error") is None or s["strategy"] == "single":
+            if s.step_error is None or s.strategy == "single":
                 continue
-            rows.append((Path(d).name, s["label"] if s.get("label") else s["strategy"],
-                         s["cluster"], s["step_ms"]["median"], s["predicted_step_ms"],
-                         s["step_error"], s.get("predicted_bound") or "-"))
+            rows.append((Path(d).name, s.label or s.strategy, s.cluster, s.step_ms.median,
+                         s.predicted_step_ms, s.step_error, s.predicted_bound or "-"))
     for where, cs in checks.items():
         errs = [abs(r[5]) for r in rows if (r[2] != "this machine") == (where == "emulated links")]
         wins = [w for c in cs for w in c["winners"]]

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import sys
 
-from psring.costmodel import Calibration
-from psring.profile import Profile
-from psring.simulate import Cluster, simulate
+from psring.predict.costmodel import Calibration
+from psring.predict.profile import Profile
+from psring.cluster import Cluster
+from psring.predict.simulate import simulate
 
 # -- the hardware, on paper ------------------------------------------------------------
 #: GPU clusters: NCCL over RDMA; per-message latency ~10 µs; inside a server PCIe/NVLink
@@ -77,7 +78,7 @@ def profile(sizes: list[int], per_gpu_img_s: float, batch: int, name: str) -> Pr
 def published() -> list[list[str]]:
     r50, r101 = resnet([3, 4, 6, 3]), resnet([3, 4, 23, 3])
     rows = []
-    horovod = Cluster(hosts=128, workers_per_host=4, link_bits=25e9)
+    horovod = Cluster.of(hosts=128, workers_per_host=4, link_bits=25e9)
     # Horovod's own single-GPU baselines at batch 64 (its README's table, PR #44):
     # Inception V3 134.4, ResNet-101 119.4, VGG-16 130.9 images/s. Inception V3's layers
     # are not built here: ResNet-50's, rescaled to its 23.9M parameters (Keras).
@@ -94,7 +95,7 @@ def published() -> list[list[str]]:
     # 32, p50 0.097 s on one GPU, 0.104 s on 8 (one machine) and 16 (two machines).
     prof = profile(r50, 32 / 0.097, 32, "ResNet-50")
     for gpus, hosts, measured in ((8, 1, 0.104), (16, 2, 0.104)):
-        cl = Cluster(hosts=hosts, workers_per_host=8, link_bits=400e9)
+        cl = Cluster.of(hosts=hosts, workers_per_host=8, link_bits=400e9)
         p = simulate(prof, cl, "ring", GPU, steps=3)
         rows.append([f"PyTorch DDP benchmark, ResNet-50 ({gpus} GPUs)",
                      f"{hosts} x 8 V100, 4 x 100 Gbit/s InfiniBand per machine",
@@ -111,11 +112,12 @@ def beyond() -> list[list[str]]:
         for rate in (10e9, 25e9, 100e9):
             cells = []
             for n in (8, 32, 128, 256):
-                ring = simulate(pr, Cluster(hosts=n // 4, workers_per_host=4, link_bits=rate),
+                ring = simulate(pr, Cluster.of(hosts=n // 4, workers_per_host=4,
+                                               link_bits=rate),
                                 "ring", GPU, steps=3)
                 k = n // 4  # a server host per worker host (BytePS)
-                ps = simulate(pr, Cluster(hosts=n // 4, workers_per_host=4, link_bits=rate,
-                                          servers=k, placement="own-hosts"), "ps", GPU,
+                ps = simulate(pr, Cluster.of(hosts=n // 4, workers_per_host=4, link_bits=rate,
+                                             servers=k, placement="own-hosts"), "ps", GPU,
                               steps=3)
                 cells.append(f"{ring.efficiency:.0%} / {ps.efficiency:.0%}")
             rows.append([name, f"{rate / 1e9:g} Gbit/s", *cells])

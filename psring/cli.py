@@ -25,7 +25,7 @@ import json
 import sys
 
 from . import forking
-from .errors import PsringError
+from .errors import run_guarded
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -65,12 +65,10 @@ def _progress_printer(total: int):
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import render_table, summarize_all
+    from .report import render_table, summarize_all, write_report
     from .sweep import is_sweep_dir
 
     if len(args.dirs) == 1 and is_sweep_dir(args.dirs[0]) and not args.json:
-        from .sweepreport import write_report
-
         path, table = write_report(args.dirs[0])
         print(table)
         print(f"report: {path}")
@@ -96,7 +94,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     res = run_sweep_with_progress(sweep, out)
     print(format_summary(res), file=sys.stderr)
     if args.report:
-        from .sweepreport import write_report
+        from .report import write_report
 
         path, table = write_report(out)
         print(table)
@@ -107,8 +105,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import run_compare
+    from .report import write_report
     from .sweep import format_summary
-    from .sweepreport import write_report
 
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
     print(format_summary(res), file=sys.stderr)
@@ -168,7 +166,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .profile import profile_config, take_profile
+    from .predict.profile import profile_config, take_profile
 
     flags = {k: v for k, v in vars(args).items()
              if k not in ("func", "argv", "command", "out") and v is not None}
@@ -224,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the report when the sweep is done (default: yes)")
     sw.set_defaults(func=_cmd_sweep)
 
-    from .calibrate import add_calibrate_parser
+    from .predict.calibrate import add_calibrate_parser
 
     add_calibrate_parser(sub)
 
@@ -267,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     md.set_defaults(func=_cmd_models)
 
     pr = sub.add_parser("profile", help="profile a model for the simulator: one short "
-                        "traced single run -> DIR/profile.json (psring.profile)")
+                        "traced single run -> DIR/profile.json (psring.predict.profile)")
     add_config_flags(pr, only=("model", "width", "depth", "classes", "image_size", "seq_len",
                                "features", "batch_size", "threads", "seed", "data",
                                "device"))
@@ -276,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default="", help="run directory (default runs/profile-<time>)")
     pr.set_defaults(func=_cmd_profile)
 
-    from .advise import add_advise_parser
+    from .predict.advise_cli import add_advise_parser
 
     add_advise_parser(sub)
 
@@ -290,14 +288,3 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # which flags were given (psring run --resume keeps the others)
     return run_guarded(args.func, args)
 
-
-def run_guarded(func, args: argparse.Namespace) -> int:
-    """Run a command: a PsringError is one paragraph and its exit status; Ctrl-C is 130."""
-    try:
-        return func(args)
-    except PsringError as e:
-        print(f"psring: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("psring: interrupted", file=sys.stderr)
-        return 130

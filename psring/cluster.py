@@ -32,9 +32,6 @@ from .errors import ConfigError
 NETWORK = ipaddress.ip_network("198.18.0.0/15")
 #: colocated: server k on worker host k mod hosts; own-hosts: each on a host of its own
 PLACEMENTS = ("colocated", "own-hosts")
-#: which α-β-γ formula predicts a strategy's communication (psring.costmodel); None:
-#: it communicates nothing (single) or shares memory (hogwild)
-COMM_MODELS = (None, "ring", "ps", "ps-async")
 #: a run's cluster settings as a config records them, for configs (manifests) written
 #: before a setting existed: every run then was on this machine
 DEFAULTS: Mapping[str, Any] = {"workers": 1, "hosts": 1, "workers_per_host": 0, "link": "",
@@ -211,6 +208,26 @@ class Cluster:
         return cls(workers=v["workers"], hosts=v["hosts"],
                    workers_per_host=v["workers_per_host"], link=v["link"], delay=v["delay"],
                    servers=servers, placement=placement, local_address=v["master_addr"])
+
+    @classmethod
+    def of(cls, hosts: int = 1, workers_per_host: int = 1, link_bits: float | None = None,
+           delay_s: float = 0.0, servers: int = 1, placement: str = "colocated") -> "Cluster":
+        """A cluster in numbers, for prediction (the simulator, ``psring advise``): hosts
+        of ``workers_per_host`` workers each, links of ``link_bits``/s (None: unshaped)."""
+        if isinstance(workers_per_host, bool) or not isinstance(workers_per_host, int) \
+                or workers_per_host < 1:
+            raise ConfigError(f"workers per host must be a whole number >= 1 (got "
+                              f"{workers_per_host!r}).")
+        if link_bits is not None and not link_bits > 0:
+            raise ConfigError(f"a link's rate must be positive (got {link_bits!r} bit/s).")
+        if not delay_s >= 0:
+            raise ConfigError(f"a link's delay must be >= 0 (got {delay_s!r} s).")
+        multi = hosts > 1 or (placement == "own-hosts" and servers > 0)
+        return cls(workers=hosts * workers_per_host, hosts=hosts,
+                   workers_per_host=workers_per_host if hosts > 1 else 0,
+                   link=format_rate(link_bits) if link_bits and multi else "",
+                   delay=f"{delay_s * 1e6:g}us" if delay_s and multi else "",
+                   servers=servers, placement=placement)
 
     @classmethod
     def bare(cls, hosts: int, link: str = "", delay: str = "") -> "Cluster":

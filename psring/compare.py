@@ -6,8 +6,8 @@ Runs ``experiments/compare.toml`` (every registered strategy on one MLP, ``singl
 with 1 worker, the others with N), one point after another so runs don't compete for
 the cores, with a progress bar; then writes the sweep report (report.md and plots)
 into DIR and prints its key table. The cost model's predictions need a calibration:
-if none is found (``psring calibrate``; see psring.costmodel), a quick one is measured
-first and kept in DIR. Rerunning with the same ``--out`` resumes.
+if none is found (``psring calibrate``; see psring.predict.costmodel), a quick one is
+measured first and kept in DIR. Rerunning with the same ``--out`` resumes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import os
 import time
 from pathlib import Path
 
+from .predict.calibrate import calibrate
+from .predict.costmodel import find_calibration
+from .strategies import STRATEGIES
 from .sweep import Sweep, SweepResult, run_sweep_with_progress
 
 #: the definition compare runs (shipped beside the package's source in experiments/)
@@ -25,8 +28,6 @@ SPEC = Path(__file__).resolve().parent.parent / "experiments" / "compare.toml"
 def default_sweep(workers: int = 2, repeats: int | None = None) -> Sweep:
     """compare.toml, or the same definition inline when psring is installed without
     its experiments/ directory; every registered strategy (plugins included)."""
-    from .strategies import STRATEGIES
-
     if SPEC.exists():
         sweep = Sweep.load(SPEC)
     else:
@@ -41,13 +42,9 @@ def default_sweep(workers: int = 2, repeats: int | None = None) -> Sweep:
 
 def run_compare(out: str | None = None, workers: int = 2,
                 repeats: int | None = None) -> tuple[Path, SweepResult]:
-    from .costmodel import find_calibration
-
     root = Path(out or os.path.join("runs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}"))
     root.mkdir(parents=True, exist_ok=True)
     if find_calibration(root) is None:
-        from .calibrate import calibrate
-
         print("psring: no cost-model calibration found (psring calibrate); measuring a "
               "quick one first", flush=True)
         calibrate(quick=True).save(root / "calibration.json")

@@ -399,6 +399,17 @@ def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def cluster_of(cfg: Any) -> Cluster:
+    """The cluster of a RunConfig, or of a run's config as its manifest stores it (a
+    dict, perhaps from before a cluster setting existed: psring.cluster.DEFAULTS)."""
+    if isinstance(cfg, RunConfig):
+        return cfg.cluster
+    # the registry imports torch; see RunConfig.__post_init__
+    from .strategies import STRATEGIES
+
+    return Cluster.from_config(cfg, STRATEGIES.get(cfg.get("strategy", "single")).uses_servers)
+
+
 def check_global_batch(batch_size: int, workers: int) -> None:
     """--batch-size is the global batch: a positive multiple of the workers, so each
     gets an equal slice; else a ConfigError that suggests the next one."""

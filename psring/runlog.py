@@ -109,6 +109,12 @@ def read_steps(run_dir: Path, name: str = STEPS) -> list[dict]:
     return out
 
 
+def warmup_steps(steps: int) -> int:
+    """How many first steps of a ``steps``-step run readers leave out of its figures:
+    warm-up (allocator, connection set-up). Reports and profiles read runs alike."""
+    return 0 if steps < 5 else max(1, steps // 10)
+
+
 def read_evals(run_dir: Path) -> list[dict]:
     """evals.jsonl by step; a resumed run may have evaluated a step twice (before the
     crash and after the resume): the later record counts."""

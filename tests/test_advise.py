@@ -6,8 +6,8 @@ import json
 import pytest
 
 from conftest import assert_no_processes, psring
-from psring.costmodel import Calibration
-from psring.profile import Profile
+from psring.predict.costmodel import Calibration
+from psring.predict.profile import Profile
 from psring.strategies.buckets import GradientBuckets, bucket_caps
 
 KB = 1024

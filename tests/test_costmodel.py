@@ -1,5 +1,5 @@
 """The α-β-γ cost model: formulas against hand-worked numbers, the crossover, the
-calibration file, and `python -m psring.calibrate --quick` end to end."""
+calibration file, and `python -m psring.predict.calibrate --quick` end to end."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from psring import costmodel as cm
-from psring.calibrate import fit, main as calibrate_main, run_pair
-from psring.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.errors import ConfigError, PsringError
+from psring.predict import costmodel as cm
+from psring.predict.calibrate import fit, main as calibrate_main, run_pair
+from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.strategies import STRATEGIES
 
 from conftest import assert_no_processes
@@ -92,7 +92,7 @@ def test_strategies_name_their_model():
     for name, model in expect.items():
         assert STRATEGIES.get(name).comm_model == model, name
     for name in STRATEGIES.names():
-        assert STRATEGIES.get(name).comm_model in (None, *cm.COMM_MODELS), name
+        assert STRATEGIES.get(name).comm_model in cm.COMM_MODELS, name
 
 
 def test_crossover_by_hand():
@@ -280,8 +280,8 @@ def test_calibrate_quick_end_to_end(tmp_path):
     out = tmp_path / "cal.json"
     # its own session: every process it starts is found by session id afterwards
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "psring.calibrate", "--quick", "--out",
-                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "psring.predict.calibrate", "--quick",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=60)
@@ -347,37 +347,39 @@ def test_links_cost_their_rate_unless_calibrated():
 
 
 def test_predictions_on_an_emulated_cluster_by_hand():
-    from psring.cluster import payload_beta
+    from psring.cluster import Cluster, payload_beta
 
     c = cal()
     bl = payload_beta(1e8)  # 100 Mbit/s
     # ring across 2 hosts: the ring formula at the link's α and β
-    topo = cm.Topology((0, 1), (), 1e8)
+    topo = Cluster(workers=2, hosts=2, link="100mbit")
     assert predict_comm("ring", 2, 1, M, c, topo) == cm.ring_allreduce(2, M, 1e-4, bl, 2e-10)
     # the same ring on one host: loopback
-    assert predict_comm("ring", 2, 1, M, c, cm.Topology((0, 0), (), 1e8)) == \
+    assert predict_comm("ring", 2, 1, M, c, Cluster(workers=2)) == \
         cm.ring_allreduce(2, M, 1e-4, 1e-9, 2e-10)
     # ps, 4 workers on 4 hosts, 2 servers of their own: push then pull, 2M each over a
     # server's link: 2α + 2·(2·M·β_link) + 3·M·γ/2
-    topo = cm.Topology((0, 1, 2, 3), (4, 5), 1e8)
+    topo = Cluster(workers=4, hosts=4, servers=2, placement="own-hosts", link="100mbit")
     expect = 2 * 1e-5 + 2 * (2 * M * bl) + 3 * M * 2e-10 / 2
     assert math.isclose(predict_comm("ps", 4, 2, M, c, topo), expect, rel_tol=1e-12)
     # K = 2 on own hosts moves half of K = 1's link time
-    one = cm.Topology((0, 1, 2, 3), (4,), 1e8)
+    one = topo.replace(servers=1)
     t1 = predict_comm("ps", 4, 1, M, c, one) - 2e-5 - 3 * M * 2e-10
     t2 = predict_comm("ps", 4, 2, M, c, topo) - 2e-5 - 3 * M * 2e-10 / 2
     assert math.isclose(t2 / t1, 0.5, rel_tol=1e-12)
     # one host: the one-host formula, whatever the link
-    assert predict_comm("ps", 2, 1, M, c, cm.Topology((0, 0), (0,), 1e8)) == \
+    assert predict_comm("ps", 2, 1, M, c, Cluster(workers=2, servers=1)) == \
         cm.ps_sync(2, M, 1, 1e-5, 1e-9, 2e-10)
 
 
-def test_topology_from_a_run_config():
-    from psring.config import RunConfig
+def test_the_cluster_of_a_run_config():
+    from psring.config import RunConfig, cluster_of
 
-    topo = cm.Topology.for_config(RunConfig(strategy="ps", workers=4, hosts=4, servers=2,
-                                            server_placement="own-hosts", link="1gbit"))
-    assert topo == cm.Topology((0, 1, 2, 3), (4, 5), 1e9, 0.0)
-    # a manifest's config from before emulated clusters: one host
-    old = {"strategy": "allreduce", "workers": 2, "servers": 1}
-    assert cm.Topology.for_config(old) == cm.Topology((0, 0), (), None, 0.0)
+    topo = cluster_of(RunConfig(strategy="ps", workers=4, hosts=4, servers=2,
+                                server_placement="own-hosts", link="1gbit"))
+    assert (topo.worker_host, topo.server_host, topo.link_bits, topo.delay_s) == \
+        ((0, 1, 2, 3), (4, 5), 1e9, 0.0)
+    # a manifest's config from before emulated clusters: one host, no servers for allreduce
+    old = cluster_of({"strategy": "allreduce", "workers": 2, "servers": 1})
+    assert (old.worker_host, old.server_host, old.link_bits, old.multi_host) == \
+        ((0, 0), (), None, False)

@@ -323,11 +323,11 @@ def comm_times(run_dir: Path, worker: int) -> list[float]:
     """A worker's communication time per step after the first two, as the report shows
     it (blocked time plus bucket time hidden under backward, less waiting for a slower
     peer)."""
-    from psring.sweepreport import _comm_time, _peer_waits
+    from psring.report.points import comm_time, peer_waits
 
     records = read_steps(run_dir)
-    waits = _peer_waits(records)
-    return [_comm_time(r, waits.get((r["worker"], r["step"]), 0.0))
+    waits = peer_waits(records)
+    return [comm_time(r, waits.get((r["worker"], r["step"]), 0.0))
             for r in records if r["step"] >= 2 and r["worker"] == worker]
 
 
@@ -472,7 +472,7 @@ def test_a_cut_link_fails_the_run_within_the_timeout_naming_the_host(tmp_path, s
 # -- calibration across a link, and where reports say points ran --------------------------
 
 def test_reports_say_where_a_point_ran():
-    from psring.sweepreport import cluster_text
+    from psring.report.cluster import cluster_text
 
     assert cluster_text({"strategy": "allreduce", "workers": 2}) == "this machine"
     assert cluster_text({"strategy": "allreduce", "workers": 2, "hosts": 2,
@@ -491,7 +491,7 @@ def test_calibrate_measures_alpha_and_beta_across_an_emulated_link(tmp_path):
     # tests/test_costmodel.py's business)
     loopback = dict(zmq_alpha=2e-5, zmq_beta=3e-10, dist_alpha=3e-5, dist_beta=3e-10,
                     gamma=1e-10)
-    from psring.costmodel import Calibration
+    from psring.predict.costmodel import Calibration
 
     Calibration(**loopback).save(out)
     proc = psring("calibrate", "--hosts", "2", "--link", "200mbit", "--quick", "--out", out,

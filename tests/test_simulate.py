@@ -1,4 +1,4 @@
-"""The step-time simulator (psring.simulate) against timelines worked out by hand.
+"""The step-time simulator (psring.predict.simulate) against timelines worked out by hand.
 
 Every case uses round numbers: α = 1 ms, β = 1 ns/byte (1 GB/s) on loopback, 2 ms and
 8 ns/byte between hosts, γ = 0.1 ns/byte; the model's compute is forward 10 ms,
@@ -9,9 +9,11 @@ import dataclasses
 
 import pytest
 
-from psring.costmodel import Calibration, ring_allreduce
-from psring.profile import Profile
-from psring.simulate import Cluster, ring_steps, simulate
+from psring.predict.costmodel import Calibration, ring_allreduce
+from psring.predict.profile import Profile
+from psring.cluster import Cluster
+from psring.errors import ConfigError
+from psring.predict.simulate import ring_steps, simulate
 
 A, BETA, GAMMA = 1e-3, 1e-9, 1e-10
 A_LINK, B_LINK = 2e-3, 8e-9
@@ -34,7 +36,7 @@ def test_one_bucket_on_one_link():
     # cross the link. Reduce-scatter step: α + (M/2)β + (M/2)γ; all-gather step:
     # α + (M/2)β. T = 2·2 ms + 1e6·8e-9 s + 0.5e6·1e-10 s = 4 + 8 + 0.05 ms = 12.05 ms.
     M = 1_000_000
-    p = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9), "ring", CAL)
+    p = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", CAL)
     T = 2 * A_LINK + M * B_LINK + M / 2 * GAMMA
     assert T == pytest.approx(0.01205)
     assert p.step_s == pytest.approx(F + B + T + U)
@@ -50,15 +52,13 @@ def test_two_buckets_overlap_backward():
     # 2α + Mβ + Mγ/2 = 3.101 ms) ends at 18.1 ms, under backward; the other is ready when
     # backward ends (30 ms) and ends at 33.1 ms. Only the second is waited for.
     T = 2 * A + MiB * BETA + MiB / 2 * GAMMA
-    p = simulate(profile([MiB, MiB], [B, 0.005]),
-                 Cluster(hosts=1, workers_per_host=2, bucket_mb=1.0), "ring", CAL)
+    p = simulate(profile([MiB, MiB], [B, 0.005]), Cluster.of(hosts=1, workers_per_host=2), "ring", CAL, bucket_mb=1.0)
     assert p.buckets == [pytest.approx((0.015, 0.015 + T)), pytest.approx((0.030, 0.030 + T))]
     assert p.step_s == pytest.approx(F + B + T + U)
     assert p.phases["comm_s"] == pytest.approx(T)
     # ready 1 ms before backward ends instead: the first all-reduce is still running
     # when the second is launched, which queues behind it
-    p = simulate(profile([MiB, MiB], [B, B - 0.001]),
-                 Cluster(hosts=1, workers_per_host=2, bucket_mb=1.0), "ring", CAL)
+    p = simulate(profile([MiB, MiB], [B, B - 0.001]), Cluster.of(hosts=1, workers_per_host=2), "ring", CAL, bucket_mb=1.0)
     first_done = F + B - 0.001 + T
     assert p.buckets[1] == pytest.approx((F + B, first_done + T))
     assert p.step_s == pytest.approx(first_done + T + U)
@@ -75,7 +75,7 @@ def test_ring_at_n_workers_is_its_2n_minus_2_steps(n):
     T = 2 * (n - 1) * A + 2 * (n - 1) / n * M * BETA + (n - 1) / n * M * GAMMA
     assert sum(steps) == pytest.approx(T)
     assert sum(steps) == pytest.approx(ring_allreduce(n, M, A, BETA, GAMMA))
-    p = simulate(profile([M], [B]), Cluster(hosts=1, workers_per_host=n), "ring", CAL)
+    p = simulate(profile([M], [B]), Cluster.of(hosts=1, workers_per_host=n), "ring", CAL)
     assert p.step_s == pytest.approx(F + B + T + U)
     assert p.samples_per_s == pytest.approx(n * 8 / (F + B + T + U))
 
@@ -95,8 +95,7 @@ def test_ring_at_n_workers_is_its_2n_minus_2_steps(n):
 ])
 def test_a_ps_round_with_k_shards(K, expected):
     M = 8_000_000
-    p = simulate(profile([M], [B]), Cluster(hosts=1, workers_per_host=1, servers=K),
-                 "ps", CAL)
+    p = simulate(profile([M], [B]), Cluster.of(hosts=1, workers_per_host=1, servers=K), "ps", CAL)
     assert p.step_s == pytest.approx(expected)
     assert p.starts[1] == pytest.approx(expected)
     assert p.phases["update_s"] == 0  # the server applied it
@@ -107,7 +106,7 @@ def test_an_async_step_does_not_wait_for_the_other_worker():
     # Two workers, one server, 8e6 bytes. Both push at 30 ms; the server's transport takes
     # worker 0's push first (arrives 39 ms), then worker 1's (arrives 47 ms).
     M = 8_000_000
-    cl = Cluster(hosts=1, workers_per_host=2, servers=1)
+    cl = Cluster.of(hosts=1, workers_per_host=2, servers=1)
     # ps (sync): the server applies once both are in: adds at 39-39.8 and 47-47.8 ms,
     # update 4 ms -> 51.8 ms; it answers both held pulls together, sharing its transport
     # (16e6 bytes: 51.8-67.8 ms): both arrive at 68.8 ms.
@@ -123,11 +122,11 @@ def test_an_async_step_does_not_wait_for_the_other_worker():
 
 def test_no_messages_and_shared_cores():
     prof = profile([MiB], [B])
-    p = simulate(prof, Cluster(hosts=1, workers_per_host=1), None, CAL)
+    p = simulate(prof, Cluster.of(hosts=1, workers_per_host=1), None, CAL)
     assert p.step_s == pytest.approx(F + B + U)
     assert p.bound == "compute" and p.efficiency == 1.0
     # four one-thread workers emulated on two cores compute at half speed
-    p = simulate(prof, Cluster(hosts=1, workers_per_host=4, cores=2), None, CAL)
+    p = simulate(prof, Cluster.of(hosts=1, workers_per_host=4), None, CAL, cores=2)
     assert p.step_s == pytest.approx(2 * (F + B + U))
 
 
@@ -137,23 +136,21 @@ def test_shared_cores_cap_a_step_at_its_cpu_work():
     # Per worker: compute (F + B, no local update) + 4 messages (push, ack, pull,
     # parameters) x α + 2 KB x β; the server: 8 adds + one update of 1 KB.
     M = 1024
-    cl = Cluster(hosts=1, workers_per_host=8, cores=2)
-    p = simulate(profile([M], [B], update=1e-6), cl, "ps", CAL)
+    cl = Cluster.of(hosts=1, workers_per_host=8)
+    p = simulate(profile([M], [B], update=1e-6), cl, "ps", CAL, cores=2)
     apply = max(1e-6 / M, 2 * GAMMA)
     work = 8 * (F + B + 4 * A + 2 * M * BETA) + 8 * M * GAMMA + M * apply
     assert p.step_s == pytest.approx(work / 2)
     assert p.bound == "cores (shared)"
     # the same cluster with a core per worker: no floor, the timeline's step
-    free = simulate(profile([M], [B], update=1e-6),
-                    Cluster(hosts=1, workers_per_host=8), "ps", CAL)
+    free = simulate(profile([M], [B], update=1e-6), Cluster.of(hosts=1, workers_per_host=8), "ps", CAL)
     assert free.step_s < p.step_s and free.bound != "cores (shared)"
 
 
 def test_compression_halves_the_bytes_on_the_link():
     M = 1_000_000
-    full = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9), "ring", CAL)
-    half = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9, compress="fp16"),
-                    "ring", CAL)
+    full = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", CAL)
+    half = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", CAL, compress="fp16")
     # T = 2α + (M/2)·β_link + (M/4)·2γ (the same adds, on half the bytes' worth of
     # elements) + 2·M·cast (to 16 bits before, back after; a calibration without a cast
     # figure takes γ per byte, one pass over them)
@@ -162,8 +159,7 @@ def test_compression_halves_the_bytes_on_the_link():
     assert half.step_s < full.step_s
     # a measured cast cost replaces the estimate
     slow = dataclasses.replace(CAL, cast=1e-8)
-    p = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9, compress="fp16"),
-                 "ring", slow)
+    p = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", slow, compress="fp16")
     assert p.phases["comm_s"] == pytest.approx(
         2 * A_LINK + M / 2 * B_LINK + M / 2 * GAMMA + 2 * M * 1e-8)
     assert p.step_s > full.step_s  # a cast that slow does not pay
@@ -171,7 +167,7 @@ def test_compression_halves_the_bytes_on_the_link():
 
 def test_the_busiest_link_bounds_a_ps_on_a_slow_link():
     M = 8_000_000
-    p = simulate(profile([M], [B]), Cluster(hosts=2, link_bits=1e9, servers=1), "ps", CAL)
+    p = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9, servers=1), "ps", CAL)
     # worker 1's push and pull cross host 1's link: 8e6·8 ns = 64 ms each way
     assert p.bound in ("host 1 link out", "host 1 link in", "host 0 link out",
                        "host 0 link in")
@@ -179,23 +175,27 @@ def test_the_busiest_link_bounds_a_ps_on_a_slow_link():
 
 
 @pytest.mark.parametrize("bad", [dict(hosts=0), dict(placement="elsewhere"),
-                                 dict(compress="zip"), dict(bucket_mb=0),
-                                 dict(link_bits=-1.0)])
+                                 dict(link_bits=-1.0), dict(workers_per_host=0)])
 def test_a_bad_cluster_is_refused(bad):
+    with pytest.raises(ConfigError):
+        Cluster.of(**bad)
+
+
+@pytest.mark.parametrize("bad", [dict(compress="zip"), dict(bucket_mb=0), dict(cores=0)])
+def test_bad_run_settings_are_refused(bad):
     with pytest.raises(ValueError):
-        Cluster(**bad)
+        simulate(profile([4], [B]), Cluster.of(), "ring", CAL, **bad)
 
 
 @pytest.mark.parametrize("mode", ["ps", "ps-async"])
 def test_more_servers_than_elements_and_odd_sizes_still_play_out(mode):
     # one float32 element and two servers: the second holds nothing, as the strategy's
     # would; buckets whose bytes are not whole elements; a model with no gradient bytes
-    one = simulate(profile([4], [B]), Cluster(hosts=2, link_bits=1e9, servers=2), mode, CAL)
+    one = simulate(profile([4], [B]), Cluster.of(hosts=2, link_bits=1e9, servers=2), mode, CAL)
     assert one.step_s > F + B
-    odd = simulate(profile([MiB + 2, MiB + 2], [B, 0.005]),
-                   Cluster(hosts=2, link_bits=1e9, servers=3, bucket_mb=1.0), mode, CAL)
+    odd = simulate(profile([MiB + 2, MiB + 2], [B, 0.005]), Cluster.of(hosts=2, link_bits=1e9, servers=3), mode, CAL, bucket_mb=1.0)
     assert odd.step_s > F + B
-    empty = simulate(profile([0], [B]), Cluster(hosts=2, link_bits=1e9), mode, CAL)
+    empty = simulate(profile([0], [B]), Cluster.of(hosts=2, link_bits=1e9), mode, CAL)
     assert empty.step_s == pytest.approx(F + B + U)
 
 
@@ -206,12 +206,12 @@ def test_a_profile_with_non_finite_times_is_refused():
         Profile(param_bytes=[4], ready_s=[0.0], forward_s=float("inf"), backward_s=B,
                 update_s=U)
     with pytest.raises(ValueError):
-        simulate(profile([4], [B]), Cluster(), "ring", CAL, steps=1)
+        simulate(profile([4], [B]), Cluster.of(), "ring", CAL, steps=1)
 
 
 def test_the_simulators_wire_fractions_are_psring_compress_s():
     from psring.compress import CHOICES, wire_bytes
-    from psring.simulate import WIRE
+    from psring.predict.simulate import WIRE
 
     assert set(WIRE) == set(CHOICES)
     for choice in CHOICES:

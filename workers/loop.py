@@ -140,7 +140,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
     # When each parameter's gradient became final (one hook per parameter): the last
     # one marks the end of backward's compute for a strategy that waits for
     # communication inside backward(); with --trace all of them are logged, for
-    # psring.profile (the simulator rebuckets a profile at any bucket size).
+    # psring.predict.profile (the simulator rebuckets a profile at any bucket size).
     last_grad = [0.0]
     grad_ready: list[float] | None = None
     if strategy.syncs_inside_backward or cfg.trace:

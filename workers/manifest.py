@@ -37,7 +37,7 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
         "parameter_bytes": pbytes,
         # each trainable parameter's gradient bytes, in model.parameters() order: what
-        # psring.profile rebuckets at any bucket size
+        # psring.predict.profile rebuckets at any bucket size
         "parameter_sizes": [p.numel() * p.element_size() for p in model.parameters()
                             if p.requires_grad],
         "wire_bytes": wire,

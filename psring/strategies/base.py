@@ -122,7 +122,7 @@ class Strategy:
     #: gradient communication is waited on inside backward() (DDP's reducer does this);
     #: the loop then splits backward at the last gradient hook so comm_s stays honest
     syncs_inside_backward: ClassVar[bool] = False
-    #: which α-β-γ formula predicts its communication (psring.costmodel): "ring",
+    #: which α-β-γ formula predicts its communication (psring.predict.costmodel): "ring",
     #: "ps" or "ps-async"; None when it sends no messages (one process, shared memory)
     comm_model: ClassVar[str | None] = None
     #: what a worker blocked in communication waits for (named when --timeout expires)

@@ -1,7 +1,8 @@
-"""A model's profile: what the step-time simulator (psring.simulate) needs to know of it.
+"""A model's profile: what the step-time simulator (psring.predict.simulate) needs to
+know of it.
 
     psring profile --model resnet18 --batch-size 32 --out runs/prof-r18   # one short run
-    python -c "from psring.profile import Profile; print(Profile.load('runs/prof-r18'))"
+    python -c "from psring.predict.profile import Profile; print(Profile.load('runs/prof-r18'))"
 
 A profile is taken from one short ``single`` run with ``--trace``: the loop then stamps
 the moment each parameter's gradient becomes final in backward (``grad_ready_s``), and
@@ -31,9 +32,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .partition import bucket_assignment, bucket_caps
-from .runlog import atomic_write_json, read_manifest, read_steps
+from ..errors import ConfigError
+from ..partition import bucket_assignment, bucket_caps
+from ..runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
+
+# psring.config and launch are imported by the two functions that take a profile:
+# reading and using one (the simulator, advise, replay) needs neither.
 
 PROFILE_FILE = "profile.json"
 #: bumped when the file's meaning changes; load() refuses other formats
@@ -113,8 +117,6 @@ class Profile:
         ``worker=None``: each step's slowest worker (the most compute), the one a
         synchronous step waits for; on shared cores the workers' compute jitters, and
         the step follows the maximum, not the median."""
-        from .report import warmup_steps
-
         run_dir = Path(run_dir)
         try:
             manifest = read_manifest(run_dir)
@@ -263,7 +265,7 @@ def _ready_from_buckets(records: list[dict], sizes: list[int], bucket_mb: float,
 
 def profile_config(**run_flags: Any):
     """The RunConfig of a profiling run: ``single``, traced, 8 steps unless told."""
-    from .config import RunConfig
+    from ..config import RunConfig
 
     values = {"steps": 8, **run_flags}
     values.update(strategy="single", workers=1, trace=True, hosts=1)
@@ -274,7 +276,7 @@ def profile_config(**run_flags: Any):
 def take_profile(cfg) -> Profile:
     """Run ``cfg`` (see :func:`profile_config`), then read and save its profile in the
     run directory."""
-    from .launch import launch
+    from ..launch import launch
 
     run_dir = launch(cfg)
     prof = Profile.from_run(run_dir)

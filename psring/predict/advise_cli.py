@@ -1,11 +1,12 @@
 """``psring advise``: which strategy, bucket size and servers for this model on that
-cluster, and why — predicted by the simulator (psring.simulate), optionally verified.
+cluster, and why — predicted by the simulator (psring.predict.simulate), optionally
+verified.
 
     psring advise --model resnet18 --batch-size 64 --hosts 4 --workers-per-host 1 --link 10gbit
     psring advise --model vgg11 --width 8 --hosts 2 --link 1gbit --verify
     psring advise --profile runs/prof-r18 --hosts 16 --link 25gbit     (a saved profile)
 
-Without ``--profile`` it first profiles the model (psring.profile: one short traced
+Without ``--profile`` it first profiles the model (psring.predict.profile: one short traced
 ``single`` run at the per-worker batch, a few seconds). Then, for every registered
 strategy that can run on the cluster, it simulates each of its settings — bucket size
 (1, 5, 25, 100 MB), parameter servers K (1, 2, 4, 8, up to twice the hosts) placed with
@@ -14,6 +15,9 @@ it — and ranks the strategies by their best predicted step time, each with the
 sentence that says what bounds it. It prints the table, writes ``advise.png`` and
 ``advise.json`` into ``--out``, and recommends a bucket size, the servers and whether
 compression pays.
+
+This module is the command: its flags, the profile and calibration it needs, the
+printing, and ``--verify``; the ranking itself is psring.predict.advise.
 
 ``--verify`` runs the winner, the runner-up and the best of the other family (ring vs
 parameter server) on this machine as the cluster's emulation (psring.emulate: one
@@ -28,244 +32,35 @@ is the emulation's. Clusters larger than this machine can hold are refused for
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .profile import MODEL_KEYS, Profile
-from .simulate import Cluster, Prediction, simulate
+from ..cluster import Cluster, parse_delay, parse_rate
+from ..errors import ConfigError
+from ..runlog import atomic_write_json
+from .advise import (HEADER, Candidate, candidates, plot, rank, recommendations, table,
+                     verify_candidates)
+from .costmodel import Calibration, find_calibration
+from .profile import MODEL_KEYS, Profile, profile_config, take_profile
 
-BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
+# Imported inside the functions that use them, as before this command had a module of
+# its own: psring.models, the strategy registry, calibrate and the run report (each
+# imports torch, which building this command's parser does not need), and
+# psring.config, emulate and launch (whose own import cycle is being untangled).
+
 #: the most worker and server processes --verify starts on this machine
 VERIFY_MAX_PROCESSES = 12
 
 
-@dataclass
-class Candidate:
-    strategy: str
-    prediction: Prediction
-
-    @property
-    def cluster(self) -> Cluster:
-        return self.prediction.cluster
-
-    def setting(self, uses_servers: bool, compresses: bool) -> str:
-        c = self.cluster
-        parts = [f"bucket {c.bucket_mb:g} MB"]
-        if uses_servers:
-            where = "on own hosts" if c.placement == "own-hosts" else "colocated"
-            parts.append(f"{c.servers} server{'s' if c.servers > 1 else ''} {where}")
-        if compresses and c.compress != "none":
-            parts.append(c.compress)
-        return ", ".join(parts)
-
-    def run_flags(self) -> dict[str, Any]:
-        c = self.cluster
-        return {"strategy": self.strategy, "bucket_mb": c.bucket_mb, "servers": c.servers,
-                "server_placement": c.placement, "compress": c.compress}
-
-
-def _strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
-    from .strategies import STRATEGIES
-
-    out = {}
-    for name in STRATEGIES:
-        cls = STRATEGIES.get(name)
-        if cls.max_workers is not None and workers > cls.max_workers:
-            continue
-        if cls.max_hosts is not None and hosts > cls.max_hosts:
-            continue
-        out[name] = cls
-    return out
-
-
-def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any],
-               max_servers: int = 8) -> list[Candidate]:
-    """Every setting of every strategy the cluster can run, simulated: servers up to
-    ``max_servers`` (and twice the hosts)."""
-    out = []
-    seen_buckets: list[float] = []
-    for mb in BUCKET_MB:  # bucket sizes that bucket this model differently
-        if not any(profile.buckets(mb) == profile.buckets(m) for m in seen_buckets):
-            seen_buckets.append(mb)
-    max_k = max(1, min(max_servers, 2 * base.hosts))
-    for name, cls in classes.items():
-        if cls.comm_model is None:
-            out.append(Candidate(name, simulate(profile, base, None, cal)))
-            continue
-        servers = [k for k in (1, 2, 4, 8) if k <= max_k] if cls.uses_servers else [1]
-        placements = ["colocated", "own-hosts"] if cls.uses_servers and base.link_bits \
-            else ["colocated"]
-        compress = ["none", "fp16"] if cls.supports_compression else ["none"]
-        for mb in seen_buckets:
-            for k in servers:
-                for place in placements:
-                    for comp in compress:
-                        cl = dataclasses.replace(base, bucket_mb=mb, servers=k,
-                                                 placement=place, compress=comp)
-                        out.append(Candidate(name, simulate(profile, cl, cls.comm_model, cal)))
-    return out
-
-
-#: how much faster an asynchronous or compressed setting must be predicted to rank
-#: ahead: both cost accuracy (staleness, rounding) that the simulator does not price
-HANDICAP = 1.02
-
-
-def preference(c: Candidate) -> float:
-    """The predicted step, handicapped for what it costs in accuracy, and by 0.5% per
-    server beyond the first (processes, and machines, that must pay for themselves)."""
-    k = HANDICAP if c.prediction.comm_model == "ps-async" else 1.0
-    k *= HANDICAP if c.cluster.compress != "none" else 1.0
-    if c.prediction.comm_model in ("ps", "ps-async"):
-        k *= 1 + 0.005 * (c.cluster.servers - 1)
-    return c.prediction.step_s * k
-
-
-def rank(cands: list[Candidate]) -> list[Candidate]:
-    """The best setting of each strategy, best first (:func:`preference`)."""
-    best: dict[str, Candidate] = {}
-    for c in cands:
-        if c.strategy not in best or preference(c) < preference(best[c.strategy]):
-            best[c.strategy] = c
-    return sorted(best.values(), key=preference)
-
-
-def why(c: Candidate, cls: Any) -> str:
-    """One sentence: what bounds this strategy's step on this cluster, in numbers."""
-    from .costmodel import ps_link_load
-
-    p, cl = c.prediction, c.cluster
-    n = cl.workers
-    M = p.gradient_bytes * (0.5 if cl.compress != "none" else 1.0)
-    mb = lambda b: f"{b / 1e6:.3g} MB"  # noqa: E731
-    comm = f"{p.phases['comm_s'] * 1e3:.1f} ms of communication exposed"
-    if cls.comm_model is None:
-        return (f"no messages: the step is compute ({p.step_s * 1e3:.1f} ms); "
-                + ("workers share one memory" if n > 1 else "one worker"))
-    if p.bound == "compute":
-        return f"compute-bound: communication hides under backward ({comm})"
-    if p.bound == "latency":
-        return (f"latency-bound: per-message costs (α) outweigh the bytes; {comm}")
-    if p.bound == "cores (shared)":
-        return (f"bound by this machine's shared cores: the workers' compute and every "
-                f"message's software cost exceed the cores' time ({comm})")
-    if cls.comm_model == "ring":
-        return (f"bound by the {p.bound}: each worker sends and receives 2(n−1)/n·M = "
-                f"{mb(2 * (n - 1) / n * M)} per step ({comm})")
-    tail = "; no worker waits for another (staleness not priced here)" \
-        if cls.comm_model == "ps-async" else ""
-    if "link" in p.bound:
-        cross = ps_link_load(cl.worker_host, cl.server_host)
-        return (f"bound by the {p.bound}: the busiest host link carries {mb(cross * M)} each way "
-                f"per step, {cl.servers} server(s) {cl.placement} ({comm}){tail}")
-    if "CPU" in p.bound:
-        return (f"bound by the {p.bound}: each server adds n·M/K = "
-                f"{mb(n * p.gradient_bytes / cl.servers)} of gradients and updates its shard "
-                f"per step ({comm}){tail}")
-    if p.bound.startswith("worker"):
-        return (f"bound by the {p.bound}: each worker sends and receives 2·M = {mb(2 * M)} "
-                f"per step ({comm}){tail}")
-    return (f"bound by the {p.bound}: each server's transport carries 2n·M/K = "
-            f"{mb(2 * n * M / cl.servers)} per step ({comm}){tail}")
-
-
-def recommendations(cands: list[Candidate], ranking: list[Candidate],
-                    classes: dict[str, Any]) -> list[str]:
-    win = ranking[0]
-    cls = classes[win.strategy]
-    lines = [f"Fastest: {win.strategy} ({win.setting(cls.uses_servers, cls.supports_compression)}), "
-             f"{win.prediction.step_s * 1e3:.1f} ms per step, scaling efficiency "
-             f"{win.prediction.efficiency:.0%}."]
-    if cls.comm_model is not None:
-        same = [c for c in cands if c.strategy == win.strategy
-                and c.cluster.servers == win.cluster.servers
-                and c.cluster.placement == win.cluster.placement
-                and c.cluster.compress == win.cluster.compress]
-        by_mb = sorted(same, key=lambda c: c.cluster.bucket_mb)
-        lines.append("Bucket size: " + f"{win.cluster.bucket_mb:g} MB (" + ", ".join(
-            f"{c.cluster.bucket_mb:g} MB {c.prediction.step_s * 1e3:.1f} ms" for c in by_mb)
-            + ").")
-    ps = [c for c in cands if classes[c.strategy].uses_servers
-          and classes[c.strategy].comm_model == "ps"]
-    if ps:
-        best = min(ps, key=preference)
-        one = min((c for c in ps if c.cluster.servers == 1), key=preference)
-        lines.append(f"Parameter servers: {best.cluster.servers} "
-                     f"{'on hosts of their own' if best.cluster.placement == 'own-hosts' else 'colocated with the workers'}"
-                     f" ({best.prediction.step_s * 1e3:.1f} ms per step; one colocated or not: "
-                     f"{one.prediction.step_s * 1e3:.1f} ms).")
-    if classes[win.strategy].supports_compression:
-        twin = [c for c in cands if c.strategy == win.strategy
-                and c.cluster.bucket_mb == win.cluster.bucket_mb
-                and c.cluster.servers == win.cluster.servers
-                and c.cluster.placement == win.cluster.placement]
-        on = min((c for c in twin if c.cluster.compress != "none"),
-                 key=lambda c: c.prediction.step_s, default=None)
-        off = min((c for c in twin if c.cluster.compress == "none"),
-                  key=lambda c: c.prediction.step_s, default=None)
-        if on and off:
-            gain = 1 - on.prediction.step_s / off.prediction.step_s
-            lines.append(f"Compression (fp16): {'pays' if gain > 0.02 else 'does not pay'}: "
-                         f"{off.prediction.step_s * 1e3:.1f} -> "
-                         f"{on.prediction.step_s * 1e3:.1f} ms per step ({gain:.0%} less; "
-                         f"its accuracy cost is not priced here).")
-    return lines
-
-
-def table(ranking: list[Candidate], classes: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for i, c in enumerate(ranking, 1):
-        p, cls = c.prediction, classes[c.strategy]
-        rows.append([str(i), c.strategy, c.setting(cls.uses_servers, cls.supports_compression),
-                     f"{p.step_s * 1e3:.1f}",
-                     f"{(p.step_s - p.phases['comm_s']) * 1e3:.1f}",
-                     f"{p.phases['comm_s'] * 1e3:.1f}", f"{p.samples_per_s:.0f}",
-                     f"{p.efficiency:.0%}", why(c, cls)])
-    return rows
-
-
-HEADER = ["#", "strategy", "best setting", "step ms", "compute ms", "comm ms (exposed)",
-          "samples/s", "efficiency", "why"]
-
-
-def plot(ranking: list[Candidate], title: str, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [c.strategy for c in ranking][::-1]
-    comp = [(c.prediction.step_s - c.prediction.phases["comm_s"]) * 1e3 for c in ranking][::-1]
-    comm = [c.prediction.phases["comm_s"] * 1e3 for c in ranking][::-1]
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.6))
-    ax.barh(names, comp, color="#4c72b0", label="compute")
-    ax.barh(names, comm, left=comp, color="#dd8452", label="communication (exposed)")
-    for y, (a, b, c) in enumerate(zip(comp, comm, ranking[::-1])):
-        ax.text(a + b, y, f" {a + b:.1f} ms · {c.prediction.bound}", va="center", fontsize=8)
-    ax.set_xlabel("predicted ms per step (best setting of each strategy)")
-    ax.set_xlim(0, max(a + b for a, b in zip(comp, comm)) * 1.5)
-    ax.set_title(title, fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-# -- the command -------------------------------------------------------------------------
-
 def add_advise_parser(sub: Any) -> None:
-    from .config import add_config_flags
+    from ..config import add_config_flags
 
     p = sub.add_parser("advise", help="predict which strategy, bucket size and servers "
-                       "train fastest on a cluster, and why (psring.simulate)")
+                       "train fastest on a cluster, and why (psring.predict.simulate)")
     add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
                               "features", "batch_size", "hosts", "workers_per_host",
                               "link", "delay", "seed"))
@@ -292,8 +87,6 @@ def add_advise_parser(sub: Any) -> None:
 
 def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
     """The cluster of the flags, or a ConfigError that names the fix."""
-    from .cluster import parse_delay, parse_rate
-
     if args.hosts < 1:
         raise ConfigError(f"--hosts {args.hosts}: a cluster has at least one host.")
     if args.workers_per_host < 0 or args.workers < 0:
@@ -324,16 +117,20 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
                           f"a measurement (at most {VERIFY_MAX_PROCESSES} processes); run "
                           f"advise without --verify for the prediction alone.")
     if not args.profile:
-        from .config import check_global_batch
+        from ..config import check_global_batch
 
         check_global_batch(args.batch_size, n)
-    return Cluster(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
-                   delay_s=delay), n
+    return Cluster.of(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
+                      delay_s=delay), n
+
+
+def _where(cluster: Cluster, per_host: int) -> str:
+    link = "loopback" if cluster.link_bits is None else f"{cluster.link_bits / 1e9:g} Gbit/s"
+    delay = f" +{cluster.delay_s * 1e3:g} ms" if cluster.delay_s else ""
+    return f"{cluster.hosts} host(s) x {per_host} worker(s), {link}{delay}"
 
 
 def _calibration(args: argparse.Namespace, out: Path):
-    from .costmodel import Calibration, find_calibration
-
     if args.calibration:
         return Calibration.load(args.calibration)
     path = find_calibration(out)
@@ -352,9 +149,9 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
            model: dict[str, Any], batch: int, n: int, out: Path) -> list[dict[str, Any]]:
     """Run each candidate as the cluster's emulation (the profiled ``model`` at global
     batch ``batch``); predicted vs measured step time."""
-    from .config import RunConfig
-    from .launch import launch
-    from .report import summarize
+    from ..config import RunConfig
+    from ..launch import launch
+    from ..report import summarize
 
     results = []
     for c in top:
@@ -383,9 +180,24 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
     return results
 
 
+def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
+    """The registered strategies that can run ``workers`` workers on ``hosts`` hosts."""
+    from ..strategies import STRATEGIES
+
+    out = {}
+    for name in STRATEGIES:
+        cls = STRATEGIES.get(name)
+        if cls.max_workers is not None and workers > cls.max_workers:
+            continue
+        if cls.max_hosts is not None and hosts > cls.max_hosts:
+            continue
+        out[name] = cls
+    return out
+
+
 def _slug(c: Candidate) -> str:
     cl = c.cluster
-    return f"{c.strategy}-b{cl.bucket_mb:g}-k{cl.servers}-{cl.placement}-{cl.compress}"
+    return f"{c.strategy}-b{c.bucket_mb:g}-k{cl.servers}-{cl.placement}-{c.compress}"
 
 
 def _model_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -396,9 +208,7 @@ def advise_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .models import ModelSettings, meta_build
-    from .profile import profile_config, take_profile
-    from .runlog import atomic_write_json
+    from ..models import ModelSettings, meta_build
 
     cluster, n = _cluster(args)
     if args.verify_steps < 5:
@@ -432,15 +242,16 @@ def advise_command(args: argparse.Namespace) -> int:
         prof = take_profile(cfg)
     out.mkdir(parents=True, exist_ok=True)
     cal = _calibration(args, out)
-    if args.verify:  # the emulation on this machine: every process shares its cores
-        cluster = dataclasses.replace(cluster, cores=cores)
-    classes = _strategy_classes(n, cluster.hosts)
+    # --verify: the emulation on this machine, where every process shares its cores
+    shared = cores if args.verify else None
+    classes = strategy_classes(n, cluster.hosts)
     # --verify: only settings this machine can run (workers and servers <= the limit)
     cands = candidates(prof, cluster, cal, classes,
-                       max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8)
+                       max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8,
+                       cores=shared)
     ranking = rank(cands)
-    where = cluster.describe() + (f", emulated on this machine's {cores} cores"
-                                  if args.verify else "")
+    where = _where(cluster, n // cluster.hosts) + (
+        f", emulated on this machine's {cores} cores" if args.verify else "")
     title = (f"psring advise: {prof.source.get('model', 'profiled model')}, "
              f"{prof.total_bytes / 1e6:.2f} MB of gradients, batch {args.batch_size} "
              f"({prof.batch_size} per worker), {n} workers on {where}")
@@ -459,13 +270,15 @@ def advise_command(args: argparse.Namespace) -> int:
     png = plot(ranking, title, out / "advise.png")
     report: dict[str, Any] = {
         "title": title, "profile": {**prof.source, "summary": prof.describe()},
-        "cluster": dataclasses.asdict(cluster), "workers": n, "calibration_host": cal.host,
+        "cluster": {"hosts": cluster.hosts, "workers_per_host": n // cluster.hosts,
+                    "link_bits": cluster.link_bits, "delay_s": cluster.delay_s,
+                    "cores": shared}, "workers": n, "calibration_host": cal.host,
         "ranking": [dict(zip(HEADER, r)) for r in rows],
         "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
         "recommendations": recs}
     atomic_write_json(out / "advise.json", report)  # the prediction, before any run
     if args.verify:
-        top = _verify_candidates(ranking, classes)
+        top = verify_candidates(ranking, classes)
         results = verify(top, classes, args, model, args.batch_size, n, out)
         vt = Table(title="predicted vs measured (this machine's emulation of the cluster)")
         for h in ("strategy", "setting", "predicted ms", "measured ms", "error"):
@@ -487,16 +300,3 @@ def advise_command(args: argparse.Namespace) -> int:
     atomic_write_json(out / "advise.json", report)
     print(f"advise: {out / 'advise.json'}, {png}")
     return 0
-
-
-def _verify_candidates(ranking: list[Candidate], classes: dict[str, Any]) -> list[Candidate]:
-    """The winner, the runner-up, and the best of the other family (ring or PS)."""
-    # ring or parameter server (async-ps is of the PS family)
-    family = lambda c: {"ps-async": "ps"}.get(classes[c.strategy].comm_model,  # noqa: E731
-                                              classes[c.strategy].comm_model)
-    top = ranking[:2]
-    other = next((c for c in ranking if c not in top and family(c) not in
-                  {family(t) for t in top} and family(c) is not None), None)
-    if other is not None:
-        top.append(other)
-    return top

@@ -2,7 +2,7 @@
 
     psring calibrate [--quick] [--out FILE]
     psring calibrate --hosts 2 --link 1gbit [--quick] [--out FILE]   # across a link
-    python -m psring.calibrate [--quick] [--out FILE]     # the same, without the CLI
+    python -m psring.predict.calibrate [--quick] [--out FILE]   # the same, without the CLI
 
 Three measurements, one after another (never concurrently: on a small machine they
 would compete for the same cores):
@@ -24,8 +24,8 @@ and the cost model uses it for traffic between hosts.
 
 Each transport's one-way times are fitted to t(M) = α + M·β (see :func:`fit`: α is
 the smallest message's time, β the least-squares slope through it). The
-result is a :class:`psring.costmodel.Calibration`, saved atomically to --out (default
-``$PSRING_CALIBRATION`` or ``~/.cache/psring/calibration.json``).
+result is a :class:`psring.predict.costmodel.Calibration`, saved atomically to --out
+(default ``$PSRING_CALIBRATION`` or ``~/.cache/psring/calibration.json``).
 
 Every measuring process runs under a hard deadline: it is joined, and killed if it
 overruns; it also dies with this process (PR_SET_PDEATHSIG), so nothing outlives it.
@@ -48,10 +48,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import ConfigError, PsringError, run_guarded
+from ..process import die_with_parent, free_port
+from ..protocol import ABSTRACT_IPC, abstract_ipc_endpoint
 from .costmodel import Calibration, default_path
-from .errors import ConfigError, PsringError
-from .process import die_with_parent, free_port
-from .protocol import ABSTRACT_IPC, abstract_ipc_endpoint
 
 KB, MB = 1024, 1024 * 1024
 #: message sizes of the ping-pongs: from latency-bound to bandwidth-bound. They stop at
@@ -128,7 +128,7 @@ def _child(fn: Callable[..., Any], rank: int, args: tuple, conn, parent_pid: int
     die_with_parent()
     try:
         if where is not None:
-            from .emulate import HOST_IFACE, enter
+            from ..emulate import HOST_IFACE, enter
 
             enter(where[0][rank], where[1])  # still single-threaded, as setns needs
             os.environ["GLOO_SOCKET_IFNAME"] = HOST_IFACE
@@ -483,8 +483,8 @@ def calibrate_link(link: str, delay: str = "", quick: bool = False,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """α and β of ZeroMQ and gloo between two emulated hosts joined by ``link``
     (psring.emulate): the entry ``Calibration.links[rate]``."""
-    from .cluster import parse_rate
-    from .emulate import standalone
+    from ..cluster import parse_rate
+    from ..emulate import standalone
 
     say = log or (lambda _msg: None)
     bits = parse_rate(link)
@@ -557,7 +557,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cal = None
     if args.hosts == 2:
-        from .cluster import link_key, parse_delay, parse_rate
+        from ..cluster import link_key, parse_delay, parse_rate
 
         key = link_key(parse_rate(args.link), parse_delay(args.delay) if args.delay else 0.0)
         if out.is_file():
@@ -586,8 +586,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="psring calibrate", description=__doc__.splitlines()[0])
     _add_flags(parser)
     args = parser.parse_args(argv)
-    from .cli import run_guarded
-
     return run_guarded(_cmd_calibrate, args)
 
 

@@ -1,6 +1,7 @@
 """The α-β-γ cost model: predicted communication time per step for each strategy.
 
-    from psring.costmodel import Calibration, find_calibration, predict_comm, crossover_bytes
+    from psring.predict.costmodel import (Calibration, find_calibration, predict_comm,
+                                          crossover_bytes)
 
     path = find_calibration("runs/compare")        # or None: run `psring calibrate`
     cal = Calibration.load(path)
@@ -15,8 +16,8 @@ Symbols (docs/cost-model.md has the full story and sources):
 - ``gamma``  seconds per byte to reduce (add) locally.
 
 The formulas below are pure functions of these numbers. :class:`Calibration` holds the
-numbers measured on this machine by ``psring calibrate`` (``psring.calibrate``): one α, β
-pair for ZeroMQ (what the parameter-server strategies use) and one for
+numbers measured on this machine by ``psring calibrate`` (``psring.predict.calibrate``):
+one α, β pair for ZeroMQ (what the parameter-server strategies use) and one for
 torch.distributed's gloo (what ring all-reduce and DDP use), and one γ.
 
 Which formula a strategy follows is its ``comm_model`` class attribute
@@ -33,11 +34,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .runlog import atomic_write_json
+from ..cluster import Cluster, link_key, payload_beta
+from ..errors import ConfigError
+from ..runlog import atomic_write_json
 
-#: the values a strategy's ``comm_model`` may take (besides None)
-COMM_MODELS = ("ring", "ps", "ps-async")
+#: the values a strategy's ``comm_model`` may take: which α-β-γ formula predicts its
+#: communication; None: it sends nothing (single) or shares memory (hogwild)
+COMM_MODELS = (None, "ring", "ps", "ps-async")
 
 #: the calibration file's name inside a run or comparison directory
 CALIBRATION_FILE = "calibration.json"
@@ -132,39 +135,6 @@ def ps_link_load(worker_host: list[int], server_host: list[int]) -> float:
     return max([*egress.values(), *ingress.values(), 0.0])
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Where a run's workers and servers are (host numbers) and the link joining the
-    hosts: what the cost model needs of an emulated cluster (psring.emulate)."""
-
-    worker_host: tuple[int, ...]
-    server_host: tuple[int, ...] = ()
-    #: each host link's rate, bits/s; None: one host, or hosts joined by unshaped links
-    link_bits: float | None = None
-    #: one-way delay added to each link direction (netem)
-    delay_s: float = 0.0
-
-    @classmethod
-    def one_host(cls, n: int, K: int = 0) -> "Topology":
-        return cls((0,) * n, (0,) * K)
-
-    @classmethod
-    def for_config(cls, cfg: Any) -> "Topology":
-        """From a RunConfig, or a run's config as its manifest stores it (a dict; runs
-        older than emulated clusters ran on one host)."""
-        from .cluster import Cluster
-        from .strategies import STRATEGIES
-
-        strategy = cfg["strategy"] if isinstance(cfg, dict) else cfg.strategy
-        plan = Cluster.from_config(cfg, STRATEGIES.get(strategy).uses_servers)
-        return cls(tuple(plan.worker_host), tuple(plan.server_host), plan.link_bits,
-                   plan.delay_s)
-
-    @property
-    def multi_host(self) -> bool:
-        return len({*self.worker_host, *self.server_host}) > 1
-
-
 # -- measured parameters ------------------------------------------------------------------
 
 _NUMBERS = ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "gamma")
@@ -180,7 +150,8 @@ class Calibration:
     dist_beta: float
     gamma: float
     #: seconds per float32 byte to cast to float16 (or back): --compress's cost per
-    #: message end (psring.simulate); None in calibrations made before it was measured
+    #: message end (psring.predict.simulate); None in calibrations made before it was
+    #: measured
     cast: float | None = None
     #: where and when: hostname, ISO time, cores, torch / pyzmq / libzmq versions
     host: str = ""
@@ -218,7 +189,8 @@ class Calibration:
             return self.dist_alpha, self.dist_beta
         if comm_model in ("ps", "ps-async"):
             return self.zmq_alpha, self.zmq_beta
-        raise ValueError(f"unknown comm_model {comm_model!r}; known: {', '.join(COMM_MODELS)}")
+        raise ValueError(f"unknown comm_model {comm_model!r}; known: "
+                         f"{', '.join(m for m in COMM_MODELS if m)}")
 
     def between_hosts(self, comm_model: str, link_bits: float | None,
                       delay_s: float = 0.0) -> tuple[float, float, str]:
@@ -233,8 +205,7 @@ class Calibration:
         alpha, beta = self.link(comm_model)
         if link_bits is None:
             return alpha, beta, "loopback"
-        from .cluster import link_key, payload_beta
-
+        
         key = "dist" if comm_model == "ring" else "zmq"
         # a calibration of this rate and delay; else of this rate, without the delay
         for name, extra in ((link_key(link_bits, delay_s), 0.0),
@@ -318,7 +289,7 @@ def find_calibration(*dirs: str | os.PathLike) -> Path | None:
 # -- predictions --------------------------------------------------------------------------
 
 def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibration,
-                 topo: Topology | None = None) -> float | None:
+                 topo: Cluster | None = None) -> float | None:
     """Predicted communication seconds per worker step for a strategy whose
     ``comm_model`` is given, with n workers, K servers and M gradient bytes; None for a
     strategy that sends no messages. Ring runs over gloo (dist_alpha, dist_beta), the
@@ -353,7 +324,7 @@ _M_REF = float(2**30)
 
 
 def _linear(comm_model: str, n: int, K: int, cal: Calibration,
-            topo: Topology | None = None) -> tuple[float, float]:
+            topo: Cluster | None = None) -> tuple[float, float]:
     """(fixed seconds, seconds per byte) of a prediction: every formula is a + b·M, so
     two evaluations give both, without restating the formulas. Reading b off at 1 GiB
     rather than 1 byte keeps the subtraction's rounding far below b."""
@@ -364,8 +335,8 @@ def _linear(comm_model: str, n: int, K: int, cal: Calibration,
 
 
 def crossover_bytes(model_a: str | None, model_b: str | None, n: int, K: int,
-                    cal: Calibration, topo_a: Topology | None = None,
-                    topo_b: Topology | None = None) -> float | None:
+                    cal: Calibration, topo_a: Cluster | None = None,
+                    topo_b: Cluster | None = None) -> float | None:
     """The gradient size M (bytes) at which both models predict the same time; None when
     the lines never meet at a positive M (parallel, or crossing only at M <= 0), or when
     either strategy sends no messages. Below M the model with the smaller fixed cost is

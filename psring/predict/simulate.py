@@ -1,9 +1,9 @@
 """The step-time simulator: a whole training step of each strategy, predicted from a
-profile of the model (psring.profile) and a cluster, without running anything.
+profile of the model (psring.predict.profile) and a cluster, without running anything.
 
-    from psring.costmodel import Calibration, find_calibration
-    from psring.profile import Profile
-    from psring.simulate import Cluster, simulate
+    from psring.predict.costmodel import Calibration, find_calibration
+    from psring.predict.profile import Profile
+    from psring.predict.simulate import Cluster, simulate
 
     prof = Profile.load("runs/prof-r18")          # psring profile --model resnet18 ...
     cal = Calibration.load(find_calibration())    # psring calibrate
@@ -22,7 +22,7 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     the ring's 2(n−1) steps, every step sending an M/n chunk over every edge at once,
     so a step lasts as long as its slowest edge (a host link where the ring crosses
     hosts, else loopback): α + (M/n)·β, plus (M/n)·γ to add it in the reduce-scatter's
-    n−1 steps (psring.costmodel.ring_allreduce, step by step);
+    n−1 steps (psring.predict.costmodel.ring_allreduce, step by step);
   - ``ps`` (synchronous): the bucket is pushed in pieces to the K servers whose ranges
     it overlaps. A message occupies every *resource* on its path at once (cut-through:
     each resource serves its messages first come first served), for bytes·β of that
@@ -58,82 +58,19 @@ transport, the shared cores, or latency (α terms dominate).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .costmodel import Calibration
-from .partition import even_split, overlaps
+from ..cluster import Cluster
+from ..partition import even_split, overlaps
+from .costmodel import COMM_MODELS, Calibration
 
-COMM_MODELS = (None, "ring", "ps", "ps-async")
-PLACEMENTS = ("colocated", "own-hosts")
 #: bytes on the wire per float32 byte of gradient, for each of psring.compress's choices
 #: (kept here so the simulator needs no torch; a test checks it against
 #: psring.compress.wire_bytes)
 WIRE = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """Where the workers and servers are and what joins them."""
-
-    hosts: int = 1
-    workers_per_host: int = 1
-    #: each host link's rate in bits/s; None: one host, or links the transport outruns
-    link_bits: float | None = None
-    #: one-way delay of each link
-    delay_s: float = 0.0
-    #: parameter servers (ps, ps-async)
-    servers: int = 1
-    #: colocated (server k on host k mod hosts) or own-hosts (each on a host of its own)
-    placement: str = "colocated"
-    compress: str = "none"
-    bucket_mb: float = 25.0
-    #: cores every process shares (a cluster emulated on one machine); None: each
-    #: worker computes on a device of its own
-    cores: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("hosts", "workers_per_host", "servers"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, not {v!r}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
-        if self.compress not in WIRE:
-            raise ValueError(f"compress {self.compress!r}: choose one of {', '.join(WIRE)}")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, not {self.bucket_mb!r}")
-        if self.link_bits is not None and not self.link_bits > 0:
-            raise ValueError(f"link_bits must be positive, not {self.link_bits!r}")
-        if not self.delay_s >= 0:
-            raise ValueError(f"delay_s must be at least 0, not {self.delay_s!r}")
-        if self.cores is not None and self.cores < 1:
-            raise ValueError(f"cores must be at least 1, not {self.cores!r}")
-
-    @property
-    def workers(self) -> int:
-        return self.hosts * self.workers_per_host
-
-    @property
-    def worker_host(self) -> list[int]:
-        from .cluster import worker_counts
-
-        counts = worker_counts(self.workers, self.hosts, self.workers_per_host)
-        return [h for h, c in enumerate(counts) for _ in range(c)]
-
-    @property
-    def server_host(self) -> list[int]:
-        if self.placement == "own-hosts":
-            return [self.hosts + k for k in range(self.servers)]
-        return [k % self.hosts for k in range(self.servers)]
-
-    def describe(self) -> str:
-        link = "loopback" if self.link_bits is None else f"{self.link_bits / 1e9:g} Gbit/s"
-        delay = f" +{self.delay_s * 1e3:g} ms" if self.delay_s else ""
-        return f"{self.hosts} host(s) x {self.workers_per_host} worker(s), {link}{delay}"
 
 
 @dataclass
@@ -157,12 +94,19 @@ class Prediction:
     gradient_bytes: int = 0
     #: when worker 0 started each simulated step (the last: when the last one ended)
     starts: list[float] = field(default_factory=list)
+    #: the run's settings the simulation used beside the cluster (compress, bucket_mb,
+    #: cores)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        c = self.cluster
         return {"comm_model": self.comm_model, "step_s": self.step_s, "phases": self.phases,
                 "samples_per_s": self.samples_per_s, "efficiency": self.efficiency,
                 "bound": self.bound, "utilization": self.utilization,
-                "cluster": dataclasses.asdict(self.cluster)}
+                "cluster": {"workers": c.workers, "hosts": c.hosts,
+                            "workers_per_host": c.workers_per_host, "link_bits": c.link_bits,
+                            "delay_s": c.delay_s, "servers": c.servers,
+                            "placement": c.placement, **self.settings}}
 
 
 # -- the engine -------------------------------------------------------------------------
@@ -245,34 +189,48 @@ def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> lis
 # -- the simulation -------------------------------------------------------------------------
 
 def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibration,
-             steps: int = 0) -> Prediction:
-    """Predict one steady-state step of every worker (see the module docstring)."""
+             steps: int = 0, *, compress: str = "none", bucket_mb: float = 25.0,
+             cores: int | None = None) -> Prediction:
+    """Predict one steady-state step of every worker (see the module docstring) on
+    ``cluster`` (psring.cluster), with the run's ``compress`` and ``bucket_mb``;
+    ``cores``: the cores every process shares (a cluster emulated on one machine),
+    None: each worker computes on a device of its own."""
     if comm_model not in COMM_MODELS:
         raise ValueError(f"comm_model {comm_model!r}: one of {COMM_MODELS}")
+    if compress not in WIRE:
+        raise ValueError(f"compress {compress!r}: choose one of {', '.join(WIRE)}")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}")
+    if cores is not None and cores < 1:
+        raise ValueError(f"cores must be at least 1, not {cores!r}")
+    if comm_model in ("ps", "ps-async") and cluster.servers < 1:
+        raise ValueError("a parameter-server cluster needs servers >= 1")
     if steps and steps < 2:
         raise ValueError(f"steps must be at least 2 (the step time is a period), not {steps}")
     n = cluster.workers
     threads = max(1, profile.threads or 1)
-    stretch = max(1.0, n * threads / cluster.cores) if cluster.cores else 1.0
+    stretch = max(1.0, n * threads / cores) if cores else 1.0
     D, F, B = (profile.data_s * stretch, profile.forward_s * stretch,
                profile.backward_s * stretch)
     U = profile.update_s * stretch
-    buckets = [(m, r * stretch) for m, r in profile.buckets(cluster.bucket_mb)]
-    wire = WIRE[cluster.compress]
+    buckets = [(m, r * stretch) for m, r in profile.buckets(bucket_mb)]
+    wire = WIRE[compress]
     # --compress casts every message to 16 bits and back: the calibration's measured
     # cost, else γ (one pass over the bytes; psring calibrate measures it)
     cast = 0.0 if wire == 1.0 else (cal.cast or cal.gamma)
     total = sum(m for m, _ in buckets)
     steps = steps or (8 if comm_model == "ps-async" else 4)
     if comm_model is None or n == 1 and comm_model == "ring" or total == 0:
-        return _no_messages(profile, cluster, comm_model, (D, F, B, U), buckets, total)
-    if comm_model == "ring":
+        pred = _no_messages(profile, cluster, comm_model, (D, F, B, U), buckets, total)
+    elif comm_model == "ring":
         pred = _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cast, cal, steps)
     else:
         pred = _ps(profile, cluster, comm_model, (D, F, B, U), buckets, total, wire, cast,
                    cal, steps)
-    if cluster.cores:
-        _cores_floor(pred, profile, cluster, comm_model, buckets, total, wire, cast, cal)
+    if cores and pred.comm_model is not None and total and not (n == 1 and comm_model == "ring"):
+        _cores_floor(pred, profile, cluster, cores, comm_model, buckets, total, wire, cast,
+                     cal)
+    pred.settings = {"compress": compress, "bucket_mb": bucket_mb, "cores": cores}
     return pred
 
 
@@ -283,7 +241,8 @@ def _server_update_per_byte(profile: Any, cal: Calibration) -> float:
     return max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
 
 
-def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, comm_model: str,
+def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, cores: int,
+                 comm_model: str,
                  buckets: list[tuple[int, float]], total: int, wire: float, cast: float,
                  cal: Calibration) -> None:
     """On shared cores a step cannot take less than the CPU work it needs divided by the
@@ -312,7 +271,7 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, comm_model: s
         else:  # every push added, one update and one cast per version
             server = n * total * (cal.gamma + cast) + total * (apply + cast)
     work = n * (compute * threads + msgs * alpha + sent * beta + 2 * total * cast) + server
-    floor = work / cluster.cores
+    floor = work / cores
     if floor > pred.step_s:
         busy = pred.step_s - pred.phases["comm_s"]
         pred.samples_per_s *= pred.step_s / floor
@@ -320,7 +279,7 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, comm_model: s
         pred.phases["comm_s"] = floor - busy
         pred.efficiency = min(1.0, profile.compute_s / floor)
         pred.bound = "cores (shared)"
-    pred.utilization["cores (shared)"] = round(work / cluster.cores / pred.step_s, 4)
+    pred.utilization["cores (shared)"] = round(work / cores / pred.step_s, 4)
 
 
 def _finish(profile: Any, cluster: Cluster, comm_model: str | None, period: float,
@@ -576,48 +535,3 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
         pred.efficiency = min(1.0, rate * profile.compute_s / (n * profile.batch_size))
     return pred
 
-
-
-# -- replaying a measured run ------------------------------------------------------------
-
-def cluster_for_run(cfg: dict, strategy_cls: Any = None) -> Cluster:
-    """The Cluster a run ran on, from its config (as its manifest records it). Workers
-    spread unevenly over hosts are taken as ceil(n / hosts) per host."""
-    from .costmodel import Topology
-
-    topo = Topology.for_config(cfg)
-    hosts = len(set(topo.worker_host))
-    n = len(topo.worker_host)
-    servers = len(topo.server_host)
-    own = bool(topo.server_host) and not set(topo.server_host) <= set(topo.worker_host)
-    return Cluster(hosts=hosts, workers_per_host=-(-n // hosts), link_bits=topo.link_bits,
-                   delay_s=topo.delay_s, servers=max(1, servers),
-                   placement="own-hosts" if own else "colocated",
-                   compress=cfg.get("compress", "none")
-                   if getattr(strategy_cls, "supports_compression", False) else "none",
-                   bucket_mb=float(cfg.get("bucket_mb", 25.0)))
-
-
-def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
-    """The simulator's step time for a measured run, from the run's own profile (its
-    compute phases and when its buckets were launched; psring.profile.Profile.from_run),
-    as dPRO replays a profiled trace: what the run's communication should have cost on
-    its cluster, given its compute. None for a run the simulator cannot read."""
-    from .errors import PsringError
-    from .profile import Profile
-    from .runlog import read_manifest
-    from .strategies import STRATEGIES
-
-    try:
-        cfg = read_manifest(run_dir)["config"]
-        cls = STRATEGIES.get(cfg["strategy"])
-        # each step's slowest worker: the one a synchronous step waits for, and the one
-        # whose step a report measures (the slowest worker's step, async runs included)
-        prof = Profile.from_run(run_dir, worker=None)
-    except (PsringError, KeyError, OSError, ValueError):
-        return None
-    # the run's own compute already carries its share of the cores: no stretch
-    try:
-        return simulate(prof, cluster_for_run(cfg, cls), cls.comm_model, cal)
-    except (ValueError, RuntimeError):
-        return None

@@ -15,16 +15,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .runlog import PHASES, iter_run_dirs, read_evals, read_manifest, read_steps
+from ..errors import ConfigError
+from ..evaluate import time_to_accuracy
+from ..runlog import PHASES, iter_run_dirs, read_evals, read_manifest, read_steps, warmup_steps
+from ..strategies import STRATEGIES
 
 #: config keys that define "the same workload" for speedups
 WORKLOAD_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",
                  "batch_size", "accumulate", "seed")
-
-
-def warmup_steps(steps: int) -> int:
-    return 0 if steps < 5 else max(1, steps // 10)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -58,8 +56,6 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     evals = read_evals(run_dir)
     target = cfg.get("target_accuracy") or 0
     if target and evals:
-        from .evaluate import time_to_accuracy
-
         tta_s, tta_step = time_to_accuracy(evals, target)
     else:
         tta_s = tta_step = None
@@ -109,8 +105,6 @@ def summarize_all(paths: list[str]) -> list[dict[str, Any]]:
                           f"pass the --out of a finished `psring run` or `psring compare`.")
     rows = [summarize(d) for d in dirs]
     add_speedups(rows)
-    from .strategies import STRATEGIES
-
     order = {name: i for i, name in enumerate(STRATEGIES)}
     rows.sort(key=lambda r: (json.dumps(r["workload"], sort_keys=True),
                              order.get(r["strategy"], len(order)), r["workers"]))

@@ -1,0 +1,20 @@
+"""Prediction: what a step of each strategy should cost, worked out without training.
+
+- ``costmodel``: the α-β-γ formulas, the measured :class:`Calibration` and the
+  predicted communication time per step (docs/cost-model.md);
+- ``calibrate``: measures α, β and γ on this machine (``psring calibrate``);
+- ``profile``: a model's step on its own device, from one short traced run
+  (``psring profile``);
+- ``simulate``: the step-time simulator, pure Python: a profile and a cluster in, a
+  predicted step out (docs/prediction.md);
+- ``replay``: the simulator on a measured run, its own compute and its cluster
+  (what ``psring report`` puts beside each measured step);
+- ``advise``: ranks the strategies on a cluster by their simulated steps;
+  ``advise_cli`` is ``psring advise``.
+
+A prediction needs no worker processes: only the inputs are measured, once, by
+processes of their own (``calibrate``; ``profile``'s short ``single`` run), and
+``psring advise --verify`` runs the top candidates to check. ``costmodel``, ``profile``,
+``simulate`` and ``advise`` import no torch; ``calibrate`` (it measures
+torch.distributed) and ``replay`` (the strategy registry) do.
+"""

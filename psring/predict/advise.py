@@ -1,0 +1,249 @@
+"""Which strategy, bucket size and servers for a model on a cluster, and why: every
+setting of every strategy the cluster can run, simulated (psring.predict.simulate) and
+ranked, with the sentence that says what bounds each.
+
+    from psring.predict.advise import candidates, rank, recommendations
+    cands = candidates(profile, Cluster.of(hosts=4, link_bits=10e9), cal, classes)
+    ranking = rank(cands)         # the best setting of each strategy, best first
+    print(*recommendations(cands, ranking, classes), sep="\n")
+
+``classes`` maps strategy names to their classes (psring.strategies), so this module
+needs neither torch nor the registry. ``psring advise`` (psring.predict.advise_cli)
+profiles the model, prints the ranking and with ``--verify`` measures it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .costmodel import ps_link_load
+from .profile import Profile
+from ..cluster import Cluster
+from .simulate import Prediction, simulate
+
+BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
+
+
+@dataclass
+class Candidate:
+    strategy: str
+    prediction: Prediction
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.prediction.cluster
+
+    @property
+    def bucket_mb(self) -> float:
+        return self.prediction.settings["bucket_mb"]
+
+    @property
+    def compress(self) -> str:
+        return self.prediction.settings["compress"]
+
+    def setting(self, uses_servers: bool, compresses: bool) -> str:
+        c = self.cluster
+        parts = [f"bucket {self.bucket_mb:g} MB"]
+        if uses_servers:
+            where = "on own hosts" if c.placement == "own-hosts" else "colocated"
+            parts.append(f"{c.servers} server{'s' if c.servers > 1 else ''} {where}")
+        if compresses and self.compress != "none":
+            parts.append(self.compress)
+        return ", ".join(parts)
+
+    def run_flags(self) -> dict[str, Any]:
+        c = self.cluster
+        return {"strategy": self.strategy, "bucket_mb": self.bucket_mb, "servers": c.servers,
+                "server_placement": c.placement, "compress": self.compress}
+
+
+def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any],
+               max_servers: int = 8, cores: int | None = None) -> list[Candidate]:
+    """Every setting of every strategy the cluster can run, simulated: servers up to
+    ``max_servers`` (and twice the hosts); ``cores``: shared by every process (the
+    cluster emulated on one machine), as psring.predict.simulate takes them."""
+    out = []
+    seen_buckets: list[float] = []
+    for mb in BUCKET_MB:  # bucket sizes that bucket this model differently
+        if not any(profile.buckets(mb) == profile.buckets(m) for m in seen_buckets):
+            seen_buckets.append(mb)
+    max_k = max(1, min(max_servers, 2 * base.hosts))
+    for name, cls in classes.items():
+        if cls.comm_model is None:
+            out.append(Candidate(name, simulate(profile, base, None, cal, cores=cores)))
+            continue
+        servers = [k for k in (1, 2, 4, 8) if k <= max_k] if cls.uses_servers else [1]
+        placements = ["colocated", "own-hosts"] if cls.uses_servers and base.link_bits \
+            else ["colocated"]
+        compress = ["none", "fp16"] if cls.supports_compression else ["none"]
+        for mb in seen_buckets:
+            for k in servers:
+                for place in placements:
+                    for comp in compress:
+                        cl = base.replace(servers=k, placement=place)
+                        out.append(Candidate(name, simulate(profile, cl, cls.comm_model, cal,
+                                                            compress=comp, bucket_mb=mb,
+                                                            cores=cores)))
+    return out
+
+
+#: how much faster an asynchronous or compressed setting must be predicted to rank
+#: ahead: both cost accuracy (staleness, rounding) that the simulator does not price
+HANDICAP = 1.02
+
+
+def preference(c: Candidate) -> float:
+    """The predicted step, handicapped for what it costs in accuracy, and by 0.5% per
+    server beyond the first (processes, and machines, that must pay for themselves)."""
+    k = HANDICAP if c.prediction.comm_model == "ps-async" else 1.0
+    k *= HANDICAP if c.compress != "none" else 1.0
+    if c.prediction.comm_model in ("ps", "ps-async"):
+        k *= 1 + 0.005 * (c.cluster.servers - 1)
+    return c.prediction.step_s * k
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """The best setting of each strategy, best first (:func:`preference`)."""
+    best: dict[str, Candidate] = {}
+    for c in cands:
+        if c.strategy not in best or preference(c) < preference(best[c.strategy]):
+            best[c.strategy] = c
+    return sorted(best.values(), key=preference)
+
+
+def why(c: Candidate, cls: Any) -> str:
+    """One sentence: what bounds this strategy's step on this cluster, in numbers."""
+    p, cl = c.prediction, c.cluster
+    n = cl.workers
+    M = p.gradient_bytes * (0.5 if c.compress != "none" else 1.0)
+    mb = lambda b: f"{b / 1e6:.3g} MB"  # noqa: E731
+    comm = f"{p.phases['comm_s'] * 1e3:.1f} ms of communication exposed"
+    if cls.comm_model is None:
+        return (f"no messages: the step is compute ({p.step_s * 1e3:.1f} ms); "
+                + ("workers share one memory" if n > 1 else "one worker"))
+    if p.bound == "compute":
+        return f"compute-bound: communication hides under backward ({comm})"
+    if p.bound == "latency":
+        return (f"latency-bound: per-message costs (α) outweigh the bytes; {comm}")
+    if p.bound == "cores (shared)":
+        return (f"bound by this machine's shared cores: the workers' compute and every "
+                f"message's software cost exceed the cores' time ({comm})")
+    if cls.comm_model == "ring":
+        return (f"bound by the {p.bound}: each worker sends and receives 2(n−1)/n·M = "
+                f"{mb(2 * (n - 1) / n * M)} per step ({comm})")
+    tail = "; no worker waits for another (staleness not priced here)" \
+        if cls.comm_model == "ps-async" else ""
+    if "link" in p.bound:
+        cross = ps_link_load(cl.worker_host, cl.server_host)
+        return (f"bound by the {p.bound}: the busiest host link carries {mb(cross * M)} each way "
+                f"per step, {cl.servers} server(s) {cl.placement} ({comm}){tail}")
+    if "CPU" in p.bound:
+        return (f"bound by the {p.bound}: each server adds n·M/K = "
+                f"{mb(n * p.gradient_bytes / cl.servers)} of gradients and updates its shard "
+                f"per step ({comm}){tail}")
+    if p.bound.startswith("worker"):
+        return (f"bound by the {p.bound}: each worker sends and receives 2·M = {mb(2 * M)} "
+                f"per step ({comm}){tail}")
+    return (f"bound by the {p.bound}: each server's transport carries 2n·M/K = "
+            f"{mb(2 * n * M / cl.servers)} per step ({comm}){tail}")
+
+
+def recommendations(cands: list[Candidate], ranking: list[Candidate],
+                    classes: dict[str, Any]) -> list[str]:
+    win = ranking[0]
+    cls = classes[win.strategy]
+    lines = [f"Fastest: {win.strategy} ({win.setting(cls.uses_servers, cls.supports_compression)}), "
+             f"{win.prediction.step_s * 1e3:.1f} ms per step, scaling efficiency "
+             f"{win.prediction.efficiency:.0%}."]
+    if cls.comm_model is not None:
+        same = [c for c in cands if c.strategy == win.strategy
+                and c.cluster.servers == win.cluster.servers
+                and c.cluster.placement == win.cluster.placement
+                and c.compress == win.compress]
+        by_mb = sorted(same, key=lambda c: c.bucket_mb)
+        lines.append("Bucket size: " + f"{win.bucket_mb:g} MB (" + ", ".join(
+            f"{c.bucket_mb:g} MB {c.prediction.step_s * 1e3:.1f} ms" for c in by_mb)
+            + ").")
+    ps = [c for c in cands if classes[c.strategy].uses_servers
+          and classes[c.strategy].comm_model == "ps"]
+    if ps:
+        best = min(ps, key=preference)
+        one = min((c for c in ps if c.cluster.servers == 1), key=preference)
+        lines.append(f"Parameter servers: {best.cluster.servers} "
+                     f"{'on hosts of their own' if best.cluster.placement == 'own-hosts' else 'colocated with the workers'}"
+                     f" ({best.prediction.step_s * 1e3:.1f} ms per step; one colocated or not: "
+                     f"{one.prediction.step_s * 1e3:.1f} ms).")
+    if classes[win.strategy].supports_compression:
+        twin = [c for c in cands if c.strategy == win.strategy
+                and c.bucket_mb == win.bucket_mb
+                and c.cluster.servers == win.cluster.servers
+                and c.cluster.placement == win.cluster.placement]
+        on = min((c for c in twin if c.compress != "none"),
+                 key=lambda c: c.prediction.step_s, default=None)
+        off = min((c for c in twin if c.compress == "none"),
+                  key=lambda c: c.prediction.step_s, default=None)
+        if on and off:
+            gain = 1 - on.prediction.step_s / off.prediction.step_s
+            lines.append(f"Compression (fp16): {'pays' if gain > 0.02 else 'does not pay'}: "
+                         f"{off.prediction.step_s * 1e3:.1f} -> "
+                         f"{on.prediction.step_s * 1e3:.1f} ms per step ({gain:.0%} less; "
+                         f"its accuracy cost is not priced here).")
+    return lines
+
+
+def table(ranking: list[Candidate], classes: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for i, c in enumerate(ranking, 1):
+        p, cls = c.prediction, classes[c.strategy]
+        rows.append([str(i), c.strategy, c.setting(cls.uses_servers, cls.supports_compression),
+                     f"{p.step_s * 1e3:.1f}",
+                     f"{(p.step_s - p.phases['comm_s']) * 1e3:.1f}",
+                     f"{p.phases['comm_s'] * 1e3:.1f}", f"{p.samples_per_s:.0f}",
+                     f"{p.efficiency:.0%}", why(c, cls)])
+    return rows
+
+
+HEADER = ["#", "strategy", "best setting", "step ms", "compute ms", "comm ms (exposed)",
+          "samples/s", "efficiency", "why"]
+
+
+def plot(ranking: list[Candidate], title: str, path: Path) -> Path:
+    """advise.png: each strategy's best predicted step, compute and exposed communication."""
+    # matplotlib is imported here, not at the top: it costs ~0.5 s and only the picture
+    # needs it
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c.strategy for c in ranking][::-1]
+    comp = [(c.prediction.step_s - c.prediction.phases["comm_s"]) * 1e3 for c in ranking][::-1]
+    comm = [c.prediction.phases["comm_s"] * 1e3 for c in ranking][::-1]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.6))
+    ax.barh(names, comp, color="#4c72b0", label="compute")
+    ax.barh(names, comm, left=comp, color="#dd8452", label="communication (exposed)")
+    for y, (a, b, c) in enumerate(zip(comp, comm, ranking[::-1])):
+        ax.text(a + b, y, f" {a + b:.1f} ms · {c.prediction.bound}", va="center", fontsize=8)
+    ax.set_xlabel("predicted ms per step (best setting of each strategy)")
+    ax.set_xlim(0, max(a + b for a, b in zip(comp, comm)) * 1.5)
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def verify_candidates(ranking: list[Candidate], classes: dict[str, Any]) -> list[Candidate]:
+    """The winner, the runner-up, and the best of the other family (ring or PS)."""
+    # ring or parameter server (async-ps is of the PS family)
+    family = lambda c: {"ps-async": "ps"}.get(classes[c.strategy].comm_model,  # noqa: E731
+                                              classes[c.strategy].comm_model)
+    top = ranking[:2]
+    other = next((c for c in ranking if c not in top and family(c) not in
+                  {family(t) for t in top} and family(c) is not None), None)
+    if other is not None:
+        top.append(other)
+    return top

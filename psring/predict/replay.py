@@ -1,0 +1,45 @@
+"""Replaying a measured run: the simulator's step time for the cluster a run ran on,
+given the run's own compute (``psring report`` shows it beside the measured step).
+
+    from psring.predict.replay import replay
+    p = replay("runs/ps", cal)      # a psring.predict.simulate.Prediction, or None
+
+As dPRO replays a profiled trace (Hu et al., MLSys 2022): the run's own phase times and
+bucket launches (psring.predict.profile.Profile.from_run) are kept, and its cluster's
+communication is played out by psring.predict.simulate. Unlike the simulator, this
+module needs the strategy registry (which strategy sends what), and with it torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import cluster_of
+from ..errors import PsringError
+from ..runlog import read_manifest
+from ..strategies import STRATEGIES
+from .costmodel import Calibration
+from .profile import Profile
+from .simulate import Prediction, simulate
+
+
+def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
+    """The simulator's step time for a measured run, from the run's own profile (its
+    compute phases and when its buckets were launched; Profile.from_run): what the run's
+    communication should have cost on its cluster, given its compute. None for a run
+    the simulator cannot read."""
+    try:
+        cfg = read_manifest(run_dir)["config"]
+        cls = STRATEGIES.get(cfg["strategy"])
+        # each step's slowest worker: the one a synchronous step waits for, and the one
+        # whose step a report measures (the slowest worker's step, async runs included)
+        prof = Profile.from_run(run_dir, worker=None)
+    except (PsringError, KeyError, OSError, ValueError):
+        return None
+    # the run's own compute already carries its share of the cores: no stretch
+    compress = cfg.get("compress", "none") if cls.supports_compression else "none"
+    try:
+        return simulate(prof, cluster_of(cfg), cls.comm_model, cal, compress=compress,
+                        bucket_mb=float(cfg.get("bucket_mb", 25.0)))
+    except (ValueError, RuntimeError):
+        return None
