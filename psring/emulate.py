@@ -31,11 +31,9 @@ and explains failures in terms of the cluster (a link that went down).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import functools
-import ipaddress
 import json
 import os
 import select
@@ -52,11 +50,12 @@ from typing import Any, Iterator
 
 from .cluster import NETWORK, Cluster
 from .errors import PsringError
+from .netns import (CLONE_NEWNET, CLONE_NEWUSER, HOST_IFACE, NETNS_ENV, _die_with_parent,
+                    _setns, _unshare, ns_inode, setns_fd)
 from .process import POLL_S, ProcessSpec, Supervisor, die_with_parent, tail
 from .runlog import atomic_write_json
 
-#: the interface of every emulated host, and the switch's port names
-HOST_IFACE = "eth0"
+#: the switch's bridge (its ports are named after the hosts)
 BRIDGE = "psr-br"
 CLUSTER_FILE = "cluster.json"
 #: seconds the agent may take to build a cluster
@@ -82,92 +81,6 @@ def tbf_params(bits: float) -> tuple[int, int]:
     burst = max(16 * 1024, int(bytes_per_s * 1e-3))
     limit = max(4 * 2**20, int(bytes_per_s * 0.1))
     return burst, limit
-
-
-#: set by the launcher on every process it places on an emulated host: the inode of
-#: that host's network namespace (see inside_cluster)
-NETNS_ENV = "PSRING_CLUSTER_NETNS"
-
-
-def namespace_is_isolated() -> bool:
-    """True when this process's network namespace is shaped like an emulated host's and
-    routes nowhere beyond 198.18.0.0/15: its interfaces are only ``lo`` and ``eth0``, its
-    IPv4 routes (main table) all lie inside the range, and it has no IPv6 address of
-    global scope."""
-    try:
-        devices = {line.split(":", 1)[0].strip()
-                   for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]}
-        rows = Path("/proc/self/net/route").read_text().splitlines()[1:]
-    except OSError:
-        return False
-    if not devices <= {"lo", HOST_IFACE}:
-        return False
-    for row in rows:
-        cols = row.split()
-        if len(cols) < 8:
-            return False
-        dest = ipaddress.IPv4Address(struct.pack("<I", int(cols[1], 16)))
-        mask = ipaddress.IPv4Address(struct.pack("<I", int(cols[7], 16)))
-        try:
-            net = ipaddress.ip_network(f"{dest}/{mask}")
-        except ValueError:
-            return False
-        if not net.subnet_of(NETWORK):
-            return False
-    try:
-        v6 = Path("/proc/self/net/if_inet6").read_text().splitlines()
-    except OSError:
-        v6 = []  # no IPv6 in this kernel
-    # columns: address, ifindex, prefix length, scope (0x10 host, 0x20 link), flags, name
-    return all(len(c := line.split()) >= 4 and int(c[3], 16) in (0x10, 0x20) for line in v6)
-
-
-def inside_cluster() -> bool:
-    """Is this process on a host of an emulated cluster psring built? The launcher marks
-    the processes it places there with their namespace's inode (NETNS_ENV), and the
-    namespace must still be that one and isolated (namespace_is_isolated). A parameter
-    server there may listen on its emulated address without a shared secret: only
-    psring's own namespaces can reach it."""
-    mark = os.environ.get(NETNS_ENV, "")
-    try:
-        return mark.isdigit() and os.stat("/proc/self/ns/net").st_ino == int(mark) \
-            and namespace_is_isolated()
-    except OSError:
-        return False
-
-
-# -- system calls -----------------------------------------------------------------------
-
-CLONE_NEWNET = 0x40000000
-CLONE_NEWUSER = 0x10000000
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _unshare(flags: int) -> None:
-    if _libc.unshare(flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-
-
-def _setns(path: str, nstype: int, inode: int | None = None) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if inode is not None and os.fstat(fd).st_ino != inode:
-            raise OSError(errno.ESRCH, f"{path} is no longer the cluster's namespace")
-        if _libc.setns(fd, nstype) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"setns({path}): {os.strerror(e)}")
-    finally:
-        os.close(fd)
-
-
-def _die_with_parent() -> None:
-    PR_SET_PDEATHSIG = 1
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def ns_inode(pid: int | str, kind: str = "net") -> int:
-    return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
 
 
 class EmulationError(PsringError):
@@ -367,8 +280,11 @@ class Agent:
                 try:
                     self._configure_host(h, ip, tc)
                 finally:
-                    if _libc.setns(switch, CLONE_NEWNET) != 0:
-                        raise EmulationError("could not return to the switch's namespace")
+                    try:
+                        setns_fd(switch, CLONE_NEWNET)
+                    except OSError:
+                        raise EmulationError("could not return to the switch's "
+                                             "namespace") from None
         finally:
             os.close(switch)
         self.state["ready"] = True

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import zmq
 
 from psring.cluster import in_network
-from psring.emulate import inside_cluster
+from psring.netns import inside_cluster
 from psring.errors import ConfigError
 from psring.runlog import host_name
 from psring.protocol import (HOW_TO_SET_A_SECRET, MAX_HEADER_BYTES, REQUESTS, SIGNATURE_BYTES,

@@ -27,7 +27,7 @@ from conftest import (PSRING, SMALL, assert_no_processes, interruptible, load_mo
                       read_steps)
 from emutools import (assert_cluster_gone, cluster_state, cut_link, needs_emulation,
                       netem_available)
-from psring import cluster as clusters, emulate
+from psring import cluster as clusters, emulate, netns
 from psring.config import RunConfig
 from psring.errors import ConfigError
 
@@ -155,19 +155,19 @@ def test_link_events_are_read_from_rtnetlink_messages():
 def test_the_machines_own_namespace_is_not_inside_a_cluster(monkeypatch):
     # where a server may listen without a secret: only inside an emulated host; here
     # not even when the launcher's mark names this namespace
-    assert not emulate.namespace_is_isolated()
-    monkeypatch.setenv(emulate.NETNS_ENV, str(os.stat("/proc/self/ns/net").st_ino))
-    assert not emulate.inside_cluster()
+    assert not netns.namespace_is_isolated()
+    monkeypatch.setenv(netns.NETNS_ENV, str(os.stat("/proc/self/ns/net").st_ino))
+    assert not netns.inside_cluster()
 
 
 @needs_emulation
 @pytest.mark.timeout(60)
 def test_only_a_placed_process_on_an_emulated_host_counts_as_inside_it():
-    probe = [sys.executable, "-c", "from psring.emulate import namespace_is_isolated, "
+    probe = [sys.executable, "-c", "from psring.netns import namespace_is_isolated, "
              "inside_cluster; print(namespace_is_isolated(), inside_cluster())"]
     with emulate.standalone(2, "1gbit") as cluster:
         def run(env: dict) -> str:
-            base = {k: v for k, v in os.environ.items() if k != emulate.NETNS_ENV}
+            base = {k: v for k, v in os.environ.items() if k != netns.NETNS_ENV}
             return subprocess.run(cluster.command("host-1", probe), env={**base, **env},
                                   capture_output=True, text=True, timeout=30).stdout.strip()
 
