@@ -52,7 +52,7 @@ def endpoint() -> str:
 
 
 def start_server(addr: str, servers: int) -> subprocess.Popen:
-    from psring.launch import server_threads
+    from psring.process import server_threads
 
     return subprocess.Popen([sys.executable, "-m", "psring.servers", "--bind",
                              addr], stdout=subprocess.DEVNULL,

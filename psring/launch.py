@@ -27,7 +27,8 @@ from typing import Callable, Iterator
 from .config import RunConfig
 from .emulate import network_for
 from .errors import ConfigError, RunFailed
-from .process import ProcessSpec, Supervisor, check_port_free, free_port
+from .process import (ProcessSpec, Supervisor, check_port_free, free_port, server_threads,
+                      worker_threads)
 from .runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
 
 #: RunConfig's default rendezvous address
@@ -162,18 +163,6 @@ def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
                "OMP_NUM_THREADS": str(worker_threads(cfg, cfg.workers))}
         specs.append(ProcessSpec(f"worker-{rank}", argv, env))
     return specs
-
-
-def worker_threads(cfg: RunConfig, local_workers: int) -> int:
-    """torch threads per worker: --threads, or the host's cores shared by its workers."""
-    return cfg.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers))
-
-
-def server_threads(servers: int, workers: int) -> int:
-    """torch threads per parameter server started beside the workers: the cores the
-    workers leave, shared by the servers, at least 1. (On 2 cores with 2 workers a
-    second server thread measured slower: it competes with ZeroMQ's I/O threads.)"""
-    return max(1, ((os.cpu_count() or 1) - workers) // servers)
 
 
 def local_ipc(cfg: RunConfig) -> bool:

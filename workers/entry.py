@@ -28,8 +28,7 @@ from pathlib import Path
 from psring.allocator import keep_freed_memory
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
-from psring.launch import worker_threads
-from psring.process import die_with_parent, set_process_name
+from psring.process import die_with_parent, set_process_name, worker_threads
 
 
 #: objects kept alive until the process exits (see the end of run_worker)
