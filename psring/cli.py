@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the report when the sweep is done (default: yes)")
     sw.set_defaults(func=_cmd_sweep)
 
-    from .predict.calibrate import add_calibrate_parser
+    from .predict.calibrate_cli import add_calibrate_parser
 
     add_calibrate_parser(sub)
 

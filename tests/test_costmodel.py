@@ -1,5 +1,5 @@
 """The α-β-γ cost model: formulas against hand-worked numbers, the crossover, the
-calibration file, and `python -m psring.predict.calibrate --quick` end to end."""
+calibration file, and `python -m psring.predict.calibrate_cli --quick` end to end."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 
 from psring.errors import ConfigError, PsringError
 from psring.predict import costmodel as cm
-from psring.predict.calibrate import fit, main as calibrate_main, run_pair
+from psring.predict.calibrate import fit, run_pair
+from psring.predict.calibrate_cli import main as calibrate_main
 from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.strategies import STRATEGIES
 
@@ -280,7 +281,7 @@ def test_calibrate_quick_end_to_end(tmp_path):
     out = tmp_path / "cal.json"
     # its own session: every process it starts is found by session id afterwards
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "psring.predict.calibrate", "--quick",
+    proc = subprocess.Popen([sys.executable, "-m", "psring.predict.calibrate_cli", "--quick",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
