@@ -108,6 +108,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from .report import write_report
     from .sweep import format_summary
 
+    # its runs are forked while nothing but launching has happened here (a calibration
+    # that computed in this process leaves threads: then they start anew, psring.forking)
+    forking.allow()
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
     print(format_summary(res), file=sys.stderr)
     path, table = write_report(root)
