@@ -35,7 +35,8 @@ from . import forking
 from .errors import ConfigError, RunFailed
 
 GRACE_S = 5.0
-POLL_S = 0.05
+#: how often the supervisor looks at its children: a run ends at most this late
+POLL_S = 0.02
 
 
 def die_with_parent() -> None:
