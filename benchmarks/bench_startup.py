@@ -60,7 +60,7 @@ def training_s(run_dir: Path) -> float:
 
 def sweep_spec(path: Path, points: int) -> None:
     strategies = ["single", "allreduce", "ps", "async-ps", "ddp", "hogwild"][:points]
-    path.write_text(f'name = "startup"\nrepeats = 1\n[base]\nsteps = 1\nworkers = 2\n'
+    path.write_text(f'repeats = 1\n[base]\nsteps = 1\nworkers = 2\n'
                     f'[grid]\nstrategy = {json.dumps(strategies)}\n')
 
 
