@@ -182,7 +182,7 @@ def _busbw(rank: int, rounds: int, width: int, depth: int, iters: int = 25) -> d
 
 
 def bench_distributed(rounds: int, steps: int) -> dict:
-    from psring.launch import free_port
+    from psring.process import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=3)
     args = ap.parse_args()
-    from psring.launch import free_port
+    from psring.process import free_port
 
     mp.spawn(run, args=(args.workers + 1, args, free_port()), nprocs=args.workers + 1,
              join=True)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import SMALL, assert_no_processes, load_model, max_rel_diff, read_steps
-from psring.launch import free_port
+from psring.process import free_port
 
 
 @pytest.mark.timeout(240)

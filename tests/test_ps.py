@@ -77,7 +77,7 @@ def test_standalone_servers_serve_a_run_and_keep_running(small_runs, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_server_addrs_pointing_at_nothing_fails_fast(tmp_path):
-    from psring.launch import free_port
+    from psring.process import free_port
 
     out = tmp_path / "nothing"
     t0 = time.monotonic()
