@@ -16,7 +16,9 @@ progress-bar thread) leaves the child with a lock nobody will release. So forkin
 opt-in and checked:
 
 - a process declares that it will not compute before launching (:func:`allow`; the
-  ``psring run`` and ``psring sweep`` commands do), which also preloads;
+  ``psring run``, ``sweep`` and ``compare`` commands do), which also preloads;
+- torch is a CPU build (a GPU runtime initialized in the launcher cannot be used by a
+  forked child; CUDA and ROCm builds start every process anew);
 - at each start the process must still have the threads it had right after
   preloading (numpy's BLAS pool, which hands itself over at fork), and no other
   Python thread;
@@ -78,7 +80,20 @@ def allow() -> None:
     if not supported():
         return
     preload()
+    if not _cpu_only_torch():
+        return
     _baseline_threads = _threads()
+
+
+def _cpu_only_torch() -> bool:
+    """A torch built for CUDA or ROCm may have initialized its GPU runtime in the
+    launcher (``torch.cuda.is_available()`` does, when the config resolves --device
+    auto), and a forked child cannot use a runtime its parent initialized. Such builds
+    start every process anew; CPU builds fork."""
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "version", None)
+    return torch is not None and getattr(version, "cuda", None) is None \
+        and getattr(version, "hip", None) is None
 
 
 def target(argv: list[str]) -> tuple[str, list[str]] | None:
