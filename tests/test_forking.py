@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from conftest import assert_no_processes
+
 SCRIPT = r"""
 import os, sys, threading, time
 from pathlib import Path
@@ -50,6 +52,7 @@ def test_the_launcher_forks_only_when_it_is_safe_and_children_behave_as_started_
     assert "forked: ForkedProcess codes: 2 0" in out
     assert "log: True True" in out
     assert "with a thread: None" in out
+    assert_no_processes(str(tmp_path))  # the forked children carry its command line
 
 
 @pytest.mark.timeout(120)
