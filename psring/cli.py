@@ -31,6 +31,9 @@ from .errors import run_guarded
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    # first, before torch and a user's model are imported: this process only launches,
+    # and its children are forked from it (psring.forking)
+    forking.allow()
     from .config import config_from_args
     from .launch import launch
     from .report import render_table, summarize_all
@@ -46,7 +49,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = config_from_args(args)
     print(f"psring: running {cfg.strategy} with {cfg.workers} worker(s)", file=sys.stderr)
-    forking.allow()  # this process only launches: its children are forked from it
     run_dir = launch(cfg, progress=_progress_printer(cfg.steps * cfg.workers))
     print(render_table(summarize_all([str(run_dir)])))
     print(f"run directory: {run_dir}")
@@ -84,6 +86,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    forking.allow()  # first: its runs' processes are forked from it (see _cmd_run)
     from pathlib import Path
 
     from .sweep import Sweep, default_out, format_summary, run_sweep_with_progress
@@ -92,7 +95,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.repeats is not None:
         sweep = Sweep(**{**sweep.to_dict(), "repeats": args.repeats})
     out = Path(args.out) if args.out else default_out(sweep)
-    forking.allow()  # this process only launches: its runs' children are forked from it
     res = run_sweep_with_progress(sweep, out)
     print(format_summary(res), file=sys.stderr)
     if args.report:
@@ -106,13 +108,13 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    # first (see _cmd_run); a calibration that computes in this process leaves threads
+    # behind, and its runs' processes then start anew
+    forking.allow()
     from .compare import run_compare
     from .report import write_report
     from .sweep import format_summary
 
-    # its runs are forked while nothing but launching has happened here (a calibration
-    # that computed in this process leaves threads: then they start anew, psring.forking)
-    forking.allow()
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
     print(format_summary(res), file=sys.stderr)
     path, table = write_report(root)

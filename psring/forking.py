@@ -34,6 +34,7 @@ as before.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import io
 import logging
@@ -66,23 +67,45 @@ def supported() -> bool:
         and os.environ.get(ENV, "1") != "0"
 
 
-def preload() -> None:
-    """Import what a worker and a server import, once, in this process."""
-    for name in _PRELOAD:
+def preload() -> int:
+    """Import what a worker and a server import, once, in this process; return the
+    threads the process had once torch was imported, before any psring module (and
+    with it a user's plugin) was."""
+    for name in _PRELOAD[:2]:
         importlib.import_module(name)
+    clean = _threads()
+    for name in _PRELOAD[2:]:
+        importlib.import_module(name)
+    return clean
 
 
 def allow() -> None:
     """This process will start runs and compute nothing itself before it does: fork
-    their workers and servers from it (when :func:`supported`). Preloads now, and
-    remembers how many threads the process has afterwards."""
+    their workers and servers from it (when :func:`supported`). Call it first thing,
+    before torch is imported (else it does nothing): it imports torch and the worker
+    and server code, and remembers the threads the process then has; any thread more
+    at a start (plugins or a user's model computing at import, a calibration) means a
+    new interpreter instead."""
     global _baseline_threads
-    if not supported():
+    if not supported() or _baseline_threads is not None:
         return
-    preload()
+    if "torch" in sys.modules:
+        # torch came in before this declaration, and whatever ran since may have
+        # started its thread pools: no telling what a fork would inherit
+        return
+    clean = preload()
     if not _cpu_only_torch():
         return
-    _baseline_threads = _threads()
+    now = _threads()
+    if now > clean:
+        # code run since torch was imported (a plugin, a user's model module) started
+        # threads, e.g. torch's OpenMP pool by computing: a fork could inherit its locks
+        return
+    # the launcher must reap its children itself: with SIGCHLD ignored (inherited from
+    # whoever started it) the kernel would, and every exit status would be lost
+    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _baseline_threads = now
 
 
 def _cpu_only_torch() -> bool:
@@ -168,6 +191,8 @@ def start(module: str, args: list[str], env: Mapping[str, str], log_fd: int,
 
 
 def _become_child(env: Mapping[str, str], log_fd: int) -> None:
+    if log_fd < 3:  # the launcher started with stdio closed: keep the log clear of them
+        log_fd = fcntl.fcntl(log_fd, fcntl.F_DUPFD, 3)
     os.setsid()
     # what a new interpreter starts with, whatever the launcher installed
     signal.signal(signal.SIGINT, signal.default_int_handler)

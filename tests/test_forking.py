@@ -62,3 +62,37 @@ def test_psring_fork_0_starts_every_process_anew(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=100, env={**__import__("os").environ, "PSRING_FORK": "0"})
     assert proc.stdout.strip() == "None", proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_no_fork_once_torch_came_first(tmp_path):
+    """Whatever ran after torch was imported but before allow() may have started its
+    thread pools (a model module computing at import): a fork could inherit a lock."""
+    code = ("import sys, torch; torch.ones(10**6).mul_(2); from psring import forking; "
+            "forking.allow(); print(forking.target([sys.executable, '-m', 'psring.workers']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100)
+    assert proc.stdout.strip() == "None", proc.stderr
+
+
+CLOSED = r"""
+import os, signal, sys
+from pathlib import Path
+from psring import forking
+from psring.process import ProcessSpec, Supervisor
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as some parents leave it
+forking.allow()
+os.close(0)  # the launcher's stdin closed: its first log file opens as fd 0
+sup = Supervisor(Path(sys.argv[1]))
+c = sup.start(ProcessSpec("worker-0", [sys.executable, "-m", "psring.workers", "--help"]))
+print(type(c.proc).__name__, c.proc.wait(timeout=60))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_logs_and_reports_its_exit_whatever_the_launcher_inherited(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", CLOSED, str(tmp_path)], capture_output=True,
+                          text=True, timeout=100)
+    assert proc.stdout.strip() == "ForkedProcess 0", proc.stderr
+    assert "usage:" in (tmp_path / "worker-0.log").read_text()
+    assert_no_processes(str(tmp_path))
