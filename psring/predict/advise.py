@@ -60,10 +60,16 @@ class Candidate:
 
 
 def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any],
-               max_servers: int = 8, cores: int | None = None) -> list[Candidate]:
+               max_servers: int = 8, cores: int | None = None,
+               link_bits: float | None = None, delay_s: float | None = None
+               ) -> list[Candidate]:
     """Every setting of every strategy the cluster can run, simulated: servers up to
     ``max_servers`` (and twice the hosts); ``cores``: shared by every process (the
-    cluster emulated on one machine), as psring.predict.simulate takes them."""
+    cluster emulated on one machine), as psring.predict.simulate takes them.
+    ``link_bits``, ``delay_s``: the link a server on a host of its own is reached over
+    (default: the base cluster's; one host's base cluster has none, as nothing crosses)."""
+    link = base.link_bits if link_bits is None else link_bits
+    delay = base.delay_s if delay_s is None else delay_s
     out = []
     seen_buckets: list[float] = []
     for mb in BUCKET_MB:  # bucket sizes that bucket this model differently
@@ -75,14 +81,17 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
             out.append(Candidate(name, simulate(profile, base, None, cal, cores=cores)))
             continue
         servers = [k for k in (1, 2, 4, 8) if k <= max_k] if cls.uses_servers else [1]
-        placements = ["colocated", "own-hosts"] if cls.uses_servers and base.link_bits \
+        placements = ["colocated", "own-hosts"] if cls.uses_servers and link \
             else ["colocated"]
         compress = ["none", "fp16"] if cls.supports_compression else ["none"]
         for mb in seen_buckets:
             for k in servers:
                 for place in placements:
                     for comp in compress:
-                        cl = base.replace(servers=k, placement=place)
+                        cl = Cluster.of(hosts=base.hosts,
+                                        workers_per_host=base.workers // base.hosts,
+                                        link_bits=link, delay_s=delay, servers=k,
+                                        placement=place)
                         out.append(Candidate(name, simulate(profile, cl, cls.comm_model, cal,
                                                             compress=comp, bucket_mb=mb,
                                                             cores=cores)))

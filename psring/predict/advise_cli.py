@@ -124,10 +124,10 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
                       delay_s=delay), n
 
 
-def _where(cluster: Cluster, per_host: int) -> str:
-    link = "loopback" if cluster.link_bits is None else f"{cluster.link_bits / 1e9:g} Gbit/s"
-    delay = f" +{cluster.delay_s * 1e3:g} ms" if cluster.delay_s else ""
-    return f"{cluster.hosts} host(s) x {per_host} worker(s), {link}{delay}"
+def _where(hosts: int, per_host: int, link_bits: float | None, delay_s: float) -> str:
+    link = "loopback" if link_bits is None else f"{link_bits / 1e9:g} Gbit/s"
+    delay = f" +{delay_s * 1e3:g} ms" if delay_s else ""
+    return f"{hosts} host(s) x {per_host} worker(s), {link}{delay}"
 
 
 def _calibration(args: argparse.Namespace, out: Path):
@@ -246,11 +246,13 @@ def advise_command(args: argparse.Namespace) -> int:
     shared = cores if args.verify else None
     classes = strategy_classes(n, cluster.hosts)
     # --verify: only settings this machine can run (workers and servers <= the limit)
+    link = parse_rate(args.link) if args.link else None
+    delay = parse_delay(args.delay) if args.delay else 0.0
     cands = candidates(prof, cluster, cal, classes,
                        max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8,
-                       cores=shared)
+                       cores=shared, link_bits=link, delay_s=delay)
     ranking = rank(cands)
-    where = _where(cluster, n // cluster.hosts) + (
+    where = _where(cluster.hosts, n // cluster.hosts, link, delay) + (
         f", emulated on this machine's {cores} cores" if args.verify else "")
     title = (f"psring advise: {prof.source.get('model', 'profiled model')}, "
              f"{prof.total_bytes / 1e6:.2f} MB of gradients, batch {args.batch_size} "
@@ -271,7 +273,7 @@ def advise_command(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "title": title, "profile": {**prof.source, "summary": prof.describe()},
         "cluster": {"hosts": cluster.hosts, "workers_per_host": n // cluster.hosts,
-                    "link_bits": cluster.link_bits, "delay_s": cluster.delay_s,
+                    "link_bits": link, "delay_s": delay,
                     "cores": shared}, "workers": n, "calibration_host": cal.host,
         "ranking": [dict(zip(HEADER, r)) for r in rows],
         "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
