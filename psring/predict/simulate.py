@@ -3,11 +3,12 @@ profile of the model (psring.predict.profile) and a cluster, without running any
 
     from psring.predict.costmodel import Calibration, find_calibration
     from psring.predict.profile import Profile
-    from psring.predict.simulate import Cluster, simulate
+    from psring.cluster import Cluster
+    from psring.predict.simulate import simulate
 
     prof = Profile.load("runs/prof-r18")          # psring profile --model resnet18 ...
     cal = Calibration.load(find_calibration())    # psring calibrate
-    p = simulate(prof, Cluster(hosts=4, workers_per_host=1, link_bits=10e9), "ring", cal)
+    p = simulate(prof, Cluster.of(hosts=4, workers_per_host=1, link_bits=10e9), "ring", cal)
     print(p.step_s, p.phases, p.bound)
 
 Pure Python, no processes, no torch. Each worker's step is played out as a timeline of
