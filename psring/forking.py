@@ -53,6 +53,7 @@ _PRELOAD = ("torch", "torch.distributed", "psring.workers.entry", "psring.worker
             "psring.checkpoint", "psring.servers.entry", "psring.servers.server")
 
 _baseline_threads: int | None = None
+_BLOCKED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD}
 
 
 def _threads() -> int:
@@ -171,12 +172,17 @@ def start(module: str, args: list[str], env: Mapping[str, str], log_fd: int,
             stream.flush()
         except (AttributeError, ValueError, OSError):
             pass
+    # no signal may be handled between fork() and the child's own handlers: the
+    # launcher's would raise in the child's copy of the launcher's stack
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     pid = os.fork()
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return ForkedProcess(pid, [sys.executable, "-m", module, *args])
     code = 1
     try:
         _become_child(env, log_fd)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if enter is not None:
             enter()
         code = _run_main(module, args)
