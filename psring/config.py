@@ -240,7 +240,7 @@ class RunConfig:
                                   f"(got {self.server_placement!r}).")
             raise ConfigError(f"--server-placement applies to parameter-server strategies "
                               f"(ps, async-ps), not {self.strategy!r}.")
-        cluster = Cluster.from_config(self, strategy_cls.uses_servers)
+        cluster = self.cluster  # validates the cluster flags themselves
         if cluster.emulated:
             # worker 0 is always on host-0, the network's first address
             if self.master_addr not in ("127.0.0.1", host_address(0)):
@@ -252,13 +252,15 @@ class RunConfig:
                     f"--server-addrs {', '.join(wrong)}: emulated hosts reach only each other "
                     f"(198.18.0.0/15); with --hosts the launcher starts the servers itself "
                     f"(drop --server-addrs).")
-        # computed once, here; `cluster` below is its reader
-        self.__dict__["cluster"] = cluster
 
     @cached_property
     def cluster(self) -> Cluster:
-        """Where this run's processes live (psring.cluster), as validated."""
-        return self.__dict__["cluster"]
+        """Where this run's processes live (psring.cluster): derived from the config
+        once (validation computes it first) and kept."""
+        # the registry imports torch; see __post_init__
+        from .strategies import STRATEGIES
+
+        return Cluster.from_config(self, STRATEGIES.get(self.strategy).uses_servers)
 
     def _check_servers(self, strategy_cls) -> None:
         if self.servers < 1:
@@ -310,7 +312,7 @@ class RunConfig:
                 raise ConfigError(f"--servers {self.servers} disagrees with the "
                                   f"{len(addrs)} --server-addrs; give one or the other.")
             object.__setattr__(self, "servers", len(addrs))
-            self.__dict__["cluster"] = self.cluster.replace(servers=len(addrs))
+            self.__dict__.pop("cluster", None)  # derived from servers: again when next read
         if strategy_cls.uses_servers and self.secret_file:
             from .protocol import load_secret
 
