@@ -50,9 +50,10 @@ from typing import Any, Iterator
 
 from .cluster import NETWORK, Cluster
 from .errors import PsringError
-from .netns import (CLONE_NEWNET, CLONE_NEWUSER, HOST_IFACE, NETNS_ENV, _die_with_parent,
+from .netns import (CLONE_NEWNET, CLONE_NEWUSER, HOST_IFACE, NETNS_ENV,
                     _setns, _unshare, ns_inode, setns_fd)
-from .process import POLL_S, ProcessSpec, Supervisor, die_with_parent, tail
+from .process import (POLL_S, ProcessSpec, Supervisor, die_with_parent, kill_with_parent,
+                      tail)
 from .runlog import atomic_write_json
 
 #: the switch's bridge (its ports are named after the hosts)
@@ -162,7 +163,7 @@ def _spawn_holder(others: list[int]) -> tuple[int, int]:
             os.close(ctrl_w)
             for fd in others:
                 os.close(fd)
-            _die_with_parent()
+            kill_with_parent()
             if os.getppid() != agent:
                 os._exit(0)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -423,7 +424,7 @@ def _enter_main(argv: list[str]) -> int:
         return 1
     # a program started on a host dies with whoever started it (the launcher restates
     # this for its own processes), so nothing keeps a namespace alive by accident
-    _die_with_parent()
+    kill_with_parent()
     os.execvp(command[0], command)
     return 127  # not reached
 

@@ -11,7 +11,6 @@ import ctypes
 import errno
 import ipaddress
 import os
-import signal
 import struct
 from pathlib import Path
 
@@ -99,11 +98,6 @@ def _setns(path: str, nstype: int, inode: int | None = None) -> None:
             raise OSError(e, f"setns({path}): {os.strerror(e)}")
     finally:
         os.close(fd)
-
-
-def _die_with_parent() -> None:
-    PR_SET_PDEATHSIG = 1
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def ns_inode(pid: int | str, kind: str = "net") -> int:

@@ -47,15 +47,23 @@ def die_with_parent() -> None:
     is lost that a crash would not lose: checkpoints and run files are written
     atomically. Linux only; elsewhere a no-op."""
     parent = os.environ.get("PSRING_PARENT_PID")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
+    if not parent or not kill_with_parent():
         return
     if os.getppid() != int(parent):  # the launcher died before prctl took effect
         os._exit(143)
+
+
+def kill_with_parent() -> bool:
+    """PR_SET_PDEATHSIG: SIGKILL this process when its parent dies (the primitive under
+    :func:`die_with_parent`, and under the emulated cluster's holders and trampoline,
+    whose parent is whoever started them). False where it is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    PR_SET_PDEATHSIG = 1
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def worker_threads(cfg: Any, local_workers: int) -> int:
