@@ -39,9 +39,12 @@ import importlib
 import io
 import logging
 import os
+import runpy
 import signal
+import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import Callable, Mapping
 
@@ -151,9 +154,6 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() >= deadline:
@@ -230,8 +230,6 @@ def _become_child(env: Mapping[str, str], log_fd: int) -> None:
 
 
 def _run_main(module: str, args: list[str]) -> int:
-    import runpy
-
     sys.argv = [module, *args]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -3,6 +3,7 @@ behaves as a new ``python -m MODULE`` would (its own log, exit status, environme
 Each check runs in a fresh interpreter: forking from pytest's own process is what the
 module refuses to do."""
 
+import os
 import subprocess
 import sys
 
@@ -60,7 +61,7 @@ def test_psring_fork_0_starts_every_process_anew(tmp_path):
     code = ("import sys; from psring import forking; forking.allow(); "
             "print(forking.target([sys.executable, '-m', 'psring.workers']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=100, env={**__import__("os").environ, "PSRING_FORK": "0"})
+                          timeout=100, env={**os.environ, "PSRING_FORK": "0"})
     assert proc.stdout.strip() == "None", proc.stderr
 
 
