@@ -1,0 +1,75 @@
+"""psring.netif: the interface a worker's collectives use across hosts. A user's
+setting wins; else the interface routed to MASTER_ADDR; else an error naming the
+variable to set. (On emulated hosts, where it matters: tests/test_multihost.py.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from emutools import needs_emulation
+from psring import netif
+from psring.errors import ConfigError
+
+
+def test_one_host_needs_no_choice():
+    for master in ("127.0.0.1", "localhost", ""):
+        c = netif.choose({"MASTER_ADDR": master}, cuda=False)
+        assert (c.interface, c.how, c.env) == (None, "loopback", {})
+
+
+def test_the_users_setting_wins_and_must_exist():
+    c = netif.choose({"MASTER_ADDR": "127.0.0.1", netif.GLOO: "lo"}, cuda=False)
+    assert (c.interface, c.how, c.env) == ("lo", "user", {})
+    with pytest.raises(ConfigError, match=r"GLOO_SOCKET_IFNAME=nosuch0 names an interface "
+                                          r"this host does not have.*lo"):
+        netif.choose({"MASTER_ADDR": "127.0.0.1", netif.GLOO: "nosuch0"}, cuda=False)
+    # NCCL's own setting counts only with CUDA, and is checked too
+    with pytest.raises(ConfigError, match="NCCL_SOCKET_IFNAME=nosuch1"):
+        netif.choose({"MASTER_ADDR": "127.0.0.1", netif.NCCL: "nosuch1"}, cuda=True)
+    assert netif.choose({"MASTER_ADDR": "127.0.0.1", netif.NCCL: "nosuch1"},
+                        cuda=False).how == "loopback"
+
+
+def test_an_address_maps_to_its_interface():
+    assert netif.interface_of("127.0.0.1") == "lo"
+    assert netif.source_address("127.0.0.1") == "127.0.0.1"
+
+
+def test_a_master_addr_that_does_not_resolve_is_named():
+    with pytest.raises(ConfigError, match="MASTER_ADDR 'no-such-host.invalid' does not resolve"):
+        netif.choose({"MASTER_ADDR": "no-such-host.invalid"}, cuda=False)
+
+
+_PROBE = """
+import json, sys
+from psring import netif
+from psring.errors import ConfigError
+try:
+    c = netif.choose({"MASTER_ADDR": sys.argv[1]}, cuda=sys.argv[2] == "cuda")
+    print(json.dumps([c.interface, c.address, c.how, c.env]))
+except ConfigError as e:
+    print("error:", e)
+"""
+
+
+@needs_emulation
+@pytest.mark.timeout(60)
+def test_the_route_to_master_addr_picks_the_interface_or_its_absence_is_explained(tmp_path):
+    """In a namespace of our own: an interface (one end of a veth pair) with 198.18.7.2/24 routes to .1; a
+    network with no route fails with the variable to set."""
+    script = (f"ip link add psr-t0 type veth peer name psr-t1 && ip addr add 198.18.7.2/24 dev psr-t0 && "
+              f"ip link set psr-t0 up && {sys.executable} -c '{_PROBE}' 198.18.7.1 cpu && "
+              f"{sys.executable} -c '{_PROBE}' 198.19.9.9 cuda")
+    unshare = ["unshare", "--net"] if os.geteuid() == 0 else \
+        ["unshare", "--user", "--map-root-user", "--net"]
+    out = subprocess.run([*unshare, "--", "sh", "-c", script], capture_output=True,
+                         text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first == '["psr-t0", "198.18.7.2", "route", {"GLOO_SOCKET_IFNAME": "psr-t0"}]'
+    assert second.startswith("error: this host has no route to MASTER_ADDR 198.19.9.9")
+    assert "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME" in second
