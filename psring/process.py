@@ -41,13 +41,19 @@ POLL_S = 0.02
 
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when the launcher dies (even by SIGKILL),
-    so a killed ``psring run`` leaves no orphans. SIGKILL, not SIGTERM: a worker blocked
+    so a killed ``psring run`` (or torchrun agent) leaves no orphans. SIGKILL, not SIGTERM: a worker blocked
     in a collective (C++, waiting for a peer that died with the launcher) would run its
     Python SIGTERM handler only when the collective times out, minutes later. Nothing
     is lost that a crash would not lose: checkpoints and run files are written
     atomically. Linux only; elsewhere a no-op."""
     parent = os.environ.get("PSRING_PARENT_PID")
-    if not parent or not kill_with_parent():
+    if not parent:
+        # under torchrun the parent is its agent, which a SIGKILL (or a lost terminal)
+        # ends without it stopping its workers
+        if "TORCHELASTIC_RUN_ID" in os.environ and kill_with_parent() and os.getppid() == 1:
+            os._exit(143)
+        return
+    if not kill_with_parent():
         return
     if os.getppid() != int(parent):  # the launcher died before prctl took effect
         os._exit(143)

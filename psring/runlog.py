@@ -3,6 +3,8 @@
     DIR/manifest.json   config, versions, host, sizes, FLOPs, bytes per step (rank 0)
     DIR/steps.jsonl     one JSON object per worker per step (every worker appends)
     DIR/evals.jsonl     one JSON object per held-out evaluation (rank 0; psring.evaluate)
+    DIR/workers.jsonl   one JSON object per worker per launch: its run id, rank, host,
+                        address and interface (every worker appends)
     DIR/model.pt        final parameters, a plain state_dict (rank 0)
     DIR/logs/*.log      each process's stdout and stderr (written by the launcher)
 
@@ -27,6 +29,7 @@ from typing import Any, Iterator
 MANIFEST = "manifest.json"
 STEPS = "steps.jsonl"
 EVALS = "evals.jsonl"
+WORKERS = "workers.jsonl"
 MODEL = "model.pt"
 
 #: fields every step record has (docs/architecture.md explains each)
@@ -91,6 +94,15 @@ class StepLog:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One JSON line appended to ``path`` (whole, among other processes' lines)."""
+    log = StepLog(Path(path).parent, Path(path).name)
+    try:
+        log.write(record)
+    finally:
+        log.close()
 
 
 def read_steps(run_dir: Path, name: str = STEPS) -> list[dict]:
@@ -174,14 +186,13 @@ def run_id(cfg) -> str:
     """The same string in every process of one run, and a new one for every launch:
     names the run to parameter servers and names its shared-memory files.
 
-    ``psring run`` sets PSRING_RUN_ID (random) for its processes; under torchrun the
-    rendezvous (TORCHELASTIC_RUN_ID, MASTER_ADDR:MASTER_PORT) and --out stand in — give
-    torchrun a fresh ``--rdzv-id`` (or a fresh --out) per run."""
+    ``psring run`` sets PSRING_RUN_ID (random) for its processes; under torchrun rank 0
+    draws it and every worker reads it from the rendezvous store (psring.rendezvous).
+    Only a worker started by hand, alone, falls back to its --out path."""
     import hashlib
 
-    parts = [os.environ.get(k, "") for k in ("PSRING_RUN_ID", "TORCHELASTIC_RUN_ID",
-                                            "MASTER_ADDR", "MASTER_PORT")]
-    parts.append(os.path.abspath(cfg.out))
+    given = os.environ.get("PSRING_RUN_ID")
+    parts = [given] if given else ["", os.path.abspath(cfg.out)]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]
 
 

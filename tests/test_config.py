@@ -86,4 +86,8 @@ def test_run_id_is_shared_within_a_launch_and_new_across_launches(monkeypatch):
     a, b = run_id(cfg), run_id(cfg)
     monkeypatch.setenv("PSRING_RUN_ID", "launch-2")
     assert a == b != run_id(cfg)  # same --out, new launch: a new run for the servers
+    # the hosts of one torchrun launch write to their own --out: one run all the same
+    assert run_id(cfg.replace(out="/elsewhere/y")) == run_id(cfg)
+    # a worker started alone, by hand: its --out is all there is
+    monkeypatch.delenv("PSRING_RUN_ID")
     assert run_id(cfg.replace(out="runs/y")) != run_id(cfg)

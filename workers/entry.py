@@ -4,13 +4,15 @@ Started by ``psring run`` (one process per worker) or directly by ``torchrun``, 
 sets the same environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT). Two hosts, one worker each:
 
-    # on host A (reachable as hostA from host B)
+    # on host A (198.18.0.1 as host B sees it)
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
-        --master-addr hostA --master-port 29500 \\
-        -m psring.workers --strategy allreduce --out runs/two-hosts
+        --master-addr 198.18.0.1 --master-port 29500 --rdzv-conf timeout=60 \\
+        -m psring.workers --strategy allreduce --timeout 60 --out runs/two-hosts
     # on host B: the same with --node-rank 1
 
-Takes every flag of ``psring run``.
+Takes every flag of ``psring run``. Under torchrun the workers agree on the run through
+torchrun's store (psring.rendezvous) and choose their network interface
+(psring.netif); docs/reliability.md says what is bounded by which timeout.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from psring import netif, rendezvous
 from psring.allocator import keep_freed_memory
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
@@ -72,16 +76,22 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("a worker needs a run directory: pass --out DIR (psring run "
                               "does this for you; under torchrun give every node the same "
                               "--out).")
-        run_worker(cfg, rank, cfg.workers, local_rank, local_world, log)
+        run_worker(cfg, rank, cfg.workers, local_rank, local_world, log, prefix)
     except PsringError as e:
-        print(f"{prefix} error: {e}", file=sys.stderr, flush=True)
+        message = " ".join(filter(None, [str(e), rendezvous.current().explain()]))
+        print(f"{prefix} error: {message}", file=sys.stderr, flush=True)
+        rendezvous.report_failure(rank, message)
         return e.exit_code
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - last line must name the failure
         traceback.print_exc()
-        print(f"{prefix} error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        message = f"{type(e).__name__}: {e}"
+        print(f"{prefix} error: {message}", file=sys.stderr, flush=True)
+        rendezvous.report_failure(rank, message)
         return 1
+    finally:
+        rendezvous.current().close()
     return 0
 
 
@@ -108,12 +118,13 @@ def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
 
 
 def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world: int,
-               log: logging.Logger) -> None:
+               log: logging.Logger, prefix: str = "") -> None:
     import torch
     import torch.distributed as dist
 
     from psring.workload import build_workload
-    from psring.runlog import MODEL, StepLog, host_name, save_state_dict
+    from psring.runlog import (MODEL, WORKERS, StepLog, append_record, host_name,
+                               save_state_dict)
     from psring.strategies import STRATEGIES, WorkerContext
 
     from .loop import train
@@ -141,10 +152,23 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     ctx = WorkerContext(cfg=cfg, rank=rank, world=world, local_rank=local_rank,
                         local_world=local_world, device=device, run_dir=run_dir, log=log,
                         resume=resume, host=host_name())
+    # which interface gloo (NCCL) advertises to the other hosts, before anything dials
+    net = netif.choose(os.environ, cuda=device.type == "cuda")
+    os.environ.update(net.env)
+    record = {"host": ctx.host, "address": net.address, "interface": net.interface,
+              "node": _env_int("GROUP_RANK", 0), "local_rank": local_rank,
+              "pid": os.getpid(), "out": str(run_dir.resolve())}
+    launch = rendezvous.join(rank, world, cfg.timeout, record, log, prefix)
+    if launch.kind == "torchrun" and net.interface:
+        log.info("collectives on %s", net.message())
+    append_record(run_dir / WORKERS, {"run": launch.run_id, "world": world, "rank": rank,
+                                      **record, "time": time.time()})
+    launch.stage("building the model")
     work = build_workload(cfg)
     model, ds = work.model, work.data.train
     if rank == 0:
-        write_manifest(run_dir, cfg, work, strategy_cls, threads)
+        write_manifest(run_dir, cfg, work, strategy_cls, threads,
+                       launch={**launch.describe(), "network": net.describe()})
     model.to(device)
     warm_up(model, ds, cfg, rank, world, device)
 
@@ -153,14 +177,17 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     try:
         if strategy_cls.uses_process_group:
             backend = "nccl" if device.type == "cuda" else "gloo"
+            launch.stage(f"creating the {backend} process group")
             log.info("joining process group (%s, %s:%s)", backend,
                      os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
-            dist.init_process_group(backend, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=cfg.timeout))
+            _init_process_group(backend, rank, world, cfg.timeout, launch, net)
+        launch.stage(f"setting up {cfg.strategy}")
         strategy = strategy_cls(ctx)
         log.info("training %s on %s, %d steps, %d threads", cfg.strategy, device,
                  cfg.steps, threads)
-        train(ctx, strategy, model, work.data, steps, resume=resume)
+        train(ctx, strategy, model, work.data, steps, resume=resume,
+              on_step=lambda r: launch.stage("training", r["step"]))
+        launch.done()
         if rank == 0:
             save_state_dict(run_dir / MODEL, strategy.final_state(model))
         if dist.is_initialized():
@@ -179,3 +206,25 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         # gloo process group, whose C++ destructor then waited forever for its threads
         # in about 1 run in 10 (seen with `kill -USR1`: no Python frame below main).
         _RETAINED.append((strategy, model))
+
+
+def _init_process_group(backend: str, rank: int, world: int, timeout: float,
+                        launch: rendezvous.Launch, net: netif.Choice) -> None:
+    """init_process_group through the launch's store when it has one (torchrun), with
+    its failures told in terms of the hosts."""
+    import torch.distributed as dist
+
+    store = getattr(launch, "store", None)
+    kwargs = {"store": store} if store is not None else {}
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout), **kwargs)
+    except Exception as e:  # noqa: BLE001 - gloo, NCCL and the store raise several types
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise PsringError(
+            f"worker {rank}: creating the {backend} process group failed within --timeout "
+            f"{timeout:g} s: {first}. Every worker connects to every other one directly, at "
+            f"the address of the interface each one advertises (here: {net.message()}); "
+            f"each host must reach the others' addresses on any TCP port. A remote "
+            f"address of 127.0.0.1 means that host advertised loopback: set "
+            f"{netif.GLOO} there.") from None

@@ -12,8 +12,10 @@ from psring.models import flops_per_sample, parameter_bytes
 from psring.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
 
 
-def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
-    """``work``: the run's psring.workload.Workload."""
+def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
+                   launch: dict | None = None) -> dict:
+    """``work``: the run's psring.workload.Workload; ``launch``: who started the workers
+    and where they ran (psring.rendezvous: under torchrun, every rank's host)."""
     model, ds = work.model, work.data.train
     pbytes = parameter_bytes(model)
     # gradients as they travel: half the bytes with --compress fp16/bf16
@@ -30,6 +32,7 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         # which process ran on which (emulated) host, the links and the placement
         "cluster": cfg.cluster.describe(),
+        "launch": launch or {},
         "device": cfg.resolved_device,
         "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes,
                  "held_out": len(work.data.held_out), "kind": work.inputs.kind,
@@ -49,7 +52,8 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
     }
 
 
-def write_manifest(run_dir: Path, cfg: RunConfig, work, strategy_cls, threads: int) -> dict:
-    m = build_manifest(cfg, work, strategy_cls, threads)
+def write_manifest(run_dir: Path, cfg: RunConfig, work, strategy_cls, threads: int,
+                   launch: dict | None = None) -> dict:
+    m = build_manifest(cfg, work, strategy_cls, threads, launch)
     atomic_write_json(Path(run_dir) / MANIFEST, m)
     return m

@@ -1,0 +1,382 @@
+"""One launch across hosts: what the workers of a torchrun launch learn from the
+rendezvous they share, and the deadline that holds on every host.
+
+Under ``psring run`` the launcher supervises every process and hands each the run's id
+(PSRING_RUN_ID). Workers started by ``torchrun`` on several hosts have no such launcher:
+what they share is torchrun's key-value store (at MASTER_ADDR:MASTER_PORT, kept by node
+0's torchrun agent). Through it :func:`join`
+
+- agrees on **one run id**: rank 0 draws a fresh one and writes it; every rank reads it,
+  whatever its host's ``--out`` (parameter servers name runs by it; a second launch has
+  a new store, so a new id);
+- **registers every rank** (host, address, interface, pid, run directory) and waits up
+  to ``--timeout`` for all of them, naming those that never arrive;
+- keeps each rank's **stage** ("creating the gloo process group", "step 812") in the
+  store, so a worker that times out says how far each other one got, and publishes the
+  **first failure**, so the workers on other hosts stop within a second or two instead
+  of waiting out their own timeouts;
+- runs a **watchdog**: a worker with no progress for ``--timeout`` + :data:`GRACE_S`
+  exits with status 1 saying what it waited for, whatever call it is stuck in (gloo's
+  connection set-up, for one, waits up to 5 times its timeout).
+
+torchrun's own rendezvous, before any psring code runs, is bounded by torchrun's
+``--rdzv-conf timeout=SECONDS`` (default 600), not by ``--timeout``: docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Callable
+
+from .errors import PsringError
+from .runlog import host_name
+
+RUN_ENV = "PSRING_RUN_ID"
+#: seconds past --timeout before the watchdog ends a worker that made no progress; and
+#: the time a failing worker has to shut down. torch's own timeouts (the process
+#: group's, the store's) are set to --timeout, so they fire first when they work.
+GRACE_S = 10.0
+#: how often a worker's stage goes to the store and the store is asked for failures
+BEAT_S = 1.0
+#: a store operation of the watchdog or of a failing worker waits at most this long
+STORE_OP_S = 2.0
+
+
+def under_torchrun(env: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Started with a peer's rendezvous (torchrun, or RANK/WORLD_SIZE/MASTER_ADDR set by
+    hand) rather than by ``psring run``, which sets PSRING_RUN_ID."""
+    return not env.get(RUN_ENV) and bool(env.get("MASTER_ADDR")) \
+        and bool(env.get("MASTER_PORT")) and bool(env.get("WORLD_SIZE"))
+
+
+class Launch:
+    """A worker's view of its launch under ``psring run``: the launcher supervises, so
+    nothing to agree on and nothing to watch. The torchrun case is :class:`Rendezvous`."""
+
+    kind = "psring run"
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.run_id = os.environ.get(RUN_ENV, "")
+        self.peers: list[dict] = []
+
+    def stage(self, what: str, step: int | None = None) -> None:
+        """This worker got as far as ``what`` (progress, for the watchdog)."""
+
+    def done(self) -> None:
+        """Training finished here: a later failure elsewhere is not this worker's."""
+
+    def fail(self, message: str) -> None:
+        """This worker failed with ``message``: tell the others."""
+
+    def explain(self) -> str:
+        """What the other workers last reported ('' when nothing is known)."""
+        return ""
+
+    def describe(self) -> dict[str, Any]:
+        """For the manifest."""
+        return {"launcher": self.kind, "run_id": self.run_id}
+
+    def close(self) -> None:
+        pass
+
+
+def _store(host: str, port: int, rank: int, world: int, timeout: float):
+    """The rendezvous store as torch's env:// rendezvous opens it: a client of the
+    agent's store under torchrun (TORCHELASTIC_USE_AGENT_STORE), else rank 0 serves."""
+    from torch.distributed import TCPStore
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return TCPStore(host, port, world, is_master=rank == 0 and not agent,
+                    timeout=timedelta(seconds=timeout), multi_tenant=not agent,
+                    wait_for_workers=False)
+
+
+class Rendezvous(Launch):
+    kind = "torchrun"
+
+    def __init__(self, rank: int, world: int, timeout: float, record: dict[str, Any],
+                 log: logging.Logger, prefix: str):
+        super().__init__(rank, world)
+        self.timeout = timeout
+        self.log = log
+        self.prefix = prefix  # "[worker R/W]", for the watchdog's last words
+        self.host = os.environ["MASTER_ADDR"]
+        self.port = int(os.environ["MASTER_PORT"])
+        self.where = f"{self.host}:{self.port}"
+        self.ns = _namespace()
+        self.record = {**record, "rank": rank}
+        self._stage = {"stage": "joining the run", "step": None, "time": time.time()}
+        self._progress = time.monotonic()
+        self._finished = False
+        self._shutdown_by: float | None = None
+        self._seen: dict[int, dict] = {}  # each rank's stage as last read from the store
+        self._contact = time.monotonic()  # the watchdog's last answer from the store
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        try:
+            self.store = _store(self.host, self.port, rank, world, timeout)
+        except Exception as e:  # noqa: BLE001 - torch raises several types here
+            raise PsringError(
+                f"worker {rank}: could not reach the rendezvous store at {self.where} "
+                f"(MASTER_ADDR:MASTER_PORT, kept by node 0's torchrun) within --timeout "
+                f"{timeout:g} s: {_first_line(e)}. Check that node 0's torchrun runs and "
+                f"that this host reaches {self.host}.") from None
+        self._peer_failure: str | None = None
+        for name, target in (("watchdog", self._watchdog), ("heartbeat", self._heartbeat)):
+            threading.Thread(target=target, name=f"psring-{name}", daemon=True).start()
+
+    def key(self, name: str) -> str:
+        return self.ns + name
+
+    # -- joining ------------------------------------------------------------------------
+    def join(self) -> None:
+        """Agree on the run id and wait for every rank (up to --timeout)."""
+        try:
+            self._join()
+        except PsringError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store's errors (its host went away)
+            raise PsringError(
+                f"worker {self.rank}: the rendezvous store at {self.where} failed while the "
+                f"workers joined: {_first_line(e)}. Node 0's torchrun may have ended: see "
+                f"its output.") from None
+
+    def _join(self) -> None:
+        s = self.store
+        if self.rank == 0:
+            s.set(self.key("run"), uuid.uuid4().hex)  # before rank 0 counts as arrived
+        s.set(self.key(f"stage/{self.rank}"), json.dumps(self._stage))
+        s.set(self.key(f"rank/{self.rank}"), json.dumps(self.record))
+        keys = [self.key(f"rank/{r}") for r in range(self.world)]
+        deadline = time.monotonic() + self.timeout
+        while not s.check(keys):
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise PsringError(self._missing(keys))
+            time.sleep(0.05)
+        self.run_id = s.get(self.key("run")).decode()
+        self.peers = [json.loads(v) for v in s.multi_get(keys)]
+        os.environ[RUN_ENV] = self.run_id  # psring.runlog.run_id: servers, shared memory
+        self.stage("joined")
+
+    def _missing(self, keys: list[str]) -> str:
+        here = [r for r, k in enumerate(keys) if self.store.check([k])]
+        gone = [r for r in range(self.world) if r not in here]
+        known = "; ".join(f"rank {p['rank']} on {p['host']}" for p in
+                          (json.loads(self.store.get(keys[r])) for r in here))
+        return (f"worker {self.rank}: waited --timeout {self.timeout:g} s for every worker "
+                f"to join the run through the rendezvous store at {self.where}; "
+                f"{_ranks(gone)} never arrived (arrived: {known or 'none'}). A host's "
+                f"torchrun may have started late or not at all, or its worker failed before "
+                f"joining: see that host's output. Every host runs the same command, with "
+                f"its own --node-rank.")
+
+    def _raise_if_failed(self) -> None:
+        failure = self._failure(self.store)
+        if failure is not None:
+            raise PsringError(failure)
+
+    def _failure(self, store) -> str | None:
+        """The first failure another rank published, as a sentence (None: none)."""
+        if not store.check([self.key("failed")]):
+            return None
+        f = json.loads(store.get(self.key("failed")))
+        if f.get("rank") == self.rank:
+            return None
+        return (f"worker {self.rank}: stopping, because worker {f.get('rank')} on "
+                f"{f.get('host')} failed: {f.get('error')}")
+
+    # -- progress and failure -----------------------------------------------------------
+    def stage(self, what: str, step: int | None = None) -> None:
+        with self._lock:
+            self._stage = {"stage": what, "step": step, "time": time.time()}
+            self._progress = time.monotonic()
+
+    def done(self) -> None:
+        self._finished = True
+        self.stage("finished")
+
+    def fail(self, message: str) -> None:
+        """Publish the failure (the first one in the run wins) and allow GRACE_S for the
+        shutdown: the watchdog ends the process if it takes longer."""
+        self._shutdown_by = time.monotonic() + GRACE_S
+        value = _failure_value(self.rank, self.record.get("host"), message)
+        _bounded(lambda: self._client().compare_set(self.key("failed"), "", value))
+
+    # -- the watchdog ---------------------------------------------------------------------
+    # Two threads: the watchdog only keeps time (no I/O, so nothing can stall it), and a
+    # heartbeat talks to the store. A TCPStore call whose peer vanished with a cut link
+    # can block past its own timeout: only the heartbeat may be stuck in one.
+    def _watchdog(self) -> None:
+        while not self._stop.wait(BEAT_S / 4):
+            now = time.monotonic()
+            if self._shutdown_by is not None and now > self._shutdown_by:
+                self._die(f"worker {self.rank}: shutting down after the error above took "
+                          f"more than {GRACE_S:g} s; exiting now.")
+            with self._lock:
+                stage, idle = dict(self._stage), now - self._progress
+            if idle > self.timeout + GRACE_S:
+                self._die(f"worker {self.rank}: no progress for {idle:.0f} s (--timeout "
+                          f"{self.timeout:g} s + {GRACE_S:g} s grace) at: "
+                          f"{_stage_text(stage)}. {self.explain()}")
+            failure = self._peer_failure
+            if failure is not None and not self._finished and self._shutdown_by is None:
+                self._die(failure)
+
+    def _heartbeat(self) -> None:
+        client = None
+        last_sent: dict | None = None
+        while not self._stop.wait(BEAT_S):
+            try:
+                if client is None:
+                    client = self._client()
+                with self._lock:
+                    stage = dict(self._stage)
+                if stage != last_sent:
+                    client.set(self.key(f"stage/{self.rank}"), json.dumps(stage))
+                    last_sent = stage
+                self._peer_failure = self._failure(client)
+                if self.peers:
+                    keys = [self.key(f"stage/{r}") for r in range(self.world)]
+                    seen = {r: json.loads(v) for r, v in enumerate(client.multi_get(keys))}
+                    with self._lock:
+                        self._seen = seen
+                self._contact = time.monotonic()
+            except Exception:  # noqa: BLE001 - an unreachable store is itself a finding
+                continue
+
+    def _client(self):
+        from torch.distributed import TCPStore
+
+        # its own connection: the main thread's may be blocked in a long wait
+        return TCPStore(self.host, self.port, self.world, is_master=False,
+                        timeout=timedelta(seconds=STORE_OP_S), wait_for_workers=False)
+
+    def _die(self, message: str) -> None:
+        sys.stderr.write(f"{self.prefix} error: {message}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    def explain(self) -> str:
+        silent = time.monotonic() - self._contact
+        if silent > 3 * BEAT_S + STORE_OP_S:
+            return (f"The rendezvous store at {self.where} (on node 0's host) has not "
+                    f"answered this worker for {silent:.0f} s either: this host has lost its "
+                    f"connection to node 0's host (a cut link, or that host is down).")
+        with self._lock:
+            seen = dict(self._seen)
+        if not seen:
+            return ""
+        now = time.time()
+        parts = []
+        for p in self.peers:
+            r = p["rank"]
+            if r == self.rank or r not in seen:
+                continue
+            s = seen[r]
+            parts.append(f"rank {r} ({p.get('host')}, {p.get('address') or '?'}): "
+                         f"{_stage_text(s)}, "
+                         f"{now - s['time']:.0f} s ago")
+        return ("What the other workers last reported to the rendezvous store: "
+                + "; ".join(parts) + ".") if parts else ""
+
+    def describe(self) -> dict[str, Any]:
+        return {"launcher": self.kind, "run_id": self.run_id, "rendezvous": self.where,
+                "nodes": len({p.get("node") for p in self.peers}),
+                "hosts": count_hosts(self.peers), "workers": self.peers}
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+_current: Launch = Launch(0, 1)
+
+
+def current() -> Launch:
+    """The launch this process joined (a no-op Launch before :func:`join`)."""
+    return _current
+
+
+def join(rank: int, world: int, timeout: float, record: dict[str, Any],
+         log: logging.Logger, prefix: str) -> Launch:
+    """The launch this worker belongs to (see the module's docstring); under torchrun,
+    joined: the run id agreed and every rank arrived, or a PsringError naming who did
+    not."""
+    global _current
+    if not under_torchrun():
+        _current = Launch(rank, world)
+        return _current
+    _current = rdzv = Rendezvous(rank, world, timeout, record, log, prefix)
+    rdzv.join()
+    hosts = count_hosts(rdzv.peers)
+    log.info("run %s: %d worker%s on %d host%s joined through %s", rdzv.run_id, world,
+             "s" * (world > 1), hosts, "s" * (hosts > 1), rdzv.where)
+    return rdzv
+
+
+def report_failure(rank: int, message: str) -> None:
+    """Tell the other workers of a torchrun launch that this one failed, so they stop
+    now rather than at their timeout; also before :func:`join` (a bad flag on one host),
+    through a short-lived connection to the store. Best effort: the store may be gone."""
+    if isinstance(_current, Rendezvous):
+        _current.fail(message)
+        return
+    if not under_torchrun():
+        return
+    value = _failure_value(rank, host_name(), message)
+    _bounded(lambda: _store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), -1,
+                            int(os.environ["WORLD_SIZE"]), STORE_OP_S)
+             .compare_set(_namespace() + "failed", "", value))
+
+
+def _bounded(call: Callable[[], object], seconds: float = STORE_OP_S) -> None:
+    """``call()`` (a store operation), given at most ``seconds``: past that, or on an
+    error, the caller goes on without it (the thread is a daemon)."""
+    def run() -> None:
+        try:
+            call()
+        except Exception:  # noqa: BLE001 - best effort: the store may be gone
+            pass
+
+    t = threading.Thread(target=run, name="psring-store-op", daemon=True)
+    t.start()
+    t.join(seconds)
+
+
+def _stage_text(stage: dict) -> str:
+    return stage["stage"] if stage.get("step") is None else \
+        f"{stage['stage']}, after step {stage['step']}"
+
+
+def count_hosts(peers: list[dict]) -> int:
+    """Hosts among the workers' records: a host is its name and its address toward
+    MASTER_ADDR (machines cloned from one image may share a host name)."""
+    return len({(p.get("host"), p.get("address")) for p in peers})
+
+
+def _namespace() -> str:
+    """psring's keys in the store. A restarted torchrun worker group shares the agent's
+    store with the attempt before: each attempt has its own."""
+    return f"psring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _failure_value(rank: int, host: str | None, message: str) -> str:
+    return json.dumps({"rank": rank, "host": host, "error": message[:2000],
+                       "time": time.time()})
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
