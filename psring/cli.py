@@ -85,6 +85,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from .merge import merge
+
+    manifest = merge(args.dirs, args.out)
+    parts = manifest["merged_from"]
+    print(f"merged run {manifest['launch']['run_id']}: "
+          + ", ".join(f"{p['dir']} (rank{'s' * (len(p['ranks']) != 1)} "
+                      f"{', '.join(map(str, p['ranks']))})" for p in parts)
+          + f" -> {args.out}")
+    return 0
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     forking.allow()  # first: its runs' processes are forked from it (see _cmd_run)
     from pathlib import Path
@@ -216,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "directory gets report.md and plots")
     rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rep.set_defaults(func=_cmd_report)
+
+    mg = sub.add_parser("merge", help="join the run directories of one torchrun launch "
+                        "from several hosts into one run directory")
+    mg.add_argument("dirs", nargs="+", metavar="DIR", help="each host's --out, copied "
+                    "to this machine (node 0's holds the manifest)")
+    mg.add_argument("--out", required=True, help="the merged run directory (new)")
+    mg.set_defaults(func=_cmd_merge)
 
     sw = sub.add_parser("sweep", help="run a sweep definition (experiments/*.toml), "
                         "resumably, then report on it")

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..evaluate import time_to_accuracy
+from ..merge import missing_ranks
 from ..runlog import PHASES, iter_run_dirs, read_evals, read_manifest, read_steps, warmup_steps
 from ..strategies import STRATEGIES
 
@@ -39,6 +40,13 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if not records:
         raise ConfigError(f"{run_dir}: no step records in steps.jsonl (the run did not get "
                           f"through a step); see {run_dir}/logs.")
+    absent = missing_ranks(run_dir, manifest)
+    if absent:
+        raise ConfigError(
+            f"{run_dir} holds the steps of this host's workers only: rank"
+            f"{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} of this torchrun "
+            f"launch logged on other hosts. Copy their --out directories here and join "
+            f"them: psring merge {run_dir} OTHER_DIRS... --out MERGED, then report MERGED.")
     skip = warmup_steps(cfg["steps"])
     kept = [r for r in records if r["step"] >= skip] or records
     by_step: dict[int, list[dict]] = defaultdict(list)
@@ -66,6 +74,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "run": str(run_dir),
         "strategy": cfg["strategy"],
         "workers": cfg["workers"],
+        # the hosts the workers ran on: emulated (--hosts), or under torchrun as many
+        # as the rendezvous saw
+        "hosts": (manifest.get("launch") or {}).get("hosts") or cfg.get("hosts", 1),
         "model": cfg["model"],
         "batch_size": cfg["batch_size"],
         "steps": last_step + 1,
@@ -85,6 +96,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "parameter_bytes": manifest.get("parameter_bytes"),
         "arithmetic_intensity": manifest.get("arithmetic_intensity"),
         "workload": {k: cfg.get(k) for k in WORKLOAD_KEYS},
+        # who started the workers, and where (torchrun: every rank's host)
+        "launch": manifest.get("launch") or {},
         "speedup_vs_single": None,
     }
 
@@ -127,7 +140,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     from rich.table import Table
 
     table = Table(title="psring report (medians exclude warm-up steps)")
-    for col in ("strategy", "workers", "samples/s", "step p50 ms", "step p95 ms",
+    for col in ("strategy", "workers", "hosts", "samples/s", "step p50 ms", "step p95 ms",
                 "compute %", "comm %", "speedup", "loss first→final", "held-out acc",
                 "run"):
         table.add_column(col, justify="left" if col in ("strategy", "run") else "right")
@@ -135,7 +148,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         speed = f"{r['speedup_vs_single']:.2f}x" if r["speedup_vs_single"] is not None else "-"
         loss = (f"{r['loss_first']:.3f}→{r['loss_final']:.3f}" if r["loss_first"] is not None
                 else f"{r['loss_final']:.3f}")
-        table.add_row(r["strategy"], str(r["workers"]), f"{r['samples_per_s']:.0f}",
+        table.add_row(r["strategy"], str(r["workers"]), str(r.get("hosts", 1)),
+                      f"{r['samples_per_s']:.0f}",
                       f"{r['step_p50_s'] * 1e3:.1f}", f"{r['step_p95_s'] * 1e3:.1f}",
                       f"{r['compute_share'] * 100:.0f}", f"{r['comm_share'] * 100:.0f}",
                       speed, loss, _accuracy_text(r), r["run"])
