@@ -1,0 +1,136 @@
+"""Hosts for the tests of the multi-host path (torchrun on several machines).
+
+Each host is one of psring's emulated hosts (psring.emulate.standalone: a network
+namespace on a bridge, addressed in 198.18.0.0/15) with a host name of its own that
+resolves nowhere, so nothing may rely on the host name (the failure that gloo's default
+choice of address meets). On them a test runs the README's commands as a user runs
+them on real machines: no psring launcher, nothing set in the environment but what a
+user's shell has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from emutools import assert_cluster_gone
+from psring import emulate
+
+_ports = itertools.count(29500)
+
+
+def user_env() -> dict[str, str]:
+    """The environment of a user's shell: nothing psring, gloo, NCCL or torchrun set."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PSRING_", "GLOO_", "NCCL_", "TORCHELASTIC_", "MASTER_"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+
+
+class Node:
+    """A command running on one emulated host, its output in a file."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path):
+        self.proc, self.log = proc, log
+        self.started = time.monotonic()
+        self.ended: float | None = None
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, within: float) -> int:
+        """Its exit status; killed (and an AssertionError) when it runs past ``within``
+        seconds from its start."""
+        try:
+            self.proc.wait(timeout=max(0.0, self.started + within - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running {within:.0f} s after it started; its "
+                                 f"output:\n{self.output[-3000:]}") from None
+        if self.ended is None:
+            self.ended = time.monotonic()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class Hosts:
+    def __init__(self, cluster: emulate.EmulatedCluster, logs: Path,
+                 python: str = sys.executable):
+        self.cluster, self.logs = cluster, logs
+        self.nodes: list[Node] = []
+        #: the environment's commands (another checkout's venv: benchmarks/multihost_faults.py)
+        self.bin = Path(python).parent
+
+    def command(self, name: str) -> str:
+        """An installed command of the environment under test (torchrun, psring)."""
+        return str(self.bin / name)
+
+    def address(self, i: int) -> str:
+        return self.cluster.host(f"host-{i}")["address"]
+
+    def run(self, i: int, argv: list[str], name: str) -> Node:
+        """``argv`` on host ``i``, under its own host name (a UTS namespace)."""
+        host = f"host-{i}"
+        named = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', host,
+                 *argv]
+        log = self.logs / f"{name}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(self.cluster.command(host, named), env=user_env(),
+                                    stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        node = Node(proc, log)
+        self.nodes.append(node)
+        return node
+
+    def torchrun(self, i: int, nnodes: int, port: int, worker_args: list[str],
+                 rdzv_timeout: float, name: str = "", module: str = "psring.workers") -> Node:
+        """The README's command on host ``i`` as node ``i``, node 0 on host 0."""
+        argv = [self.command("torchrun"), "--nnodes", str(nnodes), "--node-rank", str(i),
+                "--nproc-per-node", "1", "--master-addr", self.address(0),
+                "--master-port", str(port), "--rdzv-conf", f"timeout={rdzv_timeout:g}",
+                "-m", module, *worker_args]
+        return self.run(i, argv, name or f"node-{i}")
+
+    def cut(self, i: int) -> None:
+        """A network partition: host ``i``'s interface goes down."""
+        pid = self.cluster.host(f"host-{i}")["pid"]
+        subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "link", "set", "dev",
+                        "eth0", "down"], check=True, timeout=10)
+
+    def kill_all(self) -> None:
+        for n in self.nodes:
+            n.kill()
+
+
+def next_port() -> int:
+    """A master port for one launch (each host is a fresh namespace: any port is free;
+    a new one per launch keeps a closing store's port out of the next launch's way)."""
+    return next(_ports)
+
+
+@contextlib.contextmanager
+def emulated_hosts(count: int, tmp: Path, python: str = sys.executable) -> Iterator[Hosts]:
+    """``count`` emulated hosts; afterwards every command killed and every namespace and
+    link of them gone (asserted)."""
+    d = tmp / "cluster"
+    d.mkdir()
+    hosts = None
+    try:
+        with emulate.standalone(count, log_dir=d) as cluster:
+            hosts = Hosts(cluster, tmp, python)
+            yield hosts
+    finally:
+        if hosts is not None:
+            hosts.kill_all()
+    assert_cluster_gone(d)
