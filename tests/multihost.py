@@ -45,17 +45,18 @@ class Node:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def poll(self) -> int | None:
+        """Its exit status, or None while it runs; ``ended`` is when this first saw it
+        exit (poll often, or through :func:`wait_all`, to time it)."""
+        code = self.proc.poll()
+        if code is not None and self.ended is None:
+            self.ended = time.monotonic()
+        return code
+
     def wait(self, within: float) -> int:
         """Its exit status; killed (and an AssertionError) when it runs past ``within``
         seconds from its start."""
-        try:
-            self.proc.wait(timeout=max(0.0, self.started + within - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"still running {within:.0f} s after it started; its "
-                                 f"output:\n{self.output[-3000:]}") from None
-        if self.ended is None:
-            self.ended = time.monotonic()
+        wait_all([self], self.started + within)
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -79,14 +80,17 @@ class Hosts:
     def address(self, i: int) -> str:
         return self.cluster.host(f"host-{i}")["address"]
 
-    def run(self, i: int, argv: list[str], name: str) -> Node:
-        """``argv`` on host ``i``, under its own host name (a UTS namespace)."""
+    def run(self, i: int, argv: list[str], name: str,
+            env: dict[str, str] | None = None) -> Node:
+        """``argv`` on host ``i``, under its own host name (a UTS namespace), with
+        ``env`` added to a user's environment."""
         host = f"host-{i}"
         named = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', host,
                  *argv]
         log = self.logs / f"{name}.log"
         with open(log, "wb") as f:
-            proc = subprocess.Popen(self.cluster.command(host, named), env=user_env(),
+            proc = subprocess.Popen(self.cluster.command(host, named),
+                                    env={**user_env(), **(env or {})},
                                     stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         node = Node(proc, log)
@@ -94,13 +98,14 @@ class Hosts:
         return node
 
     def torchrun(self, i: int, nnodes: int, port: int, worker_args: list[str],
-                 rdzv_timeout: float, name: str = "", module: str = "psring.workers") -> Node:
+                 rdzv_timeout: float, name: str = "", module: str = "psring.workers",
+                 env: dict[str, str] | None = None) -> Node:
         """The README's command on host ``i`` as node ``i``, node 0 on host 0."""
         argv = [self.command("torchrun"), "--nnodes", str(nnodes), "--node-rank", str(i),
                 "--nproc-per-node", "1", "--master-addr", self.address(0),
                 "--master-port", str(port), "--rdzv-conf", f"timeout={rdzv_timeout:g}",
                 "-m", module, *worker_args]
-        return self.run(i, argv, name or f"node-{i}")
+        return self.run(i, argv, name or f"node-{i}", env)
 
     def cut(self, i: int) -> None:
         """A network partition: host ``i``'s interface goes down."""
@@ -111,6 +116,19 @@ class Hosts:
     def kill_all(self) -> None:
         for n in self.nodes:
             n.kill()
+
+
+def wait_all(nodes: list[Node], until: float) -> None:
+    """Wait for every node to exit, timing each; kill them all (and an AssertionError)
+    at ``until`` (a time.monotonic())."""
+    while any(n.poll() is None for n in nodes):
+        if time.monotonic() > until:
+            for n in nodes:
+                n.kill()
+            late = [n for n in nodes if n.ended is None]
+            raise AssertionError(f"{len(late)} still running at the deadline; output:\n"
+                                 + "\n".join(n.output[-3000:] for n in late))
+        time.sleep(0.05)
 
 
 def next_port() -> int:
