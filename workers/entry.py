@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                               "started outside one (torchrun runs on real hosts): drop them.")
         if not cfg.out:
             raise ConfigError("a worker needs a run directory: pass --out DIR (psring run "
-                              "does this for you; under torchrun give every node the same "
-                              "--out).")
+                              "does this for you; under torchrun each host writes its own "
+                              "workers' steps there, and `psring merge` joins the hosts' "
+                              "directories).")
         run_worker(cfg, rank, cfg.workers, local_rank, local_world, log, prefix)
     except PsringError as e:
         message = " ".join(filter(None, [str(e), rendezvous.current().explain()]))
