@@ -13,6 +13,8 @@ the commands on them (torchrun, psring) are those of --python's environment. Cas
 - ``cut``: host 1's link goes down mid-run; when does each host end?
 - ``run-id``: ps with a signed server on host 2, each host its own --out
 - ``never-arrives``: only host 0 runs torchrun (its --rdzv-conf timeout bounds it)
+- ``wrong-ifname``: the user sets GLOO_SOCKET_IFNAME=lo on both hosts (their setting
+  wins): gloo's connection set-up fails, and waits up to 5x --timeout
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from multihost import emulated_hosts, next_port, wait_all  # noqa: E402
 
 SMALL = ["--model", "mlp", "--steps", "5", "--batch-size", "32", "--threads", "1"]
-CASES = ("interface", "fails-at-start", "cut", "run-id", "never-arrives")
+CASES = ("interface", "fails-at-start", "cut", "run-id", "never-arrives", "wrong-ifname")
 
 
 def last_error(text: str) -> str:
@@ -64,6 +66,8 @@ def run_case(case: str, python: str, timeout: float, tmp: Path,
 
         # as the issue's user did by hand, to get past the interface on the old code
         env = {"GLOO_SOCKET_IFNAME": "eth0"} if ifname and case != "interface" else {}
+        if case == "wrong-ifname":
+            env = {"GLOO_SOCKET_IFNAME": "lo"}
         ar = ["--strategy", "allreduce"]
         if case == "run-id":
             secret = tmp / "secret"
