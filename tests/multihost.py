@@ -85,8 +85,10 @@ class Hosts:
         """``argv`` on host ``i``, under its own host name (a UTS namespace), with
         ``env`` added to a user's environment."""
         host = f"host-{i}"
-        named = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', host,
-                 *argv]
+        # (Python sets the name: a `hostname` command is not on every machine)
+        named = ["unshare", "--uts", "--", "sh", "-c",
+                 f'{sys.executable} -c "import socket, sys; socket.sethostname(sys.argv[1])" '
+                 f'"$0" && exec "$@"', host, *argv]
         log = self.logs / f"{name}.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(self.cluster.command(host, named),
