@@ -185,7 +185,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .predict.profile import profile_config, take_profile
+    from .predict.profiling import profile_config, take_profile
 
     flags = {k: v for k, v in vars(args).items()
              if k not in ("func", "argv", "command", "out") and v is not None}

@@ -45,7 +45,8 @@ from ..runlog import atomic_write_json
 from .advise import (HEADER, Candidate, candidates, plot, rank, recommendations, table,
                      verify_candidates)
 from .costmodel import Calibration, find_calibration
-from .profile import MODEL_KEYS, Profile, profile_config, take_profile
+from .profile import MODEL_KEYS, Profile
+from .profiling import profile_config, take_profile
 
 # Imported inside the functions that use them, as before this command had a module of
 # its own: psring.models, the strategy registry, calibrate and the run report (each

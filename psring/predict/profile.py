@@ -27,7 +27,6 @@ import json
 import math
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,8 @@ from ..errors import ConfigError
 from ..partition import bucket_assignment, bucket_caps
 from ..runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
 
-# psring.config and launch are imported by the two functions that take a profile:
-# reading and using one (the simulator, advise, replay) needs neither.
+# Taking a profile (a run: psring.config, psring.launch) is psring.predict.profiling;
+# reading and using one (the simulator, advise, replay, --compute device) needs neither.
 
 PROFILE_FILE = "profile.json"
 #: bumped when the file's meaning changes; load() refuses other formats
@@ -261,24 +260,3 @@ def _ready_from_buckets(records: list[dict], sizes: list[int], bucket_mb: float,
             ready[i] = prev + (at - prev) * done / total
         prev = at
     return ready
-
-
-def profile_config(**run_flags: Any):
-    """The RunConfig of a profiling run: ``single``, traced, 8 steps unless told."""
-    from ..config import RunConfig
-
-    values = {"steps": 8, **run_flags}
-    values.update(strategy="single", workers=1, trace=True, hosts=1)
-    values.setdefault("out", os.path.join("runs", f"profile-{time.strftime('%Y%m%d-%H%M%S')}"))
-    return RunConfig(**values)
-
-
-def take_profile(cfg) -> Profile:
-    """Run ``cfg`` (see :func:`profile_config`), then read and save its profile in the
-    run directory."""
-    from ..launch import launch
-
-    run_dir = launch(cfg)
-    prof = Profile.from_run(run_dir)
-    prof.save(run_dir)
-    return prof
