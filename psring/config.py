@@ -132,6 +132,15 @@ class RunConfig:
     resume: str = field(default="", metadata=_flag(
         "continue the run in this directory from its last complete checkpoint; its other "
         "settings are the run's own unless given again"))
+    compute: str = field(default="real", metadata=_flag(
+        "real: each worker computes on this machine; device: each worker's forward, "
+        "backward and optimizer step take a device's times (--device-profile) as waits, "
+        "its communication real: a timing-only run of an accelerator cluster "
+        "(docs/emulation.md)", choices=("real", "device")))
+    device_profile: str = field(default="", metadata=_flag(
+        "--compute device: the device's times, a profile directory from `psring profile`"))
+    device_speed: float = field(default=1.0, metadata=_flag(
+        "--compute device: the device's speed relative to the profile's (2 = twice as fast)"))
     trace: bool = field(default=False, metadata=_flag(
         "record spans of every step and write trace.json (Chrome trace / Perfetto) in the "
         "run directory; `psring trace DIR` renders it as a PNG"))
@@ -209,13 +218,19 @@ class RunConfig:
         self._check_cluster(strategy_cls)
         self._check_servers(strategy_cls)
         self._check_slow_worker()
+        if self.compute == "device":
+            if self.target_accuracy:
+                raise ConfigError("--compute device is timing only: nothing is learnt, so "
+                                  "there is no accuracy to reach; drop --target-accuracy.")
+            object.__setattr__(self, "eval_samples", 0)  # (nothing to evaluate either)
+        meta = None
         if self.data == "synthetic":
             # Build the model on the meta device (no memory, no compute) so a model that
             # can't take these inputs is refused here, before any process starts.
             from .workload import meta_model
 
             try:
-                meta_model(self)
+                meta = meta_model(self)[0]
             except PsringError:
                 raise
             except Exception as e:  # noqa: BLE001 - a user factory's own failure
@@ -225,6 +240,9 @@ class RunConfig:
                     f"on torch's meta device (shapes only) to check it before starting any "
                     f"process: a factory must build from the settings it is given, without "
                     f"reading tensor values.") from None
+        from . import device
+
+        device.check(self, strategy_cls, meta)  # (a data file's model: in the worker)
 
     def _check_cluster(self, strategy_cls) -> None:
         """The cluster flags: what the strategy allows, then the cluster itself

@@ -28,6 +28,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from psring import device as psring_device
 from psring import netif, rendezvous
 from psring.allocator import keep_freed_memory
 from psring.config import RunConfig, add_config_flags, config_from_args
@@ -171,7 +172,14 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         write_manifest(run_dir, cfg, work, strategy_cls, threads,
                        launch={**launch.describe(), "network": net.describe()})
     model.to(device)
-    warm_up(model, ds, cfg, rank, world, device)
+    # --compute device: the device's times stand in for forward, backward and the
+    # optimizer step (psring.device); its warm-up would time nothing
+    ctx.stand_in = stand_in = psring_device.for_worker(cfg, rank, work.inputs)
+    if stand_in is not None:
+        psring_device.check(cfg, strategy_cls, model)
+        stand_in.install(model)
+    else:
+        warm_up(model, ds, cfg, rank, world, device)
 
     strategy = None
     steps = StepLog(run_dir)

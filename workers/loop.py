@@ -44,7 +44,10 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
           resume: Checkpoint | None = None) -> None:
     cfg = ctx.cfg
     module = strategy.setup(model)
-    optimizer = make_optimizer(model, cfg) if strategy.local_optimizer else None
+    optimizer = None
+    if strategy.local_optimizer:
+        # with --compute device the step is the device's (psring.device.DeviceSGD)
+        optimizer = ctx.stand_in.optimizer() if ctx.stand_in else make_optimizer(model, cfg)
     first_step = 0
     clock = TrainingClock()
     if resume is not None:
@@ -245,6 +248,8 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
             record["bucket_launch_s"] = [round(t - t0, 7) for t in stats.bucket_launch]
             record["bucket_done_s"] = [round(t - t0, 7) for t in stats.bucket_done]
         record.update(stats.extra)
+        if ctx.stand_in is not None:
+            record.update(ctx.stand_in.record())
         if log is not None:
             log.write(record)
         if on_step is not None:

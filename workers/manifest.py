@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from psring import device as psring_device
 from psring.compress import wire_bytes
 from psring.config import RunConfig
 from psring.models import flops_per_sample, parameter_bytes
@@ -33,6 +34,9 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
         # which process ran on which (emulated) host, the links and the placement
         "cluster": cfg.cluster.describe(),
         "launch": launch or {},
+        # --compute device: times from a profile, communication real; nothing learnt
+        "compute": psring_device.describe(cfg),
+        "timing_only": cfg.compute == "device",
         "device": cfg.resolved_device,
         "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes,
                  "held_out": len(work.data.held_out), "kind": work.inputs.kind,

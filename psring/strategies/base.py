@@ -83,6 +83,8 @@ class WorkerContext:
     resume: Any = None
     #: the host this worker runs on (an emulated host's name, or the machine's)
     host: str = ""
+    #: --compute device: the device stand-in (psring.device.DeviceCompute), else None
+    stand_in: Any = None
 
 
 @dataclass
@@ -131,6 +133,9 @@ class Strategy:
     supports_checkpoint: ClassVar[bool] = True
     #: --compress fp16/bf16 means something: the strategy sends gradients (psring.compress)
     supports_compression: ClassVar[bool] = False
+    #: --compute device can stand in for each worker's accelerator (psring.device); False
+    #: where the workers share memory on one host and have no device of their own
+    emulates_device: ClassVar[bool] = True
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx

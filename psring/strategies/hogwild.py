@@ -45,6 +45,7 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 class Hogwild(Strategy):
     name = "hogwild"
     max_hosts = 1  # its workers share one memory
+    emulates_device = False  # ... and no device of their own: nothing to stand in for
 
     def setup(self, model: nn.Module) -> nn.Module:
         ctx = self.ctx

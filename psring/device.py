@@ -1,0 +1,238 @@
+"""Device stand-in (``--compute device``): a worker's compute as time, its communication
+real.
+
+    psring profile --model resnet18 --batch-size 32 --out runs/prof-r18
+    psring run --strategy allreduce --workers 8 --hosts 4 --link 10gbit --model resnet18 \\
+        --batch-size 256 --compute device --device-profile runs/prof-r18 --device-speed 4
+
+On the clusters psring answers about, forward and backward run on each worker's own
+accelerator while the host's CPU and NIC move the gradients. On one small machine every
+worker's compute shares its few cores with everything else, so a run of many workers
+measures CPU contention. In device mode each worker's forward, backward and optimizer
+step take the profile's times (psring.predict.profile) divided by ``--device-speed``, as
+sleeps that leave the cores free, while every byte that moves stays real: gradients
+copied into buckets and frames, gloo, ZeroMQ, the servers' sums and updates, the
+emulated links.
+
+How (:class:`DeviceCompute`, installed on the model before the strategy sees it):
+
+- **forward** sleeps the profile's forward time and returns logits built from a chain
+  of cheap autograd nodes, one per trainable parameter, in the order the profile's
+  backward made their gradients final;
+- **backward** walks that chain: each node sleeps until its parameter's ready time
+  (from the start of backward), then hands autograd a gradient for it, which goes
+  through the parameter's own AccumulateGrad, so every gradient hook fires then: psring's
+  buckets launch, and torch DDP's reducer hooks fire, in the device's order;
+- the **optimizer step** is :class:`DeviceSGD`: a sleep of the profile's update time.
+  Parameters on a worker are not changed by it (a device would update its own copy; the
+  host never sees that work). Parameter servers still sum and update for real.
+
+Gradients are deterministic per (seed, worker, step, parameter) and finite (each
+parameter's gradient is one value, filled). Nothing is learnt: a device-mode run is
+*timing only* (its manifest says so; reports show no loss or accuracy for it).
+
+The profile's times are for its batch (``profile.batch_size``); a run with another
+per-worker batch scales them in proportion (stated in the manifest).
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+from .predict.profile import PROFILE_FILE, Profile
+
+MODES = ("real", "device")
+
+
+def load_profile(path: str) -> Profile:
+    """The profile a --device-profile names (a profile directory or its profile.json),
+    or a ConfigError that says how to make one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / PROFILE_FILE
+    try:
+        return Profile.load(p)
+    except ConfigError as e:
+        raise ConfigError(f"--device-profile {path}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"--device-profile {path}: not a readable profile ({e}). Make one with "
+            f"`psring profile --model M ... --out DIR` (on this machine, or with --device "
+            f"cuda on a GPU machine) and pass DIR.") from None
+
+
+def check(cfg: Any, strategy_cls: Any, model: nn.Module | None) -> Profile | None:
+    """Validate the device settings of ``cfg`` against its strategy and (meta) model,
+    when known; the profile, or None for --compute real. Before any process starts."""
+    if cfg.compute not in MODES:
+        raise ConfigError(f"--compute must be one of {', '.join(MODES)} (got {cfg.compute!r}).")
+    if cfg.compute == "real":
+        if cfg.device_profile or cfg.device_speed != 1.0:
+            raise ConfigError("--device-profile and --device-speed apply to --compute device; "
+                              "add --compute device, or drop them.")
+        return None
+    if not strategy_cls.emulates_device:
+        raise ConfigError(f"--compute device has nothing to emulate for {cfg.strategy!r}: its "
+                          f"workers share memory on one host, with no device of their own. "
+                          f"Use --compute real, or a strategy that sends its gradients.")
+    if not cfg.device_profile:
+        raise ConfigError("--compute device needs the device's times: --device-profile DIR, "
+                          "a profile from `psring profile` (docs/emulation.md).")
+    if not (cfg.device_speed > 0 and cfg.device_speed != float("inf")):
+        raise ConfigError(f"--device-speed must be a positive number, the device's speed "
+                          f"relative to the profile's (got {cfg.device_speed}).")
+    prof = load_profile(cfg.device_profile)
+    if model is None:
+        return prof
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    if sizes != prof.param_bytes:
+        what = prof.source.get("model") or "another model"
+        raise ConfigError(
+            f"--device-profile {cfg.device_profile} is of {what} with {len(prof.param_bytes)} "
+            f"parameters ({sum(prof.param_bytes)} bytes), but --model {cfg.model} here has "
+            f"{len(sizes)} ({sum(sizes)} bytes): profile this model with the same --width, "
+            f"--depth and data shape.")
+    return prof
+
+
+@dataclass(frozen=True)
+class DeviceTimes:
+    """The times one worker's device takes, per micro-batch, in seconds."""
+
+    forward_s: float
+    #: when each parameter's gradient is final, from the start of backward (parameter order)
+    ready_s: tuple[float, ...]
+    backward_s: float
+    update_s: float
+    #: how the profile's times became these (for the manifest)
+    rule: str
+
+    @classmethod
+    def of(cls, prof: Profile, speed: float, batch: int) -> "DeviceTimes":
+        scale = (batch / prof.batch_size) if prof.batch_size else 1.0
+        f = scale / speed
+        rule = (f"profile times x {scale:g} (batch {batch} / profile's {prof.batch_size}) "
+                f"/ --device-speed {speed:g}; update / {speed:g}")
+        return cls(prof.forward_s * f, tuple(t * f for t in prof.ready_s),
+                   prof.backward_s * f, prof.update_s / speed, rule)
+
+
+def _sleep_until(t: float) -> None:
+    left = t - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+class _Release(torch.autograd.Function):
+    """One link of the backward chain: in backward, wait for parameter ``i``'s ready
+    time, then give it its gradient (and pass the chain's gradient on)."""
+
+    @staticmethod
+    def forward(ctx, prev: torch.Tensor, param: torch.Tensor, i: int,
+                dev: "DeviceCompute") -> torch.Tensor:
+        ctx.i, ctx.dev = i, dev
+        return prev.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, ctx.dev.release(ctx.i), None, None
+
+
+class DeviceCompute:
+    def __init__(self, times: DeviceTimes, seed: int, rank: int, kind: str, classes: int):
+        self.times, self.seed, self.rank = times, seed, rank
+        self.kind, self.classes = kind, classes
+        self.params: list[nn.Parameter] = []
+        self.step = 0
+        self._backward_start: float | None = None
+        self._last = -1
+
+    def install(self, model: nn.Module) -> None:
+        """Replace ``model``'s forward by the device's (the parameters stay the model's:
+        strategies, DDP and servers see their real sizes)."""
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if len(self.params) != len(self.times.ready_s):
+            raise ConfigError(f"the device profile has {len(self.times.ready_s)} parameters, "
+                              f"the model {len(self.params)}.")
+        # the chain is built from the loss backwards: the first gradient final comes first
+        self.order = sorted(range(len(self.params)), key=lambda i: self.times.ready_s[i])
+        self._last = self.order[-1]
+        model.forward = types.MethodType(lambda _m, x: self.forward(x), model)
+
+    def record(self) -> dict[str, Any]:
+        """For the step record: a digest of the parameters and of the gradients as the
+        update saw them (each parameter's first element, summed: O(parameters), not
+        O(bytes)). Synchronous ranks must agree on both, step by step; the gradients
+        differ per rank before they are reduced, so agreeing shows they were."""
+        with torch.no_grad():
+            params = sum(float(p.reshape(-1)[0]) for p in self.params)
+            grads = sum(float(p.grad.reshape(-1)[0]) for p in self.params
+                        if p.grad is not None)
+        return {"device_digest": [params, grads]}
+
+    def optimizer(self) -> "DeviceSGD":
+        return DeviceSGD(self.times.update_s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        self.step += 1  # (a micro-batch: gradients differ per forward, deterministically)
+        self._backward_start = None
+        chain = torch.zeros((), device=x.device)
+        for i in reversed(self.order):  # the last link built is the first walked back
+            chain = _Release.apply(chain, self.params[i], i, self)
+        rows = x.numel() if self.kind == "tokens" else x.shape[0]
+        _sleep_until(start + self.times.forward_s)
+        return chain.reshape(1, 1).expand(rows, self.classes)
+
+    def release(self, i: int) -> torch.Tensor:
+        now = time.perf_counter()
+        if self._backward_start is None:
+            self._backward_start = now
+        t = self.times.ready_s[i]
+        if i == self._last:
+            t = max(t, self.times.backward_s)
+        _sleep_until(self._backward_start + t)
+        # one deterministic, finite value per (seed, worker, step, parameter)
+        v = ((self.seed * 1_000_003 + self.rank * 7_919 + self.step * 104_729 + i * 31)
+             % 9_973) / 9_973 * 1e-3 + 1e-4
+        return torch.full_like(self.params[i], v)
+
+
+class DeviceSGD:
+    """The optimizer step on the device: its time, no change to the host's parameters."""
+
+    def __init__(self, update_s: float):
+        self.update_s = update_s
+        self.state: dict = {}
+
+    def step(self) -> None:
+        time.sleep(self.update_s)
+
+
+def for_worker(cfg: Any, rank: int, inputs: Any) -> DeviceCompute | None:
+    """The device stand-in of one worker (None for --compute real)."""
+    if cfg.compute != "device":
+        return None
+    prof = load_profile(cfg.device_profile)
+    times = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch)
+    return DeviceCompute(times, cfg.seed, rank, inputs.kind, inputs.classes)
+
+
+def describe(cfg: Any) -> dict[str, Any]:
+    """For the manifest: how compute was done, and whether the run learnt anything."""
+    if cfg.compute != "device":
+        return {"mode": "real"}
+    prof = load_profile(cfg.device_profile)
+    times = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch)
+    return {"mode": "device", "timing_only": True, "profile": str(cfg.device_profile),
+            "profile_source": prof.source, "speed": cfg.device_speed, "rule": times.rule,
+            "forward_s": times.forward_s, "backward_s": times.backward_s,
+            "update_s": times.update_s}

@@ -1,0 +1,182 @@
+"""--compute device (psring.device): each worker's compute as the profile's times, its
+communication real. Bad settings are refused before anything starts; gradients are
+released at the profile's ready times, in its order, through the parameters' own
+accumulators (so DDP's buckets launch during backward); a compute-bound step takes the
+profile's time; synchronous ranks agree step by step; the run is marked timing only."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, assert_no_processes, psring, read_steps
+from psring import device
+from psring.config import RunConfig
+from psring.errors import ConfigError
+from psring.predict.profile import Profile
+from psring.workload import meta_model
+
+FLAGS = dict(model="mlp", width=256, depth=2, features=64, batch_size=32)
+
+
+def _sizes(**flags) -> list[int]:
+    model, _ = meta_model(RunConfig(**{**FLAGS, **flags}))
+    return [p.numel() * p.element_size() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    """On paper: forward 40 ms, backward 80 ms, update 10 ms at a worker batch of 16."""
+    d = tmp_path_factory.mktemp("profile")
+    Profile.on_paper(_sizes(), 0.040, 0.080, 0.010, batch_size=16,
+                     source={"model": "mlp"}).save(d)
+    return d
+
+
+def test_bad_device_settings_are_refused_with_the_fix(profile, tmp_path):
+    def refused(match: str, **kw) -> None:
+        with pytest.raises(ConfigError, match=match):
+            RunConfig(**{**FLAGS, "strategy": "allreduce", "workers": 2, **kw})
+
+    refused("needs the device's times: --device-profile", compute="device")
+    refused("no profile at", compute="device", device_profile=str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    refused("unreadable or not JSON", compute="device", device_profile=str(tmp_path / "bad.json"))
+    refused(r"is of mlp with 6 parameters .* --model mlp here has 6 .*same --width",
+            compute="device", device_profile=str(profile), width=128)
+    for speed in (0.0, -2.0, float("nan")):
+        refused("--device-speed must be a positive number", compute="device",
+                device_profile=str(profile), device_speed=speed)
+    refused("apply to --compute device", device_profile=str(profile))
+    refused("timing only.*drop --target-accuracy", compute="device",
+            device_profile=str(profile), target_accuracy=0.5)
+    with pytest.raises(ConfigError, match="nothing to emulate for 'hogwild'"):
+        RunConfig(**FLAGS, strategy="hogwild", workers=2, compute="device",
+                  device_profile=str(profile))
+    cfg = RunConfig(**FLAGS, strategy="allreduce", workers=2, compute="device",
+                    device_profile=str(profile), device_speed=2)
+    assert cfg.eval_samples == 0  # nothing learnt, nothing to evaluate
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_profile_starts_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = psring("run", "--strategy", "allreduce", "--workers", 2, *SMALL, "--compute",
+                  "device", "--device-profile", tmp_path / "missing", "--out", out, check=False)
+    assert proc.returncode == 2 and "--device-profile" in proc.stderr
+    assert not out.exists()
+
+
+def test_gradients_come_at_the_profiles_ready_times_in_its_order():
+    """Three parameters made ready out of parameter order, 60 ms apart: hooks on the
+    parameters (what psring's buckets and DDP's reducer listen to) fire then."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(3, 2))
+    ready = (0.06, 0.18, 0.12)  # weight 0, weight 1, bias 1
+    times = device.DeviceTimes(0.05, ready, 0.2, 0.0, "test")
+    dev = device.DeviceCompute(times, seed=1, rank=0, kind="vector", classes=2)
+    dev.install(model)
+    params = list(model.parameters())
+    seen: list[tuple[int, float]] = []
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(
+            lambda _p, i=i: seen.append((i, time.perf_counter())))
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    t0 = time.perf_counter()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    forward = time.perf_counter() - t0
+    start = time.perf_counter()
+    loss.backward()
+    total = time.perf_counter() - start
+    assert 0.05 <= forward < 0.09
+    assert [i for i, _ in seen] == [0, 2, 1]
+    for i, t in seen:
+        assert ready[i] <= t - start < ready[i] + 0.04, (i, t - start)
+    assert 0.2 <= total < 0.25  # the last gradient waits out the profile's backward
+    # one value per parameter, deterministic and finite, different on another rank
+    assert all(torch.isfinite(p.grad).all() and (p.grad == p.grad.reshape(-1)[0]).all()
+               for p in params)
+    again = device.DeviceCompute(times, seed=1, rank=0, kind="vector", classes=2)
+    again.params, again.step = params, 1
+    other = device.DeviceCompute(times, seed=1, rank=1, kind="vector", classes=2)
+    other.params, other.step = params, 1
+    again._backward_start = other._backward_start = time.perf_counter() - 1
+    assert torch.equal(again.release(0), params[0].grad)
+    assert not torch.equal(other.release(0), params[0].grad)
+
+
+@pytest.mark.timeout(60)
+def test_ddp_buckets_launch_during_a_device_backward():
+    """torch DDP (world of 1, gloo) with one bucket per parameter: its communication hook
+    runs for each bucket when the profile makes that bucket's gradients ready, so
+    communication overlaps the device's backward as on the device."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+        sizes = [p.numel() * 4 for p in model.parameters()]
+        prof = Profile.on_paper(sizes, 0.01, 0.3, batch_size=8)
+        dev = device.DeviceCompute(device.DeviceTimes.of(prof, 1.0, 8), 0, 0, "vector", 2)
+        dev.install(model)
+        ddp = DDP(model, bucket_cap_mb=64 * 4 / 2**20)  # one parameter per bucket
+        launched: list[float] = []
+
+        def hook(_, bucket):
+            launched.append(time.perf_counter())
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        for _ in range(2):  # DDP rebuilds its buckets in ready order after iteration 1
+            launched.clear()
+            loss = torch.nn.functional.cross_entropy(ddp(torch.randn(8, 64)),
+                                                     torch.randint(0, 2, (8,)))
+            start = time.perf_counter()
+            loss.backward()
+            end = time.perf_counter()
+    finally:
+        dist.destroy_process_group()
+    offsets = [t - start for t in launched]
+    ready = sorted(dev.times.ready_s)
+    assert len(offsets) == 3 and offsets == sorted(offsets)
+    # the first buckets went out when the profile made their gradients ready, long
+    # before backward ended (0.3 s, with the first layer's weight)
+    assert offsets[0] < ready[1] + 0.03 and offsets[1] < ready[2] + 0.03
+    assert 0.3 <= offsets[2] and 0.3 <= end - start < 0.35
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_a_device_run_takes_the_profiles_time_and_ranks_agree(tmp_path, profile, strategy):
+    out = tmp_path / strategy
+    psring("run", "--strategy", strategy, "--workers", 2, *SMALL, "--steps", "8",
+           "--compute", "device", "--device-profile", profile, "--device-speed", "2",
+           "--out", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["timing_only"] and manifest["compute"]["mode"] == "device"
+    steps = read_steps(out)
+    # SMALL's global batch 32 is 16 a worker, the profile's: (40 + 80) / 2 ms compute
+    compute = statistics.median(r["forward_s"] + r["backward_s"] for r in steps[4:])
+    assert 0.060 <= compute < 0.060 * 1.1, compute
+    by_step: dict[int, list] = {}
+    for r in steps:
+        by_step.setdefault(r["step"], []).append(r["device_digest"])
+    for digests in by_step.values():
+        assert len(digests) == 2
+        if strategy == "allreduce":  # the reduced gradients, the same on both ranks
+            assert digests[0][1] == pytest.approx(digests[1][1], rel=1e-6)
+        else:  # the parameters the servers sent: the same version on both ranks
+            assert digests[0][0] == pytest.approx(digests[1][0], rel=1e-6)
+    if strategy == "ps":  # the servers really updated them
+        assert by_step[0][0][0] != by_step[7][0][0]
+    report = psring("report", out).stdout
+    assert "timing only" in report
+    assert_no_processes(out)
