@@ -41,6 +41,11 @@ from .points import collect
 REPORT = "report.md"
 
 
+def _timing_only(s: Setting) -> bool:
+    """A setting run with --compute device (psring.device): nothing learnt to show."""
+    return any(r.get("timing_only") for r in s.rows)
+
+
 def _fmt(a: Spread | None, scale: float = 1.0, digits: int = 0, style: str = "f") -> str:
     """Median (min–max); ``style`` "g" counts significant digits, for values such as
     a final loss that can fall to 1e-4 and would print as 0.000."""
@@ -137,7 +142,8 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
             f"{s.predicted_step_ms:.1f}" if s.predicted_step_ms is not None else "-",
             f"{s.step_error:+.0%}" if s.step_error is not None else "-",
             f"{s.speedup:.2f}x" if s.speedup is not None else "-",
-            _fmt(s.accuracy_final, digits=3), _tta_text(s) if target is not None else "-",
+            "timing only" if _timing_only(s) else _fmt(s.accuracy_final, digits=3),
+            _tta_text(s) if target is not None else "-",
         ])
     md = [f"# Sweep report: {spec.get('name', sweep_dir.name)}", ""]
     if spec.get("description"):
@@ -244,8 +250,8 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
                           for s in evaluated]), ""]
     md += ["## Training loss", "", f"![loss]({plots['loss'].name})", "",
            _md_table(["setting", "final loss"],
-                     [[setting_label(s), _fmt(s.loss_final, digits=3, style="g")]
-                      for s in settings]), ""]
+                     [[setting_label(s), "timing only" if _timing_only(s) else
+                       _fmt(s.loss_final, digits=3, style="g")] for s in settings]), ""]
     if "staleness" in plots:
         md += ["## Staleness", "", f"![staleness]({plots['staleness'].name})", "",
                _md_table(["setting", "steps", "mean", "p50", "max"],

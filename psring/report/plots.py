@@ -223,6 +223,8 @@ def plot_loss(settings: list[Setting], path: Path) -> Path:
     for i, s in enumerate(settings):
         c = colors[i % len(colors)]
         for j, r in enumerate(s.rows):
+            if not r["curve"]:
+                continue  # a timing-only run (--compute device) has no loss to show
             steps, ts, losses = zip(*r["curve"])
             smooth = _ema(list(losses), max(2, len(losses) // 10))
             for a, x in ((a1, ts), (a2, steps)):

@@ -68,8 +68,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     else:
         tta_s = tta_step = None
     last_step = max(r["step"] for r in records)
-    final = [r["loss"] for r in records if r["step"] == last_step]
-    first = [r["loss"] for r in records if r["step"] == 0]
+    # --compute device: timing only, its losses are of made-up gradients
+    timing_only = bool(manifest.get("timing_only"))
+    final = [] if timing_only else [r["loss"] for r in records if r["step"] == last_step]
+    first = [] if timing_only else [r["loss"] for r in records if r["step"] == 0]
     return {
         "run": str(run_dir),
         "strategy": cfg["strategy"],
@@ -87,7 +89,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "comm_share": phase_share["comm_s"],
         "phase_share": phase_share,
         "loss_first": statistics.fmean(first) if first else None,
-        "loss_final": statistics.fmean(final),
+        "loss_final": statistics.fmean(final) if final else None,
+        "timing_only": timing_only,
         # held-out evaluation (evals.jsonl): the last one, and time to --target-accuracy
         "accuracy_final": max(evals, key=lambda e: e["step"])["accuracy"] if evals else None,
         "target_accuracy": target or None,
@@ -146,8 +149,11 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         table.add_column(col, justify="left" if col in ("strategy", "run") else "right")
     for r in rows:
         speed = f"{r['speedup_vs_single']:.2f}x" if r["speedup_vs_single"] is not None else "-"
-        loss = (f"{r['loss_first']:.3f}→{r['loss_final']:.3f}" if r["loss_first"] is not None
-                else f"{r['loss_final']:.3f}")
+        if r.get("timing_only"):
+            loss = "timing only"
+        else:
+            loss = (f"{r['loss_first']:.3f}→{r['loss_final']:.3f}"
+                    if r["loss_first"] is not None else f"{r['loss_final']:.3f}")
         table.add_row(r["strategy"], str(r["workers"]), str(r.get("hosts", 1)),
                       f"{r['samples_per_s']:.0f}",
                       f"{r['step_p50_s'] * 1e3:.1f}", f"{r['step_p95_s'] * 1e3:.1f}",
