@@ -27,7 +27,7 @@ import os
 import sys
 
 from . import forking
-from .errors import run_guarded
+from .errors import ConfigError, run_guarded
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -184,14 +184,30 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_profile(args: argparse.Namespace) -> int:
-    from .predict.profiling import profile_config, take_profile
+#: the `psring profile --on-paper` flags (psring.predict.profiling.paper_profile's)
+PAPER_FLAGS = ("forward_ms", "backward_ms", "step_ms", "update_ms", "source")
 
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from .predict.profiling import paper_profile, profile_config, take_profile
+
+    paper = {k: getattr(args, k) for k in PAPER_FLAGS}
     flags = {k: v for k, v in vars(args).items()
-             if k not in ("func", "argv", "command", "out") and v is not None}
+             if k not in ("func", "argv", "command", "out", "on_paper", *PAPER_FLAGS)
+             and v is not None}
     if args.out:
         flags["out"] = args.out
     cfg = profile_config(**flags)
+    if args.on_paper:
+        prof = paper_profile(cfg, **paper)
+        path = prof.save(cfg.out)
+        print(prof.describe())
+        print(f"rule: {prof.source['rule']}")
+        print(f"profile: {path}")
+        return 0
+    if any(v is not None for k, v in paper.items() if k != "update_ms") or paper["source"]:
+        raise ConfigError("--forward-ms, --backward-ms, --step-ms and --source describe a "
+                          "device on paper: add --on-paper.")
     print(f"psring: profiling {cfg.model} at batch {cfg.batch_size}, {cfg.steps} steps",
           file=sys.stderr)
     prof = take_profile(cfg)
@@ -298,6 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--steps", type=int, default=8, help="steps to time (the first are "
                     "warm-up; default 8)")
     pr.add_argument("--out", default="", help="run directory (default runs/profile-<time>)")
+    pr.add_argument("--on-paper", action="store_true", help="build the profile from "
+                    "published figures instead of running: the model's parameters, and "
+                    "--forward-ms/--backward-ms or --step-ms at --batch-size (per device)")
+    for name, what in (("forward", "forward pass"), ("backward", "backward pass"),
+                       ("step", "forward and backward together (split 1:2)")):
+        pr.add_argument(f"--{name}-ms", type=float, default=None,
+                        help=f"--on-paper: the device's {what}, milliseconds")
+    pr.add_argument("--update-ms", type=float, default=0.0, help="--on-paper: the device's "
+                    "optimizer step, milliseconds (default 0)")
+    pr.add_argument("--source", default="", help="--on-paper: where the figures come from "
+                    "(kept in the profile)")
     pr.set_defaults(func=_cmd_profile)
 
     from .predict.advise_cli import add_advise_parser

@@ -180,3 +180,27 @@ def test_a_device_run_takes_the_profiles_time_and_ranks_agree(tmp_path, profile,
     report = psring("report", out).stdout
     assert "timing only" in report
     assert_no_processes(out)
+
+
+@pytest.mark.timeout(60)
+def test_a_profile_on_paper_fits_its_model_and_states_its_rule(tmp_path):
+    out = tmp_path / "paper"
+    shown = psring("profile", "--on-paper", "--model", "mlp", "--width", "256", "--depth", "2",
+                   "--features", "64", "--batch-size", "16", "--step-ms", "90",
+                   "--source", "a paper, table 2", "--out", out).stdout
+    assert "split 0.33:0.67 forward:backward" in shown
+    prof = Profile.load(out)
+    assert prof.param_bytes == _sizes()
+    assert (prof.forward_s, prof.backward_s) == pytest.approx((0.030, 0.060))
+    assert prof.source["cited"] == "a paper, table 2" and prof.batch_size == 16
+    # usable as it is by a device-mode run of that model
+    RunConfig(**FLAGS, strategy="allreduce", workers=2, compute="device",
+              device_profile=str(out))
+    for bad, match in ((["--step-ms", "90", "--forward-ms", "1"], "not both"),
+                       ([], "needs the device's times"),
+                       (["--forward-ms", "-1", "--backward-ms", "2"], "--forward-ms must be")):
+        proc = psring("profile", "--on-paper", "--model", "mlp", *bad, "--out",
+                      tmp_path / "x", check=False)
+        assert proc.returncode == 2 and match in proc.stderr, proc.stderr
+    proc = psring("profile", "--model", "mlp", "--step-ms", "3", check=False)
+    assert proc.returncode == 2 and "add --on-paper" in proc.stderr

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..launch import launch
-from .profile import Profile
+from .profile import MODEL_KEYS, Profile
 
 
 def profile_config(**run_flags: Any):
@@ -31,3 +31,43 @@ def take_profile(cfg) -> Profile:
     prof = Profile.from_run(run_dir)
     prof.save(run_dir)
     return prof
+
+
+#: --step-ms without a split: backward takes twice the forward's time (two matrix
+#: products per layer against one), the usual rule for dense networks
+BACKWARD_SHARE = 2 / 3
+
+
+def paper_profile(cfg: RunConfig, forward_ms: float | None, backward_ms: float | None,
+                  step_ms: float | None, update_ms: float = 0.0,
+                  source: str = "") -> Profile:
+    """A profile from published figures for ``cfg``'s model at ``cfg.batch_size`` (its
+    parameter list from the model itself, built on the meta device: no compute). Give
+    forward and backward times, or a step time (split by :data:`BACKWARD_SHARE`).
+    Gradients become ready through backward in proportion to their bytes, last
+    parameter first (Profile.on_paper)."""
+    from ..errors import ConfigError
+    from ..workload import meta_model
+
+    if step_ms is not None and (forward_ms is not None or backward_ms is not None):
+        raise ConfigError("--on-paper takes --step-ms, or --forward-ms and --backward-ms, "
+                          "not both.")
+    if step_ms is not None:
+        forward_ms, backward_ms = step_ms * (1 - BACKWARD_SHARE), step_ms * BACKWARD_SHARE
+    if forward_ms is None or backward_ms is None:
+        raise ConfigError("--on-paper needs the device's times: --forward-ms and "
+                          "--backward-ms, or --step-ms (forward and backward together).")
+    for name, v in (("forward", forward_ms), ("backward", backward_ms), ("update", update_ms)):
+        if not (v >= 0 and v != float("inf")):
+            raise ConfigError(f"--{name}-ms must be a time in milliseconds >= 0 (got {v}).")
+    model, _ = meta_model(cfg)
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    rule = ("forward and backward as given" if step_ms is None else
+            f"step {step_ms:g} ms split {1 - BACKWARD_SHARE:.2f}:{BACKWARD_SHARE:.2f} "
+            f"forward:backward")
+    return Profile.on_paper(sizes, forward_ms / 1e3, backward_ms / 1e3, update_ms / 1e3,
+                            batch_size=cfg.batch_size,
+                            source={"model": cfg.model, "cited": source, "rule": rule +
+                                    "; gradients ready in proportion to their bytes, last "
+                                    "parameter first",
+                                    **{k: getattr(cfg, k) for k in MODEL_KEYS}})
