@@ -36,7 +36,7 @@ PLACEMENTS = ("colocated", "own-hosts")
 #: before a setting existed: every run then was on this machine
 DEFAULTS: Mapping[str, Any] = {"workers": 1, "hosts": 1, "workers_per_host": 0, "link": "",
                                "delay": "", "servers": 1, "server_placement": "colocated",
-                               "master_addr": "127.0.0.1"}
+                               "master_addr": "127.0.0.1", "time_scale": 1.0}
 
 #: tc(8)'s rate units, in bits per second (tc compares them case-insensitively)
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -156,6 +156,9 @@ class Cluster:
     placement: str = "colocated"
     #: the one host's address when nothing is emulated (the rendezvous address)
     local_address: str = "127.0.0.1"
+    #: --time-scale S: the emulation runs S times slower than the cluster it stands for
+    #: (psring.device): its links carry link/S and its delays last S times longer
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("workers", "hosts", "workers_per_host", "servers"):
@@ -188,6 +191,10 @@ class Cluster:
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"--server-placement must be one of {', '.join(PLACEMENTS)} "
                               f"(got {self.placement!r}).")
+        scale = self.time_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not 0 < scale < float("inf"):
+            raise ConfigError(f"--time-scale must be a positive number (got {scale!r}).")
         self.link_bits, self.delay_s  # noqa: B018 - parse now: errors at construction
         if (self.link or self.delay) and not self.emulated:
             raise ConfigError(
@@ -207,7 +214,8 @@ class Cluster:
         placement = v["server_placement"] if servers else "colocated"
         return cls(workers=v["workers"], hosts=v["hosts"],
                    workers_per_host=v["workers_per_host"], link=v["link"], delay=v["delay"],
-                   servers=servers, placement=placement, local_address=v["master_addr"])
+                   servers=servers, placement=placement, local_address=v["master_addr"],
+                   time_scale=v["time_scale"])
 
     @classmethod
     def of(cls, hosts: int = 1, workers_per_host: int = 1, link_bits: float | None = None,
@@ -245,6 +253,15 @@ class Cluster:
     @cached_property
     def delay_s(self) -> float:
         return parse_delay(self.delay) if self.delay else 0.0
+
+    @property
+    def emulated_link_bits(self) -> float | None:
+        """The rate the emulated links are shaped to: --link slowed by --time-scale."""
+        return self.link_bits / self.time_scale if self.link_bits else None
+
+    @property
+    def emulated_delay_s(self) -> float:
+        return self.delay_s * self.time_scale
 
     @property
     def emulated(self) -> bool:
@@ -310,7 +327,9 @@ class Cluster:
                 "hosts": [dataclasses.asdict(h) for h in self.host_list],
                 "worker_hosts": len({*self.worker_host}), "link": self.link or None,
                 "link_bits_per_s": self.link_bits, "delay": self.delay or None,
-                "server_placement": self.placement if self.servers else None}
+                "server_placement": self.placement if self.servers else None,
+                "time_scale": self.time_scale,
+                "emulated_link_bits_per_s": self.emulated_link_bits}
 
     def text(self) -> str:
         """Where a run ran, in a few words: 'this machine', or e.g. '2 hosts, 1gbit
@@ -323,6 +342,8 @@ class Cluster:
         text += f", {self.link or 'unshaped'} links"
         if self.delay:
             text += f", {self.delay} delay"
+        if self.time_scale != 1:
+            text += f", time scale {self.time_scale:g}"
         if self.servers:
             text += f", servers {self.placement}"
         return text

@@ -141,6 +141,10 @@ class RunConfig:
         "--compute device: the device's times, a profile directory from `psring profile`"))
     device_speed: float = field(default=1.0, metadata=_flag(
         "--compute device: the device's speed relative to the profile's (2 = twice as fast)"))
+    time_scale: float = field(default=1.0, metadata=_flag(
+        "--compute device: run S times slower than the cluster described, the device's "
+        "times x S and every emulated link's rate / S, for links faster than this machine "
+        "can carry; step times are recorded divided by S (docs/emulation.md)"))
     trace: bool = field(default=False, metadata=_flag(
         "record spans of every step and write trace.json (Chrome trace / Perfetto) in the "
         "run directory; `psring trace DIR` renders it as a PNG"))

@@ -75,9 +75,10 @@ def check(cfg: Any, strategy_cls: Any, model: nn.Module | None) -> Profile | Non
     if cfg.compute not in MODES:
         raise ConfigError(f"--compute must be one of {', '.join(MODES)} (got {cfg.compute!r}).")
     if cfg.compute == "real":
-        if cfg.device_profile or cfg.device_speed != 1.0:
-            raise ConfigError("--device-profile and --device-speed apply to --compute device; "
-                              "add --compute device, or drop them.")
+        if cfg.device_profile or cfg.device_speed != 1.0 or cfg.time_scale != 1.0:
+            raise ConfigError("--device-profile, --device-speed and --time-scale apply to "
+                              "--compute device (this machine's own compute cannot be "
+                              "slowed down); add --compute device, or drop them.")
         return None
     if not strategy_cls.emulates_device:
         raise ConfigError(f"--compute device has nothing to emulate for {cfg.strategy!r}: its "
@@ -116,13 +117,14 @@ class DeviceTimes:
     rule: str
 
     @classmethod
-    def of(cls, prof: Profile, speed: float, batch: int) -> "DeviceTimes":
+    def of(cls, prof: Profile, speed: float, batch: int, time_scale: float = 1.0) -> "DeviceTimes":
         scale = (batch / prof.batch_size) if prof.batch_size else 1.0
-        f = scale / speed
+        f = scale / speed * time_scale
         rule = (f"profile times x {scale:g} (batch {batch} / profile's {prof.batch_size}) "
-                f"/ --device-speed {speed:g}; update / {speed:g}")
+                f"/ --device-speed {speed:g}; update / {speed:g}"
+                + (f"; all x --time-scale {time_scale:g}" if time_scale != 1 else ""))
         return cls(prof.forward_s * f, tuple(t * f for t in prof.ready_s),
-                   prof.backward_s * f, prof.update_s / speed, rule)
+                   prof.backward_s * f, prof.update_s / speed * time_scale, rule)
 
 
 def _sleep_until(t: float) -> None:
@@ -147,8 +149,11 @@ class _Release(torch.autograd.Function):
 
 
 class DeviceCompute:
-    def __init__(self, times: DeviceTimes, seed: int, rank: int, kind: str, classes: int):
+    def __init__(self, times: DeviceTimes, seed: int, rank: int, kind: str, classes: int,
+                 time_scale: float = 1.0):
         self.times, self.seed, self.rank = times, seed, rank
+        #: --time-scale: the loop records times divided by it (the cluster's own clock)
+        self.time_scale = time_scale
         self.kind, self.classes = kind, classes
         self.params: list[nn.Parameter] = []
         self.step = 0
@@ -222,8 +227,8 @@ def for_worker(cfg: Any, rank: int, inputs: Any) -> DeviceCompute | None:
     if cfg.compute != "device":
         return None
     prof = load_profile(cfg.device_profile)
-    times = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch)
-    return DeviceCompute(times, cfg.seed, rank, inputs.kind, inputs.classes)
+    times = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch, cfg.time_scale)
+    return DeviceCompute(times, cfg.seed, rank, inputs.kind, inputs.classes, cfg.time_scale)
 
 
 def describe(cfg: Any) -> dict[str, Any]:
@@ -231,8 +236,10 @@ def describe(cfg: Any) -> dict[str, Any]:
     if cfg.compute != "device":
         return {"mode": "real"}
     prof = load_profile(cfg.device_profile)
-    times = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch)
+    times = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch, cfg.time_scale)
     return {"mode": "device", "timing_only": True, "profile": str(cfg.device_profile),
             "profile_source": prof.source, "speed": cfg.device_speed, "rule": times.rule,
+            # the step records' times are the wall clock's divided by this
+            "time_scale": cfg.time_scale,
             "forward_s": times.forward_s, "backward_s": times.backward_s,
             "update_s": times.update_s}

@@ -463,8 +463,9 @@ class EmulatedCluster(Network):
         p = self.plan
         plan = {"hosts": [{"name": h.name, "index": h.index, "address": h.address,
                            "processes": h.processes} for h in p.host_list],
-                "link": p.link, "link_bits": p.link_bits, "delay": p.delay,
-                "delay_us": round(p.delay_s * 1e6)}
+                "link": p.link, "delay": p.delay,
+                # shaped as the cluster it stands for, slowed by --time-scale
+                "link_bits": p.emulated_link_bits, "delay_us": round(p.emulated_delay_s * 1e6)}
         return ProcessSpec("cluster", [sys.executable, "-m", "psring.emulate", "agent",
                                        json.dumps(plan), str(self.state_path)], service=True)
 

@@ -17,7 +17,18 @@ def test_old_manifests_without_cluster_settings_ran_on_this_machine():
         {"name": "local", "index": 0, "address": DEFAULTS["master_addr"],
          "processes": ["worker-0", "worker-1", "server-0"]}], "worker_hosts": 1,
         "link": None, "link_bits_per_s": None, "delay": None,
-        "server_placement": "colocated"}
+        "server_placement": "colocated", "time_scale": 1.0, "emulated_link_bits_per_s": None}
+
+
+def test_a_time_scale_slows_the_emulated_links_not_the_cluster_described():
+    c = Cluster.from_config({"workers": 4, "hosts": 2, "link": "10gbit", "delay": "1ms",
+                             "time_scale": 20}, uses_servers=False)
+    assert c.link_bits == 10e9 and c.emulated_link_bits == 0.5e9
+    assert c.delay_s == 0.001 and c.emulated_delay_s == 0.02
+    assert c.text() == "2 hosts, 10gbit links, 1ms delay, time scale 20"
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ConfigError, match="--time-scale must be a positive number"):
+            Cluster(workers=2, hosts=2, time_scale=bad)
 
 
 def test_a_strategy_without_servers_places_none():

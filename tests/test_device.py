@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import SMALL, assert_no_processes, psring, read_steps
+from emutools import assert_cluster_gone, needs_emulation
 from psring import device
 from psring.config import RunConfig
 from psring.errors import ConfigError
@@ -53,6 +54,10 @@ def test_bad_device_settings_are_refused_with_the_fix(profile, tmp_path):
         refused("--device-speed must be a positive number", compute="device",
                 device_profile=str(profile), device_speed=speed)
     refused("apply to --compute device", device_profile=str(profile))
+    refused("apply to --compute device", time_scale=4.0)
+    for scale in (0.0, -1.0, float("inf")):
+        refused("--time-scale must be a positive number", compute="device",
+                device_profile=str(profile), time_scale=scale)
     refused("timing only.*drop --target-accuracy", compute="device",
             device_profile=str(profile), target_accuracy=0.5)
     with pytest.raises(ConfigError, match="nothing to emulate for 'hogwild'"):
@@ -204,3 +209,25 @@ def test_a_profile_on_paper_fits_its_model_and_states_its_rule(tmp_path):
         assert proc.returncode == 2 and match in proc.stderr, proc.stderr
     proc = psring("profile", "--model", "mlp", "--step-ms", "3", check=False)
     assert proc.returncode == 2 and "add --on-paper" in proc.stderr
+
+
+@needs_emulation
+@pytest.mark.timeout(120)
+def test_a_time_scale_slows_device_and_links_alike_and_records_the_clusters_clock(tmp_path,
+                                                                                   profile):
+    """--time-scale 4 on a 400mbit cluster: links shaped to 100mbit, the device 4x slower;
+    the records are in the 400mbit cluster's time (the profile's compute, / speed 2)."""
+    out = tmp_path / "scaled"
+    t0 = time.monotonic()
+    psring("run", "--strategy", "allreduce", "--workers", 2, "--hosts", 2, "--link", "400mbit",
+           *SMALL, "--steps", "6", "--compute", "device", "--device-profile", profile,
+           "--device-speed", "2", "--time-scale", "4", "--out", out)
+    wall = time.monotonic() - t0
+    assert json.loads((out / "cluster.json").read_text())["link_bits"] == 1e8
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cluster"]["time_scale"] == 4 and manifest["compute"]["time_scale"] == 4
+    steps = read_steps(out)
+    compute = statistics.median(r["forward_s"] + r["backward_s"] for r in steps[2:])
+    assert 0.060 <= compute < 0.060 * 1.1, compute
+    assert wall > 6 * 0.060 * 4  # it did run slowed down
+    assert_cluster_gone(out)

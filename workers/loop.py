@@ -138,6 +138,9 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
 
     slow_rank, slow_factor = cfg.slow
     slowed = slow_rank == ctx.rank and slow_factor > 1
+    # --time-scale S (device mode) runs the cluster S times slower than the one it stands
+    # for: every duration is recorded on that cluster's clock, divided by S
+    per = 1.0 / ctx.stand_in.time_scale if ctx.stand_in is not None else 1.0
 
     last_compute = 0.0
     # When each parameter's gradient became final (one hook per parameter): the last
@@ -231,22 +234,23 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
         record = {
             "strategy": cfg.strategy, "worker": ctx.rank, "host": ctx.host, "step": step,
             "time": time.time(),
-            **{k: round(v, 7) for k, v in ph.items()},
-            "step_s": round(mark - t0, 7),
+            **{k: round(v * per, 7) for k, v in ph.items()},
+            "step_s": round((mark - t0) * per, 7),
             "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv,
             "loss": float(loss_sum),
-            "backward_end_s": round(backward_end - t0, 7),
+            "backward_end_s": round((backward_end - t0) * per, 7),
         }
         if spans is not None:
             record["start"] = start
-            record["spans"] = spans
+            record["spans"] = spans if per == 1.0 else \
+                [[name, round(a * per, 7), round(b * per, 7)] for name, a, b in spans]
         if grad_ready is not None:
             # offsets from the last micro-batch's backward start, in parameter order
-            record["grad_ready_s"] = [round(max(0.0, t - backward_start), 7)
+            record["grad_ready_s"] = [round(max(0.0, t - backward_start) * per, 7)
                                       for t in grad_ready]
         if stats.bucket_launch:
-            record["bucket_launch_s"] = [round(t - t0, 7) for t in stats.bucket_launch]
-            record["bucket_done_s"] = [round(t - t0, 7) for t in stats.bucket_done]
+            record["bucket_launch_s"] = [round((t - t0) * per, 7) for t in stats.bucket_launch]
+            record["bucket_done_s"] = [round((t - t0) * per, 7) for t in stats.bucket_done]
         record.update(stats.extra)
         if ctx.stand_in is not None:
             record.update(ctx.stand_in.record())
