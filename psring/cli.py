@@ -205,9 +205,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         print(f"rule: {prof.source['rule']}")
         print(f"profile: {path}")
         return 0
-    if any(v is not None for k, v in paper.items() if k != "update_ms") or paper["source"]:
-        raise ConfigError("--forward-ms, --backward-ms, --step-ms and --source describe a "
-                          "device on paper: add --on-paper.")
+    if any(paper[k] is not None for k in ("forward_ms", "backward_ms", "step_ms")) \
+            or paper["source"] or paper["update_ms"]:
+        raise ConfigError("--forward-ms, --backward-ms, --step-ms, --update-ms and --source "
+                          "describe a device on paper: add --on-paper.")
     print(f"psring: profiling {cfg.model} at batch {cfg.batch_size}, {cfg.steps} steps",
           file=sys.stderr)
     prof = take_profile(cfg)
