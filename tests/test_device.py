@@ -78,12 +78,13 @@ def test_a_bad_profile_starts_nothing(tmp_path):
 
 
 def test_gradients_come_at_the_profiles_ready_times_in_its_order():
-    """Three parameters made ready out of parameter order, 60 ms apart: hooks on the
-    parameters (what psring's buckets and DDP's reducer listen to) fire then."""
+    """Three parameters made ready out of parameter order, 200 ms apart: hooks on the
+    parameters (what psring's buckets and DDP's reducer listen to) fire then. (Upper
+    bounds leave room for a loaded machine; sleeps are never shorter.)"""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(3, 2))
-    ready = (0.06, 0.18, 0.12)  # weight 0, weight 1, bias 1
-    times = device.DeviceTimes(0.05, ready, 0.2, 0.0, "test")
+    ready = (0.2, 0.6, 0.4)  # weight 0, weight 1, bias 1
+    times = device.DeviceTimes(0.1, ready, 0.7, 0.0, "test")
     dev = device.DeviceCompute(times, seed=1, rank=0, kind="vector", classes=2)
     dev.install(model)
     params = list(model.parameters())
@@ -98,11 +99,11 @@ def test_gradients_come_at_the_profiles_ready_times_in_its_order():
     start = time.perf_counter()
     loss.backward()
     total = time.perf_counter() - start
-    assert 0.05 <= forward < 0.09
+    assert 0.1 <= forward < 0.2
     assert [i for i, _ in seen] == [0, 2, 1]
     for i, t in seen:
-        assert ready[i] <= t - start < ready[i] + 0.04, (i, t - start)
-    assert 0.2 <= total < 0.25  # the last gradient waits out the profile's backward
+        assert ready[i] <= t - start < ready[i] + 0.15, (i, t - start)
+    assert 0.7 <= total < 0.85  # the last gradient waits out the profile's backward
     # one value per parameter, deterministic and finite, different on another rank
     assert all(torch.isfinite(p.grad).all() and (p.grad == p.grad.reshape(-1)[0]).all()
                for p in params)
@@ -127,7 +128,7 @@ def test_ddp_buckets_launch_during_a_device_backward():
     try:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
         sizes = [p.numel() * 4 for p in model.parameters()]
-        prof = Profile.on_paper(sizes, 0.01, 0.3, batch_size=8)
+        prof = Profile.on_paper(sizes, 0.01, 0.6, batch_size=8)
         dev = device.DeviceCompute(device.DeviceTimes.of(prof, 1.0, 8), 0, 0, "vector", 2)
         dev.install(model)
         ddp = DDP(model, bucket_cap_mb=64 * 4 / 2**20)  # one parameter per bucket
@@ -153,9 +154,9 @@ def test_ddp_buckets_launch_during_a_device_backward():
     ready = sorted(dev.times.ready_s)
     assert len(offsets) == 3 and offsets == sorted(offsets)
     # the first buckets went out when the profile made their gradients ready, long
-    # before backward ended (0.3 s, with the first layer's weight)
-    assert offsets[0] < ready[1] + 0.03 and offsets[1] < ready[2] + 0.03
-    assert 0.3 <= offsets[2] and 0.3 <= end - start < 0.35
+    # before backward ended (0.6 s, with the first layer's weight)
+    assert offsets[0] < ready[1] + 0.15 and offsets[1] < ready[2] + 0.15 < 0.3
+    assert 0.6 <= offsets[2] and 0.6 <= end - start < 0.75
 
 
 @pytest.mark.timeout(120)
@@ -170,7 +171,7 @@ def test_a_device_run_takes_the_profiles_time_and_ranks_agree(tmp_path, profile,
     steps = read_steps(out)
     # SMALL's global batch 32 is 16 a worker, the profile's: (40 + 80) / 2 ms compute
     compute = statistics.median(r["forward_s"] + r["backward_s"] for r in steps[4:])
-    assert 0.060 <= compute < 0.060 * 1.1, compute
+    assert 0.060 <= compute < 0.060 * 1.3, compute  # (docs/benchmarks.md: how close)
     by_step: dict[int, list] = {}
     for r in steps:
         by_step.setdefault(r["step"], []).append(r["device_digest"])
@@ -228,6 +229,6 @@ def test_a_time_scale_slows_device_and_links_alike_and_records_the_clusters_cloc
     assert manifest["cluster"]["time_scale"] == 4 and manifest["compute"]["time_scale"] == 4
     steps = read_steps(out)
     compute = statistics.median(r["forward_s"] + r["backward_s"] for r in steps[2:])
-    assert 0.060 <= compute < 0.060 * 1.1, compute
+    assert 0.060 <= compute < 0.060 * 1.3, compute
     assert wall > 6 * 0.060 * 4  # it did run slowed down
     assert_cluster_gone(out)
