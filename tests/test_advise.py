@@ -42,7 +42,14 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     steps = [float(r["step ms"]) for r in report["ranking"]]
     assert steps == sorted(steps) and steps[0] > 0
     assert report["workers"] == 4
-    assert {r["strategy"] for r in report["ranking"]} == {"allreduce", "ddp", "ps", "async-ps"}
+    # the answer trains what one worker would: synchronous, uncompressed settings only
+    assert {r["strategy"] for r in report["ranking"]} == {"allreduce", "ddp", "ps"}
+    assert "fp16" not in " ".join(r["best setting"] for r in report["ranking"])
+    # asynchronous and compressed settings are options, saying what they change
+    opts = report["options"]
+    assert any(o.startswith("Option: async-ps") and "staleness" in o for o in opts), opts
+    assert any("fp16" in o and "gradients travel in fp16" in o for o in opts), opts
+    assert all(o in text for o in opts)
     # every ranked strategy says what bounds it
     assert all(r["why"] for r in report["ranking"])
     assert (out / "advise.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

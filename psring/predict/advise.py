@@ -4,8 +4,9 @@ ranked, with the sentence that says what bounds each.
 
     from psring.predict.advise import candidates, rank, recommendations
     cands = candidates(profile, Cluster.of(hosts=4, link_bits=10e9), cal, classes)
-    ranking = rank(cands)         # the best setting of each strategy, best first
+    ranking = rank(cands)         # the best synchronous setting of each strategy, best first
     print(*recommendations(cands, ranking, classes), sep="\n")
+    print(*options(cands, ranking, classes), sep="\n")   # async, compressed: what they change
 
 ``classes`` maps strategy names to their classes (psring.strategies), so this module
 needs neither torch nor the registry. ``psring advise`` (psring.predict.advise_cli)
@@ -98,28 +99,70 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
     return out
 
 
-#: how much faster an asynchronous or compressed setting must be predicted to rank
-#: ahead: both cost accuracy (staleness, rounding) that the simulator does not price
-HANDICAP = 1.02
+def changes_training(c: Candidate) -> str:
+    """What a setting changes in what is trained ('' when nothing): asynchronous updates
+    (staleness) and compressed gradients (precision). Faster per step is not faster to
+    a trained model, and the simulator prices steps, not steps to a target."""
+    what = []
+    if c.prediction.comm_model == "ps-async":
+        what.append("workers apply gradients of parameters some updates old (staleness: "
+                    "more steps to a target, --max-staleness bounds it)")
+    if c.compress != "none":
+        what.append(f"gradients travel in {c.compress} (rounded to about 3 significant "
+                    f"digits)")
+    return "; ".join(what)
 
 
 def preference(c: Candidate) -> float:
-    """The predicted step, handicapped for what it costs in accuracy, and by 0.5% per
-    server beyond the first (processes, and machines, that must pay for themselves)."""
-    k = HANDICAP if c.prediction.comm_model == "ps-async" else 1.0
-    k *= HANDICAP if c.compress != "none" else 1.0
-    if c.prediction.comm_model in ("ps", "ps-async"):
-        k *= 1 + 0.005 * (c.cluster.servers - 1)
+    """The predicted step, handicapped by 0.5% per server beyond the first (processes,
+    and machines, that must pay for themselves)."""
+    k = 1 + 0.005 * (c.cluster.servers - 1) if c.prediction.comm_model in ("ps", "ps-async") \
+        else 1.0
     return c.prediction.step_s * k
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
-    """The best setting of each strategy, best first (:func:`preference`)."""
+    """The answer: the best synchronous, uncompressed setting of each strategy, best
+    first (:func:`preference`): they train what one worker would. Settings that change
+    the training are :func:`options`."""
     best: dict[str, Candidate] = {}
     for c in cands:
+        if changes_training(c):
+            continue
         if c.strategy not in best or preference(c) < preference(best[c.strategy]):
             best[c.strategy] = c
     return sorted(best.values(), key=preference)
+
+
+def options(cands: list[Candidate], ranking: list[Candidate],
+            classes: dict[str, Any]) -> list[str]:
+    """Settings that change what is trained, with their predicted gain over the answer
+    and what they change: the best of each asynchronous strategy, and the answer's own
+    strategy with compression."""
+    win = ranking[0]
+    picks: list[Candidate] = []
+    for name in sorted({c.strategy for c in cands if c.prediction.comm_model == "ps-async"}):
+        same = [c for c in cands if c.strategy == name and c.compress == "none"]
+        if same:
+            picks.append(min(same, key=preference))
+    squeezed = [c for c in cands if c.strategy == win.strategy and c.compress != "none"
+                and c.bucket_mb == win.bucket_mb and c.cluster.servers == win.cluster.servers
+                and c.cluster.placement == win.cluster.placement]
+    if squeezed:
+        picks.append(min(squeezed, key=preference))
+    lines = []
+    for c in sorted(picks, key=preference):
+        cls = classes[c.strategy]
+        gain = 1 - c.prediction.step_s / win.prediction.step_s
+        verdict = f"{gain:.0%} less per step than the answer" if gain > 0 else \
+            f"no faster per step ({-gain:.0%} more)"
+        setting = c.setting(cls.uses_servers, cls.supports_compression)
+        lines.append(f"Option: {c.strategy} ({setting}), {c.prediction.step_s * 1e3:.1f} ms "
+                     f"per step, {verdict}; it changes the "
+                     f"training: {changes_training(c)}. Worth it only if the steps it saves "
+                     f"outweigh the extra steps it needs to the same accuracy "
+                     f"(experiments/async_tta.toml measures both).")
+    return lines
 
 
 def why(c: Candidate, cls: Any) -> str:
@@ -142,7 +185,7 @@ def why(c: Candidate, cls: Any) -> str:
     if cls.comm_model == "ring":
         return (f"bound by the {p.bound}: each worker sends and receives 2(n−1)/n·M = "
                 f"{mb(2 * (n - 1) / n * M)} per step ({comm})")
-    tail = "; no worker waits for another (staleness not priced here)" \
+    tail = "; no worker waits for another (staleness: see the option)" \
         if cls.comm_model == "ps-async" else ""
     if "link" in p.bound:
         cross = ps_link_load(cl.worker_host, cl.server_host)
@@ -184,21 +227,6 @@ def recommendations(cands: list[Candidate], ranking: list[Candidate],
                      f"{'on hosts of their own' if best.cluster.placement == 'own-hosts' else 'colocated with the workers'}"
                      f" ({best.prediction.step_s * 1e3:.1f} ms per step; one colocated or not: "
                      f"{one.prediction.step_s * 1e3:.1f} ms).")
-    if classes[win.strategy].supports_compression:
-        twin = [c for c in cands if c.strategy == win.strategy
-                and c.bucket_mb == win.bucket_mb
-                and c.cluster.servers == win.cluster.servers
-                and c.cluster.placement == win.cluster.placement]
-        on = min((c for c in twin if c.compress != "none"),
-                 key=lambda c: c.prediction.step_s, default=None)
-        off = min((c for c in twin if c.compress == "none"),
-                  key=lambda c: c.prediction.step_s, default=None)
-        if on and off:
-            gain = 1 - on.prediction.step_s / off.prediction.step_s
-            lines.append(f"Compression (fp16): {'pays' if gain > 0.02 else 'does not pay'}: "
-                         f"{off.prediction.step_s * 1e3:.1f} -> "
-                         f"{on.prediction.step_s * 1e3:.1f} ms per step ({gain:.0%} less; "
-                         f"its accuracy cost is not priced here).")
     return lines
 
 

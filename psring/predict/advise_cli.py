@@ -42,7 +42,7 @@ from typing import Any
 from ..cluster import Cluster, parse_delay, parse_rate
 from ..errors import ConfigError
 from ..runlog import atomic_write_json
-from .advise import (HEADER, Candidate, candidates, plot, rank, recommendations, table,
+from .advise import (HEADER, Candidate, candidates, options, plot, rank, recommendations, table,
                      verify_candidates)
 from .costmodel import Calibration, find_calibration
 from .profile import MODEL_KEYS, Profile
@@ -268,7 +268,8 @@ def advise_command(args: argparse.Namespace) -> int:
     console = Console(width=160)
     console.print(t)
     recs = recommendations(cands, ranking, classes)
-    for line in recs:
+    opts = options(cands, ranking, classes)
+    for line in recs + opts:
         print(line)
     png = plot(ranking, title, out / "advise.png")
     report: dict[str, Any] = {
@@ -278,7 +279,7 @@ def advise_command(args: argparse.Namespace) -> int:
                     "cores": shared}, "workers": n, "calibration_host": cal.host,
         "ranking": [dict(zip(HEADER, r)) for r in rows],
         "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
-        "recommendations": recs}
+        "recommendations": recs, "options": opts}
     atomic_write_json(out / "advise.json", report)  # the prediction, before any run
     if args.verify:
         top = verify_candidates(ranking, classes)
