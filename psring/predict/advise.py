@@ -219,7 +219,7 @@ def recommendations(cands: list[Candidate], ranking: list[Candidate],
             f"{c.bucket_mb:g} MB {c.prediction.step_s * 1e3:.1f} ms" for c in by_mb)
             + ").")
     ps = [c for c in cands if classes[c.strategy].uses_servers
-          and classes[c.strategy].comm_model == "ps"]
+          and classes[c.strategy].comm_model == "ps" and not changes_training(c)]
     if ps:
         best = min(ps, key=preference)
         one = min((c for c in ps if c.cluster.servers == 1), key=preference)
