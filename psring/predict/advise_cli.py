@@ -11,10 +11,12 @@ Without ``--profile`` it first profiles the model (psring.predict.profile: one s
 strategy that can run on the cluster, it simulates each of its settings — bucket size
 (1, 5, 25, 100 MB), parameter servers K (1, 2, 4, 8, up to twice the hosts) placed with
 the workers or on hosts of their own, and fp16 compression where the strategy supports
-it — and ranks the strategies by their best predicted step time, each with the one
-sentence that says what bounds it. It prints the table, writes ``advise.png`` and
-``advise.json`` into ``--out``, and recommends a bucket size, the servers and whether
-compression pays.
+it — and ranks the strategies by their best synchronous, uncompressed predicted step
+time, each with the one sentence that says what bounds it; asynchronous and compressed
+settings follow as options, with their gain and what they change. It prints the table,
+writes ``advise.png`` and ``advise.json`` into ``--out``, and recommends a bucket size
+and the servers. ``--device-speed X`` asks about devices X times as fast as the
+profile's (a GPU cluster, from a laptop's profile).
 
 This module is the command: its flags, the profile and calibration it needs, the
 printing, and ``--verify``; the ranking itself is psring.predict.advise.
@@ -22,11 +24,10 @@ printing, and ``--verify``; the ranking itself is psring.predict.advise.
 ``--verify`` runs the winner, the runner-up and the best of the other family (ring vs
 parameter server) on this machine as the cluster's emulation (psring.emulate: one
 network namespace per host, links shaped to ``--link``) and prints predicted against
-measured step times. The emulated hosts share this machine's cores, so the predictions
-verified are those of that emulation (compute stretched by the workers sharing the
-cores), not of a cluster with a device per worker; with ``--verify`` the ranking shown
-is the emulation's. Clusters larger than this machine can hold are refused for
-``--verify`` with the reason.
+measured step times. Each worker there is a device with the ranked profile's times
+(``--compute device``, psring.device): the verified cluster is the described one, a
+device per worker, not this machine's shared cores. Clusters larger than this machine
+can hold are refused for ``--verify`` with the reason.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def add_advise_parser(sub: Any) -> None:
     p.add_argument("--calibration", default="", help="α-β-γ calibration file (default: "
                    "$PSRING_CALIBRATION or ~/.cache/psring/calibration.json; measured "
                    "quickly when there is none)")
+    p.add_argument("--device-speed", type=float, default=1.0, help="the workers' devices are "
+                   "this many times as fast as the profile's (ask about a GPU cluster from "
+                   "a laptop's profile; or give a GPU's profile with --profile)")
     p.add_argument("--verify", action="store_true", help="run the top candidates on this "
                    "machine's emulation of the cluster and print predicted vs measured")
     p.add_argument("--verify-steps", type=int, default=20, help="steps per verifying run")
@@ -147,9 +151,12 @@ def _calibration(args: argparse.Namespace, out: Path):
 
 
 def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespace,
-           model: dict[str, Any], batch: int, n: int, out: Path) -> list[dict[str, Any]]:
-    """Run each candidate as the cluster's emulation (the profiled ``model`` at global
-    batch ``batch``); predicted vs measured step time."""
+           model: dict[str, Any], batch: int, n: int, out: Path,
+           device_profile: Path) -> list[dict[str, Any]]:
+    """Run each candidate on this machine's emulation of the cluster, each worker a
+    device with the ranked profile's times (--compute device: the verified cluster is
+    the described one, a device per worker, not these shared cores), the profiled
+    ``model`` at global batch ``batch``; predicted vs measured step time."""
     from ..config import RunConfig
     from ..launch import launch
     from ..report import summarize
@@ -160,7 +167,8 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
                  "hosts": args.hosts, "workers_per_host": c.cluster.workers_per_host,
                  "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
                  else "", "delay": args.delay, "batch_size": batch,
-                 "steps": args.verify_steps, "eval_every": args.verify_steps,
+                 "steps": args.verify_steps, "compute": "device",
+                 "device_profile": str(device_profile),
                  "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
         cls = classes[c.strategy]
         if not cls.uses_servers:
@@ -212,6 +220,9 @@ def advise_command(args: argparse.Namespace) -> int:
     from ..models import ModelSettings, meta_build
 
     cluster, n = _cluster(args)
+    if not (args.device_speed > 0 and args.device_speed != float("inf")):
+        raise ConfigError(f"--device-speed must be a positive number, the devices' speed "
+                          f"relative to the profile's (got {args.device_speed}).")
     if args.verify_steps < 5:
         raise ConfigError(f"--verify-steps {args.verify_steps}: give at least 5 (the first "
                           f"steps are warm-up, left out of the measured step time).")
@@ -241,10 +252,15 @@ def advise_command(args: argparse.Namespace) -> int:
         print(f"psring: profiling {cfg.model} at batch {cfg.batch_size} per worker "
               f"({cfg.steps} steps of single, traced)", flush=True)
         prof = take_profile(cfg)
+    if args.device_speed != 1.0:
+        prof = prof.scaled(args.device_speed)
     out.mkdir(parents=True, exist_ok=True)
+    # what --verify's device-mode workers take their times from: the profile ranked
+    device_profile = prof.save(out / "device-profile")
     cal = _calibration(args, out)
-    # --verify: the emulation on this machine, where every process shares its cores
-    shared = cores if args.verify else None
+    # --verify runs device-mode workers (their compute is off the cores): the cluster's
+    # own prediction, with no sharing of this machine's cores
+    shared = None
     classes = strategy_classes(n, cluster.hosts)
     # --verify: only settings this machine can run (workers and servers <= the limit)
     link = parse_rate(args.link) if args.link else None
@@ -254,7 +270,7 @@ def advise_command(args: argparse.Namespace) -> int:
                        cores=shared, link_bits=link, delay_s=delay)
     ranking = rank(cands)
     where = _where(cluster.hosts, n // cluster.hosts, link, delay) + (
-        f", emulated on this machine's {cores} cores" if args.verify else "")
+        ", verified on emulated hosts, a device per worker" if args.verify else "")
     title = (f"psring advise: {prof.source.get('model', 'profiled model')}, "
              f"{prof.total_bytes / 1e6:.2f} MB of gradients, batch {args.batch_size} "
              f"({prof.batch_size} per worker), {n} workers on {where}")
@@ -283,8 +299,9 @@ def advise_command(args: argparse.Namespace) -> int:
     atomic_write_json(out / "advise.json", report)  # the prediction, before any run
     if args.verify:
         top = verify_candidates(ranking, classes)
-        results = verify(top, classes, args, model, args.batch_size, n, out)
-        vt = Table(title="predicted vs measured (this machine's emulation of the cluster)")
+        results = verify(top, classes, args, model, args.batch_size, n, out, device_profile)
+        vt = Table(title="predicted vs measured (this machine's emulation of the cluster, "
+                         "a device per worker: --compute device)")
         for h in ("strategy", "setting", "predicted ms", "measured ms", "error"):
             vt.add_column(h)
         for r in results:

@@ -171,6 +171,16 @@ class Profile:
         return cls(list(param_bytes), ready, forward_s, backward_s, update_s,
                     batch_size=batch_size, source=dict(source or {}, on_paper=True))
 
+    def scaled(self, speed: float) -> "Profile":
+        """This profile on a device ``speed`` times as fast (--device-speed)."""
+        if not (speed > 0 and math.isfinite(speed)):
+            raise ConfigError(f"--device-speed must be a positive number, the device's speed "
+                              f"relative to the profile's (got {speed}).")
+        return Profile(list(self.param_bytes), [t / speed for t in self.ready_s],
+                       self.forward_s / speed, self.backward_s / speed, self.update_s / speed,
+                       self.data_s, self.batch_size, self.threads,
+                       dict(self.source, device_speed=speed * self.source.get("device_speed", 1)))
+
     # -- the file -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically to ``path`` (a directory gets ``profile.json``)."""
