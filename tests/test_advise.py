@@ -121,3 +121,20 @@ def test_profile_records_every_gradient_and_buckets_like_the_strategies(tmp_path
         assert [b.nbytes for b in real.buckets] == [m for m, _ in prof.buckets(mb)]
         real.remove_hooks()
     del torch
+
+
+def test_device_speed_asks_about_faster_devices(tiny, tmp_path):
+    prof, cal = tiny
+    common = ["--profile", prof, "--calibration", cal, "--hosts", 2, "--link", "10gbit",
+              "--batch-size", 32]
+    rows = {}
+    for speed in ("1", "4"):
+        out = tmp_path / f"x{speed}"
+        psring("advise", *common, "--device-speed", speed, "--out", out, timeout=120)
+        report = json.loads((out / "advise.json").read_text())
+        rows[speed] = {r["strategy"]: float(r["compute ms"]) for r in report["ranking"]}
+    for name, ms in rows["1"].items():
+        assert rows["4"][name] == pytest.approx(ms / 4, rel=0.05, abs=0.05)
+    bad = psring("advise", *common, "--device-speed", "0", "--out", tmp_path / "b",
+                 check=False, timeout=60)
+    assert bad.returncode == 2 and "--device-speed must be a positive number" in bad.stderr
