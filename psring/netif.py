@@ -22,6 +22,7 @@ import fcntl
 import ipaddress
 import socket
 import struct
+import subprocess
 from pathlib import Path
 from typing import Mapping
 
@@ -57,26 +58,60 @@ class Choice:
         return "one host (MASTER_ADDR is loopback): gloo uses loopback"
 
 
-def resolve(host: str) -> str:
-    """MASTER_ADDR as an IP address (torchrun accepts names too)."""
+def resolve(host: str) -> list[str]:
+    """MASTER_ADDR's IP addresses, IPv4 first (torchrun accepts names too)."""
     try:
-        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except socket.gaierror as e:
         raise ConfigError(f"MASTER_ADDR {host!r} does not resolve ({e.strerror}); give "
                           f"torchrun's --master-addr as an IP address or a name every host "
                           f"resolves.") from None
+    ips = list(dict.fromkeys(i[4][0] for i in infos))
+    return sorted(ips, key=lambda a: ":" in a)
+
+
+def is_loopback(ip: str) -> bool:
+    return ipaddress.ip_address(ip.split("%")[0]).is_loopback
 
 
 def source_address(dest: str) -> str | None:
-    """This host's address on the kernel's route to ``dest`` (None: no route). A UDP
-    socket's connect() only looks the route up: no packet is sent."""
+    """This host's address on the kernel's route to ``dest`` (None: no route, or no
+    such address family here). A UDP socket's connect() only looks the route up: no
+    packet is sent."""
     family = socket.AF_INET6 if ":" in dest else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((dest, 9))  # any port: nothing is sent
-        except OSError:
-            return None
-        return s.getsockname()[0]
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _ipv4_addresses() -> list[tuple[str, str]]:
+    """(interface, address) of every IPv4 address, secondary ones included (``ip``);
+    where ``ip`` is missing, each interface's primary address (SIOCGIFADDR)."""
+    try:
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                             text=True, timeout=5).stdout
+        pairs = []
+        for line in out.splitlines():  # "2: eth0    inet 198.18.0.1/15 brd ... scope ..."
+            cols = line.split()
+            if len(cols) >= 4 and cols[2] == "inet":
+                pairs.append((cols[1].split("@")[0], cols[3].split("/")[0]))
+        if pairs:
+            return pairs
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    pairs = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
+                                  struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            pairs.append((name, socket.inet_ntoa(raw[20:24])))
+    return pairs
 
 
 def interface_of(address: str) -> str | None:
@@ -92,54 +127,77 @@ def interface_of(address: str) -> str | None:
             if len(cols) >= 6 and ipaddress.ip_address(int(cols[0], 16)) == ip:
                 return cols[5]
         return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
-                                  struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue  # no IPv4 address on it
-            if socket.inet_ntoa(raw[20:24]) == str(ip):
-                return name
-    return None
+    return next((name for name, a in _ipv4_addresses() if a == str(ip)), None)
 
 
-def _exists(name: str) -> bool:
-    try:
-        socket.if_nametoindex(name)
-        return True
-    except OSError:
-        return False
+def _exists(name: str, prefix: bool = False) -> bool:
+    """An interface of that name (``prefix``: one whose name starts with it, as NCCL
+    reads NCCL_SOCKET_IFNAME without a leading '=')."""
+    names = [n for _, n in socket.if_nameindex()]
+    return any(n.startswith(name) for n in names) if prefix else name in names
+
+
+def _check_given(var: str, value: str) -> None:
+    if value.startswith("^"):
+        return  # an exclusion list (NCCL): nothing to look up
+    exact = var == GLOO or value.startswith("=")
+    for name in value.lstrip("=").split(","):
+        if name and not _exists(name, prefix=not exact):
+            raise ConfigError(
+                f"{var}={value} names an interface this host does not have ({name}); its "
+                f"interfaces: {', '.join(n for _, n in socket.if_nameindex())}. Set {var} to "
+                f"the one on the network the other hosts are on, or unset it and psring "
+                f"picks the one routed to MASTER_ADDR.")
 
 
 def choose(env: Mapping[str, str], cuda: bool) -> Choice:
-    """The interface for this worker's process group (see the module's docstring)."""
+    """The interface for this worker's process group (see the module's docstring).
+    With MASTER_ADDR loopback on a launch of several nodes (node 0, whose host name
+    maps to 127.0.1.1), the choice waits for the peers: :func:`after_join`."""
     names = (GLOO, NCCL) if cuda else (GLOO,)
     master = env.get("MASTER_ADDR", "")
-    ip = resolve(master) if master else None
-    loopback = ip is None or ipaddress.ip_address(ip.split("%")[0]).is_loopback
-    src = None if loopback else source_address(ip)
+    ips = resolve(master) if master else []
+    loopback = not ips or all(is_loopback(ip) for ip in ips)
+    src = next((a for a in map(source_address, ips) if a), None)  # IPv4 first
     given = {n: env[n] for n in names if env.get(n)}
     if given:
         for var, value in given.items():
-            # gloo and NCCL take a comma-separated list (NCCL also ^excluded and =exact)
-            for name in value.lstrip("^=").split(","):
-                if name and not value.startswith("^") and not _exists(name):
-                    raise ConfigError(
-                        f"{var}={value} names an interface this host does not have "
-                        f"({name}); its interfaces: "
-                        f"{', '.join(n for _, n in socket.if_nameindex())}. Set {var} to "
-                        f"the one on the network the other hosts are on, or unset it and "
-                        f"psring picks the one routed to MASTER_ADDR.")
-        return Choice(next(iter(given.values())), src, "user", {})
+            _check_given(var, value)
+        fill = {NCCL: env[GLOO]} if cuda and GLOO in given and NCCL not in given else {}
+        if GLOO in given:
+            return Choice(given[GLOO], None if loopback else src, "user", fill)
+        # NCCL's own setting given: gloo's interface is still psring's to choose
+        names = (GLOO,)
     if loopback:
         return Choice(None, None, "loopback", {})
     iface = interface_of(src) if src else None
     if iface is None:
         raise ConfigError(
-            f"this host has no route to MASTER_ADDR {master} ({ip}), so psring cannot "
-            f"tell which network interface the other hosts reach it on. Check that "
+            f"this host has no route to MASTER_ADDR {master} ({', '.join(ips)}), so psring "
+            f"cannot tell which network interface the other hosts reach it on. Check that "
             f"--master-addr is the address of node 0 as this host sees it, or set "
             f"{GLOO}{' and ' + NCCL if cuda else ''} to the interface to use (see "
             f"`ip -brief address`).")
+    return Choice(iface, src, "route", {n: iface for n in names})
+
+
+def after_join(choice: Choice, peers: list[dict], host: str, cuda: bool) -> Choice:
+    """The choice once every rank has registered. Node 0 whose MASTER_ADDR is loopback
+    (its own host name mapped to 127.0.1.1 or 127.0.0.1) has peers on other hosts: it
+    takes the interface routed to one of them. All on this machine: loopback it stays."""
+    if choice.how != "loopback":
+        return choice
+    away = [p for p in peers if p.get("address") and p.get("host") != host]
+    if not away:
+        return choice
+    peer = away[0]
+    src = source_address(peer["address"])
+    iface = interface_of(src) if src else None
+    if iface is None:
+        raise ConfigError(
+            f"MASTER_ADDR is a loopback address on this host, but worker {peer['rank']} is "
+            f"on {peer['host']} ({peer['address']}), to which this host has no route; give "
+            f"torchrun's --master-addr as node 0's address on the network between the hosts, "
+            f"or set {GLOO} to the interface on it.")
+    names = (GLOO, NCCL) if cuda else (GLOO,)
     return Choice(iface, src, "route", {n: iface for n in names})

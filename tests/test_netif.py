@@ -73,3 +73,30 @@ def test_the_route_to_master_addr_picks_the_interface_or_its_absence_is_explaine
     assert first == '["psr-t0", "198.18.7.2", "route", {"GLOO_SOCKET_IFNAME": "psr-t0"}]'
     assert second.startswith("error: this host has no route to MASTER_ADDR 198.19.9.9")
     assert "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME" in second
+
+
+def test_node_0_with_a_loopback_master_addr_takes_the_route_to_its_peers():
+    """Node 0's MASTER_ADDR may be its own host name, mapped to 127.0.1.1: the choice
+    waits for the peers' addresses (here one at 127.0.0.1, the only route a test has)."""
+    env = {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}
+    first = netif.choose(env, cuda=False)
+    assert first.how == "loopback"
+    peers = [{"rank": 0, "host": "a", "address": None},
+             {"rank": 1, "host": "b", "address": "127.0.0.1"}]
+    c = netif.after_join(first, peers, "a", cuda=True)
+    assert (c.interface, c.address, c.how) == ("lo", "127.0.0.1", "route")
+    assert c.env == {netif.GLOO: "lo", netif.NCCL: "lo"}
+    # every worker on this machine: loopback it stays
+    same = [{"rank": 0, "host": "a", "address": None}, {"rank": 1, "host": "a", "address": None}]
+    assert netif.after_join(first, same, "a", cuda=False) is first
+
+
+def test_nccl_names_are_prefixes_and_gloos_setting_carries_over_on_cuda():
+    env = {"MASTER_ADDR": "127.0.0.1"}
+    assert netif.choose({**env, netif.NCCL: "l"}, cuda=True).how == "loopback"  # l* = lo
+    with pytest.raises(ConfigError, match="NCCL_SOCKET_IFNAME==l names"):
+        netif.choose({**env, netif.NCCL: "=l"}, cuda=True)  # '=': the exact name
+    c = netif.choose({**env, netif.GLOO: "lo"}, cuda=True)
+    assert c.env == {netif.NCCL: "lo"}
+    assert netif.resolve("localhost")[0] in ("127.0.0.1", "::1")
+    assert all(":" not in a for a in netif.resolve("127.0.0.1"))
