@@ -67,11 +67,14 @@ class Launch:
         self.run_id = os.environ.get(RUN_ENV, "")
         self.peers: list[dict] = []
 
-    def stage(self, what: str, step: int | None = None) -> None:
-        """This worker got as far as ``what`` (progress, for the watchdog)."""
+    def stage(self, what: str, step: int | None = None, waiting: bool = True) -> None:
+        """This worker got as far as ``what`` (progress, for the watchdog). ``waiting``:
+        it now waits on the other workers (the watchdog's deadline runs), or False: it
+        works on its own (building the model, a download), which no deadline bounds."""
 
     def done(self) -> None:
-        """Training finished here: a later failure elsewhere is not this worker's."""
+        """Past the last wait on the others: a later failure elsewhere is not this
+        worker's."""
 
     def fail(self, message: str) -> None:
         """This worker failed with ``message``: tell the others."""
@@ -111,9 +114,10 @@ class Rendezvous(Launch):
         self.host = os.environ["MASTER_ADDR"]
         self.port = int(os.environ["MASTER_PORT"])
         self.where = f"{self.host}:{self.port}"
-        self.ns = _namespace()
+        self.ns = ""  # psring/<attempt>/, once the store is reached (_attempt)
         self.record = {**record, "rank": rank}
         self._stage = {"stage": "joining the run", "step": None, "time": time.time()}
+        self._waiting = True
         self._progress = time.monotonic()
         self._finished = False
         self._shutdown_by: float | None = None
@@ -123,6 +127,7 @@ class Rendezvous(Launch):
         self._stop = threading.Event()
         try:
             self.store = _store(self.host, self.port, rank, world, timeout)
+            self.ns = _attempt(self.store, rank)
         except Exception as e:  # noqa: BLE001 - torch raises several types here
             raise PsringError(
                 f"worker {rank}: could not reach the rendezvous store at {self.where} "
@@ -130,6 +135,7 @@ class Rendezvous(Launch):
                 f"{timeout:g} s: {_first_line(e)}. Check that node 0's torchrun runs and "
                 f"that this host reaches {self.host}.") from None
         self._peer_failure: str | None = None
+        self._progress = time.monotonic()  # the join's --timeout starts now
         for name, target in (("watchdog", self._watchdog), ("heartbeat", self._heartbeat)):
             threading.Thread(target=target, name=f"psring-{name}", daemon=True).start()
 
@@ -195,9 +201,10 @@ class Rendezvous(Launch):
                 f"{f.get('host')} failed: {f.get('error')}")
 
     # -- progress and failure -----------------------------------------------------------
-    def stage(self, what: str, step: int | None = None) -> None:
+    def stage(self, what: str, step: int | None = None, waiting: bool = True) -> None:
         with self._lock:
             self._stage = {"stage": what, "step": step, "time": time.time()}
+            self._waiting = waiting
             self._progress = time.monotonic()
 
     def done(self) -> None:
@@ -210,6 +217,9 @@ class Rendezvous(Launch):
         self._shutdown_by = time.monotonic() + GRACE_S
         value = _failure_value(self.rank, self.record.get("host"), message)
         _bounded(lambda: self._client().compare_set(self.key("failed"), "", value))
+        if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # rank 0 serves the store itself here: stay until the others have read it
+            time.sleep(2 * BEAT_S + 0.5)
 
     # -- the watchdog ---------------------------------------------------------------------
     # Two threads: the watchdog only keeps time (no I/O, so nothing can stall it), and a
@@ -222,8 +232,8 @@ class Rendezvous(Launch):
                 self._die(f"worker {self.rank}: shutting down after the error above took "
                           f"more than {GRACE_S:g} s; exiting now.")
             with self._lock:
-                stage, idle = dict(self._stage), now - self._progress
-            if idle > self.timeout + GRACE_S:
+                stage, idle, waiting = dict(self._stage), now - self._progress, self._waiting
+            if waiting and idle > self.timeout + GRACE_S:
                 self._die(f"worker {self.rank}: no progress for {idle:.0f} s (--timeout "
                           f"{self.timeout:g} s + {GRACE_S:g} s grace) at: "
                           f"{_stage_text(stage)}. {self.explain()}")
@@ -251,6 +261,7 @@ class Rendezvous(Launch):
                         self._seen = seen
                 self._contact = time.monotonic()
             except Exception:  # noqa: BLE001 - an unreachable store is itself a finding
+                client = None  # a timed-out connection may be out of step: a new one
                 continue
 
     def _client(self):
@@ -332,9 +343,13 @@ def report_failure(rank: int, message: str) -> None:
     if not under_torchrun():
         return
     value = _failure_value(rank, host_name(), message)
-    _bounded(lambda: _store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), -1,
-                            int(os.environ["WORLD_SIZE"]), STORE_OP_S)
-             .compare_set(_namespace() + "failed", "", value))
+
+    def publish() -> None:
+        store = _store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), -1,
+                       int(os.environ["WORLD_SIZE"]), STORE_OP_S)
+        store.compare_set(_attempt(store, rank) + "failed", "", value)
+
+    _bounded(publish)
 
 
 def _bounded(call: Callable[[], object], seconds: float = STORE_OP_S) -> None:
@@ -362,10 +377,13 @@ def count_hosts(peers: list[dict]) -> int:
     return len({(p.get("host"), p.get("address")) for p in peers})
 
 
-def _namespace() -> str:
-    """psring's keys in the store. A restarted torchrun worker group shares the agent's
-    store with the attempt before: each attempt has its own."""
-    return f"psring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+def _attempt(store: Any, rank: int) -> str:
+    """psring's keys in the store for this attempt of the launch. A restarted torchrun
+    worker group may share the store with the attempts before (the c10d backend keeps
+    it across rounds), and TORCHELASTIC_RESTART_COUNT is each agent's own count (a
+    membership change does not raise it). Every rank of a new round starts once, so
+    counting this rank's starts in the store gives all ranks the same number."""
+    return f"psring/{store.add(f'psring/starts/{rank}', 1)}/"
 
 
 def _failure_value(rank: int, host: str | None, message: str) -> str:

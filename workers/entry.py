@@ -161,11 +161,18 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
               "node": _env_int("GROUP_RANK", 0), "local_rank": local_rank,
               "pid": os.getpid(), "out": str(run_dir.resolve())}
     launch = rendezvous.join(rank, world, cfg.timeout, record, log, prefix)
+    # node 0 with MASTER_ADDR loopback learns its interface from its peers' addresses
+    net = netif.after_join(net, launch.peers, ctx.host, cuda=device.type == "cuda")
+    os.environ.update(net.env)
+    record.update(address=net.address, interface=net.interface)
+    for p in launch.peers:
+        if p.get("rank") == rank:
+            p.update(record)
     if launch.kind == "torchrun" and net.interface:
         log.info("collectives on %s", net.message())
     append_record(run_dir / WORKERS, {"run": launch.run_id, "world": world, "rank": rank,
                                       **record, "time": time.time()})
-    launch.stage("building the model")
+    launch.stage("building the model", waiting=False)  # (a data download has no deadline)
     work = build_workload(cfg)
     model, ds = work.model, work.data.train
     if rank == 0:
@@ -194,15 +201,25 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         strategy = strategy_cls(ctx)
         log.info("training %s on %s, %d steps, %d threads", cfg.strategy, device,
                  cfg.steps, threads)
-        train(ctx, strategy, model, work.data, steps, resume=resume,
-              on_step=lambda r: launch.stage("training", r["step"]))
+        try:
+            train(ctx, strategy, model, work.data, steps, resume=resume,
+                  on_step=lambda r: launch.stage("training", r["step"]))
+            if rank == 0:
+                launch.stage("saving the model", waiting=False)
+                save_state_dict(run_dir / MODEL, strategy.final_state(model))
+            if dist.is_initialized():
+                # Rank 0 hosts the rendezvous store: no rank may tear down while another
+                # still talks to it (that aborts the process in C++).
+                launch.stage("waiting for the others to finish")
+                dist.barrier()
+        except RuntimeError as e:
+            if not _broken_connection(e):
+                raise
+            raise PsringError(
+                f"worker {rank}: the connection to another worker broke "
+                f"({str(e).strip().splitlines()[0][:200]}): one of them stopped, or its host "
+                f"went away; see its output.") from None
         launch.done()
-        if rank == 0:
-            save_state_dict(run_dir / MODEL, strategy.final_state(model))
-        if dist.is_initialized():
-            # Rank 0 hosts the rendezvous store: no rank may tear down while another
-            # still talks to it (that aborts the process in C++).
-            dist.barrier()
         log.info("done")
     finally:
         steps.close()
@@ -215,6 +232,13 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         # gloo process group, whose C++ destructor then waited forever for its threads
         # in about 1 run in 10 (seen with `kill -USR1`: no Python frame below main).
         _RETAINED.append((strategy, model))
+
+
+def _broken_connection(e: BaseException) -> bool:
+    """A collective failed because a peer's connection went (gloo, NCCL), not a bug."""
+    text = str(e)
+    return any(w in text for w in ("Connection closed", "Connection reset", "Broken pipe",
+                                   "Connection refused", "NCCL error", "ProcessGroupGloo"))
 
 
 def _init_process_group(backend: str, rank: int, world: int, timeout: float,
