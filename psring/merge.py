@@ -12,6 +12,8 @@ The directories must be of one launch (the same run id, agreed through torchrun'
 rendezvous: psring.rendezvous) and together hold every rank; else a ConfigError says
 which directory is of which run, or which ranks are missing. Steps a directory shares
 with another (the same directory given twice, or a shared file system) count once.
+Step records carry no run id: give each launch a fresh --out (or --resume into it), as
+`psring run` requires; a directory's steps are those of the ranks its last launch had.
 """
 
 from __future__ import annotations
@@ -95,9 +97,11 @@ def merge(dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     _write_lines(out / STEPS, [steps[k] for k in sorted(steps)])
     _write_lines(out / WORKERS, [workers[r] for r in sorted(workers)])
-    servers = [rec for p in paths for rec in read_steps(p, SERVERS)]
+    # (a directory reached twice, by another path: its records once)
+    servers = {json.dumps(rec, sort_keys=True): rec
+               for p in paths for rec in read_steps(p, SERVERS)}
     if servers:
-        _write_lines(out / SERVERS, sorted(servers, key=lambda r: r.get("time", 0)))
+        _write_lines(out / SERVERS, sorted(servers.values(), key=lambda r: r.get("time", 0)))
     for name in RANK0_FILES:
         if (head / name).exists():
             shutil.copy2(head / name, out / name)
