@@ -241,5 +241,7 @@ def describe(cfg: Any) -> dict[str, Any]:
             "profile_source": prof.source, "speed": cfg.device_speed, "rule": times.rule,
             # the step records' times are the wall clock's divided by this
             "time_scale": cfg.time_scale,
-            "forward_s": times.forward_s, "backward_s": times.backward_s,
-            "update_s": times.update_s}
+            # per micro-batch, on the described cluster's clock (as the step records)
+            "forward_s": times.forward_s / cfg.time_scale,
+            "backward_s": times.backward_s / cfg.time_scale,
+            "update_s": times.update_s / cfg.time_scale}
