@@ -37,6 +37,8 @@ per-worker batch scales them in proportion (stated in the manifest).
 
 from __future__ import annotations
 
+import math
+import os
 import time
 import types
 from dataclasses import dataclass
@@ -50,6 +52,16 @@ from .errors import ConfigError
 from .predict.profile import PROFILE_FILE, Profile
 
 MODES = ("real", "device")
+
+#: What this machine was measured to carry in device mode (docs/emulation.md, "Device
+#: mode"; benchmarks/bench_device_capacity.py, 2 cores): the workers' host-side work on
+#: their gradients (the stand-in's fill, the copy into buckets, the reduction: about 3
+#: passes a step) held the device's time within 5% at 3 GB per core-second, and was
+#: 4x off at 11; links, summed over the hosts, carried 90-95% of their rate up to 4
+#: Gbit/s emulated on 2 cores.
+HOST_BYTES_PER_CORE_S = 3e9
+LINK_BITS_PER_CORE = 2e9
+PASSES = 3
 
 
 def load_profile(path: str) -> Profile:
@@ -231,6 +243,37 @@ def for_worker(cfg: Any, rank: int, inputs: Any) -> DeviceCompute | None:
     return DeviceCompute(times, cfg.seed, rank, inputs.kind, inputs.classes, cfg.time_scale)
 
 
+def capacity(cfg: Any, cores: int | None = None) -> list[str]:
+    """Why this machine may not emulate ``cfg``'s cluster faithfully ([] when it should):
+    the rule of :data:`HOST_BYTES_PER_CORE_S` and :data:`LINK_BITS_PER_CORE`, each with
+    the --time-scale that would meet it."""
+    if cfg.compute != "device":
+        return []
+    cores = cores or os.cpu_count() or 1
+    prof = load_profile(cfg.device_profile)
+    t = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch, cfg.time_scale)
+    step = (t.forward_s + t.backward_s) * cfg.accumulate + t.update_s  # wall seconds
+    need = cfg.workers * PASSES * sum(prof.param_bytes) / HOST_BYTES_PER_CORE_S
+    out = []
+    if need > cores * step:
+        scale = cfg.time_scale * need / (cores * step)
+        out.append(f"the workers' own work on their gradients ({cfg.workers} x {PASSES} passes "
+                   f"over {sum(prof.param_bytes) / 1e6:.0f} MB a step, about {need:.2f} "
+                   f"core-seconds here) exceeds the {cores * step:.2f} core-seconds the "
+                   f"device's step leaves on {cores} cores, so the recorded compute would be "
+                   f"this machine's, not the device's: raise --time-scale to at least "
+                   f"{math.ceil(scale)}")
+    cl = cfg.cluster
+    if cl.emulated and cl.emulated_link_bits:
+        total = cl.emulated_link_bits * len(cl.host_list)
+        if total > LINK_BITS_PER_CORE * cores:
+            scale = cfg.time_scale * total / (LINK_BITS_PER_CORE * cores)
+            out.append(f"the emulated links add up to {total / 1e9:.1f} Gbit/s, more than "
+                       f"this machine carries ({LINK_BITS_PER_CORE * cores / 1e9:.0f} Gbit/s "
+                       f"on {cores} cores): raise --time-scale to at least {math.ceil(scale)}")
+    return out
+
+
 def describe(cfg: Any) -> dict[str, Any]:
     """For the manifest: how compute was done, and whether the run learnt anything."""
     if cfg.compute != "device":
@@ -244,4 +287,6 @@ def describe(cfg: Any) -> dict[str, Any]:
             # per micro-batch, on the described cluster's clock (as the step records)
             "forward_s": times.forward_s / cfg.time_scale,
             "backward_s": times.backward_s / cfg.time_scale,
-            "update_s": times.update_s / cfg.time_scale}
+            "update_s": times.update_s / cfg.time_scale,
+            # what the launcher warned of (psring.device.capacity): [] when faithful
+            "capacity_warnings": capacity(cfg)}

@@ -223,6 +223,11 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
     if cluster.emulated and cfg.master_addr != DEFAULT_MASTER_ADDR:
         raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
                           "host); drop it.")
+    # (imported here: psring.device imports torch, and psring --help reaches this module)
+    from .device import capacity
+
+    for why in capacity(cfg):  # --compute device beyond what this machine emulates
+        print(f"psring: warning: {why}.", file=sys.stderr)
     out, port = prepare(cfg)
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -232,3 +232,26 @@ def test_a_time_scale_slows_device_and_links_alike_and_records_the_clusters_cloc
     assert 0.060 <= compute < 0.060 * 1.3, compute
     assert wall > 6 * 0.060 * 4  # it did run slowed down
     assert_cluster_gone(out)
+
+
+def test_beyond_this_machines_capacity_a_run_is_warned_with_the_time_scale_to_use(profile,
+                                                                                  tmp_path):
+    """The rule of docs/emulation.md: the workers' host-side work must fit in the cores'
+    time the device's step leaves, and the emulated links in what the cores carry."""
+    fast = tmp_path / "fast"
+    Profile.on_paper(_sizes(), 1e-5, 2e-5, batch_size=16).save(fast)
+    cfg = dict(FLAGS, strategy="allreduce", workers=4, compute="device")
+    assert device.capacity(RunConfig(**cfg, device_profile=str(profile)), cores=2) == []
+    [why] = device.capacity(RunConfig(**cfg, device_profile=str(fast)), cores=2)
+    assert "exceeds" in why and "raise --time-scale to at least" in why
+    need = int(why.rsplit(" ", 1)[1])
+    assert device.capacity(RunConfig(**cfg, device_profile=str(fast), time_scale=need),
+                           cores=2) == []
+    links = RunConfig(**cfg, device_profile=str(profile), hosts=4, link="10gbit")
+    [why] = device.capacity(links, cores=2)
+    assert "links add up to 40.0 Gbit/s" in why and why.endswith("at least 10")
+    proc = psring("run", *[f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()],
+                  "--device-profile", fast, "--steps", "2", "--out", tmp_path / "r")
+    assert "psring: warning: the workers' own work on their gradients" in proc.stderr
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["compute"]["capacity_warnings"]
