@@ -255,3 +255,24 @@ def test_beyond_this_machines_capacity_a_run_is_warned_with_the_time_scale_to_us
     assert "psring: warning: the workers' own work on their gradients" in proc.stderr
     manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
     assert manifest["compute"]["capacity_warnings"]
+
+
+@needs_emulation
+@pytest.mark.timeout(120)
+def test_a_link_bound_device_run_carries_near_its_links_rate(tmp_path):
+    """A device that computes in no time on a 100 Mbit/s link: the step is the ring's
+    bytes crossing it, at close to the rate (docs/benchmarks.md has the 16-worker
+    figures)."""
+    flags = dict(model="mlp", width=1024, depth=2, features=256, batch_size=32)
+    sizes = [p.numel() * p.element_size() for p in meta_model(RunConfig(**flags))[0].parameters()]
+    prof = Profile.on_paper(sizes, 1e-4, 2e-4, batch_size=16).save(tmp_path / "prof")
+    out = tmp_path / "run"
+    psring("run", "--strategy", "allreduce", "--workers", 2, "--hosts", 2, "--link", "100mbit",
+           *[f"--{k.replace('_', '-')}={v}" for k, v in flags.items()], "--steps", "8",
+           "--compute", "device", "--device-profile", prof.parent, "--out", out)
+    kept = [r for r in read_steps(out) if r["step"] >= 2]
+    step = statistics.median(r["step_s"] for r in kept)
+    sent = kept[0]["bytes_sent"]  # 2(n-1)/n of the gradients, across the one host link
+    utilization = sent * 8 / step / 100e6
+    assert 0.8 < utilization <= 1.0, (sent, step)
+    assert_cluster_gone(out)
