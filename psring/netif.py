@@ -170,15 +170,12 @@ def choose(env: Mapping[str, str], cuda: bool) -> Choice:
         names = (GLOO,)
     if loopback:
         return Choice(None, None, "loopback", {})
-    iface = interface_of(src) if src else None
-    if iface is None:
-        raise ConfigError(
-            f"this host has no route to MASTER_ADDR {master} ({', '.join(ips)}), so psring "
-            f"cannot tell which network interface the other hosts reach it on. Check that "
-            f"--master-addr is the address of node 0 as this host sees it, or set "
-            f"{GLOO}{' and ' + NCCL if cuda else ''} to the interface to use (see "
-            f"`ip -brief address`).")
-    return Choice(iface, src, "route", {n: iface for n in names})
+    return _routed(src, names,
+                   f"this host has no route to MASTER_ADDR {master} ({', '.join(ips)}), so "
+                   f"psring cannot tell which network interface the other hosts reach it on. "
+                   f"Check that --master-addr is the address of node 0 as this host sees it, "
+                   f"or set {GLOO}{' and ' + NCCL if cuda else ''} to the interface to use "
+                   f"(see `ip -brief address`).")
 
 
 def after_join(choice: Choice, peers: list[dict], host: str, cuda: bool) -> Choice:
@@ -191,13 +188,17 @@ def after_join(choice: Choice, peers: list[dict], host: str, cuda: bool) -> Choi
     if not away:
         return choice
     peer = away[0]
-    src = source_address(peer["address"])
+    return _routed(source_address(peer["address"]), (GLOO, NCCL) if cuda else (GLOO,),
+                   f"MASTER_ADDR is a loopback address on this host, but worker "
+                   f"{peer['rank']} is on {peer['host']} ({peer['address']}), to which this "
+                   f"host has no route; give torchrun's --master-addr as node 0's address on "
+                   f"the network between the hosts, or set {GLOO} to the interface on it.")
+
+
+def _routed(src: str | None, names: tuple[str, ...], no_route: str) -> Choice:
+    """The interface holding ``src`` (this host's address on a route), for ``names``;
+    ``no_route`` is the ConfigError's paragraph when there is none."""
     iface = interface_of(src) if src else None
     if iface is None:
-        raise ConfigError(
-            f"MASTER_ADDR is a loopback address on this host, but worker {peer['rank']} is "
-            f"on {peer['host']} ({peer['address']}), to which this host has no route; give "
-            f"torchrun's --master-addr as node 0's address on the network between the hosts, "
-            f"or set {GLOO} to the interface on it.")
-    names = (GLOO, NCCL) if cuda else (GLOO,)
+        raise ConfigError(no_route)
     return Choice(iface, src, "route", {n: iface for n in names})
