@@ -37,7 +37,7 @@ class RunConfig:
     workers: int = field(default=1, metadata=_flag(
         "number of worker processes (data-parallel ranks); under torchrun taken from WORLD_SIZE"))
     model: str = field(default="mlp", metadata=_flag(
-        "mlp, cnn, resnet18, resnet50, vgg11, vgg16, mlstm, gpt (`psring models` lists "
+        "mlp, cnn, resnet18, resnet50, resnet101, vgg11, vgg16, mlstm, gpt (`psring models` lists "
         "them), or your own as package.module:factory (examples/my_model.py)"))
     width: int = field(default=0, metadata=_flag(
         "model width: hidden units (mlp, mlstm), channels (cnn), base channels (resnet, "

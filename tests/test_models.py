@@ -12,7 +12,7 @@ from psring.models import MODELS, ModelSettings, build_model, flops_per_sample, 
 from conftest import assert_no_processes, load_model, max_rel_diff, psring, read_evals
 
 #: torchvision's counts at 1000 classes (and 224x224, which the count does not depend on)
-TORCHVISION = {"resnet18": 11_689_512, "resnet50": 25_557_032,
+TORCHVISION = {"resnet18": 11_689_512, "resnet50": 25_557_032, "resnet101": 44_549_160,
                "vgg11": 132_863_336, "vgg16": 138_357_544}
 
 

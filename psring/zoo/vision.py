@@ -116,6 +116,14 @@ def resnet50(s: ModelSettings):
             Inputs.image(s.channels, s.image_size, s.classes))
 
 
+@MODELS.register("resnet101")
+def resnet101(s: ModelSettings):
+    # Horovod's published scaling (October 2017) has it beside Inception V3 and VGG-16
+    _need_side("resnet101", s, 8)
+    return (ResNet(Bottleneck, [3, 4, 23, 3], s.classes, s.width or 64, s.channels),
+            Inputs.image(s.channels, s.image_size, s.classes))
+
+
 #: channels per 3x3 convolution, "M" a 2x2 max-pool (the paper's configurations A and D)
 VGG_CONFIGS = {
     "vgg11": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
