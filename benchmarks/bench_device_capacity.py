@@ -59,6 +59,8 @@ CASES = [
     Case("mlp-4-compute", "compute", "mlp", 100, 4, 4, "10gbit"),
     Case("r50-8-compute", "compute", "resnet50", 200, 8, 4, "10gbit", time_scale=10),
     Case("r50-16-compute", "compute", "resnet50", 200, 16, 4, "10gbit", time_scale=10),
+    Case("r50-8-compute-ddp", "compute", "resnet50", 200, 8, 4, "10gbit", time_scale=10,
+         strategy="ddp"),
     Case("r50-4-link", "link", "resnet50", 20, 4, 4, "1gbit"),
     Case("r50-16-link", "link", "resnet50", 20, 16, 4, "1gbit", time_scale=4),
     Case("vgg16-8-link", "link", "vgg16", 30, 8, 4, "1gbit", time_scale=4),
