@@ -66,7 +66,8 @@ CASES = [
     Case("vgg16-8-link", "link", "vgg16", 30, 8, 4, "1gbit", time_scale=4),
     Case("vgg16-8-compute", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=20),
     # at the time scale the capacity rule asks for (psring.device.capacity)
-    Case("vgg16-8-rule", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=10),
+    Case("vgg16-8-S10", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=10),
+    Case("vgg16-8-rule", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=15),
     # one described cluster at several time scales: how far S moves a result
     *[Case(f"r50-4-1gbit-S{k}", "scale", "resnet50", 200, 4, 4, "1gbit", time_scale=k)
       for k in (1, 2, 5)],
