@@ -90,9 +90,10 @@ def test_resume_refuses_clearly(tmp_path):
                                              ("ps", ["--servers", 2])])
 def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path, strategy,
                                                                        extra):
-    steps, every = 100, 10
+    # 40 steps: the kill lands after the step-20 checkpoint with 20 slowed steps to go
+    steps, every = 40, 10
     args = ["--strategy", strategy, "--workers", 2, *SMALL, *extra, "--steps", steps,
-            "--checkpoint-every", every]
+            "--checkpoint-every", every, "--eval-every", every]
     ref = tmp_path / "ref"
     psring("run", *args, "--out", ref, timeout=120)
 
