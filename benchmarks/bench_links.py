@@ -1,6 +1,6 @@
 """Emulated-cluster benchmarks (psring.emulate): figures measured side by side in one run.
 
-    .venv/bin/python benchmarks/bench_links.py [--quick] [--only fidelity|sharded]
+    .venv/bin/python benchmarks/bench_links.py [--quick] [--only fidelity|ring|sharded]
 
 Needs what psring's emulated hosts need: root, or user namespaces (docs/emulation.md).
 
@@ -9,7 +9,12 @@ Needs what psring's emulated hosts need: root, or user namespaces (docs/emulatio
    the payload it got per second as a share of RATE, and the same counted as the link
    counts it (tbf shapes whole frames: 1514 bytes on the wire per 1448 of payload).
    Target: 90-105% of RATE.
-2. Sharded parameter servers on hosts of their own: 4 workers on 4 hosts joined by
+2. Ring fidelity: gloo's ring all-reduce (torch.distributed, 50 MB, one rank per host)
+   over 4 emulated hosts at rates around the ones device mode emulates; rank 0 times
+   three all-reduces after a warm-up. Printed: the bytes each host's link carries per
+   all-reduce, 2 (W-1)/W x 50 MB, per second of the median, as a share of RATE.
+   Target: 90-105%, as for one stream.
+3. Sharded parameter servers on hosts of their own: 4 workers on 4 hosts joined by
    100 Mbit/s links (link-bound: 1.6 MB of gradients per step), `psring run --strategy
    ps` with K = 1, 2, 4 servers, placed on hosts of their own and colocated with the
    workers, each a separate run through the CLI as a user starts it, contenders
@@ -31,7 +36,7 @@ import time
 from pathlib import Path
 
 from psring.cluster import PAYLOAD_FRACTION, parse_rate
-from psring.emulate import standalone
+from psring.emulate import standalone, tbf_params
 
 RATES = ["100mbit", "200mbit", "500mbit", "1gbit", "2gbit", "5gbit"]
 
@@ -78,6 +83,54 @@ def transfer(cluster, bits: float, seconds: float) -> float:
         recv.wait()
 
 
+_RING = r"""
+import os, sys, time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+rank, world, addr, mb = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+dist.init_process_group("gloo", init_method=f"tcp://{addr}:29555", rank=rank,
+                        world_size=world, timeout=__import__("datetime").timedelta(seconds=120))
+t = torch.ones(int(mb * 2**20 / 4))
+dist.all_reduce(t)
+ts = []
+for _ in range(3):
+    t0 = time.perf_counter(); dist.all_reduce(t); ts.append(time.perf_counter() - t0)
+if rank == 0:
+    print(sorted(ts)[1], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def ring(cluster, hosts: int, mb: float) -> float:
+    """Median seconds of one gloo all-reduce of ``mb`` MiB, one rank per host."""
+    addr = cluster.host("host-0")["address"]
+    procs = [subprocess.Popen(cluster.command(f"host-{r}", [sys.executable, "-c", _RING, str(r),
+                                                            str(hosts), addr, str(mb)]),
+                              stdout=subprocess.PIPE, text=True) for r in range(hosts)]
+    try:
+        out = procs[0].communicate(timeout=300)[0]
+        for p in procs:
+            if p.wait(timeout=60) != 0:
+                raise SystemExit("a ring rank failed")
+        return float(out)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def bench_ring(quick: bool) -> None:
+    hosts, mb = 4, 50.0
+    print(f"\n2. ring fidelity: gloo all-reduce of {mb:g} MB, {hosts} hosts, one rank each")
+    print(f"   {'RATE':>8}  {'burst':>7}  {'link carries/RATE':>17}")
+    for rate in (["500mbit", "1gbit"] if quick else ["250mbit", "400mbit", "500mbit", "1gbit"]):
+        bits = parse_rate(rate)
+        with standalone(hosts, rate) as cluster:
+            t = ring(cluster, hosts, mb)
+        carried = 2 * (hosts - 1) / hosts * mb * 2**20 * 8
+        print(f"   {rate:>8}  {tbf_params(bits)[0]:7d}  {carried / t / bits:17.1%}", flush=True)
+
+
 def bench_fidelity(quick: bool) -> None:
     print("1. link fidelity: one TCP stream between two emulated hosts")
     print(f"   {'RATE':>8}  {'payload/RATE':>12}  {'on the wire/RATE':>16}   (3 transfers each)")
@@ -112,7 +165,7 @@ def ps_run(out: Path, servers: int, placement: str, steps: int) -> float:
 def bench_sharded(quick: bool) -> None:
     rounds, steps = (2, 6) if quick else (3, 10)
     contenders = [(k, p) for p in ("own-hosts", "colocated") for k in (1, 2, 4)]
-    print(f"\n2. sharded PS, 4 workers on 4 hosts, 100 Mbit/s links, {steps} steps, "
+    print(f"\n3. sharded PS, 4 workers on 4 hosts, 100 Mbit/s links, {steps} steps, "
           f"{rounds} rounds of {len(contenders)} runs (alternated)")
     times: dict[tuple[int, str], list[float]] = {c: [] for c in contenders}
     tmp = Path(tempfile.mkdtemp(prefix="bench-links-"))
@@ -136,10 +189,12 @@ def bench_sharded(quick: bool) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rates, rounds and steps")
-    ap.add_argument("--only", choices=("fidelity", "sharded"), default=None)
+    ap.add_argument("--only", choices=("fidelity", "ring", "sharded"), default=None)
     args = ap.parse_args()
     if args.only in (None, "fidelity"):
         bench_fidelity(args.quick)
+    if args.only in (None, "ring"):
+        bench_ring(args.quick)
     if args.only in (None, "sharded"):
         bench_sharded(args.quick)
     return 0

@@ -64,14 +64,20 @@ READY_TIMEOUT_S = 30.0
 
 # -- links, in tc's syntax ----------------------------------------------------------------
 
+#: bytes: one of veth's largest GSO packets (64 KiB) and room to spare (tbf_params)
+GSO_BURST = 72 * 1024
+
+
 def tbf_params(bits: float) -> tuple[int, int]:
     """(burst, limit) bytes of the token bucket that shapes a link of ``bits``/s.
 
-    burst: 1 ms of the rate, at least 16 KiB (ten full frames). A full bucket lets a
-    burst through at once, so a transfer can beat the rate by burst/rate: 1 ms at most,
-    small against the gradients of a step. Packets larger than the burst (veth's GSO
-    packets of up to 64 KiB, below ~500 Mbit/s) are split by tbf, in software, which
-    costs little at such rates.
+    burst: 1 ms of the rate, and never less than 72 KiB, one of veth's largest GSO
+    packets (64 KiB) with room to spare. A packet larger than the burst is split by tbf
+    into frames; where only some of a flow's packets are (a burst just under 64 KiB,
+    about 300-600 Mbit/s), gloo's ring over the link carried 74% of 500 Mbit/s and 86%
+    of 400 against 95% with the larger burst (docs/benchmarks.md, "Link fidelity").
+    A full bucket lets a burst through at once, so a transfer can beat the rate by
+    burst/rate: 1 ms, or 6 ms at 100 Mbit/s, small against the gradients of a step.
     limit, the queue: 100 ms of the rate, at least 4 MiB. Deep on purpose: a switch port
     that drops packets sends TCP into 200 ms retransmission timeouts, which would measure
     TCP's loss recovery instead of the link; with a deep queue, a link shared by several
@@ -79,7 +85,7 @@ def tbf_params(bits: float) -> tuple[int, int]:
     assumes. The price is queueing delay under load, which a real shallow-buffered
     switch would not add (docs/emulation.md)."""
     bytes_per_s = bits / 8
-    burst = max(16 * 1024, int(bytes_per_s * 1e-3))
+    burst = max(GSO_BURST, int(bytes_per_s * 1e-3))
     limit = max(4 * 2**20, int(bytes_per_s * 0.1))
     return burst, limit
 
