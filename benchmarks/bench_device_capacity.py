@@ -65,6 +65,12 @@ CASES = [
     Case("r50-16-link", "link", "resnet50", 20, 16, 4, "1gbit", time_scale=4),
     Case("vgg16-8-link", "link", "vgg16", 30, 8, 4, "1gbit", time_scale=4),
     Case("vgg16-8-compute", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=20),
+    # compute-bound as the criterion means it: links fast enough that the ring hides in
+    # backward, buckets small enough that the last one's tail is a few ms
+    Case("r50-16-25gbit", "compute", "resnet50", 200, 16, 4, "25gbit", time_scale=25,
+         extra=["--bucket-mb", "5"]),
+    Case("vgg16-8-100gbit", "compute", "vgg16", 300, 8, 4, "100gbit", time_scale=100,
+         steps=8, extra=["--bucket-mb", "5"]),
     # at the time scale the capacity rule asks for (psring.device.capacity)
     Case("vgg16-8-S10", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=10),
     Case("vgg16-8-rule", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=15),

@@ -184,12 +184,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-#: the `psring profile --on-paper` flags (psring.predict.profiling.paper_profile's)
-PAPER_FLAGS = ("forward_ms", "backward_ms", "step_ms", "update_ms", "source")
-
-
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .predict.profiling import paper_profile, profile_config, take_profile
+    from .predict.profiling import PAPER_FLAGS, paper_profile, profile_config, take_profile
 
     paper = {k: getattr(args, k) for k in PAPER_FLAGS}
     flags = {k: v for k, v in vars(args).items()

@@ -20,6 +20,20 @@ different ones; the key's own value names the point:
 
     model = [{model = "resnet18", lr = 0.01}, {model = "mlstm", width = 64, lr = 0.05}]
 
+Device-mode sweeps (``compute = "device"``, docs/emulation.md) can describe their
+profiles on paper in the definition, so the published figures they rest on sit beside
+the grid, sources cited; the sweep builds each once (``psring profile --on-paper``) in
+``OUT/profiles/NAME/`` before the first point, and a ``device_profile`` that names one
+uses it:
+
+    [profiles.resnet101]         # psring profile --on-paper flags, with _ for -
+    model = "resnet101"
+    batch_size = 64              # per device
+    step_ms = 536
+    source = "Horovod README, October 2017: 119.4 images/s on one Pascal GPU"
+    [grid]
+    model = [{model = "resnet101", device_profile = "resnet101"}]
+
 ``batch_per_worker`` (in base or grid) sets ``batch_size = batch_per_worker * workers``
 (weak scaling); otherwise ``batch_size`` is the global batch (strong scaling).
 Settings that do not apply to a strategy are normalized, and points that become the
@@ -56,6 +70,8 @@ POINT_FILE = "point.json"
 REPORT_KEYS = {"target_accuracy", "title"}
 #: grid keys that are not RunConfig fields
 EXTRA_KEYS = {"batch_per_worker"}
+#: where a sweep builds its [profiles] (under its --out)
+PROFILES_DIR = "profiles"
 
 
 def _load_toml(path: Path) -> dict[str, Any]:
@@ -89,9 +105,11 @@ class Sweep:
     base: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, list] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         valid = {f.name for f in fields(RunConfig)} | EXTRA_KEYS
+        self._check_profiles()
         for where, table in (("base", self.base), ("grid", self.grid)):
             unknown = sorted(set(table) - valid)
             if unknown:
@@ -124,11 +142,41 @@ class Sweep:
             raise ConfigError(f"sweep {self.name!r}: repeats must be an integer >= 1 "
                               f"(got {self.repeats!r}).")
 
+    def _check_profiles(self) -> None:
+        from .predict.profiling import PAPER_FLAGS
+
+        valid = {f.name for f in fields(RunConfig)} | set(PAPER_FLAGS)
+        for name, spec in self.profiles.items():
+            where = f"sweep {self.name!r}: [profiles.{name}]"
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ConfigError(f"{where}: a profile's name must be letters, digits, '.', "
+                                  f"'_' or '-' (it names a directory).")
+            if not isinstance(spec, dict) or "model" not in spec:
+                raise ConfigError(f"{where} must be a table that sets at least model (the "
+                                  f"`psring profile --on-paper` flags, with _ for -).")
+            unknown = sorted(set(spec) - valid)
+            if unknown:
+                raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: the "
+                                  f"`psring profile --on-paper` flags with _ for - "
+                                  f"({', '.join(PAPER_FLAGS)}, model, batch_size, ...).")
+
+    def build_profiles(self, out: Path) -> None:
+        """Build each [profiles] entry once, in OUT/profiles/NAME (kept on a rerun)."""
+        from .predict.profiling import paper_profile_from
+
+        for name, spec in self.profiles.items():
+            dest = Path(out) / PROFILES_DIR / name
+            if not (dest / "profile.json").exists():  # written atomically, last
+                try:
+                    paper_profile_from(spec, dest)
+                except ConfigError as e:
+                    raise ConfigError(f"sweep {self.name!r}: [profiles.{name}]: {e}") from None
+
     @classmethod
     def load(cls, path: str | Path) -> "Sweep":
         path = Path(path)
         raw = _load_toml(path)
-        known = {"description", "look_at", "repeats", "base", "grid", "report"}
+        known = {"description", "look_at", "repeats", "base", "grid", "report", "profiles"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"sweep definition {path}: unknown top-level key(s) "
@@ -138,11 +186,15 @@ class Sweep:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "look_at": self.look_at,
                 "repeats": self.repeats, "base": self.base, "grid": self.grid,
-                "report": self.report}
+                "report": self.report, "profiles": self.profiles}
 
     def points(self, out: Path) -> list[Point]:
-        """Every distinct run of the sweep, in a stable order (strategies together)."""
+        """Every distinct run of the sweep, in a stable order (strategies together). The
+        sweep's [profiles] are built first (once, in OUT/profiles): points are validated
+        runs, and a run's --device-profile must exist."""
         from .strategies import STRATEGIES
+
+        self.build_profiles(out)
 
         keys = list(self.grid)
         seen: dict[str, Point] = {}
@@ -171,6 +223,8 @@ class Sweep:
             if "batch_per_worker" in keys:
                 shown["batch_size"] = values["batch_size"]
             base_id = "_".join(f"{k}={_slug(v)}" for k, v in shown.items()) or "point"
+            if values.get("device_profile") in self.profiles:  # named in the id, not its path
+                values["device_profile"] = str(out / PROFILES_DIR / values["device_profile"])
             for r in range(self.repeats):
                 pid = f"{base_id}_r{r}"
                 if pid in seen:

@@ -72,6 +72,49 @@ def test_grid_tables_bring_their_own_settings_and_stragglers_need_a_worker(tmp_p
     assert all(p.varied["model"] in ("mlp", "gpt") for p in points)
 
 
+def test_profiles_on_paper_are_built_once_and_named_by_the_points_that_use_them(tmp_path):
+    from psring.predict.profile import Profile
+
+    sweep = Sweep(name="t", base={"steps": 2, "batch_size": 16, "workers": 2,
+                                  "compute": "device", "model": "mlp", "width": 16},
+                  profiles={"small": {"model": "mlp", "width": 16, "batch_size": 8,
+                                      "step_ms": 30, "source": "a test"}},
+                  grid={"strategy": ["allreduce", "ps"], "device_profile": ["small"]})
+    out = tmp_path / "o"
+    points = sweep.points(out)
+    assert {p.config.device_profile for p in points} == {str(out / "profiles" / "small")}
+    launched = []
+    from psring.sweep import run_sweep
+    run_sweep(sweep, out, launch=lambda cfg: launched.append(
+        Profile.load(cfg.device_profile)))
+    assert len(launched) == 2
+    prof = launched[0]
+    assert prof.forward_s + prof.backward_s == pytest.approx(0.030)
+    assert prof.batch_size == 8 and prof.source["cited"] == "a test"
+    # a rerun keeps the profile it built (its points read it)
+    stamp = (out / "profiles" / "small" / "profile.json").stat().st_mtime_ns
+    sweep.build_profiles(out)
+    assert (out / "profiles" / "small" / "profile.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("profiles, needle", [
+    ({"a": {"width": 8}}, "must be a table that sets at least model"),
+    ({"a/b": {"model": "mlp"}}, "names a directory"),
+    ({"a": {"model": "mlp", "step_sm": 3}}, "unknown key(s) step_sm"),
+])
+def test_bad_profiles_name_the_fix(profiles, needle):
+    with pytest.raises(ConfigError) as e:
+        Sweep(name="t", grid={"strategy": ["single"]}, profiles=profiles)
+    assert needle in str(e.value)
+
+
+def test_a_profile_that_cannot_be_built_names_the_table(tmp_path):
+    sweep = Sweep(name="t", grid={"strategy": ["single"]},
+                  profiles={"p": {"model": "mlp", "batch_size": 8}})  # no times
+    with pytest.raises(ConfigError, match=r"\[profiles.p\]: --on-paper needs"):
+        sweep.build_profiles(tmp_path)
+
+
 @pytest.mark.parametrize("models, needle", [
     ([{"width": 8}], "must set model"),
     ([{"model": "mlp", "colour": 1}], "must set model"),

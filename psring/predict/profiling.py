@@ -33,6 +33,23 @@ def take_profile(cfg) -> Profile:
     return prof
 
 
+#: the `psring profile --on-paper` flags: paper_profile's arguments
+PAPER_FLAGS = ("forward_ms", "backward_ms", "step_ms", "update_ms", "source")
+
+
+def paper_profile_from(settings: dict[str, Any], out: str | os.PathLike) -> Profile:
+    """``psring profile --on-paper`` from a dict of its flags (``_`` for ``-``), saved
+    atomically as ``out/profile.json``: what a sweep's ``[profiles]`` table builds."""
+    paper = {k: settings.get(k) for k in PAPER_FLAGS}
+    paper["update_ms"] = paper["update_ms"] or 0.0
+    paper["source"] = paper["source"] or ""
+    cfg = profile_config(**{k: v for k, v in settings.items() if k not in PAPER_FLAGS},
+                         out=str(out))
+    prof = paper_profile(cfg, **paper)
+    prof.save(out)
+    return prof
+
+
 #: --step-ms without a split: backward takes twice the forward's time (two matrix
 #: products per layer against one), the usual rule for dense networks
 BACKWARD_SHARE = 2 / 3
