@@ -32,7 +32,7 @@ import functools
 import importlib
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -132,6 +132,44 @@ def flops_per_sample(model: nn.Module, inputs: Inputs) -> float:
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     return counter.get_total_flops() / batch
+
+
+def backward_shares(model: nn.Module, inputs: Inputs) -> list[float] | None:
+    """For each trainable parameter (``model.parameters()`` order), the share of
+    backward's FLOPs done when its gradient is ready: autograd's own order, timed by
+    torch.utils.flop_counter (matmuls and convolutions). On the meta device nothing is
+    computed. None when nothing is counted (a model of elementwise ops only).
+
+    What an on-paper profile needs to place gradients in backward: in a VGG the fully
+    connected layers hold three quarters of the bytes but a few percent of the FLOPs, so
+    their gradients are ready early, not three quarters of the way through."""
+    from torch.utils import flop_counter
+
+    _skip_dynamo(getattr(flop_counter, "_FlopCounterMode", None))
+    params = [p for p in model.parameters() if p.requires_grad]
+    counter = flop_counter.FlopCounterMode(display=False)
+    at: dict[int, int] = {}
+
+    def ready(i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            at.setdefault(i, counter.get_total_flops())
+        return hook
+
+    hooks = [p.register_post_accumulate_grad_hook(ready(i)) for i, p in enumerate(params)]
+    device = params[0].device
+    try:
+        with counter:
+            out = model(inputs.example(2, device))
+            forward = counter.get_total_flops()
+            out.float().sum().backward()
+        total = counter.get_total_flops() - forward
+    finally:
+        for h in hooks:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    if total <= 0 or len(at) != len(params):
+        return None
+    return [(at[i] - forward) / total for i in range(len(params))]
 
 
 @functools.lru_cache(maxsize=8)

@@ -212,6 +212,25 @@ def test_a_profile_on_paper_fits_its_model_and_states_its_rule(tmp_path):
     assert proc.returncode == 2 and "add --on-paper" in proc.stderr
 
 
+def test_on_paper_gradients_are_ready_when_backwards_flops_reach_them():
+    """VGG-16 at ImageNet's image size: the fully connected layers (three quarters of
+    the bytes, a few percent of the FLOPs) are ready within backward's first tenth, the
+    first convolution at its very end; ready times follow autograd's order."""
+    from psring.predict.profiling import paper_profile, profile_config
+
+    cfg = profile_config(model="vgg16", classes=1000, image_size=224, batch_size=64,
+                         out="unused")
+    prof = paper_profile(cfg, None, None, step_ms=300.0)
+    sizes, ready = prof.param_bytes, prof.ready_s
+    assert "backward's FLOPs" in prof.source["rule"]
+    early = sum(b for b, t in zip(sizes, ready) if t <= 0.1 * prof.backward_s)
+    assert early / sum(sizes) > 0.7
+    assert ready[0] == pytest.approx(prof.backward_s, rel=1e-3)  # the first layer: last
+    assert max(ready) <= prof.backward_s and min(ready) >= 0
+    # in autograd's order: the classifier's gradients before the features'
+    assert ready[-1] < ready[len(ready) // 2] < ready[0]
+
+
 @needs_emulation
 @pytest.mark.timeout(120)
 def test_a_time_scale_slows_device_and_links_alike_and_records_the_clusters_clock(tmp_path,

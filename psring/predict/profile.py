@@ -163,11 +163,16 @@ class Profile:
     @classmethod
     def on_paper(cls, param_bytes: list[int], forward_s: float, backward_s: float,
                  update_s: float = 0.0, batch_size: int = 0,
-                 source: dict[str, Any] | None = None) -> "Profile":
-        """A profile from published figures: gradients become ready through backward
-        in proportion to the bytes already produced (last parameter first), the shape
-        a backward pass has when time per layer follows its parameters."""
-        ready = _spread(param_bytes, backward_s)
+                 source: dict[str, Any] | None = None,
+                 shares: list[float] | None = None) -> "Profile":
+        """A profile from published figures. ``shares``: for each parameter, the share
+        of backward done when its gradient is ready (psring.models.backward_shares:
+        backward's FLOPs in autograd's order); without them, gradients become ready in
+        proportion to the bytes already produced, last parameter first."""
+        if shares is not None and len(shares) != len(param_bytes):
+            raise ValueError("one share per parameter")
+        ready = (_spread(param_bytes, backward_s) if shares is None else
+                 [round(backward_s * min(max(x, 0.0), 1.0), 7) for x in shares])
         return cls(list(param_bytes), ready, forward_s, backward_s, update_s,
                     batch_size=batch_size, source=dict(source or {}, on_paper=True))
 

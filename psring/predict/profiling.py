@@ -61,8 +61,8 @@ def paper_profile(cfg: RunConfig, forward_ms: float | None, backward_ms: float |
     """A profile from published figures for ``cfg``'s model at ``cfg.batch_size`` (its
     parameter list from the model itself, built on the meta device: no compute). Give
     forward and backward times, or a step time (split by :data:`BACKWARD_SHARE`).
-    Gradients become ready through backward in proportion to their bytes, last
-    parameter first (Profile.on_paper)."""
+    Each gradient is ready when backward's FLOPs reach it (psring.models.backward_shares),
+    else in proportion to bytes (Profile.on_paper)."""
     from ..errors import ConfigError
     from ..workload import meta_model
 
@@ -77,14 +77,21 @@ def paper_profile(cfg: RunConfig, forward_ms: float | None, backward_ms: float |
     for name, v in (("forward", forward_ms), ("backward", backward_ms), ("update", update_ms)):
         if not (v >= 0 and v != float("inf")):
             raise ConfigError(f"--{name}-ms must be a time in milliseconds >= 0 (got {v}).")
-    model, _ = meta_model(cfg)
+    from ..models import backward_shares
+
+    model, inputs = meta_model(cfg)
     sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
     rule = ("forward and backward as given" if step_ms is None else
             f"step {step_ms:g} ms split {1 - BACKWARD_SHARE:.2f}:{BACKWARD_SHARE:.2f} "
             f"forward:backward")
+    # where in backward each gradient is ready: as backward's FLOPs reach it (on the meta
+    # device, at this configuration's data shape: image size and sequence length count)
+    shares = backward_shares(model, inputs)
+    rule += ("; each gradient ready when backward's FLOPs (torch's counter, autograd's "
+             "order) reach it" if shares is not None else
+             "; gradients ready in proportion to their bytes, last parameter first "
+             "(no FLOPs counted)")
     return Profile.on_paper(sizes, forward_ms / 1e3, backward_ms / 1e3, update_ms / 1e3,
-                            batch_size=cfg.batch_size,
-                            source={"model": cfg.model, "cited": source, "rule": rule +
-                                    "; gradients ready in proportion to their bytes, last "
-                                    "parameter first",
+                            batch_size=cfg.batch_size, shares=shares,
+                            source={"model": cfg.model, "cited": source, "rule": rule,
                                     **{k: getattr(cfg, k) for k in MODEL_KEYS}})
