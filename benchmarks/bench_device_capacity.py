@@ -71,6 +71,12 @@ CASES = [
          extra=["--bucket-mb", "5"]),
     Case("vgg16-8-100gbit", "compute", "vgg16", 300, 8, 4, "100gbit", time_scale=100,
          steps=8, extra=["--bucket-mb", "5"]),
+    # link-bound at the rule's S: 968 MB a step over each host's link, 0.8 s at 10 Gbit/s
+    Case("vgg16-8-10gbit-S20", "link", "vgg16", 300, 8, 4, "10gbit", time_scale=20),
+    # the same with 25 MB buckets: 22 all-reduces a step instead of 111, each paying
+    # gloo's per-hop wake-ups of 8 processes on 2 cores
+    Case("vgg16-8-100gbit-b25", "compute", "vgg16", 300, 8, 4, "100gbit", time_scale=100,
+         steps=8),
     # at the time scale the capacity rule asks for (psring.device.capacity)
     Case("vgg16-8-S10", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=10),
     Case("vgg16-8-rule", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=15),
@@ -97,7 +103,11 @@ def eth0_tx(pid: int) -> int:
 def measure(case: Case, root: Path) -> dict:
     prof = root / f"profile-{case.model}-{case.step_ms:g}ms-b{case.per_worker_batch}"
     if not prof.exists():
-        p = _run(["profile", "--on-paper", *MODELS[case.model], "--batch-size",
+        # at the published image size: FLOPs, which place the gradients in backward,
+        # depend on it (the parameter list does not)
+        paper = [("224" if a == "32" and i and MODELS[case.model][i - 1] == "--image-size"
+                  else a) for i, a in enumerate(MODELS[case.model])]
+        p = _run(["profile", "--on-paper", *paper, "--batch-size",
                   case.per_worker_batch, "--step-ms", case.step_ms, "--out", prof])
         if p.returncode:
             raise RuntimeError(p.stderr)
