@@ -1,0 +1,144 @@
+"""The seeds' published scaling beside psring's device-mode measurements.
+
+    psring sweep experiments/seeds_horovod.toml --out runs/seeds_horovod
+    python experiments/seeds_report.py runs/seeds_horovod        # a Markdown table
+    psring sweep experiments/seeds_sentiment.toml --out runs/seeds_sentiment
+    python experiments/seeds_report.py runs/seeds_sentiment
+
+For each model (or device profile): samples/s of each point (`psring report`'s figure:
+the per-worker batch over the median step, on the described cluster's clock), its
+speed-up over the model's one-worker point (one device), the scaling efficiency
+(speed-up / workers), and the published figure for the same setting where there is one
+(PUBLISHED, sources cited). Then the published directions and whether the measurements
+agree with each.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+#: Horovod's README table of October 2017 (horovod PR #44): 16 Pascal GPUs (4 servers x
+#: 4), batch 64 per GPU; speed-up over one GPU. psring's ps stands for distributed
+#: TensorFlow, allreduce for Horovod over TCP; RDMA is beside it, not emulated here.
+#: the device count behind each published speed-up
+PUBLISHED_DEVICES = {"seeds_horovod": 16}
+PUBLISHED = {
+    "seeds_horovod": {
+        ("resnet101", "ps"): 8.0, ("resnet101", "allreduce"): 14.1,
+        ("resnet101", "allreduce over RDMA"): 14.6,
+        ("vgg16", "ps"): 0.6, ("vgg16", "allreduce"): 10.0,
+        ("vgg16", "allreduce over RDMA"): 13.7,
+    },
+}
+
+
+def _label(r: dict) -> str:
+    v = r["varied"]
+    return str(v.get("model") or v.get("device_profile") or r["config"]["model"])
+
+
+def _network(r: dict) -> str:
+    return r["config"].get("link") or "one host"
+
+
+def rows_of(sweep_dir: Path) -> tuple[dict, list[dict], list[dict]]:
+    from psring.report.points import collect
+
+    spec, rows, problems = collect(sweep_dir)
+    base = {_label(r): r["samples_per_s"] for r in rows if r["workers"] == 1}
+    out = []
+    for r in rows:
+        if r["workers"] == 1 or _label(r) not in base:
+            continue
+        s = r["samples_per_s"] / base[_label(r)]
+        out.append({"model": _label(r), "strategy": r["config"]["strategy"],
+                    "network": _network(r), "workers": r["workers"],
+                    "hosts": r["hosts"],
+                    "samples_per_s": r["samples_per_s"], "speedup": s,
+                    "efficiency": s / r["workers"]})
+    out.sort(key=lambda x: (x["model"], x["strategy"], x["network"], x["workers"]))
+    return spec, out, problems
+
+
+def _published(pub: float | None, devices: int) -> str:
+    return f"{pub:.1f}x ({pub / devices:.0%} of {devices})" if pub else "-"
+
+
+def table(spec: dict, rows: list[dict], problems: list[dict]) -> list[str]:
+    published = PUBLISHED.get(spec["name"], {})
+    devices = PUBLISHED_DEVICES.get(spec["name"], 0)
+    lines = ["| model | strategy | network | workers (hosts) | samples/s | speed-up | "
+             "efficiency | published |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pub = published.get((r["model"], r["strategy"]))
+        lines.append(f"| {r['model']} | {r['strategy']} | {r['network']} | {r['workers']} "
+                     f"({r['hosts']}) | {r['samples_per_s']:.0f} | {r['speedup']:.1f}x | "
+                     f"{r['efficiency']:.0%} | "
+                     f"{_published(pub, devices)} |")
+    shown = {(r["model"], r["strategy"]) for r in rows}
+    for (model, strategy), pub in published.items():
+        if (model, strategy) not in shown:
+            lines.append(f"| {model} | {strategy} | - | - | not emulated | - | - | "
+                         f"{_published(pub, devices)} |")
+    for p in problems:
+        lines.append(f"\n(point {p['id']}: {p['status']}: {p['error'][:300]})")
+    return lines
+
+
+def directions(spec: dict, rows: list[dict]) -> list[str]:
+    """The published directions, each with the measured verdict."""
+    def eff(**match):
+        got = [r for r in rows if all(r[k] == v for k, v in match.items())]
+        return max(got, key=lambda r: r["workers"])["efficiency"] if got else None
+
+    out = []
+    if spec["name"] == "seeds_horovod":
+        pub = PUBLISHED["seeds_horovod"]
+        models = sorted({r["model"] for r in rows})
+        for m in models:
+            ring, ps = eff(model=m, strategy="allreduce"), eff(model=m, strategy="ps")
+            if ring is not None and ps is not None:
+                out.append(f"- {m}: published, Horovod's ring beats the PS "
+                           f"({pub[(m, 'allreduce')]:.1f}x vs {pub[(m, 'ps')]:.1f}x); "
+                           f"measured {'the ring' if ring > ps else 'the PS'} "
+                           f"({ring:.0%} vs {ps:.0%} efficiency): "
+                           f"{'reproduced' if ring > ps else 'NOT reproduced'}")
+        for strategy in ("allreduce", "ps"):
+            e = {m: eff(model=m, strategy=strategy) for m in models}
+            if len(e) == 2 and None not in e.values():
+                want = max(models, key=lambda m: pub[(m, strategy)])
+                have = max(models, key=lambda m: e[m])
+                out.append(f"- {strategy}: published, {want} scales better; measured "
+                           f"{have} ({', '.join(f'{m} {v:.0%}' for m, v in e.items())}): "
+                           f"{'reproduced' if want == have else 'NOT reproduced'}")
+    if spec["name"] == "seeds_sentiment":
+        models = sorted({r["model"] for r in rows})
+        for m in models:
+            ib, eth = eff(model=m, network="200gbit"), eff(model=m, network="10gbit")
+            if ib is not None and eth is not None:
+                out.append(f"- {m}: published, InfiniBand scales better across hosts than "
+                           f"Ethernet; measured at the most hosts {ib:.0%} vs {eth:.0%}: "
+                           f"{'reproduced' if ib > eth else 'NOT reproduced'}")
+        e = {m: eff(model=m, network="200gbit") for m in models}
+        if len(e) == 2 and None not in e.values():
+            small, large = models  # mlstm4096, mlstm8192
+            out.append(f"- on InfiniBand, published: the larger model scales better; "
+                       f"measured {large} {e[large]:.0%} vs {small} {e[small]:.0%}: "
+                       f"{'reproduced' if e[large] > e[small] else 'NOT reproduced'}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    spec, rows, problems = rows_of(Path(argv[0]))
+    print("\n".join(table(spec, rows, problems)))
+    print()
+    print("\n".join(directions(spec, rows)) or "(no direction to check yet)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
