@@ -18,7 +18,8 @@ How (:class:`DeviceCompute`, installed on the model before the strategy sees it)
 
 - **forward** sleeps the profile's forward time and returns logits built from a chain
   of cheap autograd nodes, one per trainable parameter, in the order the profile's
-  backward made their gradients final;
+  backward made their gradients final; the loss (:meth:`DeviceCompute.loss`) is the
+  chain's end, with no work over the logits;
 - **backward** walks that chain: each node sleeps until its parameter's ready time
   (from the start of backward), then hands autograd a gradient for it, which goes
   through the parameter's own AccumulateGrad, so every gradient hook fires then: psring's
@@ -211,6 +212,13 @@ class DeviceCompute:
         _sleep_until(start + self.times.forward_s)
         return chain.reshape(1, 1).expand(rows, self.classes)
 
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of uniform logits, ln(classes), joined to backward's chain without
+        touching ``out``'s rows: torch's cross-entropy over the (rows x classes) logits
+        would be real host work a device does not leave to the host (an mLSTM's 65 536
+        tokens x 256 classes a step: 15% over the device's compute at 8 workers)."""
+        return out[0, 0] * 0.0 + math.log(self.classes)
+
     def release(self, i: int) -> torch.Tensor:
         now = time.perf_counter()
         if self._backward_start is None:
@@ -245,6 +253,28 @@ def for_worker(cfg: Any, rank: int, inputs: Any) -> DeviceCompute | None:
     return DeviceCompute(times, cfg.seed, rank, inputs.kind, inputs.classes, cfg.time_scale)
 
 
+def _limits(cfg: Any, cores: int) -> tuple[float, float, float, float, Any]:
+    """(host work in core-seconds a step, the device's step in wall seconds, the emulated
+    links' sum in bit/s, its limit, the profile) for the rule of :func:`capacity`."""
+    prof = load_profile(cfg.device_profile)
+    t = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch, cfg.time_scale)
+    step = (t.forward_s + t.backward_s) * cfg.accumulate + t.update_s  # wall seconds
+    need = cfg.workers * PASSES * sum(prof.param_bytes) / HOST_BYTES_PER_CORE_S
+    cl = cfg.cluster
+    links = cl.emulated_link_bits * len(cl.host_list) \
+        if cl.emulated and cl.emulated_link_bits else 0.0
+    return need, step, links, LINK_BITS_PER_CORE * cores, prof
+
+
+def required_time_scale(cfg: Any, cores: int | None = None) -> int:
+    """The smallest whole --time-scale at which :func:`capacity`'s rule holds for ``cfg``
+    (what `advise --verify` runs at)."""
+    cores = cores or os.cpu_count() or 1
+    need, step, links, link_limit, _ = _limits(cfg, cores)
+    s = cfg.time_scale
+    return max(1, math.ceil(max(s * need / (cores * step), s * links / link_limit) - 1e-9))
+
+
 def capacity(cfg: Any, cores: int | None = None) -> list[str]:
     """Why this machine may not emulate ``cfg``'s cluster faithfully ([] when it should):
     the rule of :data:`HOST_BYTES_PER_CORE_S` and :data:`LINK_BITS_PER_CORE`, each with
@@ -252,10 +282,7 @@ def capacity(cfg: Any, cores: int | None = None) -> list[str]:
     if cfg.compute != "device":
         return []
     cores = cores or os.cpu_count() or 1
-    prof = load_profile(cfg.device_profile)
-    t = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch, cfg.time_scale)
-    step = (t.forward_s + t.backward_s) * cfg.accumulate + t.update_s  # wall seconds
-    need = cfg.workers * PASSES * sum(prof.param_bytes) / HOST_BYTES_PER_CORE_S
+    need, step, total, link_limit, prof = _limits(cfg, cores)
     out = []
     if need > cores * step:
         scale = cfg.time_scale * need / (cores * step)
@@ -265,14 +292,11 @@ def capacity(cfg: Any, cores: int | None = None) -> list[str]:
                    f"device's step leaves on {cores} cores, so the recorded compute would be "
                    f"this machine's, not the device's: raise --time-scale to at least "
                    f"{math.ceil(scale)}")
-    cl = cfg.cluster
-    if cl.emulated and cl.emulated_link_bits:
-        total = cl.emulated_link_bits * len(cl.host_list)
-        if total > LINK_BITS_PER_CORE * cores:
-            scale = cfg.time_scale * total / (LINK_BITS_PER_CORE * cores)
-            out.append(f"the emulated links add up to {total / 1e9:.1f} Gbit/s, more than "
-                       f"this machine carries ({LINK_BITS_PER_CORE * cores / 1e9:.0f} Gbit/s "
-                       f"on {cores} cores): raise --time-scale to at least {math.ceil(scale)}")
+    if total > link_limit:
+        scale = cfg.time_scale * total / link_limit
+        out.append(f"the emulated links add up to {total / 1e9:.1f} Gbit/s, more than "
+                   f"this machine carries ({link_limit / 1e9:.0f} Gbit/s on {cores} "
+                   f"cores): raise --time-scale to at least {math.ceil(scale)}")
     return out
 
 

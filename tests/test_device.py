@@ -266,9 +266,16 @@ def test_beyond_this_machines_capacity_a_run_is_warned_with_the_time_scale_to_us
     need = int(why.rsplit(" ", 1)[1])
     assert device.capacity(RunConfig(**cfg, device_profile=str(fast), time_scale=need),
                            cores=2) == []
+    # the smallest whole scale that meets the rule (what advise --verify runs at)
+    slow = device.required_time_scale(RunConfig(**cfg, device_profile=str(fast)), cores=2)
+    assert slow == need and device.capacity(
+        RunConfig(**cfg, device_profile=str(fast), time_scale=slow - 1), cores=2) != []
     links = RunConfig(**cfg, device_profile=str(profile), hosts=4, link="10gbit")
     [why] = device.capacity(links, cores=2)
     assert "links add up to 40.0 Gbit/s" in why and why.endswith("at least 10")
+    assert device.required_time_scale(links, cores=2) == 10
+    assert device.required_time_scale(RunConfig(**cfg, device_profile=str(profile)),
+                                      cores=2) == 1
     proc = psring("run", *[f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()],
                   "--device-profile", fast, "--steps", "2", "--out", tmp_path / "r")
     assert "psring: warning: the workers' own work on their gradients" in proc.stderr

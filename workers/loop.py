@@ -141,6 +141,8 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
     # --time-scale S (device mode) runs the cluster S times slower than the one it stands
     # for: every duration is recorded on that cluster's clock, divided by S
     per = 1.0 / ctx.stand_in.time_scale if ctx.stand_in is not None else 1.0
+    # a device's loss is part of its forward: the stand-in's costs the host nothing
+    loss_fn = ctx.stand_in.loss if ctx.stand_in is not None else loss_of
 
     last_compute = 0.0
     # When each parameter's gradient became final (one hook per parameter): the last
@@ -200,7 +202,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
             last = m == micro - 1
             compute_start = mark
             with contextlib.nullcontext() if last else strategy.no_sync():
-                loss = loss_of(module(x), y) / micro
+                loss = loss_fn(module(x), y) / micro
                 if slowed:
                     # --slow-worker: a straggler's gradients come late, so stretch the
                     # compute before backward, by the previous micro-batch's compute time

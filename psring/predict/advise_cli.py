@@ -156,8 +156,11 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
     """Run each candidate on this machine's emulation of the cluster, each worker a
     device with the ranked profile's times (--compute device: the verified cluster is
     the described one, a device per worker, not these shared cores), the profiled
-    ``model`` at global batch ``batch``; predicted vs measured step time."""
+    ``model`` at global batch ``batch``; predicted vs measured step time. Each run takes
+    the smallest --time-scale at which this machine emulates it faithfully
+    (psring.device.required_time_scale)."""
     from ..config import RunConfig
+    from ..device import required_time_scale
     from ..launch import launch
     from ..report import summarize
 
@@ -177,15 +180,17 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
             flags.pop("compress")
         if cls.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
             flags["link"] = args.link
-        print(f"psring: verifying {c.strategy} ({c.setting(cls.uses_servers, cls.supports_compression)})",
-              flush=True)
-        run_dir = launch(RunConfig(**flags))
+        scale = required_time_scale(RunConfig(**flags))
+        print(f"psring: verifying {c.strategy} ({c.setting(cls.uses_servers, cls.supports_compression)})"
+              f"{f', --time-scale {scale}' if scale > 1 else ''}", flush=True)
+        run_dir = launch(RunConfig(**flags, time_scale=scale))
         measured = summarize(run_dir)["step_p50_s"]
         predicted = c.prediction.step_s
         results.append({"strategy": c.strategy, "setting":
                         c.setting(cls.uses_servers, cls.supports_compression),
                         "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
-                        "error": (predicted - measured) / measured, "run": str(run_dir)})
+                        "error": (predicted - measured) / measured, "time_scale": scale,
+                        "run": str(run_dir)})
     return results
 
 
