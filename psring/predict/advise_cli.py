@@ -54,8 +54,10 @@ from .profiling import profile_config, take_profile
 # imports torch, which building this command's parser does not need), and
 # psring.config, emulate and launch (whose own import cycle is being untangled).
 
-#: the most worker and server processes --verify starts on this machine
-VERIFY_MAX_PROCESSES = 12
+#: the most worker and server processes --verify starts on this machine: its runs are
+#: device-mode (their compute off the cores, at the capacity rule's time scale), which
+#: held the device's time for 16 workers and 4 servers (docs/benchmarks.md)
+VERIFY_MAX_PROCESSES = 24
 
 
 def add_advise_parser(sub: Any) -> None:
@@ -171,9 +173,10 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
                  "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
                  else "", "delay": args.delay, "batch_size": batch,
                  "steps": args.verify_steps, "compute": "device",
-                 # a device's data is timing only: one global batch of rows, nothing held
-                 # out (4096 + 1024 ImageNet-sized images would be 3 GB per worker)
-                 "samples": batch, "eval_samples": 0,
+                 # a device's data is timing only: one worker's batch of rows (each
+                 # worker builds the set; batches wrap around it), nothing held out
+                 # (4096 + 1024 ImageNet-sized images would be 3 GB per worker)
+                 "samples": batch // n, "eval_samples": 0,
                  "device_profile": str(device_profile),
                  "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
         cls = classes[c.strategy]
