@@ -66,7 +66,7 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     (["--hosts", "2"], "--link"),
     (["--hosts", "2", "--link", "1gbit", "--batch-size", "33"], "multiple"),
     (["--hosts", "1", "--workers-per-host", "2", "--delay", "1ms"], "--link"),
-    (["--hosts", "13", "--link", "1gbit", "--verify"], "do not fit"),
+    (["--hosts", "24", "--batch-size", "48", "--link", "1gbit", "--verify"], "do not fit"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, words):
     res = psring("advise", *args, "--out", tmp_path / "adv", check=False, timeout=60)
