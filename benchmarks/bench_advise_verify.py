@@ -78,12 +78,8 @@ def run(c: Cluster, root: Path, steps: int) -> dict:
     extra = []
     if c.step_ms:
         prof = root / f"profile-{c.name}"
-        flags = list(c.model)
-        for k in range(0, len(c.paper), 2):  # the paper's data shape (FLOPs), same params
-            if c.paper[k] in flags:
-                flags[flags.index(c.paper[k]) + 1] = c.paper[k + 1]
-            else:
-                flags += c.paper[k:k + 2]
+        # the paper's data shape (FLOPs; the same parameters): a later flag wins
+        flags = [*c.model, *c.paper]
         p = _run(["profile", "--on-paper", *flags, "--batch-size", c.batch, "--step-ms",
                   c.step_ms, "--source", "bench_advise_verify: a V100-range step",
                   "--out", prof])

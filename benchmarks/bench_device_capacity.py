@@ -105,8 +105,9 @@ def measure(case: Case, root: Path) -> dict:
     if not prof.exists():
         # at the published image size: FLOPs, which place the gradients in backward,
         # depend on it (the parameter list does not)
-        paper = [("224" if a == "32" and i and MODELS[case.model][i - 1] == "--image-size"
-                  else a) for i, a in enumerate(MODELS[case.model])]
+        # (a later flag wins: the run's 32 x 32 becomes 224 x 224 for the profile)
+        paper = MODELS[case.model] + (["--image-size", "224"]
+                                      if "--image-size" in MODELS[case.model] else [])
         p = _run(["profile", "--on-paper", *paper, "--batch-size",
                   case.per_worker_batch, "--step-ms", case.step_ms, "--out", prof])
         if p.returncode:
