@@ -112,26 +112,46 @@ def _skip_dynamo(mode_cls: Any) -> None:
         setattr(fn, "__dynamo_disable", fn)
 
 
+def _counted_pass(model: nn.Module, inputs: Inputs, batch: int
+                  ) -> tuple[int, int, list[int | None]]:
+    """One forward and backward of ``batch`` example rows under torch.utils.flop_counter:
+    (forward FLOPs, all FLOPs, for each trainable parameter the FLOPs counted when its
+    gradient was ready, None if it never was). Leaves no gradients behind."""
+    from torch.utils import flop_counter
+
+    _skip_dynamo(getattr(flop_counter, "_FlopCounterMode", None))
+    params = [p for p in model.parameters() if p.requires_grad]
+    counter = flop_counter.FlopCounterMode(display=False)
+    at: list[int | None] = [None] * len(params)
+
+    def ready(i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if at[i] is None:
+                at[i] = counter.get_total_flops()
+        return hook
+
+    hooks = [p.register_post_accumulate_grad_hook(ready(i)) for i, p in enumerate(params)]
+    was_training = model.training
+    try:
+        with counter:
+            out = model(inputs.example(batch, next(model.parameters()).device))
+            forward = counter.get_total_flops()
+            out.float().sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return forward, counter.get_total_flops(), at
+
+
 def flops_per_sample(model: nn.Module, inputs: Inputs) -> float:
     """FLOPs of forward+backward for one sample, counted by torch.utils.flop_counter.
 
     Counts matmuls, convolutions and attention (what dominates); elementwise ops are
     not counted. Runs on the model's device; on the meta device nothing is computed.
     """
-    from torch.utils import flop_counter
-
-    _skip_dynamo(getattr(flop_counter, "_FlopCounterMode", None))
-    batch = 2
-    device = next(model.parameters()).device
-    x = inputs.example(batch, device)
-    counter = flop_counter.FlopCounterMode(display=False)
-    was_training = model.training
-    with counter:
-        out = model(x)
-        out.float().sum().backward()
-    model.zero_grad(set_to_none=True)
-    model.train(was_training)
-    return counter.get_total_flops() / batch
+    return _counted_pass(model, inputs, batch=2)[1] / 2
 
 
 def backward_shares(model: nn.Module, inputs: Inputs) -> list[float] | None:
@@ -143,33 +163,11 @@ def backward_shares(model: nn.Module, inputs: Inputs) -> list[float] | None:
     What an on-paper profile needs to place gradients in backward: in a VGG the fully
     connected layers hold three quarters of the bytes but a few percent of the FLOPs, so
     their gradients are ready early, not three quarters of the way through."""
-    from torch.utils import flop_counter
-
-    _skip_dynamo(getattr(flop_counter, "_FlopCounterMode", None))
-    params = [p for p in model.parameters() if p.requires_grad]
-    counter = flop_counter.FlopCounterMode(display=False)
-    at: dict[int, int] = {}
-
-    def ready(i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            at.setdefault(i, counter.get_total_flops())
-        return hook
-
-    hooks = [p.register_post_accumulate_grad_hook(ready(i)) for i, p in enumerate(params)]
-    device = params[0].device
-    try:
-        with counter:
-            out = model(inputs.example(2, device))
-            forward = counter.get_total_flops()
-            out.float().sum().backward()
-        total = counter.get_total_flops() - forward
-    finally:
-        for h in hooks:
-            h.remove()
-        model.zero_grad(set_to_none=True)
-    if total <= 0 or len(at) != len(params):
+    forward, total, at = _counted_pass(model, inputs, batch=2)
+    backward = total - forward
+    if backward <= 0 or None in at:
         return None
-    return [(at[i] - forward) / total for i in range(len(params))]
+    return [(t - forward) / backward for t in at]
 
 
 @functools.lru_cache(maxsize=8)
