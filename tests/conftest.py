@@ -51,6 +51,26 @@ def psring(*args: str, timeout: float = 120, env: dict | None = None,
     return proc
 
 
+def cli_here(*args: str) -> subprocess.CompletedProcess:
+    """The psring CLI called in this process (``psring.cli.main``) with input it must
+    refuse before starting anything: the same code as the command, without a new
+    interpreter's torch import (~1.2 s here) per case. The refusal's exit status through
+    a real process is checked once per command (tests/test_cli.py)."""
+    import contextlib
+    import io
+
+    from psring.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(["psring", *map(str, args)], code, out.getvalue(),
+                                       err.getvalue())
+
+
 def interruptible() -> None:
     """Popen preexec_fn: give the child the default SIGINT disposition. A test runner
     started as a background job (``cmd &`` without job control) ignores SIGINT, its

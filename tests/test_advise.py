@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import assert_no_processes, psring
+from conftest import assert_no_processes, cli_here, psring
 from psring.predict.costmodel import Calibration
 from psring.predict.profile import Profile
 from psring.strategies.buckets import GradientBuckets, bucket_caps
@@ -69,7 +69,7 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     (["--hosts", "24", "--batch-size", "48", "--link", "1gbit", "--verify"], "do not fit"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, words):
-    res = psring("advise", *args, "--out", tmp_path / "adv", check=False, timeout=60)
+    res = cli_here("advise", *args, "--out", tmp_path / "adv")
     assert res.returncode == 2, res.stderr
     err = res.stderr.strip()
     assert err.startswith("psring: error:") and words in err
@@ -79,8 +79,8 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, words):
 def test_verify_refuses_a_profile_that_names_no_model(tmp_path):
     paper = Profile.on_paper([4096, 64], forward_s=0.01, backward_s=0.02, batch_size=8)
     path = paper.save(tmp_path / "paper")
-    res = psring("advise", "--profile", path, "--hosts", "2", "--link", "1gbit",
-                 "--verify", "--out", tmp_path / "adv", check=False, timeout=60)
+    res = cli_here("advise", "--profile", path, "--hosts", "2", "--link", "1gbit",
+                   "--verify", "--out", tmp_path / "adv")
     assert res.returncode == 2
     assert "does not say which model" in res.stderr and "Traceback" not in res.stderr
 
@@ -88,8 +88,8 @@ def test_verify_refuses_a_profile_that_names_no_model(tmp_path):
 def test_a_bad_profile_is_refused(tmp_path):
     bad = tmp_path / "profile.json"
     bad.write_text(json.dumps({"format": 1, "param_bytes": [4], "ready_s": []}))
-    res = psring("advise", "--profile", bad, "--hosts", "2", "--link", "1gbit",
-                 "--out", tmp_path / "adv", check=False, timeout=60)
+    res = cli_here("advise", "--profile", bad, "--hosts", "2", "--link", "1gbit",
+                   "--out", tmp_path / "adv")
     assert res.returncode == 2 and "profile" in res.stderr and "Traceback" not in res.stderr
 
 

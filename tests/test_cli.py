@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import SMALL, assert_no_processes, env_with_plugins, psring, interruptible
+from conftest import SMALL, assert_no_processes, cli_here, env_with_plugins, interruptible, psring
 
 
 def assert_clean_error(proc, needle):
@@ -30,17 +30,31 @@ def assert_clean_error(proc, needle):
     (["--model", "cnn", "--features", "50"], "perfect square"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, args, needle):
-    proc = psring("run", *args, "--out", tmp_path / "r", check=False, timeout=60)
+    proc = cli_here("run", *args, "--out", tmp_path / "r")
     assert proc.returncode == 2
     assert_clean_error(proc, needle)
     assert not (tmp_path / "r" / "steps.jsonl").exists()
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", [
+    ["run", "--strategy", "warp-drive"],
+    ["advise", "--hosts", "2", "--link", "fast"],
+])
+def test_a_refusal_through_the_real_command_exits_2(tmp_path, command):
+    """The refusals above and in the other files are called in-process (cli_here); the
+    command itself, as a user starts it, exits with the same status and paragraph."""
+    proc = psring(*command, "--out", tmp_path / "r", check=False, timeout=60)
+    assert proc.returncode == 2
+    assert_clean_error(proc, "psring: error:")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.timeout(60)
 def test_cuda_requested_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA; this one has a GPU")
-    proc = psring("run", "--device", "cuda", "--out", tmp_path / "r", check=False)
+    proc = cli_here("run", "--device", "cuda", "--out", tmp_path / "r")
     assert proc.returncode == 2
     assert_clean_error(proc, "--device cpu")
 
@@ -83,7 +97,7 @@ def test_strategies_lists_the_registry():
 
 @pytest.mark.timeout(60)
 def test_report_on_nothing_is_a_clear_error(tmp_path):
-    proc = psring("report", tmp_path, check=False)
+    proc = cli_here("report", tmp_path)
     assert proc.returncode == 2
     assert_clean_error(proc, "no run directories")
 

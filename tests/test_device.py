@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, assert_no_processes, psring, read_steps
+from conftest import SMALL, assert_no_processes, cli_here, psring, read_steps
 from emutools import assert_cluster_gone, needs_emulation
 from psring import device
 from psring.config import RunConfig
@@ -71,8 +71,8 @@ def test_bad_device_settings_are_refused_with_the_fix(profile, tmp_path):
 @pytest.mark.timeout(60)
 def test_a_bad_profile_starts_nothing(tmp_path):
     out = tmp_path / "run"
-    proc = psring("run", "--strategy", "allreduce", "--workers", 2, *SMALL, "--compute",
-                  "device", "--device-profile", tmp_path / "missing", "--out", out, check=False)
+    proc = cli_here("run", "--strategy", "allreduce", "--workers", 2, *SMALL, "--compute",
+                    "device", "--device-profile", tmp_path / "missing", "--out", out)
     assert proc.returncode == 2 and "--device-profile" in proc.stderr
     assert not out.exists()
 

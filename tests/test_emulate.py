@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (PSRING, SMALL, assert_no_processes, interruptible, load_model,
+from conftest import (PSRING, SMALL, assert_no_processes, cli_here, interruptible, load_model,
                       max_rel_diff, process_named, psring,
                       read_steps)
 from emutools import (assert_cluster_gone, cluster_state, cut_link, needs_emulation,
@@ -200,7 +200,7 @@ def assert_paragraph(proc, *needles):
       "198.18.0.1"], "--master-addr is chosen by the emulated cluster"),
 ])
 def test_bad_cluster_flags_are_one_paragraph_and_exit_2(tmp_path, args, needle):
-    proc = psring("run", *args, "--out", tmp_path / "r", check=False, timeout=60)
+    proc = cli_here("run", *args, "--out", tmp_path / "r")
     assert_paragraph(proc, needle)
     assert not (tmp_path / "r" / "steps.jsonl").exists()
 
