@@ -171,13 +171,22 @@ def _cmd_models(args: argparse.Namespace) -> int:
     for col in ("model", "input", "parameters", "gradient MB", "GFLOPs/sample",
                 "FLOPs/byte"):
         table.add_column(col, justify="left" if col in ("model", "input") else "right")
+    skipped = []
     for name in names:
-        d = describe(name, s, args.batch_size)
+        try:
+            d = describe(name, s, args.batch_size)
+        except ConfigError as e:
+            if args.model:  # asked for by name: its error is the answer
+                raise
+            skipped.append(f"{name}: {e}")  # (inception_v3 at 32 x 32 images)
+            continue
         i = d["inputs"]
         table.add_row(name, f"{i.kind} {'x'.join(map(str, i.shape))}", f"{d['parameters']:,}",
                       f"{d['gradient_bytes'] / 1e6:.2f}",
                       f"{d['flops_per_sample'] / 1e9:.4g}", f"{d['intensity']:.3g}")
     Console(width=130).print(table)
+    for line in skipped:
+        print(f"not at these sizes: {line}")
     print("FLOPs: forward+backward per sample (torch.utils.flop_counter: matmuls, "
           "convolutions, attention). FLOPs/byte: a batch's FLOPs per byte of float32 "
           "gradients, the arithmetic intensity a strategy's communication is set against.")

@@ -13,25 +13,26 @@ from conftest import assert_no_processes, load_model, max_rel_diff, psring, read
 
 #: torchvision's counts at 1000 classes (and 224x224, which the count does not depend on)
 TORCHVISION = {"resnet18": 11_689_512, "resnet50": 25_557_032, "resnet101": 44_549_160,
-               "vgg11": 132_863_336, "vgg16": 138_357_544}
+               "vgg11": 132_863_336, "vgg16": 138_357_544,
+               "inception_v3": 23_834_568}  # torchvision's with aux_logits=False
 
 
 @pytest.mark.parametrize("name", TORCHVISION)
 def test_parameter_counts_equal_torchvisions(name):
     with torch.device("meta"):  # shapes only: vgg16 would be 553 MB of float32
-        model, inputs = build_model(name, ModelSettings(classes=1000, image_size=224), 0)
+        model, inputs = build_model(name, ModelSettings(classes=1000, image_size=299), 0)
     assert parameter_count(model) == TORCHVISION[name]
-    assert inputs.shape == (3, 224, 224)
+    assert inputs.shape == (3, 299, 299)
     # and shrinking them for a CPU shrinks them: --width scales every layer
     with torch.device("meta"):
-        small, _ = build_model(name, ModelSettings(classes=10, width=16), 0)
+        small, _ = build_model(name, ModelSettings(classes=10, width=16, image_size=75), 0)
     assert parameter_count(small) < TORCHVISION[name] / 10
 
 
 def test_every_model_runs_forward_and_backward_at_cpu_size():
     for name in MODELS:
         s = ModelSettings(width=16 if name not in ("mlp", "cnn", "gpt") else 0,
-                          features=64, seq_len=8)
+                          features=64, seq_len=8, image_size=MIN_SIDE.get(name, 32))
         model, inputs = build_model(name, s, 0)
         x = inputs.example(4)
         out = model(x)
@@ -47,6 +48,15 @@ def test_model_factory_errors_name_the_fix(monkeypatch):
         build_model("broken-for-test", ModelSettings(), 0)
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         build_model("examples.my_model:nope", ModelSettings(), 0)
+
+
+#: the smallest image a model takes, where above the default 32 x 32
+MIN_SIDE = {"inception_v3": 75}
+
+
+def test_inception_v3_refuses_an_image_too_small_naming_the_fix():
+    with pytest.raises(ConfigError, match="--image-size of at least 75"):
+        build_model("inception_v3", ModelSettings(image_size=74), 0)
 
 
 #: each model at a size that takes a second a step on one core

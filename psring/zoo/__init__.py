@@ -1,9 +1,9 @@
 """Model factories: psring's own (``simple``: mlp, cnn) and the seeds' workloads
 (``vision``, ``text``), written in-project from their papers' layer tables.
 
-torchvision cannot be installed beside torch 2.13's CPU build here, so ResNet and VGG
-are re-built to torchvision's exact layer shapes: at ``--classes 1000 --image-size
-224`` their parameter counts equal torchvision's (tests/test_zoo.py checks).
+torchvision cannot be installed beside torch 2.13's CPU build here, so ResNet, VGG and
+Inception V3 are re-built to torchvision's exact layer shapes: at ``--classes 1000``
+their parameter counts equal torchvision's (tests/test_models.py checks).
 ``--width`` scales every layer's channels (64 = the paper's) so they fit a CPU.
 
     psring models                                  # every model at this run's sizes
