@@ -83,13 +83,27 @@ def _vectors(n: int, shape: tuple[int, ...], classes: int, g: torch.Generator):
 def _images(n: int, shape: tuple[int, ...], classes: int, g: torch.Generator):
     c, h, w = shape
     low = torch.randn(classes, c, 4, 4, generator=g)
-    patterns = F.interpolate(low, size=(h, w), mode="bilinear", align_corners=False)
-    patterns = patterns / patterns.std() * IMAGE_SIGNAL
+
+    def pattern(of: torch.Tensor) -> torch.Tensor:  # a smooth image per row of ``of``
+        return F.interpolate(of, size=(h, w), mode="bilinear", align_corners=False)
+
+    # Everything in pieces of at most ~16 MB (1024 rows at 32 x 32): one pattern per
+    # class held at once would be 600 MB at 1000 classes of 224 x 224, and twice that
+    # while scaled, in every worker (2 GB peaks killed 16-worker runs for memory).
+    piece = max(1, min(1024, 2**24 // (c * h * w * 4)))
+    total = squares = 0.0  # the patterns' standard deviation, over every class
+    for a in range(0, classes, piece):
+        p = pattern(low[a:a + piece]).double()
+        total += float(p.sum())
+        squares += float((p * p).sum())
+    count = classes * c * h * w
+    std = ((squares - total * total / count) / (count - 1)) ** 0.5
     y = torch.randint(0, classes, (n,), generator=g)
     x = torch.empty(n, c, h, w)
-    for a in range(0, n, 1024):  # in pieces: a few MB at a time, not the whole set twice
-        b = min(n, a + 1024)
-        x[a:b] = patterns[y[a:b]] + torch.randn(b - a, c, h, w, generator=g)
+    for a in range(0, n, piece):
+        b = min(n, a + piece)
+        x[a:b] = pattern(low[y[a:b]]) / std * IMAGE_SIGNAL + \
+            torch.randn(b - a, c, h, w, generator=g)
     return x, y
 
 
