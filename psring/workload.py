@@ -39,7 +39,12 @@ def build_workload(cfg) -> Workload:
     settings, loaded = model_settings(cfg)
     model, inputs = build_model(cfg.model, settings, cfg.seed)
     if loaded is None:
-        split = datasets.synthetic(inputs, cfg.samples, cfg.eval_samples, cfg.seed)
+        # A device's forward reads only the batch's shape (psring.device): one worker's
+        # batch of rows stands for the data set. --samples rows of 224 x 224 images
+        # would be 2.4 GB per worker, and sixteen of them do not fit this machine.
+        rows = min(cfg.samples, cfg.per_worker_batch) if cfg.compute == "device" \
+            else cfg.samples
+        split = datasets.synthetic(inputs, rows, cfg.eval_samples, cfg.seed)
     else:
         split = datasets.split_file(loaded, cfg.eval_samples, inputs, cfg.data, cfg.seed)
     return Workload(model, inputs, split, settings)
