@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import (PSRING, SMALL, assert_no_processes, interruptible, load_model,
+from conftest import (PSRING, SMALL, assert_no_processes, cli_here, interruptible, load_model,
                       max_rel_diff, psring, read_evals, read_steps)
 from psring import checkpoint
 from psring.errors import ConfigError
@@ -76,12 +76,12 @@ def test_a_pickle_in_a_checkpoint_is_not_loaded(tmp_path):
 def test_resume_refuses_clearly(tmp_path):
     out = tmp_path / "plain"
     psring("run", "--strategy", "single", *SMALL, "--out", out)
-    proc = psring("run", "--resume", out, check=False)
+    proc = cli_here("run", "--resume", out)
     assert proc.returncode == 2 and "--checkpoint-every" in proc.stderr
-    proc = psring("run", "--resume", tmp_path / "nothing", check=False)
+    proc = cli_here("run", "--resume", tmp_path / "nothing")
     assert proc.returncode == 2 and "not a psring run directory" in proc.stderr
-    proc = psring("run", "--strategy", "single", *SMALL, "--checkpoint-every", -1,
-                  "--out", tmp_path / "neg", check=False)
+    proc = cli_here("run", "--strategy", "single", *SMALL, "--checkpoint-every", -1,
+                    "--out", tmp_path / "neg")
     assert proc.returncode == 2 and "--checkpoint-every must be >= 0" in proc.stderr
 
 
@@ -119,7 +119,8 @@ def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path,
     killed_at = max(r["step"] for r in read_steps(out))
     assert killed_at < steps - 1
 
-    res = psring("run", "--resume", out, timeout=120)
+    # a flag given on resume overrides the run's: the slowdown only placed the kill
+    res = psring("run", "--resume", out, "--slow-worker", "1:1", timeout=120)
     assert "resuming" in res.stderr
     assert_no_processes(out)
     records = read_steps(out)

@@ -205,10 +205,10 @@ def test_a_profile_on_paper_fits_its_model_and_states_its_rule(tmp_path):
     for bad, match in ((["--step-ms", "90", "--forward-ms", "1"], "not both"),
                        ([], "needs the device's times"),
                        (["--forward-ms", "-1", "--backward-ms", "2"], "--forward-ms must be")):
-        proc = psring("profile", "--on-paper", "--model", "mlp", *bad, "--out",
-                      tmp_path / "x", check=False)
+        proc = cli_here("profile", "--on-paper", "--model", "mlp", *bad, "--out",
+                        tmp_path / "x")
         assert proc.returncode == 2 and match in proc.stderr, proc.stderr
-    proc = psring("profile", "--model", "mlp", "--step-ms", "3", check=False)
+    proc = cli_here("profile", "--model", "mlp", "--step-ms", "3")
     assert proc.returncode == 2 and "add --on-paper" in proc.stderr
 
 

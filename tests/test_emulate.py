@@ -508,7 +508,7 @@ def test_calibrate_measures_alpha_and_beta_across_an_emulated_link(tmp_path):
     assert {k: cal[k] for k in loopback} == loopback  # the loopback figures are kept
     assert_no_processes("psring-cluster-")
     # and a link needs a rate
-    refused = psring("calibrate", "--hosts", "2", "--out", out, check=False, timeout=60)
+    refused = cli_here("calibrate", "--hosts", "2", "--out", out)
     assert_paragraph(refused, "--link 1gbit")
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import SMALL, assert_no_processes, psring, read_steps
+from conftest import SMALL, assert_no_processes, cli_here, psring, read_steps
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -44,6 +44,6 @@ def test_traced_ps_run_has_worker_and_server_tracks(tmp_path):
 
 
 def test_trace_of_an_untraced_run_says_how_to_trace(tmp_path, small_runs):
-    proc = psring("trace", small_runs["single"], check=False)
+    proc = cli_here("trace", small_runs["single"])
     assert proc.returncode == 2
     assert "--trace" in proc.stderr
