@@ -51,6 +51,28 @@ def psring(*args: str, timeout: float = 120, env: dict | None = None,
     return proc
 
 
+def psring_together(*runs: list, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Several psring commands at once, each one's exit checked: for runs whose numbers
+    (parameters, records) are compared, never their times; on 2 cores their interpreter
+    starts and torch imports overlap with each other's communication waits."""
+    procs = [subprocess.Popen([*PSRING, *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in runs]
+    done = []
+    try:
+        for args, p in zip(runs, procs):
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise AssertionError(f"psring {' '.join(map(str, args))} exited "
+                                     f"{p.returncode}:\n{out}\n{err}")
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
+
+
 def cli_here(*args: str) -> subprocess.CompletedProcess:
     """The psring CLI called in this process (``psring.cli.main``) with input it must
     refuse before starting anything: the same code as the command, without a new
@@ -152,12 +174,9 @@ SMALL = ("--model", "mlp", "--width", "256", "--depth", "2", "--features", "64",
 def small_runs(tmp_path_factory) -> dict[str, Path]:
     """single (1 worker), allreduce and ddp (2 workers) on SMALL, run once per session."""
     root = tmp_path_factory.mktemp("small")
-    runs = {}
-    for strategy, workers in (("single", 1), ("allreduce", 2), ("ddp", 2)):
-        out = root / strategy
-        psring("run", "--strategy", strategy, "--workers", workers, *SMALL, "--out", out,
-               timeout=120)
-        runs[strategy] = out
+    runs = {s: root / s for s in ("single", "allreduce", "ddp")}
+    psring_together(*(["run", "--strategy", s, "--workers", 1 if s == "single" else 2, *SMALL,
+                       "--out", out] for s, out in runs.items()))
     assert_no_processes(root)
     return runs
 

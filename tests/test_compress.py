@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import SMALL, assert_no_processes, load_model, psring, read_steps
+from conftest import SMALL, assert_no_processes, load_model, psring, psring_together, read_steps
 from psring.config import RunConfig
 from psring.errors import ConfigError
 from psring.protocol import decode, encode
@@ -44,17 +44,18 @@ def test_compression_halves_the_bytes_and_stays_close(tmp_path, small_runs, stra
     twice — the gradient sent, and for a parameter server the parameters pulled — each
     rounding off by at most eps relative, and such errors add up at most linearly over
     the 12 steps."""
+    runs = [["run", "--strategy", strategy, "--workers", 2, *SMALL, "--compress", compress,
+             "--out", tmp_path / compress] for compress in ("fp16", "bf16")]
     if strategy in small_runs:
         ref = small_runs[strategy]
     else:
         ref = tmp_path / "none"
-        psring("run", "--strategy", strategy, "--workers", 2, *SMALL, "--out", ref, timeout=120)
+        runs.append(["run", "--strategy", strategy, "--workers", 2, *SMALL, "--out", ref])
+    psring_together(*runs)
     base = {(r["worker"], r["step"]): r for r in read_steps(ref)}
     steps = 12
     for compress in ("fp16", "bf16"):
         out = tmp_path / compress
-        psring("run", "--strategy", strategy, "--workers", 2, *SMALL, "--compress", compress,
-               "--out", out, timeout=120)
         records = read_steps(out)
         for r in records:
             b = base[(r["worker"], r["step"])]
@@ -78,10 +79,9 @@ def test_a_compressed_ps_run_resumes_exactly_from_its_servers_float32_state(tmp_
     run resumed from it ends with exactly the parameters of one never interrupted."""
     args = ["--strategy", "ps", "--workers", 2, "--servers", 2, *SMALL, "--compress",
             "fp16", "--checkpoint-every", 6]
-    ref = tmp_path / "ref"
-    psring("run", *args, "--steps", 12, "--out", ref, timeout=120)
-    half = tmp_path / "half"
-    psring("run", *args, "--steps", 6, "--out", half, timeout=120)
+    ref, half = tmp_path / "ref", tmp_path / "half"
+    psring_together(["run", *args, "--steps", 12, "--out", ref],
+                    ["run", *args, "--steps", 6, "--out", half])
     state = torch.load(half / "checkpoints" / "step-00000006" / "state.pt", weights_only=True)
     assert state["ps/params"].dtype == state["ps/momentum"].dtype == torch.float32
     psring("run", "--resume", half, "--steps", 12, timeout=120)

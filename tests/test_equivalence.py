@@ -5,8 +5,8 @@ import pytest
 
 from psring.models import ModelSettings, build_model
 
-from conftest import (SMALL, assert_evals, assert_no_processes, load_model, max_rel_diff, psring,
-                      read_steps)
+from conftest import (SMALL, assert_evals, assert_no_processes, load_model, max_rel_diff,
+                      psring_together, read_steps)
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_s", "update_s")
 
@@ -85,10 +85,12 @@ def test_manifest_and_model_file(small_runs):
 def test_gradient_accumulation_matches_single(tmp_path):
     """--accumulate 2 synchronizes only every 2nd micro-batch and still matches single."""
     args = [*SMALL, "--accumulate", "2", "--steps", "10"]
-    psring("run", "--strategy", "single", *args, "--out", tmp_path / "s")
+    strategies = ("allreduce", "ddp", "ps")
+    psring_together(["run", "--strategy", "single", *args, "--out", tmp_path / "s"],
+                    *(["run", "--strategy", s, "--workers", 2, *args, "--out", tmp_path / s]
+                      for s in strategies))
     ref = load_model(tmp_path / "s")
-    for strategy in ("allreduce", "ddp", "ps"):
-        psring("run", "--strategy", strategy, "--workers", 2, *args, "--out", tmp_path / strategy)
+    for strategy in strategies:
         assert max_rel_diff(load_model(tmp_path / strategy), ref) < 1e-4
         r = read_steps(tmp_path / strategy)[-1]
         assert r["bytes_sent"] > 0
@@ -108,8 +110,9 @@ def test_cnn_on_a_user_npz_matches_single(tmp_path):
     np.savez(npz, x=x, y=y)
     args = ["--model", "cnn", "--width", "8", "--depth", "2", "--data", npz,
             "--batch-size", "32", "--steps", "10", "--lr", "0.1"]
-    psring("run", "--strategy", "single", *args, "--out", tmp_path / "s")
-    psring("run", "--strategy", "allreduce", "--workers", 2, *args, "--out", tmp_path / "ar")
+    psring_together(["run", "--strategy", "single", *args, "--out", tmp_path / "s"],
+                    ["run", "--strategy", "allreduce", "--workers", 2, *args,
+                     "--out", tmp_path / "ar"])
     assert max_rel_diff(load_model(tmp_path / "ar"), load_model(tmp_path / "s")) < 1e-4
     import json
 

@@ -9,7 +9,8 @@ import torch
 from psring.errors import ConfigError
 from psring.models import MODELS, ModelSettings, build_model, flops_per_sample, parameter_count
 
-from conftest import assert_no_processes, load_model, max_rel_diff, psring, read_evals
+from conftest import (assert_no_processes, load_model, max_rel_diff, psring, psring_together,
+                      read_evals)
 
 #: torchvision's counts at 1000 classes (and 224x224, which the count does not depend on)
 TORCHVISION = {"resnet18": 11_689_512, "resnet50": 25_557_032, "resnet101": 44_549_160,
@@ -81,10 +82,11 @@ def test_model_trains_under_single_allreduce_and_ps(tmp_path, model):
     runs = {}
     # batch-norm models are checked against their initial parameters, not single's
     runs_of = (("single", 1),) * (model not in BATCH_DEPENDENT) + (("allreduce", 2), ("ps", 2))
-    for strategy, workers in runs_of:
+    psring_together(*(["run", "--strategy", strategy, "--workers", workers, *args,
+                       "--out", tmp_path / strategy] for strategy, workers in runs_of),
+                    timeout=200)
+    for strategy, _ in runs_of:
         out = tmp_path / strategy
-        psring("run", "--strategy", strategy, "--workers", workers, *args, "--out", out,
-               timeout=200)
         runs[strategy] = load_model(out)
         evals = read_evals(out)
         assert [e["step"] for e in evals] == [0, 3]
@@ -114,9 +116,11 @@ def test_a_user_factory_runs_under_every_kind_of_strategy(tmp_path):
     args = ["--model", "examples.my_model:build", "--width", "8", "--image-size", "16",
             "--batch-size", "8", "--steps", "4", "--samples", "64", "--eval-samples", "16",
             "--eval-every", "2", "--lr", "0.05"]
-    for strategy, workers in (("single", 1), ("ddp", 2), ("async-ps", 2), ("hogwild", 2)):
-        psring("run", "--strategy", strategy, "--workers", workers, *args,
-               "--out", tmp_path / strategy, timeout=200)
+    runs = (("single", 1), ("ddp", 2), ("async-ps", 2), ("hogwild", 2))
+    psring_together(*(["run", "--strategy", strategy, "--workers", workers, *args,
+                       "--out", tmp_path / strategy] for strategy, workers in runs),
+                    timeout=200)
+    for strategy, _ in runs:
         evals = read_evals(tmp_path / strategy)
         assert [e["step"] for e in evals] == [0, 2, 4]
     m = json.loads((tmp_path / "single" / "manifest.json").read_text())

@@ -1,7 +1,6 @@
 """psring's SGD is torch.optim.SGD's arithmetic, bit for bit, and a worker's training
 path never imports torch._dynamo (about 1 s of start-up in every worker process)."""
 
-import json
 import subprocess
 import sys
 

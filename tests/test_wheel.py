@@ -97,9 +97,6 @@ def test_psring_runs_from_the_installed_wheel(wheel, tmp_path):
                 "print(psring.__file__)", cwd=work, env=env).stdout.strip()
     assert Path(where).is_relative_to(venv), f"psring imported from {where}, not the wheel"
 
-    models = _sh(psring, "models", cwd=work, env=env).stdout
-    assert "resnet18" in models and "mlp" in models, models
-
     out = work / "run"
     _sh(psring, "run", "--strategy", "ps", "--workers", "2", "--steps", "2",
         "--timeout", "120", "--out", out, cwd=work, env=env, timeout=240)
