@@ -97,6 +97,11 @@ class RunConfig:
     compress: str = field(default="none", metadata=_flag(
         "cast what is sent to fp16 or bf16 (half the bytes; allreduce, ddp, ps, async-ps; "
         "computation and the servers' state stay float32)", choices=("none", "fp16", "bf16")))
+    reduce: str = field(default="sum", metadata=_flag(
+        "allreduce: how the workers' gradients combine: sum (their average, what single "
+        "computes on the global batch) or adasum (Maleki et al.'s adaptive sum, as in "
+        "Horovod: orthogonal gradients add, equal ones average; a power-of-two --workers; "
+        "psring.adasum)", choices=("sum", "adasum")))
     hosts: int = field(default=1, metadata=_flag(
         "emulated hosts to spread the workers over: Linux network namespaces joined by one "
         "switch, each host's link shaped to --link (docs/emulation.md); 1 = this machine's "
@@ -217,6 +222,7 @@ class RunConfig:
             raise ConfigError(
                 f"--compress applies to strategies that send gradients (allreduce, ddp, ps, "
                 f"async-ps); {self.strategy!r} sends nothing to compress. Drop --compress.")
+        self._check_reduce(strategy_cls)
         object.__setattr__(self, "hosts", derived_hosts(self.workers, self.hosts,
                                                         self.workers_per_host))
         self._check_cluster(strategy_cls)
@@ -339,6 +345,25 @@ class RunConfig:
             from .protocol import load_secret
 
             load_secret(self.secret_file)  # a missing or too short file fails here, early
+
+    def _check_reduce(self, strategy_cls) -> None:
+        if self.reduce not in strategy_cls.reductions:
+            raise ConfigError(
+                f"--reduce {self.reduce} is not a reduction of {self.strategy!r} (it has "
+                f"{', '.join(strategy_cls.reductions)}); --reduce adasum is for allreduce.")
+        if self.reduce != "adasum":
+            return
+        from .adasum import is_power_of_two
+
+        if not is_power_of_two(self.workers):
+            lower = 1 << (self.workers.bit_length() - 1)
+            raise ConfigError(
+                f"--reduce adasum combines the workers pairwise, then pairs of pairs "
+                f"(recursive halving, as Horovod's Adasum), so --workers must be a power "
+                f"of two (got {self.workers}); use --workers {lower} or {2 * lower}.")
+        if self.compress != "none":
+            raise ConfigError("--reduce adasum combines float32 gradients (its dot products "
+                              "and norms); drop --compress.")
 
     def _check_slow_worker(self) -> None:
         if not self.slow_worker:

@@ -6,20 +6,39 @@ average; each bucket's all-reduce starts from the gradient hooks while backward 
 still running, and the update waits on the handles. ``ddp`` is the reference
 implementation of the same algorithm.
 
+``--reduce adasum`` combines the buckets by Adasum instead (psring.adasum: recursive
+vector halving over point-to-point swaps, each parameter's tensor on its own; no
+pre-division), on one communication thread per worker so that buckets still go out
+while backward runs, as Horovod's background thread does.
+
     psring run --strategy allreduce --workers 2 --bucket-mb 25 [--compress fp16]
+    psring run --strategy allreduce --workers 4 --reduce adasum
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import adasum
 from ..compress import CastBack, wire_dtype
 from .base import STRATEGIES, Handle, Strategy, WaitAll
 from .buckets import Bucket, GradientBuckets, bucket_caps
+
+
+class _Pending:
+    """The handle of a bucket reduced on the communication thread; its error, if any,
+    is raised where the step waits."""
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
 
 
 def ring_bytes(param_bytes: int, world: int) -> int:
@@ -36,11 +55,20 @@ class AllReduce(Strategy):
     comm_model = "ring"
     uses_process_group = True
     supports_compression = True
+    reductions = ("sum", "adasum")
 
     def setup(self, model: nn.Module) -> nn.Module:
         cap, first = bucket_caps(self.ctx.cfg.bucket_mb)
+        self.adasum = self.ctx.cfg.reduce == "adasum"
+        if self.adasum:
+            # collective (every rank builds the same groups here, in setup)
+            self.comm = adasum.TorchComm()
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="adasum")
+        # a sum is pre-divided into the average; Adasum's rule is scale-aware: it is given
+        # each worker's own gradient
         self.buckets = GradientBuckets(
-            list(model.parameters()), cap, first, scale=1.0 / self.ctx.world,
+            list(model.parameters()), cap, first,
+            scale=1.0 if self.adasum else 1.0 / self.ctx.world,
             launch=self._launch, stats_of=lambda: self.stats)
         compress = self.ctx.cfg.compress
         # --compress: one wire buffer per bucket, allocated once (psring.compress)
@@ -53,6 +81,10 @@ class AllReduce(Strategy):
         return model
 
     def _launch(self, bucket: Bucket) -> Handle:
+        if self.adasum:
+            counts = [p.numel() for p in bucket.params]
+            # one thread, buckets in order: every rank issues the same swaps in order
+            return _Pending(self.pool.submit(adasum.reduce, bucket.buffer, counts, self.comm))
         wire = self.wire[bucket.index]
         if wire is None:
             return dist.all_reduce(bucket.buffer, async_op=True)
@@ -72,6 +104,8 @@ class AllReduce(Strategy):
     def close(self) -> None:
         if hasattr(self, "buckets"):
             self.buckets.remove_hooks()
+        if getattr(self, "pool", None) is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     @classmethod
     def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:

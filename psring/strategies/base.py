@@ -133,6 +133,8 @@ class Strategy:
     supports_checkpoint: ClassVar[bool] = True
     #: --compress fp16/bf16 means something: the strategy sends gradients (psring.compress)
     supports_compression: ClassVar[bool] = False
+    #: the values --reduce may take (how the workers' gradients combine)
+    reductions: ClassVar[tuple[str, ...]] = ("sum",)
     #: --compute device can stand in for each worker's accelerator (psring.device); False
     #: where the workers share memory on one host and have no device of their own
     emulates_device: ClassVar[bool] = True
