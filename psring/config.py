@@ -97,6 +97,11 @@ class RunConfig:
     compress: str = field(default="none", metadata=_flag(
         "cast what is sent to fp16 or bf16 (half the bytes; allreduce, ddp, ps, async-ps; "
         "computation and the servers' state stay float32)", choices=("none", "fp16", "bf16")))
+    worker_batch: str = field(default="", metadata=_flag(
+        "uneven workers (HetSeq): each worker's share of --batch-size, comma-separated in "
+        "rank order (e.g. 48,16 for a worker 3x as fast); gradients are weighed by "
+        "samples, so a synchronous strategy still trains what single trains on the "
+        "global batch. Default: equal shares"))
     reduce: str = field(default="sum", metadata=_flag(
         "allreduce: how the workers' gradients combine: sum (their average, what single "
         "computes on the global batch) or adasum (Maleki et al.'s adaptive sum, as in "
@@ -169,7 +174,10 @@ class RunConfig:
                 f"strategy {self.strategy!r} runs at most {strategy_cls.max_workers} worker(s) "
                 f"(got --workers {self.workers}); use --workers 1, or a distributed strategy "
                 f"such as allreduce.")
-        check_global_batch(self.batch_size, self.workers)
+        if self.worker_batch:
+            self._check_worker_batch(strategy_cls)
+        else:
+            check_global_batch(self.batch_size, self.workers)
         for name in ("steps", "accumulate", "samples", "features", "classes", "image_size",
                      "seq_len"):
             if getattr(self, name) < 1:
@@ -346,6 +354,31 @@ class RunConfig:
 
             load_secret(self.secret_file)  # a missing or too short file fails here, early
 
+    def _check_worker_batch(self, strategy_cls) -> None:
+        try:
+            sizes = [int(v) for v in self.worker_batch.split(",")]
+        except ValueError:
+            raise ConfigError(f"--worker-batch {self.worker_batch!r} must be each worker's "
+                              f"batch, comma-separated in rank order, e.g. 48,16.") from None
+        if len(sizes) != self.workers:
+            raise ConfigError(f"--worker-batch names {len(sizes)} batch(es) for --workers "
+                              f"{self.workers}: give one per worker, in rank order.")
+        if min(sizes) < 1:
+            raise ConfigError(f"--worker-batch {self.worker_batch}: every worker needs at "
+                              f"least one sample a step (a 0 would leave it idle); drop "
+                              f"that worker with a smaller --workers instead.")
+        if sum(sizes) != self.batch_size:
+            raise ConfigError(f"--worker-batch {self.worker_batch} adds up to {sum(sizes)}, "
+                              f"not --batch-size {self.batch_size} (the global batch it "
+                              f"splits); make them agree.")
+        if not strategy_cls.synchronous:
+            raise ConfigError(f"--worker-batch weighs gradients by samples within one "
+                              f"synchronous step; {self.strategy!r} applies each worker's "
+                              f"update alone. Use allreduce, ddp or ps.")
+        if self.reduce == "adasum":
+            raise ConfigError("--worker-batch weighs gradients by samples; --reduce adasum "
+                              "weighs them by their directions. Use one of the two.")
+
     def _check_reduce(self, strategy_cls) -> None:
         if self.reduce not in strategy_cls.reductions:
             raise ConfigError(
@@ -415,8 +448,18 @@ class RunConfig:
         return self.eval_every or max(1, self.steps // 10)
 
     @property
+    def worker_batches(self) -> tuple[int, ...]:
+        """Each worker's share of the global batch, in rank order (--worker-batch, else
+        equal shares)."""
+        if self.worker_batch:
+            return tuple(int(v) for v in self.worker_batch.split(","))
+        return (self.batch_size // self.workers,) * self.workers
+
+    @property
     def per_worker_batch(self) -> int:
-        return self.batch_size // self.workers
+        """The largest worker's batch (all of them, with equal shares): what sizes one
+        worker's device time and data."""
+        return max(self.worker_batches)
 
     @property
     def resolved_device(self) -> str:

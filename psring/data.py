@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -196,15 +197,19 @@ def split_file(ds: Dataset, held_out: int, inputs: Inputs, path: str, seed: int)
                  Dataset(ds.x[out], ds.y[out], ds.classes))
 
 
-def worker_batch(ds: Dataset, global_batch: int, index: int, rank: int, world: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def worker_batch(ds: Dataset, global_batch: int, index: int, rank: int, world: int,
+                 sizes: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of global batch ``index`` that belong to ``rank``.
 
     Global batch ``index`` is rows ``[index*B, (index+1)*B)`` of the data set, wrapping
-    around at the end; rank ``r`` of ``n`` takes the ``r``-th of ``n`` equal slices.
+    around at the end; rank ``r`` of ``n`` takes the ``r``-th of ``n`` equal slices, or
+    with ``sizes`` (each rank's share, adding up to B) the ``r``-th of those slices.
     """
-    per = global_batch // world
-    start = (index * global_batch + rank * per) % len(ds)
+    if sizes is None:
+        per, offset = global_batch // world, rank * (global_batch // world)
+    else:
+        per, offset = sizes[rank], sum(sizes[:rank])
+    start = (index * global_batch + offset) % len(ds)
     end = start + per
     if end <= len(ds):
         return ds.x[start:end], ds.y[start:end]

@@ -249,7 +249,8 @@ def for_worker(cfg: Any, rank: int, inputs: Any) -> DeviceCompute | None:
     if cfg.compute != "device":
         return None
     prof = load_profile(cfg.device_profile)
-    times = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch, cfg.time_scale)
+    # (--worker-batch: each device computes its own share)
+    times = DeviceTimes.of(prof, cfg.device_speed, cfg.worker_batches[rank], cfg.time_scale)
     return DeviceCompute(times, cfg.seed, rank, inputs.kind, inputs.classes, cfg.time_scale)
 
 

@@ -143,6 +143,11 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
     per = 1.0 / ctx.stand_in.time_scale if ctx.stand_in is not None else 1.0
     # a device's loss is part of its forward: the stand-in's costs the host nothing
     loss_fn = ctx.stand_in.loss if ctx.stand_in is not None else loss_of
+    # --worker-batch: this worker's mean loss over its n samples, weighed by n / (B / N):
+    # every synchronous strategy averages N workers' gradients, so the average is then
+    # the global batch's mean gradient, what single computes
+    sizes = cfg.worker_batches if cfg.worker_batch else None
+    weight = ctx.world * sizes[ctx.rank] / cfg.batch_size if sizes else 1.0
 
     last_compute = 0.0
     # When each parameter's gradient became final (one hook per parameter): the last
@@ -196,13 +201,16 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
         loss_sum = torch.zeros((), device=device)
         backward_end = 0.0
         for m in range(micro):
-            x, y = worker_batch(data, cfg.batch_size, step * micro + m, ctx.rank, ctx.world)
+            x, y = worker_batch(data, cfg.batch_size, step * micro + m, ctx.rank, ctx.world,
+                                sizes)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lap("data_s")
             last = m == micro - 1
             compute_start = mark
             with contextlib.nullcontext() if last else strategy.no_sync():
                 loss = loss_fn(module(x), y) / micro
+                # (the record keeps this worker's own mean loss, not the weighed one)
+                weighed = loss * weight if sizes else loss
                 if slowed:
                     # --slow-worker: a straggler's gradients come late, so stretch the
                     # compute before backward, by the previous micro-batch's compute time
@@ -211,7 +219,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
                 lap("forward_s")
                 backward_start = mark
                 last_grad[0] = 0.0
-                loss.backward()
+                weighed.backward()
                 lap("backward_s")
                 last_compute = (mark - compute_start) / (slow_factor if slowed else 1)
                 backward_end = mark

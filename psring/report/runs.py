@@ -56,9 +56,12 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         by_worker[r["worker"]].append(r)
     # A synchronous step lasts as long as its slowest worker.
     step_times = [max(r["step_s"] for r in rs) for rs in by_step.values()]
-    per_worker_samples = cfg["batch_size"] // cfg["workers"] * cfg["accumulate"]
-    samples_per_s = sum(per_worker_samples / statistics.median(r["step_s"] for r in rs)
-                        for rs in by_worker.values())
+    # each worker's samples a step (--worker-batch: its own share of the global batch)
+    shares = [int(v) for v in cfg["worker_batch"].split(",")] if cfg.get("worker_batch") \
+        else [cfg["batch_size"] // cfg["workers"]] * cfg["workers"]
+    samples_per_s = sum(shares[w] * cfg["accumulate"] /
+                        statistics.median(r["step_s"] for r in rs)
+                        for w, rs in by_worker.items())
     total = sum(r["step_s"] for r in kept)
     phase_share = {p: sum(r[p] for r in kept) / total for p in PHASES}
     evals = read_evals(run_dir)

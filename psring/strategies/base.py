@@ -133,6 +133,9 @@ class Strategy:
     supports_checkpoint: ClassVar[bool] = True
     #: --compress fp16/bf16 means something: the strategy sends gradients (psring.compress)
     supports_compression: ClassVar[bool] = False
+    #: every step averages all workers' gradients (so --worker-batch can weigh them by
+    #: samples); False where each worker's update lands alone (async-ps, hogwild)
+    synchronous: ClassVar[bool] = True
     #: the values --reduce may take (how the workers' gradients combine)
     reductions: ClassVar[tuple[str, ...]] = ("sum",)
     #: --compute device can stand in for each worker's accelerator (psring.device); False

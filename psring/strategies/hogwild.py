@@ -44,6 +44,7 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 @STRATEGIES.register("hogwild")
 class Hogwild(Strategy):
     name = "hogwild"
+    synchronous = False
     max_hosts = 1  # its workers share one memory
     emulates_device = False  # ... and no device of their own: nothing to stand in for
 

@@ -487,5 +487,6 @@ class AsyncParameterServer(ParameterServer):
     name = "async-ps"
     comm_model = "ps-async"
     mode = "async"
+    synchronous = False
     supports_staleness_bound = True
 
