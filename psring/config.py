@@ -19,6 +19,7 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -99,9 +100,11 @@ class RunConfig:
         "computation and the servers' state stay float32)", choices=("none", "fp16", "bf16")))
     worker_batch: str = field(default="", metadata=_flag(
         "uneven workers (HetSeq): each worker's share of --batch-size, comma-separated in "
-        "rank order (e.g. 48,16 for a worker 3x as fast); gradients are weighed by "
-        "samples, so a synchronous strategy still trains what single trains on the "
-        "global batch. Default: equal shares"))
+        "rank order (e.g. 48,16 for a worker 3x as fast), or proportional:RUN_DIR for "
+        "shares in proportion to the speeds measured in an earlier run (its workers' "
+        "median forward + backward); gradients are weighed by samples, so a synchronous "
+        "strategy still trains what single trains on the global batch. Default: equal "
+        "shares"))
     reduce: str = field(default="sum", metadata=_flag(
         "allreduce: how the workers' gradients combine: sum (their average, what single "
         "computes on the global batch) or adasum (Maleki et al.'s adaptive sum, as in "
@@ -355,6 +358,10 @@ class RunConfig:
             load_secret(self.secret_file)  # a missing or too short file fails here, early
 
     def _check_worker_batch(self, strategy_cls) -> None:
+        if self.worker_batch.startswith("proportional:"):
+            # resolved once, here: the manifest and every worker see the shares
+            object.__setattr__(self, "worker_batch", ",".join(map(str, proportional_shares(
+                self.worker_batch.split(":", 1)[1], self.batch_size, self.workers))))
         try:
             sizes = [int(v) for v in self.worker_batch.split(",")]
         except ValueError:
@@ -500,6 +507,41 @@ def cluster_of(cfg: Any) -> Cluster:
     from .strategies import STRATEGIES
 
     return Cluster.from_config(cfg, STRATEGIES.get(cfg.get("strategy", "single")).uses_servers)
+
+
+def proportional_shares(run_dir: str, batch_size: int, workers: int) -> list[int]:
+    """Shares of ``batch_size`` in proportion to each worker's speed in the run in
+    ``run_dir`` (1 / its median forward + backward time a step, warm-up left out),
+    rounded by largest remainder, at least 1 each."""
+    from .runlog import read_steps, warmup_steps
+
+    records = read_steps(Path(run_dir))
+    if not records:
+        raise ConfigError(f"--worker-batch proportional:{run_dir}: no step records there; "
+                          f"name the run directory of an earlier run of these workers.")
+    kept = [r for r in records if r["step"] >= warmup_steps(max(r["step"] for r in records) + 1)]
+    by_worker: dict[int, list[float]] = {}
+    for r in kept or records:
+        by_worker.setdefault(r["worker"], []).append(r["forward_s"] + r["backward_s"])
+    if sorted(by_worker) != list(range(workers)):
+        raise ConfigError(f"--worker-batch proportional:{run_dir}: that run had "
+                          f"{len(by_worker)} worker(s), this one {workers}; measure with "
+                          f"the same --workers.")
+    speed = [1.0 / max(sorted(v)[len(v) // 2], 1e-9) for _, v in sorted(by_worker.items())]
+    if batch_size < workers:
+        raise ConfigError(f"--batch-size {batch_size} cannot give {workers} workers a "
+                          f"sample each.")
+    # in proportion, rounded down, then the samples left by largest remainder; a worker
+    # so slow its share rounds to 0 still gets one (taken from the largest share)
+    exact = [batch_size * s / sum(speed) for s in speed]
+    shares = [max(1, int(e)) for e in exact]
+    for i in sorted(range(workers), key=lambda i: int(exact[i]) - exact[i]):
+        if sum(shares) >= batch_size:
+            break
+        shares[i] += 1
+    while sum(shares) > batch_size:
+        shares[shares.index(max(shares))] -= 1
+    return shares
 
 
 def check_global_batch(batch_size: int, workers: int) -> None:

@@ -52,3 +52,29 @@ def test_bad_worker_batches_are_one_paragraph_and_exit_2(tmp_path, args, needle)
                     "--out", tmp_path / "r")
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
     assert proc.stderr.count("psring: error:") == 1 and not (tmp_path / "r").exists()
+
+
+def test_proportional_shares_follow_the_measured_speeds(tmp_path):
+    """proportional:RUN_DIR reads an earlier run's step records: worker 1 computed 3x as
+    long a step, so it gets a quarter of the batch; the resolved shares are what the
+    config (and so the manifest) holds."""
+    import json
+
+    from psring.config import RunConfig, proportional_shares
+
+    run = tmp_path / "even"
+    run.mkdir()
+    with open(run / "steps.jsonl", "w") as f:
+        for step in range(10):
+            for w, compute in ((0, 0.010), (1, 0.030)):
+                f.write(json.dumps({"step": step, "worker": w, "forward_s": compute / 3,
+                                    "backward_s": 2 * compute / 3}) + "\n")
+    assert proportional_shares(str(run), 64, 2) == [48, 16]
+    assert proportional_shares(str(run), 7, 2) == [5, 2]  # 5.25 and 1.75: by remainder
+    assert proportional_shares(str(run), 2, 2) == [1, 1]  # at least one each
+    cfg = RunConfig(strategy="allreduce", workers=2, batch_size=64,
+                    worker_batch=f"proportional:{run}")
+    assert cfg.worker_batch == "48,16" and cfg.worker_batches == (48, 16)
+    proc = cli_here("run", "--strategy", "allreduce", "--workers", 3, "--batch-size", 63,
+                    "--worker-batch", f"proportional:{run}", "--out", tmp_path / "r")
+    assert proc.returncode == 2 and "that run had 2 worker(s), this one 3" in proc.stderr
