@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .cluster import PLACEMENTS, Cluster, derived_hosts, host_address, in_network
+from .cluster import (PLACEMENTS, Cluster, derived_hosts, host_address, in_network,
+                      worker_counts)
 from .errors import ConfigError, PsringError
 
 
@@ -234,6 +235,15 @@ class RunConfig:
                 f"--compress applies to strategies that send gradients (allreduce, ddp, ps, "
                 f"async-ps); {self.strategy!r} sends nothing to compress. Drop --compress.")
         self._check_reduce(strategy_cls)
+        if strategy_cls.needs_equal_hosts:
+            counts = worker_counts(self.workers, derived_hosts(
+                self.workers, self.hosts, self.workers_per_host), self.workers_per_host)
+            if len(set(counts)) > 1:
+                raise ConfigError(
+                    f"--strategy {self.strategy} shards each bucket over a host's workers "
+                    f"and reduces shard l across the hosts' l-th workers, so every host "
+                    f"needs as many workers: these hosts have {counts}. Make --workers a "
+                    f"multiple of --hosts (or of --workers-per-host).")
         object.__setattr__(self, "hosts", derived_hosts(self.workers, self.hosts,
                                                         self.workers_per_host))
         self._check_cluster(strategy_cls)

@@ -30,7 +30,7 @@ from .base import STRATEGIES, Handle, Strategy, WaitAll
 from .buckets import Bucket, GradientBuckets, bucket_caps
 
 
-class _Pending:
+class Pending:
     """The handle of a bucket reduced on the communication thread; its error, if any,
     is raised where the step waits."""
 
@@ -84,7 +84,7 @@ class AllReduce(Strategy):
         if self.adasum:
             counts = [p.numel() for p in bucket.params]
             # one thread, buckets in order: every rank issues the same swaps in order
-            return _Pending(self.pool.submit(adasum.reduce, bucket.buffer, counts, self.comm))
+            return Pending(self.pool.submit(adasum.reduce, bucket.buffer, counts, self.comm))
         wire = self.wire[bucket.index]
         if wire is None:
             return dist.all_reduce(bucket.buffer, async_op=True)

@@ -133,6 +133,8 @@ class Strategy:
     supports_checkpoint: ClassVar[bool] = True
     #: --compress fp16/bf16 means something: the strategy sends gradients (psring.compress)
     supports_compression: ClassVar[bool] = False
+    #: every host must hold the same number of workers (hallreduce's shards)
+    needs_equal_hosts: ClassVar[bool] = False
     #: every step averages all workers' gradients (so --worker-batch can weigh them by
     #: samples); False where each worker's update lands alone (async-ps, hogwild)
     synchronous: ClassVar[bool] = True

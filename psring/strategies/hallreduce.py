@@ -1,0 +1,102 @@
+"""``hallreduce``: hierarchical all-reduce (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE,
+horovod PR #411), bucketed and overlapped like ``allreduce``.
+
+Per bucket, on a cluster of H hosts with G workers each (ranks h*G .. h*G+G-1 on host
+h, as torchrun and psring's launcher number them):
+
+1. reduce-scatter inside the host: local rank l ends with the host's sum of shard l
+   (1/G of the bucket);
+2. all-reduce of shard l across the hosts, among the H ranks that hold it (local rank l
+   of every host): only these 1/G shards cross the host links, in G parallel rings;
+3. all-gather inside the host: every rank has the whole reduced bucket.
+
+A host link then carries 2 (H - 1) / H of the bucket each way, once per host, instead
+of a flat ring's 2 (N - 1) / N per rank crossing it; inside the host the traffic is
+local (loopback here; NVLink/PCIe on a GPU host). torch process groups: one per host
+and one per local rank, created by every rank in the same order (gloo here, NCCL where
+CUDA is). The three collectives of a bucket run on a communication thread, so the
+buckets still go out while backward runs.
+
+    psring run --strategy hallreduce --workers 8 --hosts 2 --link 1gbit
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .allreduce import AllReduce, Pending, ring_bytes
+from .base import STRATEGIES, Handle
+from .buckets import Bucket
+
+
+def hierarchy_bytes(param_bytes: int, hosts: int, per_host: int) -> int:
+    """Bytes one rank sends (and receives) a step: a ring reduce-scatter and all-gather
+    inside its host, (G - 1) / G of the gradients each, and its shard's all-reduce
+    across the hosts, 2 (H - 1) / H of 1/G of them."""
+    inside = 2 * (per_host - 1) / per_host * param_bytes if per_host > 1 else 0
+    return int(inside + ring_bytes(param_bytes // per_host, hosts))
+
+
+@STRATEGIES.register("hallreduce")
+class HierarchicalAllReduce(AllReduce):
+    name = "hallreduce"
+    supports_compression = False
+    reductions = ("sum",)
+    #: every host must hold the same number of workers (shard l lives on every host)
+    needs_equal_hosts = True
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        g = self.ctx.local_world
+        if g < 1 or self.ctx.world % g:
+            raise RuntimeError(f"hallreduce: {self.ctx.world} workers do not make hosts of "
+                               f"{g} (LOCAL_WORLD_SIZE) each")
+        self.per_host, self.hosts = g, self.ctx.world // g
+        host, local = divmod(self.ctx.rank, g)
+        # every rank creates every group, in the same order (torch requires it)
+        for h in range(self.hosts):
+            grp = dist.new_group(list(range(h * g, (h + 1) * g)))
+            if h == host:
+                self.inside = grp
+        for lr in range(g):
+            grp = dist.new_group(list(range(lr, self.ctx.world, g)))
+            if lr == local:
+                self.across = grp
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hallreduce")
+        super().setup(model)  # the buckets, pre-scaled by 1/N: the sum is the average
+        # each bucket padded to a multiple of G (equal shards), and its shard buffer
+        self.padded = [torch.zeros(-(-b.numel // g) * g, dtype=b.buffer.dtype,
+                                   device=b.buffer.device) for b in self.buckets.buckets]
+        self._bytes = hierarchy_bytes(sum(b.nbytes for b in self.buckets.buckets),
+                                      self.hosts, g)
+        return model
+
+    def _launch(self, bucket: Bucket) -> Handle:
+        return Pending(self.pool.submit(self._reduce, bucket))
+
+    def _reduce(self, bucket: Bucket) -> None:
+        g = self.per_host
+        full = self.padded[bucket.index]
+        full[:bucket.numel].copy_(bucket.buffer)
+        shard = torch.empty(full.numel() // g, dtype=full.dtype, device=full.device)
+        if g > 1:
+            dist.reduce_scatter_tensor(shard, full, group=self.inside)
+        else:
+            shard.copy_(full)
+        if self.hosts > 1:
+            dist.all_reduce(shard, group=self.across)
+        if g > 1:
+            dist.all_gather_into_tensor(full, shard, group=self.inside)
+        else:
+            full.copy_(shard)
+        bucket.buffer.copy_(full[:bucket.numel])
+
+    @classmethod
+    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+        # without the layout (one host of all the workers): the reduce-scatter and
+        # all-gather of a ring
+        b = ring_bytes(param_bytes, world)
+        return b, b
