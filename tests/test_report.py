@@ -66,6 +66,9 @@ def test_compare_runs_every_strategy_and_reports(tmp_path):
     # error is what the report says it is; hogwild's prediction is its compute alone
     for name in STRATEGIES:
         r = rows[name]
+        if not STRATEGIES.get(name).costed:  # (no formula yet: no prediction shown)
+            assert r["predicted_step_ms"] is None, name
+            continue
         assert r["predicted_step_ms"] > 0, name
         assert r["step_error"] == pytest.approx(
             r["predicted_step_ms"] / r["step_ms"]["median"] - 1)

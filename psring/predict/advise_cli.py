@@ -211,6 +211,8 @@ def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
             continue
         if cls.max_hosts is not None and hosts > cls.max_hosts:
             continue
+        if not cls.costed:  # no formula yet (docs/cost-model.md): nothing to rank it by
+            continue
         out[name] = cls
     return out
 

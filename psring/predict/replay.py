@@ -36,6 +36,8 @@ def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
         prof = Profile.from_run(run_dir, worker=None)
     except (PsringError, KeyError, OSError, ValueError):
         return None
+    if not cls.costed:
+        return None
     # the run's own compute already carries its share of the cores: no stretch
     compress = cfg.get("compress", "none") if cls.supports_compression else "none"
     try:

@@ -148,7 +148,8 @@ def aggregate(rows: list[dict], cal: Calibration | None = None) -> list[Setting]
     for setting, rs in groups.items():
         r0 = rs[0]
         cls = STRATEGIES.get(r0["strategy"]) if r0["strategy"] in STRATEGIES else None
-        model = getattr(cls, "comm_model", None)
+        # (a strategy without a formula yet is not priced: docs/cost-model.md)
+        model = getattr(cls, "comm_model", None) if getattr(cls, "costed", True) else None
         s = Setting(
             id=setting, strategy=r0["strategy"], workers=r0["workers"],
             servers=r0["servers"], varied=r0["varied"], config=r0["config"],

@@ -133,6 +133,9 @@ class Strategy:
     supports_checkpoint: ClassVar[bool] = True
     #: --compress fp16/bf16 means something: the strategy sends gradients (psring.compress)
     supports_compression: ClassVar[bool] = False
+    #: the simulator has a formula for it (its comm_model); False: advise leaves it out
+    #: and reports predict nothing for its runs (docs/cost-model.md says why)
+    costed: ClassVar[bool] = True
     #: every host must hold the same number of workers (hallreduce's shards)
     needs_equal_hosts: ClassVar[bool] = False
     #: every step averages all workers' gradients (so --worker-batch can weigh them by

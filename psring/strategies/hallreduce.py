@@ -48,6 +48,8 @@ class HierarchicalAllReduce(AllReduce):
     reductions = ("sum",)
     #: every host must hold the same number of workers (shard l lives on every host)
     needs_equal_hosts = True
+    #: the flat ring's formula would price it wrongly (docs/cost-model.md)
+    costed = False
 
     def setup(self, model: nn.Module) -> nn.Module:
         g = self.ctx.local_world
