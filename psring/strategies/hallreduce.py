@@ -69,8 +69,10 @@ class HierarchicalAllReduce(AllReduce):
                 self.across = grp
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hallreduce")
         super().setup(model)  # the buckets, pre-scaled by 1/N: the sum is the average
-        # each bucket padded to a multiple of G (equal shards), and its shard buffer
-        self.padded = [torch.zeros(-(-b.numel // g) * g, dtype=b.buffer.dtype,
+        # G equal shards: a bucket whose size is not a multiple of G is reduced in a
+        # padded copy (most are: layer sizes are multiples of their channels)
+        self.padded = [None if b.numel % g == 0 else
+                       torch.zeros(-(-b.numel // g) * g, dtype=b.buffer.dtype,
                                    device=b.buffer.device) for b in self.buckets.buckets]
         self._bytes = hierarchy_bytes(sum(b.nbytes for b in self.buckets.buckets),
                                       self.hosts, g)
@@ -82,7 +84,10 @@ class HierarchicalAllReduce(AllReduce):
     def _reduce(self, bucket: Bucket) -> None:
         g = self.per_host
         full = self.padded[bucket.index]
-        full[:bucket.numel].copy_(bucket.buffer)
+        if full is None:
+            full = bucket.buffer  # in place
+        else:
+            full[:bucket.numel].copy_(bucket.buffer)
         shard = torch.empty(full.numel() // g, dtype=full.dtype, device=full.device)
         if g > 1:
             dist.reduce_scatter_tensor(shard, full, group=self.inside)
@@ -94,7 +99,8 @@ class HierarchicalAllReduce(AllReduce):
             dist.all_gather_into_tensor(full, shard, group=self.inside)
         else:
             full.copy_(shard)
-        bucket.buffer.copy_(full[:bucket.numel])
+        if full is not bucket.buffer:
+            bucket.buffer.copy_(full[:bucket.numel])
 
     @classmethod
     def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
