@@ -113,14 +113,14 @@ def reduce(buf: torch.Tensor, counts: Sequence[int], comm: Comm) -> None:
         mine = buf[keep[0]:keep[1]]
         # per tensor: a.b, |left side|^2, |right side|^2 over this rank's piece, summed
         # over the block (the other pieces of each tensor are on the block's other ranks)
-        stats = torch.zeros(len(counts), 3, dtype=torch.float64)
+        # (on the buffer's device: NCCL sums GPU tensors only)
+        stats = torch.zeros(len(counts), 3, dtype=torch.float64, device=buf.device)
         pieces = _pieces(bounds, *keep)
         for i, s, e in pieces:
             a = mine[s - keep[0]:e - keep[0]].double()
             b = theirs[s - keep[0]:e - keep[0]].double()
-            own, other = float(a @ a), float(b @ b)
-            stats[i] = torch.tensor([float(a @ b), *((own, other) if left else (other, own))],
-                                    dtype=torch.float64)
+            own, other = a @ a, b @ b
+            stats[i] = torch.stack([a @ b, *((own, other) if left else (other, own))])
         comm.sum_in_block(level, stats)
         for i, s, e in pieces:
             dot, l2, r2 = stats[i].tolist()
