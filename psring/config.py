@@ -391,7 +391,7 @@ class RunConfig:
         if not strategy_cls.synchronous:
             raise ConfigError(f"--worker-batch weighs gradients by samples within one "
                               f"synchronous step; {self.strategy!r} applies each worker's "
-                              f"update alone. Use allreduce, ddp or ps.")
+                              f"update alone. Use allreduce, hallreduce, ddp or ps.")
         if self.reduce == "adasum":
             raise ConfigError("--worker-batch weighs gradients by samples; --reduce adasum "
                               "weighs them by their directions. Use one of the two.")
@@ -521,9 +521,9 @@ def cluster_of(cfg: Any) -> Cluster:
 
 def proportional_shares(run_dir: str, batch_size: int, workers: int) -> list[int]:
     """Shares of ``batch_size`` in proportion to each worker's speed in the run in
-    ``run_dir`` (1 / its median forward + backward time a step, warm-up left out),
-    rounded by largest remainder, at least 1 each."""
-    from .runlog import read_steps, warmup_steps
+    ``run_dir``: samples per second, its share there over its median forward + backward
+    time a step (warm-up left out), rounded by largest remainder, at least 1 each."""
+    from .runlog import read_manifest, read_steps, warmup_steps
 
     records = read_steps(Path(run_dir))
     if not records:
@@ -537,7 +537,14 @@ def proportional_shares(run_dir: str, batch_size: int, workers: int) -> list[int
         raise ConfigError(f"--worker-batch proportional:{run_dir}: that run had "
                           f"{len(by_worker)} worker(s), this one {workers}; measure with "
                           f"the same --workers.")
-    speed = [1.0 / max(sorted(v)[len(v) // 2], 1e-9) for _, v in sorted(by_worker.items())]
+    try:  # the shares that run computed (an earlier uneven run measures per sample too)
+        was = read_manifest(Path(run_dir))["config"]
+        before = [int(v) for v in was["worker_batch"].split(",")] if was.get("worker_batch") \
+            else [was["batch_size"] // was["workers"]] * was["workers"]
+    except Exception:  # noqa: BLE001 - step records without a manifest: equal shares
+        before = [1] * workers
+    speed = [before[w] / max(sorted(v)[len(v) // 2], 1e-9)
+             for w, v in sorted(by_worker.items())]
     if batch_size < workers:
         raise ConfigError(f"--batch-size {batch_size} cannot give {workers} workers a "
                           f"sample each.")

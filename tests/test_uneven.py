@@ -44,7 +44,7 @@ def test_every_synchronous_strategy_with_uneven_batches_trains_singles_model(tmp
     (["--worker-batch", "32,0"], "at least one sample"),
     (["--worker-batch", "16,8,8"], "names 3 batch(es) for --workers 2"),
     (["--worker-batch", "big,small"], "comma-separated in rank order"),
-    (["--worker-batch", "24,8", "--strategy", "async-ps"], "Use allreduce, ddp or ps"),
+    (["--worker-batch", "24,8", "--strategy", "async-ps"], "Use allreduce, hallreduce, ddp or ps"),
     (["--worker-batch", "24,8", "--reduce", "adasum"], "Use one of the two"),
 ])
 def test_bad_worker_batches_are_one_paragraph_and_exit_2(tmp_path, args, needle):
