@@ -88,10 +88,12 @@ def _images(n: int, shape: tuple[int, ...], classes: int, g: torch.Generator):
     def pattern(of: torch.Tensor) -> torch.Tensor:  # a smooth image per row of ``of``
         return F.interpolate(of, size=(h, w), mode="bilinear", align_corners=False)
 
-    # Everything in pieces of at most ~16 MB (1024 rows at 32 x 32): one pattern per
+    # Everything in pieces of about 16 MB (1024 rows at 32 x 32): one pattern per
     # class held at once would be 600 MB at 1000 classes of 224 x 224, and twice that
-    # while scaled, in every worker (2 GB peaks killed 16-worker runs for memory).
-    piece = max(1, min(1024, 2**24 // (c * h * w * 4)))
+    # while scaled, in every worker (2 GB peaks killed 16-worker runs for memory). A
+    # multiple of 16 rows: torch's CPU randn draws in blocks of 16 values, so the noise
+    # is the one 1024-row pieces drew, whatever the image size.
+    piece = max(16, min(1024, 2**24 // (c * h * w * 4)) // 16 * 16)
     total = squares = 0.0  # the patterns' standard deviation, over every class
     for a in range(0, classes, piece):
         p = pattern(low[a:a + piece]).double()

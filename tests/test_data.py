@@ -86,3 +86,28 @@ def test_digits_is_scikit_learns_bundled_set():
     from psring.config import RunConfig
 
     assert RunConfig(data="digits", model="cnn").data == "digits"
+
+
+@pytest.mark.parametrize("shape, n", [((3, 32, 32), 2100), ((3, 75, 75), 300), ((1, 7, 9), 50)])
+def test_images_made_in_pieces_are_the_ones_made_at_once(shape, n):
+    """psring.data._images makes its patterns and noise in pieces (memory); the values
+    are those of the former whole-set code (patterns of every class at once, noise in
+    1024-row pieces), at image sizes whose rows are not a multiple of 16 values too."""
+    from torch.nn import functional as F
+
+    from psring.data import IMAGE_SIGNAL, _images
+
+    classes = 10
+    g = torch.Generator().manual_seed(3)
+    c, h, w = shape
+    low = torch.randn(classes, c, 4, 4, generator=g)
+    patterns = F.interpolate(low, size=(h, w), mode="bilinear", align_corners=False)
+    patterns = patterns / patterns.std() * IMAGE_SIGNAL
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = torch.empty(n, c, h, w)
+    for a in range(0, n, 1024):
+        b = min(n, a + 1024)
+        x[a:b] = patterns[y[a:b]] + torch.randn(b - a, c, h, w, generator=g)
+    got_x, got_y = _images(n, shape, classes, torch.Generator().manual_seed(3))
+    assert torch.equal(got_y, y)
+    assert torch.allclose(got_x, x, rtol=0, atol=1e-6)
