@@ -57,17 +57,24 @@ def psring_together(*runs: list, timeout: float = 120) -> list[subprocess.Comple
     starts and torch imports overlap with each other's communication waits."""
     procs = [subprocess.Popen([*PSRING, *map(str, args)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for args in runs]
+    deadline = time.monotonic() + timeout  # one deadline for all of them
     done = []
     try:
         for args, p in zip(runs, procs):
-            out, err = p.communicate(timeout=timeout)
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             if p.returncode != 0:
                 raise AssertionError(f"psring {' '.join(map(str, args))} exited "
                                      f"{p.returncode}:\n{out}\n{err}")
             done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     finally:
+        # SIGTERM first: a launcher stops its workers and tears its emulated hosts down
         for p in procs:
             if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
     return done

@@ -94,8 +94,10 @@ def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path,
     steps, every = 40, 10
     args = ["--strategy", strategy, "--workers", 2, *SMALL, *extra, "--steps", steps,
             "--checkpoint-every", every, "--eval-every", every]
+    # the uninterrupted reference runs meanwhile: only its parameters are compared
     ref = tmp_path / "ref"
-    psring("run", *args, "--out", ref, timeout=120)
+    ref_proc = subprocess.Popen([*PSRING, "run", *map(str, args), "--out", str(ref)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     out = tmp_path / "killed"
     # worker 1 slowed (a sleep; the arithmetic is unchanged) so the kill lands mid-run
@@ -113,6 +115,12 @@ def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path,
     finally:
         if proc.poll() is None:
             proc.kill()
+        try:
+            _, err = ref_proc.communicate(timeout=120)
+        finally:
+            if ref_proc.poll() is None:
+                ref_proc.kill()
+    assert ref_proc.returncode == 0, err
     # its workers (and servers) notice (parent-death signal) and exit
     assert_no_processes(out, within=15)
     assert not (out / "model.pt").exists()
