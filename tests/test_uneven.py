@@ -60,7 +60,8 @@ def test_proportional_shares_follow_the_measured_speeds(tmp_path):
     config (and so the manifest) holds."""
     import json
 
-    from psring.config import RunConfig, proportional_shares
+    from psring.config import RunConfig
+    from psring.shares import proportional_shares
 
     run = tmp_path / "even"
     run.mkdir()

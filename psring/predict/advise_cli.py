@@ -124,7 +124,7 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
                           f"a measurement (at most {VERIFY_MAX_PROCESSES} processes); run "
                           f"advise without --verify for the prediction alone.")
     if not args.profile:
-        from ..config import check_global_batch
+        from ..shares import check_global_batch
 
         check_global_batch(args.batch_size, n)
     return Cluster.of(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
