@@ -14,6 +14,14 @@ from pathlib import Path
 from .errors import ConfigError
 
 
+def shares_of(config: dict) -> list[int]:
+    """Each worker's samples a micro-batch in a run's recorded config (its manifest's
+    ``config``): its --worker-batch, else equal shares of --batch-size."""
+    if config.get("worker_batch"):
+        return [int(v) for v in str(config["worker_batch"]).split(",")]
+    return [config["batch_size"] // config["workers"]] * config["workers"]
+
+
 def proportional_shares(run_dir: str, batch_size: int, workers: int) -> list[int]:
     """Shares of ``batch_size`` in proportion to each worker's speed in the run in
     ``run_dir``: samples per second, its share there over its median forward + backward
@@ -33,9 +41,7 @@ def proportional_shares(run_dir: str, batch_size: int, workers: int) -> list[int
                           f"{len(by_worker)} worker(s), this one {workers}; measure with "
                           f"the same --workers.")
     try:  # the shares that run computed (an earlier uneven run measures per sample too)
-        was = read_manifest(Path(run_dir))["config"]
-        before = [int(v) for v in was["worker_batch"].split(",")] if was.get("worker_batch") \
-            else [was["batch_size"] // was["workers"]] * was["workers"]
+        before = shares_of(read_manifest(Path(run_dir))["config"])
     except Exception:  # noqa: BLE001 - step records without a manifest: equal shares
         before = [1] * workers
     speed = [before[w] / max(sorted(v)[len(v) // 2], 1e-9)

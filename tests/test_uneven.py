@@ -4,6 +4,8 @@ what single trains on the global batch."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -36,6 +38,17 @@ def test_every_synchronous_strategy_with_uneven_batches_trains_singles_model(tmp
         assert max_rel_diff(load_model(out), ref) < 1e-4, strategy
         records = read_steps(out)
         assert {r["worker"] for r in records} == {0, 1} and len(records) == 24
+    # readers of the run count each worker's own share: a profile of the run is of
+    # the larger share's batch, the report's samples/s adds 24 and 8 a step
+    from psring.predict.profile import Profile
+    from psring.report.runs import summarize
+
+    assert Profile.from_run(tmp_path / "allreduce", worker=None).batch_size == 24
+    records = read_steps(tmp_path / "allreduce")
+    want = sum(n / statistics.median(r["step_s"] for r in records if r["worker"] == w and
+                                     r["step"] >= 1)
+               for w, n in ((0, 24), (1, 8)))
+    assert summarize(tmp_path / "allreduce")["samples_per_s"] == pytest.approx(want)
     assert_no_processes(tmp_path)
 
 

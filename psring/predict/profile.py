@@ -34,6 +34,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..partition import bucket_assignment, bucket_caps
 from ..runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
+from ..shares import shares_of
 
 # Taking a profile (a run: psring.config, psring.launch) is psring.predict.profiling;
 # reading and using one (the simulator, advise, replay, --compute device) needs neither.
@@ -153,7 +154,8 @@ class Profile:
         return cls(param_bytes=list(sizes), ready_s=[round(t, 7) for t in ready],
                    forward_s=med("forward_s"), backward_s=backward,
                    update_s=med("update_s"), data_s=med("data_s"),
-                   batch_size=cfg["batch_size"] // cfg["workers"] * cfg.get("accumulate", 1),
+                   # (--worker-batch: the largest share, the slowest worker's as a rule)
+                   batch_size=max(shares_of(cfg)) * cfg.get("accumulate", 1),
                    threads=int(manifest.get("threads_per_process") or 0),
                    source={"run": str(run_dir), "strategy": cfg["strategy"],
                            "model": cfg["model"], "traced": bool(traced),

@@ -243,7 +243,9 @@ def _efficiency(settings: list[Setting]) -> None:
             single[(_workload(s.config, MODEL_KEYS), s.config["batch_size"])] = s
     for s in settings:
         c = s.config
-        b = single.get((_workload(c, MODEL_KEYS), c["batch_size"] // c["workers"]))
+        # (uneven shares have no single run "at the same per-worker batch")
+        b = None if c.get("worker_batch") else \
+            single.get((_workload(c, MODEL_KEYS), c["batch_size"] // c["workers"]))
         s.efficiency = (s.samples_per_s.median / (s.workers * b.samples_per_s.median)
                         if b else None)
 

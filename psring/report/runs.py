@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..evaluate import time_to_accuracy
 from ..merge import missing_ranks
 from ..runlog import PHASES, iter_run_dirs, read_evals, read_manifest, read_steps, warmup_steps
+from ..shares import shares_of
 from ..strategies import STRATEGIES
 
 #: config keys that define "the same workload" for speedups
@@ -57,8 +58,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     # A synchronous step lasts as long as its slowest worker.
     step_times = [max(r["step_s"] for r in rs) for rs in by_step.values()]
     # each worker's samples a step (--worker-batch: its own share of the global batch)
-    shares = [int(v) for v in cfg["worker_batch"].split(",")] if cfg.get("worker_batch") \
-        else [cfg["batch_size"] // cfg["workers"]] * cfg["workers"]
+    shares = shares_of(cfg)
     samples_per_s = sum(shares[w] * cfg["accumulate"] /
                         statistics.median(r["step_s"] for r in rs)
                         for w, rs in by_worker.items())
