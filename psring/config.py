@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 from .cluster import (PLACEMENTS, Cluster, derived_hosts, host_address, in_network,
                       worker_counts)
 from .errors import ConfigError, PsringError
-from .shares import check_global_batch, proportional_shares
+from .shares import check_global_batch, proportional_shares, shares_of
 
 
 def _flag(help: str, **kw: Any) -> dict:
@@ -373,7 +373,7 @@ class RunConfig:
             object.__setattr__(self, "worker_batch", ",".join(map(str, proportional_shares(
                 self.worker_batch.split(":", 1)[1], self.batch_size, self.workers))))
         try:
-            sizes = [int(v) for v in self.worker_batch.split(",")]
+            sizes = list(self.worker_batches)
         except ValueError:
             raise ConfigError(f"--worker-batch {self.worker_batch!r} must be each worker's "
                               f"batch, comma-separated in rank order, e.g. 48,16.") from None
@@ -468,9 +468,8 @@ class RunConfig:
     def worker_batches(self) -> tuple[int, ...]:
         """Each worker's share of the global batch, in rank order (--worker-batch, else
         equal shares)."""
-        if self.worker_batch:
-            return tuple(int(v) for v in self.worker_batch.split(","))
-        return (self.batch_size // self.workers,) * self.workers
+        return tuple(shares_of({"worker_batch": self.worker_batch,
+                                "batch_size": self.batch_size, "workers": self.workers}))
 
     @property
     def per_worker_batch(self) -> int:

@@ -111,8 +111,7 @@ def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
 
     # batch norm's running statistics must not count the discarded pass
     buffers = {k: v.clone() for k, v in model.named_buffers()}
-    x, y = worker_batch(ds, cfg.batch_size, 0, rank, world,
-                        cfg.worker_batches if cfg.worker_batch else None)
+    x, y = worker_batch(ds, cfg.batch_size, 0, rank, world, cfg.worker_batches)
     loss_of(model(x.to(device)), y.to(device)).backward()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():

@@ -146,8 +146,9 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
     # --worker-batch: this worker's mean loss over its n samples, weighed by n / (B / N):
     # every synchronous strategy averages N workers' gradients, so the average is then
     # the global batch's mean gradient, what single computes
-    sizes = cfg.worker_batches if cfg.worker_batch else None
-    weight = ctx.world * sizes[ctx.rank] / cfg.batch_size if sizes else 1.0
+    sizes = cfg.worker_batches
+    uneven = bool(cfg.worker_batch)
+    weight = ctx.world * sizes[ctx.rank] / cfg.batch_size
 
     last_compute = 0.0
     # When each parameter's gradient became final (one hook per parameter): the last
@@ -210,7 +211,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
             with contextlib.nullcontext() if last else strategy.no_sync():
                 loss = loss_fn(module(x), y) / micro
                 # (the record keeps this worker's own mean loss, not the weighed one)
-                weighed = loss * weight if sizes else loss
+                weighed = loss * weight if uneven else loss
                 if slowed:
                     # --slow-worker: a straggler's gradients come late, so stretch the
                     # compute before backward, by the previous micro-batch's compute time
