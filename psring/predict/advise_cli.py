@@ -173,10 +173,6 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
                  "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
                  else "", "delay": args.delay, "batch_size": batch,
                  "steps": args.verify_steps, "compute": "device",
-                 # a device's data is timing only: one worker's batch of rows (each
-                 # worker builds the set; batches wrap around it), nothing held out
-                 # (4096 + 1024 ImageNet-sized images would be 3 GB per worker)
-                 "samples": batch // n, "eval_samples": 0,
                  "device_profile": str(device_profile),
                  "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
         cls = classes[c.strategy]
