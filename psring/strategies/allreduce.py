@@ -63,7 +63,6 @@ class AllReduce(Strategy):
         if self.adasum:
             # collective (every rank builds the same groups here, in setup)
             self.comm = adasum.TorchComm()
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="adasum")
         # a sum is pre-divided into the average; Adasum's rule is scale-aware: it is given
         # each worker's own gradient
         self.buckets = GradientBuckets(
@@ -83,8 +82,7 @@ class AllReduce(Strategy):
     def _launch(self, bucket: Bucket) -> Handle:
         if self.adasum:
             counts = [p.numel() for p in bucket.params]
-            # one thread, buckets in order: every rank issues the same swaps in order
-            return Pending(self.pool.submit(adasum.reduce, bucket.buffer, counts, self.comm))
+            return self._on_thread(adasum.reduce, bucket.buffer, counts, self.comm)
         wire = self.wire[bucket.index]
         if wire is None:
             return dist.all_reduce(bucket.buffer, async_op=True)
@@ -92,6 +90,14 @@ class AllReduce(Strategy):
         # dtype overflows no sooner than the gradients would
         wire.copy_(bucket.buffer)
         return CastBack(dist.all_reduce(wire, async_op=True), wire, bucket.buffer)
+
+    def _on_thread(self, fn, *args) -> Handle:
+        """Run a reduction of several collectives on the worker's one communication
+        thread (started at first use): backward goes on meanwhile, and buckets are
+        reduced in launch order, so every rank issues the same collectives in order."""
+        if getattr(self, "pool", None) is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="psring-comm")
+        return Pending(self.pool.submit(fn, *args))
 
     def no_sync(self) -> ContextManager[None]:
         return self.buckets.paused()

@@ -22,13 +22,11 @@ buckets still go out while backward runs.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .allreduce import AllReduce, Pending, ring_bytes
+from .allreduce import AllReduce, ring_bytes
 from .base import STRATEGIES, Handle
 from .buckets import Bucket
 
@@ -67,19 +65,21 @@ class HierarchicalAllReduce(AllReduce):
             grp = dist.new_group(list(range(lr, self.ctx.world, g)))
             if lr == local:
                 self.across = grp
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hallreduce")
         super().setup(model)  # the buckets, pre-scaled by 1/N: the sum is the average
         # G equal shards: a bucket whose size is not a multiple of G is reduced in a
         # padded copy (most are: layer sizes are multiples of their channels)
         self.padded = [None if b.numel % g == 0 else
                        torch.zeros(-(-b.numel // g) * g, dtype=b.buffer.dtype,
                                    device=b.buffer.device) for b in self.buckets.buckets]
+        # each bucket's shard, allocated once (the reduce-scatter's output)
+        self.shards = [torch.empty(-(-b.numel // g), dtype=b.buffer.dtype,
+                                   device=b.buffer.device) for b in self.buckets.buckets]
         self._bytes = hierarchy_bytes(sum(b.nbytes for b in self.buckets.buckets),
                                       self.hosts, g)
         return model
 
     def _launch(self, bucket: Bucket) -> Handle:
-        return Pending(self.pool.submit(self._reduce, bucket))
+        return self._on_thread(self._reduce, bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
         g = self.per_host
@@ -88,7 +88,7 @@ class HierarchicalAllReduce(AllReduce):
             full = bucket.buffer  # in place
         else:
             full[:bucket.numel].copy_(bucket.buffer)
-        shard = torch.empty(full.numel() // g, dtype=full.dtype, device=full.device)
+        shard = self.shards[bucket.index]
         if g > 1:
             dist.reduce_scatter_tensor(shard, full, group=self.inside)
         else:
