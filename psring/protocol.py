@@ -78,17 +78,22 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # settings; tensor frames: the shard's initial values, and (resuming from a
     # checkpoint) its momentum buffer. The run starts at `version`; with
     # `snapshot_every` N > 0 the server keeps a copy of the shard (parameters and
-    # momentum) whenever its version becomes a multiple of N or `snapshot_last`
+    # momentum) whenever its version becomes a multiple of N or `snapshot_last`.
+    # `group` G: workers that aggregate among themselves first (byteps: a host's), so
+    # each range is pushed by workers / G of them, worker w in place w // G of the sum;
+    # `update` "sgd" (the server runs the optimizer) or "sum" (it only adds: a pull
+    # returns the step's summed gradient, the workers update)
     "init": {"lo": _INT, "hi": _INT, "workers": _INT, "mode": _STR, "lr": _NUM,
              "momentum": _NUM, "weight_decay": _NUM, "max_staleness": _INT,
              "version": _INT, "snapshot_every": _INT, "snapshot_last": _INT,
-             "wire_dtype": _STR, "tensors": (list,)},
+             "wire_dtype": _STR, "group": _INT, "update": _STR, "tensors": (list,)},
     # worker -> server: gradient for flat elements [offset, offset+len) of step `step`,
     # in the run's wire dtype (init's `wire_dtype`: float32, or float16 / bfloat16 with
     # --compress); pulls are answered in it too, the server keeps float32
     "push": {"step": _INT, "offset": _INT, "tensors": (list,)},
-    # worker -> server: send me the shard once its version is >= `min_version`
-    "pull": {"min_version": _INT, "tensors": (list,)},
+    # worker -> server: send me the shard once its version is >= `min_version`; with
+    # `hi` > 0 only flat elements [lo, hi) of it (byteps: the part a worker pushed)
+    "pull": {"min_version": _INT, "lo": _INT, "hi": _INT, "tensors": (list,)},
     # worker -> server: this worker is done with the run (it stops counting as in flight)
     "leave": {"tensors": (list,)},
     # worker 0 -> server: the shard's copy taken at `version` (sync: answered once it
@@ -107,11 +112,15 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 #: op -> {field: value when absent}: fields a sender may leave out (they arrived in
 #: a later revision of version 2; a decoded header always has them)
 OPTIONAL: dict[str, dict[str, Any]] = {
-    "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0, "wire_dtype": "float32"},
+    "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0, "wire_dtype": "float32",
+             "group": 1, "update": "sgd"},
+    "pull": {"lo": 0, "hi": 0},
 }
 
 REQUESTS = ("init", "push", "pull", "leave", "snapshot")
 MODES = ("sync", "async")
+#: what a server does with the summed gradients (init's `update`)
+UPDATES = ("sgd", "sum")
 
 #: a tensor entry in the header: [dtype name, shape list]
 _MAX_DIMS = 8

@@ -8,7 +8,8 @@ without a network.
 
 sync   pushes for step ``s`` are summed (into the momentum buffer, as they arrive:
        see psring.servers.store); each range is updated (SGD) as soon as all N
-       workers' pushes of it are in, and when every element is updated the version
+       workers' pushes of it are in (with init's ``group`` G, N / G pushes: byteps's
+       workers push one host's sum each, a range from one worker per host), and when every element is updated the version
        becomes ``s + 1``. A pull for ``min_version = s + 1`` is answered range by range:
        each range is sent as soon as it is updated (so replies overlap the summing of
        the rest), the pull is complete when the whole shard has been sent.
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from psring.protocol import DTYPE_NAMES, DTYPES, MODES, Message, encode, error_frames
+from psring.protocol import DTYPE_NAMES, DTYPES, MODES, UPDATES, Message, encode, error_frames
 
 from .store import ShardStore
 
@@ -111,6 +112,13 @@ class _Run:
     snapshot_last: int = 0
     snapshot: tuple | None = None
     started: bool = False  # every worker has asked for parameters once
+    #: workers that sum among themselves before pushing (init's `group`): each range is
+    #: pushed by workers // group of them, worker w in place w // group of the sum
+    group: int = 1
+
+    @property
+    def pushers(self) -> int:
+        return self.workers // self.group
 
 
 class Handler:
@@ -250,14 +258,22 @@ class Handler:
         if h["wire_dtype"] not in ("float32", "float16", "bfloat16"):
             raise RequestError(f"init: wire_dtype {h['wire_dtype']!r} is not float32, "
                                f"float16 or bfloat16")
-        store = ShardStore(lo, hi, msg.tensors[0], h["lr"], h["momentum"], h["weight_decay"])
+        if h["group"] < 1 or h["workers"] % h["group"]:
+            raise RequestError(f"init: group {h['group']} must be >= 1 and divide the "
+                               f"{h['workers']} workers")
+        if h["update"] not in UPDATES or h["update"] == "sum" and h["mode"] != "sync":
+            raise RequestError(f"init: update {h['update']!r} must be one of {UPDATES}, and "
+                               f"'sum' needs mode 'sync'")
+        store = ShardStore(lo, hi, msg.tensors[0], h["lr"], h["momentum"], h["weight_decay"],
+                           update=h["update"])
+        store.new_step(h["version"])
         if len(msg.tensors) == 2:  # resuming from a checkpoint
             store.buf.copy_(msg.tensors[1])
         self.state = _Run(run=h["run"], shard=h["shard"], workers=h["workers"], mode=h["mode"],
                           store=store, max_staleness=h["max_staleness"], version=h["version"],
                           snapshot_every=h["snapshot_every"],
                           snapshot_last=h["snapshot_last"],
-                          wire_dtype=DTYPES[h["wire_dtype"]])
+                          wire_dtype=DTYPES[h["wire_dtype"]], group=h["group"])
         self.snapshot_waits = [d for d in self.snapshot_waits if d.msg.header["run"] == h["run"]]
         # pulls held for an older run will never be answered: refuse them now
         stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
@@ -300,7 +316,7 @@ class Handler:
                                    f"{st.version} (synchronous mode)")
             pushed = self._accumulate(st, start, grad, w)  # may refuse: count after it
             st.received[w] = got
-            if pushed == st.workers:
+            if pushed == st.pushers:
                 # Every worker's share of this range is in and it is updated: it can be
                 # sent while the rest of the gradients may still be arriving
                 # (per-element SGD, so range by range is the same as all at once).
@@ -313,6 +329,7 @@ class Handler:
                 st.applied = 0
                 st.last_ranges, st.done = st.done, []
                 st.version += 1
+                st.store.new_step(st.version)
                 self._maybe_snapshot(st)
         else:
             st.store.apply(grad, start)
@@ -334,6 +351,7 @@ class Handler:
         st = self.state
         if st is not None and st.run == msg.header["run"]:
             self._current(msg)  # validates the worker index
+            self._wanted(st, msg)  # and the range
         if len(self.deferred) >= MAX_DEFERRED:
             raise RequestError(f"{self.name} already holds {MAX_DEFERRED} pulls")
         self.deferred.append(_Deferred(peer, msg, time.perf_counter()))
@@ -410,7 +428,9 @@ class Handler:
         — and the trained model — is the same on every run. All workers of a run push
         the same ranges (same buckets, same partition); a range overlapping a
         differently cut one means they disagree, and a second push of a range by one
-        worker is refused before it touches anything."""
+        worker is refused before it touches anything. With a ``group`` G, worker w
+        takes place w // G (its host's), and a second push of a range from that place
+        is refused the same way."""
         key = (start, grad.numel())
         entry = st.covered.get(key)
         if entry is None:
@@ -419,24 +439,39 @@ class Handler:
                 raise RequestError(f"push range [{start}, {end}) overlaps a differently cut "
                                    f"range: the run's workers disagree about the buckets")
             entry = st.covered[key] = [0, set(), {}]  # [summed in, pushed, held]
-        elif worker in entry[1]:
-            raise RequestError(f"worker {worker} pushed range [{start}, {start + grad.numel()}) "
+        slot = worker // st.group
+        if slot in entry[1]:
+            who = f"worker {worker}" if st.group == 1 else \
+                f"group {slot} (workers {slot * st.group}..{slot * st.group + st.group - 1})"
+            raise RequestError(f"{who} pushed range [{start}, {start + grad.numel()}) "
                                f"twice in step {st.version}")
-        entry[1].add(worker)
-        entry[2][worker] = grad
+        entry[1].add(slot)
+        entry[2][slot] = grad
         while entry[0] in entry[2]:
             k = entry[0]
             g = entry[2].pop(k)
-            if st.workers == 1:
+            if st.pushers == 1:
                 st.store.apply(g, start)
             elif k == 0:
                 st.store.begin(g, start)
-            elif k < st.workers - 1:
+            elif k < st.pushers - 1:
                 st.store.add(g, start)
             else:
                 st.store.finish(g, start)
             entry[0] += 1
         return entry[0]
+
+    @staticmethod
+    def _wanted(st: _Run, msg: Message) -> tuple[int, int]:
+        """The part of the shard a pull asks for, [a, b) relative to the shard: all of
+        it, or flat elements [lo, hi) when hi > 0."""
+        lo, hi = msg.header["lo"], msg.header["hi"]
+        if hi == 0 and lo == 0:
+            return 0, st.store.numel
+        if not st.store.lo <= lo < hi <= st.store.hi:
+            raise RequestError(f"pull of [{lo}, {hi}) is not inside this shard "
+                               f"[{st.store.lo}, {st.store.hi})")
+        return lo - st.store.lo, hi - st.store.lo
 
     # ------------------------------------------------------------------ deferred pulls
     def _release(self) -> list[Reply]:
@@ -448,11 +483,13 @@ class Handler:
             if d.msg.header["run"] != st.run:
                 keep.append(d)
             elif not 0 <= d.msg.header["worker"] < st.workers \
-                    or d.msg.header["shard"] != st.shard:
-                # held before init, when the worker count and shard were unknown
+                    or d.msg.header["shard"] != st.shard or not self._fits(st, d.msg):
+                # held before init, when the worker count, shard and range were unknown
                 out.append(Reply(d.peer, error_frames(
-                    f"worker {d.msg.header['worker']} of shard {d.msg.header['shard']} does "
-                    f"not fit this run: workers 0..{st.workers - 1}, shard {st.shard}",
+                    f"worker {d.msg.header['worker']}'s pull of shard {d.msg.header['shard']} "
+                    f"(elements [{d.msg.header['lo']}, {d.msg.header['hi']})) does not fit "
+                    f"this run: workers 0..{st.workers - 1}, shard {st.shard} of "
+                    f"[{st.store.lo}, {st.store.hi})",
                     d.msg.header, self.key), self._record(d.msg, time.perf_counter())))
             elif self._can_answer(st, d.msg):
                 out.extend(self._answer_pull(st, d))
@@ -462,6 +499,13 @@ class Handler:
                 keep.append(d)
         self.deferred = keep
         return out
+
+    def _fits(self, st: _Run, msg: Message) -> bool:
+        try:
+            self._wanted(st, msg)
+        except RequestError:
+            return False
+        return True
 
     def _can_answer(self, st: _Run, msg: Message) -> bool:
         if not st.started:
@@ -522,16 +566,23 @@ class Handler:
 
     def _stream(self, st: _Run, d: _Deferred, ranges: list[tuple[int, int]], version: int,
                 snapshot: bool = False) -> list[Reply]:
-        """``params`` messages for the ranges not yet sent to this pull. In sync mode a
-        range is final for ``version`` as soon as it is updated, and nothing changes it
-        until every worker has pushed again — which each does only after its pull is
-        complete — so it is sent zero-copy, while other ranges are still being summed."""
+        """``params`` messages for the ranges not yet sent to this pull (each cut to
+        the part the pull asks for). In sync mode a range is final for ``version`` as
+        soon as it is updated, and nothing changes it until every worker has pushed
+        again — which each does only after its pull is complete — so it is sent
+        zero-copy, while other ranges are still being summed."""
         out = []
+        a, b = self._wanted(st, d.msg)
+        values = st.store.sendable(version)
         for start, n in ranges:
+            start, end = max(start, a), min(start + n, b)
+            if start >= end:
+                continue
+            n = end - start
             if (start, n) in d.sent:
                 continue
             d.sent.add((start, n))
-            params = st.store.params[start:start + n]
+            params = values[start:start + n]
             t0 = time.perf_counter()
             if st.wire_dtype != params.dtype:  # --compress: a cast copy is a snapshot too
                 params = self._cast(st, start, n, version, params, snapshot)

@@ -14,6 +14,11 @@ three, between the last gradient arriving and the range being ready to send, and
 frees each pushed frame at once. It is SGD's arithmetic with the additions in another
 order, so it agrees with ``torch.optim.SGD`` to float rounding (a few ulps), not bit
 for bit.
+
+``update="sum"`` (byteps ``--update-on worker``, BytePS's summation servers): no
+optimizer here; the pushes of a step are only added, and a pull returns the sum (the
+workers run the update). Two sums alternate by step: step s+1's first push must not
+touch what pulls of step s's sum may still be sending (see ``sendable``).
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ from psring.optim import sgd_update
 
 class ShardStore:
     def __init__(self, lo: int, hi: int, params: torch.Tensor, lr: float, momentum: float,
-                 weight_decay: float):
+                 weight_decay: float, update: str = "sgd"):
         self.lo, self.hi = lo, hi
+        self.sum_only = update == "sum"
         self.params = params.detach().clone().contiguous()
+        # sum mode: the sums of even and odd steps (the parameters are the workers')
+        self.sums = (torch.zeros_like(self.params), torch.zeros_like(self.params)) \
+            if self.sum_only else None
+        self.step = 0  # (sum mode) the step whose pushes are being added
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
@@ -40,13 +50,29 @@ class ShardStore:
     def numel(self) -> int:
         return self.hi - self.lo
 
+    def sendable(self, version: int) -> torch.Tensor:
+        """What a pull of ``version`` is answered with: the parameters, or in sum mode
+        the sum of step ``version - 1`` (kept until step ``version + 1`` starts adding,
+        which needs every pusher of a range to have pulled it first)."""
+        if not self.sum_only:
+            return self.params
+        return self.sums[(version - 1) % 2]
+
+    def new_step(self, step: int) -> None:
+        """(sum mode) pushes of ``step`` go into its sum from now on."""
+        self.step = step
+
     def _master(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient pushed in a compressed dtype (--compress), in the store's float32:
         the sum and the update are done in float32 whatever travelled."""
         return grad if grad.dtype == self.params.dtype else grad.to(self.params.dtype)
 
     def apply(self, grad: torch.Tensor, start: int = 0) -> None:
-        """SGD step on elements [start, start + len(grad)) of this shard."""
+        """SGD step on elements [start, start + len(grad)) of this shard (sum mode: the
+        one push of the range is the sum)."""
+        if self.sum_only:
+            self._acc(start, grad.numel()).copy_(grad)
+            return
         grad = self._master(grad)
         end = start + grad.numel()
         buf = self.buf[start:end] if self.buf is not None else None
@@ -54,6 +80,8 @@ class ShardStore:
                    self.weight_decay, fused=True)
 
     def _acc(self, start: int, n: int) -> torch.Tensor:
+        if self.sum_only:
+            return self.sums[self.step % 2][start:start + n]
         if self.buf is not None:
             return self.buf[start:start + n]
         if self._sum is None:
@@ -65,6 +93,9 @@ class ShardStore:
         plus weight decay (once per step). A compressed ``grad`` is promoted to float32
         inside the kernel (exactly: float32 holds every float16 and bfloat16)."""
         acc = self._acc(start, grad.numel())
+        if self.sum_only:
+            acc.copy_(grad)
+            return
         if self.momentum:
             torch.add(grad, acc, alpha=self.momentum, out=acc)
         else:
@@ -81,5 +112,8 @@ class ShardStore:
         the fused kernel's ``buf = 1*buf + g`` exact)."""
         grad = self._master(grad)
         n = grad.numel()
+        if self.sum_only:
+            self._acc(start, n).add_(grad)
+            return
         sgd_update(self.params[start:start + n], grad, self._acc(start, n), self.lr, 1.0, 0.0,
                    fused=True)
