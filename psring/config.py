@@ -82,16 +82,16 @@ class RunConfig:
     bucket_mb: float = field(default=25.0, metadata=_flag(
         "gradient bucket size in MB for bucketed strategies (DDP's bucket_cap_mb)"))
     servers: int = field(default=1, metadata=_flag(
-        "parameter servers the launcher starts for ps/async-ps (parameters sharded across them)"))
+        "parameter servers the launcher starts for ps/async-ps/byteps (parameters sharded across them)"))
     server_addrs: str = field(default="", metadata=_flag(
         "comma-separated addresses of running parameter servers (psring server) to use "
         "instead of starting them, e.g. tcp://10.0.0.5:5555,tcp://10.0.0.6:5555"))
     transport: str = field(default="auto", metadata=_flag(
-        "ps/async-ps: how workers reach the servers psring starts: ipc (Unix domain sockets, "
+        "ps/async-ps/byteps: how workers reach the servers psring starts: ipc (Unix domain sockets, "
         "one host; less kernel work per message than TCP), tcp (loopback TCP, as across hosts), auto = ipc "
         "on Linux without emulated hosts, else tcp", choices=("auto", "tcp", "ipc")))
     secret_file: str = field(default="", metadata=_flag(
-        "ps/async-ps: file holding the servers' shared secret; every message is then signed "
+        "ps/async-ps/byteps: file holding the servers' shared secret; every message is then signed "
         "(HMAC-SHA256). Default: the environment variable PSRING_SECRET, else none. Needed "
         "for --server-addrs beyond loopback"))
     max_staleness: int = field(default=-1, metadata=_flag(
@@ -111,6 +111,10 @@ class RunConfig:
         "computes on the global batch) or adasum (Maleki et al.'s adaptive sum, as in "
         "Horovod: orthogonal gradients add, equal ones average; a power-of-two --workers; "
         "psring.adasum)", choices=("sum", "adasum")))
+    update_on: str = field(default="", metadata=_flag(
+        "byteps: where the optimizer runs: server (the servers update the parameters, as "
+        "for ps) or worker (BytePS's summation servers only add; every worker updates its "
+        "own copy). Default: the strategy's only choice (byteps: server)"))
     hosts: int = field(default=1, metadata=_flag(
         "emulated hosts to spread the workers over: Linux network namespaces joined by one "
         "switch, each host's link shaped to --link (docs/emulation.md); 1 = this machine's "
@@ -125,7 +129,7 @@ class RunConfig:
         "one-way delay added to each direction of every emulated link, e.g. 100us, 2ms "
         "(needs the kernel's netem)"))
     server_placement: str = field(default="colocated", metadata=_flag(
-        "ps/async-ps with --hosts: colocated (servers spread over the workers' hosts, "
+        "ps/async-ps/byteps with --hosts: colocated (servers spread over the workers' hosts, "
         "sharing their links) or own-hosts (each server on a host of its own, with its "
         "own link)", choices=("colocated", "own-hosts")))
     slow_worker: str = field(default="", metadata=_flag(
@@ -288,7 +292,7 @@ class RunConfig:
                 raise ConfigError(f"--server-placement must be one of {', '.join(PLACEMENTS)} "
                                   f"(got {self.server_placement!r}).")
             raise ConfigError(f"--server-placement applies to parameter-server strategies "
-                              f"(ps, async-ps), not {self.strategy!r}.")
+                              f"(ps, async-ps, byteps), not {self.strategy!r}.")
         cluster = self.cluster  # validates the cluster flags themselves
         if cluster.emulated:
             # worker 0 is always on host-0, the network's first address
@@ -317,7 +321,7 @@ class RunConfig:
         addrs = self.server_addr_list
         if (self.servers != 1 or addrs) and not strategy_cls.uses_servers:
             raise ConfigError(f"--servers and --server-addrs apply to parameter-server "
-                              f"strategies (ps, async-ps), not {self.strategy!r}.")
+                              f"strategies (ps, async-ps, byteps), not {self.strategy!r}.")
         if self.transport not in ("auto", "tcp", "ipc"):
             raise ConfigError(f"--transport must be auto, tcp or ipc (got {self.transport!r}).")
         if self.transport != "auto":
@@ -397,6 +401,15 @@ class RunConfig:
                               "weighs them by their directions. Use one of the two.")
 
     def _check_reduce(self, strategy_cls) -> None:
+        sites = strategy_cls.update_sites
+        if self.update_on and self.update_on not in sites:
+            raise ConfigError(
+                f"--update-on {self.update_on}: {self.strategy!r} updates on the "
+                f"{' or '.join(sites)}s only. Updates on the workers from servers that only "
+                f"sum need every worker's gradient of a step summed first (synchronous): "
+                f"--strategy byteps --update-on worker; drop --update-on otherwise."
+                if self.update_on in ("server", "worker") else
+                f"--update-on must be server or worker (got {self.update_on!r}).")
         if self.reduce not in strategy_cls.reductions:
             raise ConfigError(
                 f"--reduce {self.reduce} is not a reduction of {self.strategy!r} (it has "

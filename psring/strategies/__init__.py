@@ -7,7 +7,7 @@ here, in the launcher and in every worker alike. See docs/architecture.md.
 """
 
 from .base import STRATEGIES, Strategy, StepStats, WorkerContext  # noqa: F401
-from . import single, allreduce, ddp, ps, hogwild, hallreduce  # noqa: F401,E402  (registration side effects)
+from . import single, allreduce, ddp, ps, hogwild, hallreduce, byteps  # noqa: F401,E402  (registration side effects)
 from ..plugins import load_plugins  # noqa: E402
 
 load_plugins()

@@ -143,6 +143,9 @@ class Strategy:
     synchronous: ClassVar[bool] = True
     #: the values --reduce may take (how the workers' gradients combine)
     reductions: ClassVar[tuple[str, ...]] = ("sum",)
+    #: where the optimizer may run (--update-on): "server" where a server updates the
+    #: parameters, "worker" where each worker does; byteps offers both
+    update_sites: ClassVar[tuple[str, ...]] = ("worker",)
     #: --compute device can stand in for each worker's accelerator (psring.device); False
     #: where the workers share memory on one host and have no device of their own
     emulates_device: ClassVar[bool] = True

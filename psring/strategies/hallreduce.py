@@ -31,6 +31,28 @@ from .base import STRATEGIES, Handle
 from .buckets import Bucket
 
 
+def host_layout(ctx, who: str) -> tuple[int, int, int, int]:
+    """(G workers per host, H hosts, this worker's host, its local rank), ranks h*G ..
+    h*G+G-1 on host h (as torchrun and psring's launcher number them)."""
+    g = ctx.local_world
+    if g < 1 or ctx.world % g:
+        raise RuntimeError(f"{who}: {ctx.world} workers do not make hosts of {g} "
+                           f"(LOCAL_WORLD_SIZE) each")
+    return (g, ctx.world // g, *divmod(ctx.rank, g))
+
+
+def host_group(ctx, who: str):
+    """The process group of this worker's host (every rank creates every host's, in the
+    same order, as torch requires); None with one worker per host."""
+    g, hosts, host, _ = host_layout(ctx, who)
+    mine = None
+    for h in range(hosts):
+        grp = dist.new_group(list(range(h * g, (h + 1) * g)))
+        if h == host:
+            mine = grp
+    return mine if g > 1 else None
+
+
 def hierarchy_bytes(param_bytes: int, hosts: int, per_host: int) -> int:
     """Bytes one rank sends (and receives) a step: a ring reduce-scatter and all-gather
     inside its host, (G - 1) / G of the gradients each, and its shard's all-reduce
@@ -50,17 +72,10 @@ class HierarchicalAllReduce(AllReduce):
     costed = False
 
     def setup(self, model: nn.Module) -> nn.Module:
-        g = self.ctx.local_world
-        if g < 1 or self.ctx.world % g:
-            raise RuntimeError(f"hallreduce: {self.ctx.world} workers do not make hosts of "
-                               f"{g} (LOCAL_WORLD_SIZE) each")
-        self.per_host, self.hosts = g, self.ctx.world // g
-        host, local = divmod(self.ctx.rank, g)
+        g, self.hosts, _, local = host_layout(self.ctx, "hallreduce")
+        self.per_host = g
+        self.inside = host_group(self.ctx, "hallreduce")
         # every rank creates every group, in the same order (torch requires it)
-        for h in range(self.hosts):
-            grp = dist.new_group(list(range(h * g, (h + 1) * g)))
-            if h == host:
-                self.inside = grp
         for lr in range(g):
             grp = dist.new_group(list(range(lr, self.ctx.world, g)))
             if lr == local:

@@ -208,6 +208,7 @@ class ParameterServer(Strategy):
     uses_servers = True
     local_optimizer = False
     supports_compression = True
+    update_sites = ("server",)
     mode: ClassVar[str] = "sync"
 
     def setup(self, model: nn.Module) -> nn.Module:
@@ -284,14 +285,23 @@ class ParameterServer(Strategy):
             # compressed pulls are rounded: the final model is taken from the servers'
             # float32 copy of the last version (final_state)
             "snapshot_every": cfg.checkpoint_every or (cfg.steps if self.compressed else 0),
-            "snapshot_last": cfg.steps, "wire_dtype": DTYPE_NAMES[self.wire_dtype]},
-            [self.host_flat[lo:hi]] + ([momentum[lo:hi]] if momentum is not None else []))
+            "snapshot_last": cfg.steps, "wire_dtype": DTYPE_NAMES[self.wire_dtype],
+            **self._init_fields()},
+            [self._server_values(lo, hi)] + ([momentum[lo:hi]] if momentum is not None else []))
             for k, (lo, hi) in enumerate(self.ranges)]
         # A server that is not there fails here, quickly, naming its address.
         mib = max(hi - lo for lo, hi in self.ranges) * 4 / 2**20
         self.client.wait(keys, f"initialization (shards of up to {mib:.1f} MiB; a server "
                                f"disconnects a peer whose frame exceeds its --max-frame-mb)",
                          timeout=min(self.ctx.cfg.timeout, 30.0))
+
+    def _init_fields(self) -> dict:
+        """Settings of the servers' run beyond the optimizer's (byteps: its groups)."""
+        return {}
+
+    def _server_values(self, lo: int, hi: int) -> torch.Tensor:
+        """Flat elements [lo, hi) as the servers hold them (here: the bucket order)."""
+        return self.host_flat[lo:hi]
 
     def _send_pull(self, min_version: int) -> Replies:
         keys = [self.client.pull(k, min_version, hi - lo, self._apply_piece)

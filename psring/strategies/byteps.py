@@ -1,0 +1,323 @@
+"""``byteps``: a parameter server with per-host aggregation (BytePS, Jiang et al. OSDI
+'20; bytedance/byteps), bucketed and overlapped with backward like ``ps``.
+
+On H hosts of G workers each (ranks h*G .. h*G+G-1 on host h), per bucket:
+
+1. reduce-scatter inside the host (a torch process group per host: gloo here, NCCL
+   where CUDA is): local rank l ends with the host's sum of part l of the bucket (1/G
+   of it), while backward goes on;
+2. local rank l pushes only its part, so a host's link carries the gradients once per
+   direction instead of G times; the servers (``--servers K``, sharded as for ``ps``)
+   sum one push per host (init's ``group`` = G);
+3. after backward, local rank l pulls its part back and the host all-gathers the parts.
+
+``--update-on server`` (default): the servers run SGD, as ``ps``, and the pull brings
+parameters. ``--update-on worker`` (BytePS's own split): the servers only add
+("summation service"); the pull brings the summed gradient and every worker runs the
+optimizer on its own copy, like ``allreduce``.
+
+The servers hold the flat vector in a different order than ``ps``: every local rank's
+parts of all buckets, one after the other ("columns"), so a worker's pull is one
+contiguous range per server it overlaps (docs/protocol.md: ``lo``, ``hi``).
+
+    psring run --strategy byteps --workers 8 --hosts 2 --link 1gbit --servers 2 \\
+        --server-placement own-hosts [--update-on worker]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import PsringError
+from ..partition import even_split, overlaps
+from ..protocol import Message, load_secret
+from ..runlog import run_id
+from .base import DONE, STRATEGIES, Handle
+from .buckets import Bucket, GradientBuckets, bucket_caps
+from .hallreduce import host_group, host_layout
+from .ps import ParameterServer, PSClient, Replies
+
+
+class _Part:
+    """What a bucket's reduce-scatter produced and what its push sent."""
+
+    def __init__(self):
+        self.work = None   # the reduce-scatter in flight (None: done or not started)
+        self.acks: Replies | None = None
+
+
+class _BucketPush:
+    """A bucket's handle: its host's reduce-scatter, then the push of this worker's part."""
+
+    def __init__(self, strategy: "BytePS", index: int):
+        self.strategy, self.index = strategy, index
+
+    def wait(self) -> None:
+        self.strategy._push_ready(upto=self.index)
+        self.strategy.parts[self.index].acks.wait()
+
+
+class _StepEnd:
+    """finish_backward's handle: the remaining pushes, their acks, the pull sent right
+    behind them; with updates on the workers also the pull and the all-gather of the
+    summed gradients (the optimizer needs them)."""
+
+    def __init__(self, strategy: "BytePS", handles: list):
+        self.strategy, self.handles = strategy, handles
+
+    def wait(self) -> None:
+        s = self.strategy
+        s._push_ready(upto=len(s.parts) - 1)
+        s.pull = s._send_part_pull(s.step + 1)
+        for h in self.handles:
+            h.wait()
+        s._account()
+        if s.update_on_worker:
+            s._gather()
+
+
+@STRATEGIES.register("byteps")
+class BytePS(ParameterServer):
+    name = "byteps"
+    uses_process_group = True
+    supports_compression = False
+    supports_checkpoint = False
+    needs_equal_hosts = True
+    update_sites = ("server", "worker")
+    #: no formula in the simulator yet (docs/cost-model.md)
+    costed = False
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        g, self.hosts, _, self.local = host_layout(ctx, "byteps")
+        self.per_host = g
+        self.inside = host_group(ctx, "byteps")
+        self.update_on_worker = cfg.update_on == "worker"
+        # the loop builds an optimizer for the workers' own update
+        self.local_optimizer = self.update_on_worker
+        params = [p for p in model.parameters() if p.requires_grad]
+        cap, first = bucket_caps(cfg.bucket_mb)
+        self.buckets = GradientBuckets(params, cap, first, scale=1.0 / ctx.world,
+                                       launch=self._launch, stats_of=lambda: self.stats)
+        bks = self.buckets.buckets
+        order = [p for b in bks for p in b.params]
+        total = sum(p.numel() for p in order)
+        # the parameters in bucket order (views of one flat vector, as for ps)
+        self.host_flat = self.dev_flat = torch.empty(total, dtype=torch.float32,
+                                                     device=ctx.device)
+        self.bucket_start, off = [], 0
+        for b in bks:
+            self.bucket_start.append(off)
+            off += b.numel
+        off = 0
+        for p in order:
+            self.host_flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.host_flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        # part l of bucket b: its elements [l*c, min((l+1)*c, n)), c = ceil(n / G); the
+        # reduce-scatter needs G equal parts, so a bucket of n not divisible by G is
+        # reduced in a padded copy
+        dev = ctx.device
+        self.chunk = [-(-b.numel // g) for b in bks]
+        self.padded = [None if b.numel % g == 0 else torch.zeros(c * g, device=dev)
+                       for b, c in zip(bks, self.chunk)]
+        self.shards = [torch.zeros(c, device=dev) for c in self.chunk]
+        # the servers' order: local rank 0's parts of every bucket, then local rank 1's...
+        self.server_off = [[0] * len(bks) for _ in range(g)]
+        self.columns, off = [], 0
+        for lr in range(g):
+            start = off
+            for i in range(len(bks)):
+                self.server_off[lr][i] = off
+                off += self._valid(i, lr)
+            self.columns.append((start, off))
+        lo, hi = self.columns[self.local]
+        self.column = torch.empty(hi - lo, device=dev)  # this worker's parts, as pulled
+        self.ranges = even_split(total, len(cfg.server_addr_list))
+        self.parts = [_Part() for _ in bks]
+        self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
+                               timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
+        self.wire_dtype = torch.float32
+        self.finished = False
+        self._early_recv = 0
+        self.step = 0
+        self._staleness = -1
+        self.version0 = 0
+        self.gathered = True  # the parameters hold the pulled values
+        if ctx.rank == 0:
+            self._initialize_servers(None)
+        # Start together (the servers hold the first pulls until all have asked): every
+        # worker pulls every shard whole once, which with updates on the servers also
+        # gives it the initial parameters; a summing server's answer is ignored.
+        recv = self.client.bytes_recv
+        keys = [self.client.pull(k, 0, hi - lo, self._initial_piece)
+                for k, (lo, hi) in enumerate(self.ranges)]
+        Replies(self.client, keys, "a pull of parameters").wait()
+        self._early_recv = self.client.bytes_recv - recv
+        self.pull = None
+        return model
+
+    # -- layout -----------------------------------------------------------------------
+    def _valid(self, i: int, local: int) -> int:
+        """Elements of bucket i in local rank ``local``'s part (the last may be short)."""
+        n, c = self.buckets.buckets[i].numel, self.chunk[i]
+        return max(0, min(c, n - local * c))
+
+    def _init_fields(self) -> dict:
+        return {"group": self.per_host, "update": "sum" if self.update_on_worker else "sgd"}
+
+    def _server_values(self, lo: int, hi: int) -> torch.Tensor:
+        """Flat elements [lo, hi) in the servers' order (columns of parts)."""
+        out = torch.empty(hi - lo)
+        for lr in range(self.per_host):
+            for i in range(len(self.buckets.buckets)):
+                n = self._valid(i, lr)
+                s = self.server_off[lr][i]
+                a, b = max(s, lo), min(s + n, hi)
+                if a < b:
+                    src = self.bucket_start[i] + lr * self.chunk[i] + (a - s)
+                    out[a - lo:b - lo].copy_(self.host_flat[src:src + (b - a)])
+        return out
+
+    def _initial_piece(self, msg: Message) -> None:
+        if self.update_on_worker:
+            return  # a summing server's sum of no step: the parameters are the workers'
+        a = msg.header["offset"]
+        piece = msg.tensors[0]
+        for lr in range(self.per_host):
+            for i in range(len(self.buckets.buckets)):
+                n, s = self._valid(i, lr), self.server_off[lr][i]
+                lo, hi = max(s, a), min(s + n, a + piece.numel())
+                if lo < hi:
+                    dst = self.bucket_start[i] + lr * self.chunk[i] + (lo - s)
+                    self.host_flat[dst:dst + (hi - lo)].copy_(piece[lo - a:hi - a])
+
+    # -- a step -----------------------------------------------------------------------
+    def _launch(self, bucket: Bucket) -> Handle:
+        i = bucket.index
+        full = self.padded[i]
+        if full is None:
+            full = bucket.buffer
+        else:
+            full[:bucket.numel].copy_(bucket.buffer)
+        if self.inside is not None:
+            self.parts[i].work = dist.reduce_scatter_tensor(self.shards[i], full,
+                                                            group=self.inside, async_op=True)
+        else:
+            self.shards[i].copy_(full)
+        self._push_ready(upto=i, block=False)
+        return _BucketPush(self, i)
+
+    def _push_ready(self, upto: int, block: bool = True) -> None:
+        """Push, in bucket order, the parts whose host reduction is done (waiting for
+        them up to bucket ``upto`` when ``block``)."""
+        for i in range(upto + 1):
+            part = self.parts[i]
+            if part.acks is not None:
+                continue
+            if part.work is not None:
+                if not block and not part.work.is_completed():
+                    return
+                part.work.wait()
+                part.work = None
+            n, s = self._valid(i, self.local), self.server_off[self.local][i]
+            data = self.shards[i]
+            keys = [self.client.send(k, "push", {"step": self.step, "offset": a},
+                                     [data[a - s:b - s]])
+                    for k, a, b in overlaps(s, s + n, self.ranges)]
+            part.acks = Replies(self.client, keys, "a gradient push")
+
+    def _send_part_pull(self, min_version: int) -> Replies:
+        lo, hi = self.columns[self.local]
+        keys = [self.client.send(k, "pull", {"min_version": min_version, "lo": a, "hi": b})
+                for k, a, b in overlaps(lo, hi, self.ranges)]
+        for key, (k, a, b) in zip(keys, overlaps(lo, hi, self.ranges)):
+            self.client.streams[key] = [b - a, self._column_piece]
+        self.gathered = False
+        return Replies(self.client, keys, "a pull of this worker's part")
+
+    def _column_piece(self, msg: Message) -> None:
+        lo, hi = self.columns[self.local]
+        a = msg.header["offset"]
+        b = a + msg.tensors[0].numel()
+        if a < lo or b > hi:
+            raise PsringError(f"worker {self.ctx.rank}: a parameter server sent elements "
+                              f"[{a}, {b}), outside this worker's part [{lo}, {hi})")
+        self.column[a - lo:b - lo].copy_(msg.tensors[0])
+
+    def _gather(self) -> None:
+        """Wait for the pulled part, then all-gather the host's parts of every bucket
+        into the parameters (update on the servers) or the gradients (on the workers)."""
+        if self.gathered:
+            return
+        self.pull.wait()
+        lo = self.columns[self.local][0]
+        for i, b in enumerate(self.buckets.buckets):
+            n, s = self._valid(i, self.local), self.server_off[self.local][i]
+            shard = self.shards[i]
+            shard[:n].copy_(self.column[s - lo:s - lo + n])
+            dest = (b.buffer if self.update_on_worker else
+                    self.host_flat[self.bucket_start[i]:self.bucket_start[i] + b.numel])
+            full = self.padded[i] if self.padded[i] is not None else dest
+            if self.inside is not None:
+                dist.all_gather_into_tensor(full, shard, group=self.inside)
+            else:
+                full.copy_(shard)
+            if full is not dest:
+                dest.copy_(full[:b.numel])
+        if self.update_on_worker:
+            self.buckets.assign_grads()
+        self.gathered = True
+
+    # -- the loop's hooks -------------------------------------------------------------
+    def begin_step(self, step: int) -> Handle:
+        self.step = step
+        sent, recv = self.client.bytes_sent, self.client.bytes_recv
+        self._bytes_at_start = (sent, recv - self._early_recv)
+        self._early_recv = 0
+        self.parts = [_Part() for _ in self.buckets.buckets]
+        return _Gathered(self) if not self.update_on_worker and self.pull is not None \
+            else DONE
+
+    def finish_backward(self) -> Handle:
+        return _StepEnd(self, self.buckets.finish())
+
+    def update(self, optimizer) -> None:
+        if self.update_on_worker:
+            optimizer.step()
+
+    def _account(self) -> None:
+        self.finished = self.step == self.ctx.cfg.steps - 1
+        sent0, recv0 = self._bytes_at_start
+        self.stats.bytes_sent = self.client.bytes_sent - sent0
+        # the pull of this step's result is waited for in the next begin_step (updates
+        # on the servers): its bytes are counted there
+        self.stats.bytes_recv = self.client.bytes_recv - recv0
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        if not self.update_on_worker:
+            recv = self.client.bytes_recv
+            self._gather()
+            self._early_recv += self.client.bytes_recv - recv
+        return model
+
+    def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if not self.update_on_worker:
+            self._gather()
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    @classmethod
+    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+        return param_bytes, param_bytes  # without the layout: one worker per host
+
+
+class _Gathered:
+    """begin_step's handle (updates on the servers): the pulled part, all-gathered."""
+
+    def __init__(self, strategy: BytePS):
+        self.strategy = strategy
+
+    def wait(self) -> None:
+        self.strategy._gather()

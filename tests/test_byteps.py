@@ -1,0 +1,58 @@
+"""``--strategy byteps``: per-host aggregation before the parameter servers. It trains
+single's model with the update on the servers (one host of 4 workers, 2 servers) and on
+the workers (2 emulated hosts of 2, servers on their own hosts), each host pushing the
+gradients once, whatever its number of workers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import (SMALL, assert_no_processes, cli_here, load_model, max_rel_diff,
+                      psring_together, read_steps)
+from emutools import assert_cluster_gone, needs_emulation
+
+
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_byteps_trains_singles_model_updating_on_servers_or_workers(tmp_path, small_runs):
+    one, two = tmp_path / "one-host", tmp_path / "two-hosts"
+    psring_together(
+        ["run", "--strategy", "byteps", "--workers", 4, "--servers", 2, *SMALL, "--out", one],
+        ["run", "--strategy", "byteps", "--workers", 4, "--hosts", 2, "--link", "1gbit",
+         "--servers", 2, "--server-placement", "own-hosts", "--update-on", "worker",
+         *SMALL, "--out", two], timeout=250)
+    ref = load_model(small_runs["single"])
+    for out, hosts in ((one, 1), (two, 2)):
+        assert max_rel_diff(load_model(out), ref) < 1e-4, out.name
+        records = read_steps(out)
+        assert len(records) == 4 * 12
+        m = json.loads((out / "manifest.json").read_text())
+        for step in range(1, 12):
+            rows = [r for r in records if r["step"] == step]
+            # each host's workers push one part each: the host's gradients once
+            assert sum(r["bytes_sent"] for r in rows) == hosts * m["parameter_bytes"]
+            assert all(0 < r["bytes_sent"] < m["parameter_bytes"] for r in rows)
+        # several buckets, the first on its way (the host's reduce-scatter) during backward
+        assert all(len(r["bucket_launch_s"]) > 1 and
+                   r["bucket_launch_s"][0] < r["backward_end_s"] for r in records)
+        served = [json.loads(x) for x in (out / "servers.jsonl").read_text().splitlines()]
+        assert {r["server"] for r in served if r["op"] == "push"} and \
+            {r["worker"] for r in served if r["op"] == "push"} == {0, 1, 2, 3}
+        assert_no_processes(out)
+    assert_cluster_gone(two)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--strategy", "async-ps", "--update-on", "worker"], "updates on the servers only"),
+    (["--strategy", "ps", "--update-on", "worker"], "--strategy byteps --update-on worker"),
+    (["--strategy", "byteps", "--update-on", "gpu"], "must be server or worker"),
+    (["--strategy", "byteps", "--hosts", 2], "these hosts have [2, 1]"),
+    (["--strategy", "byteps", "--compress", "fp16"], "--compress applies to"),
+    (["--strategy", "byteps", "--checkpoint-every", 2], "cannot checkpoint"),
+])
+def test_bad_byteps_settings_are_refused(tmp_path, flags, expected):
+    proc = cli_here("run", "--workers", 3, "--batch-size", 48, *flags, "--out", tmp_path / "r")
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
