@@ -331,7 +331,29 @@ class Agent:
                     print(f"[cluster] {h['name']} ({h['address']}): link "
                           f"{event['link']}", flush=True)
 
+    def record_link_bytes(self) -> None:
+        """Each host link's byte counters, as the switch's port saw them (to the host =
+        what the port sent, from it = what it received), into the cluster file: what the
+        run moved over the emulated links, measured by the kernel (docs/emulation.md)."""
+        ports = {h["port"]: h["name"] for h in self.state.get("hosts", [])}
+        if not ports or not self.state.get("ready"):
+            return
+        try:
+            # /proc/self/net is this process's namespace: the switch's
+            lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
+        except OSError:
+            return
+        counts = {}
+        for line in lines:
+            name, _, rest = line.partition(":")
+            f = rest.split()
+            if name.strip() in ports and len(f) >= 9:
+                counts[ports[name.strip()]] = {"from_host": int(f[0]), "to_host": int(f[8])}
+        self.state["link_bytes"] = counts
+        self._save()
+
     def close(self) -> None:
+        self.record_link_bytes()  # before the hosts (and their links) go
         for pid, ctrl in self.holders:
             try:
                 os.close(ctrl)

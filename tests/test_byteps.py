@@ -42,6 +42,12 @@ def test_byteps_trains_singles_model_updating_on_servers_or_workers(tmp_path, sm
         assert {r["server"] for r in served if r["op"] == "push"} and \
             {r["worker"] for r in served if r["op"] == "push"} == {0, 1, 2, 3}
         assert_no_processes(out)
+    # measured by the kernel on the emulated links: host-1's 2 workers sent its
+    # gradients once a step (12 steps of M bytes, plus a little of set-up and acks), not
+    # once per worker (24 M under ps)
+    m = json.loads((two / "manifest.json").read_text())["parameter_bytes"]
+    sent = json.loads((two / "cluster.json").read_text())["link_bytes"]["host-1"]["from_host"]
+    assert 12 * m <= sent < 13 * m, (sent, m)
     assert_cluster_gone(two)
 
 
