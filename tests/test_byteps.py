@@ -18,13 +18,21 @@ from emutools import assert_cluster_gone, needs_emulation
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_byteps_trains_singles_model_updating_on_servers_or_workers(tmp_path, small_runs):
-    one, two = tmp_path / "one-host", tmp_path / "two-hosts"
+    one, two, quiet = tmp_path / "one-host", tmp_path / "two-hosts", tmp_path / "no-evals"
     psring_together(
         ["run", "--strategy", "byteps", "--workers", 4, "--servers", 2, *SMALL, "--out", one],
+        # no evaluation gathers the parameters on every worker: the last step must
+        # (rank 0 alone saves the model)
+        ["run", "--strategy", "byteps", "--workers", 2, *SMALL, "--eval-samples", 0,
+         "--out", quiet],
+        # (held-out rows change the synthetic set: single without them is the reference)
+        ["run", "--strategy", "single", *SMALL, "--eval-samples", 0, "--out", tmp_path / "s"],
         ["run", "--strategy", "byteps", "--workers", 4, "--hosts", 2, "--link", "1gbit",
          "--servers", 2, "--server-placement", "own-hosts", "--update-on", "worker",
          *SMALL, "--out", two], timeout=250)
     ref = load_model(small_runs["single"])
+    assert max_rel_diff(load_model(quiet), load_model(tmp_path / "s")) < 1e-4
+    assert_no_processes(quiet)
     for out, hosts in ((one, 1), (two, 2)):
         assert max_rel_diff(load_model(out), ref) < 1e-4, out.name
         records = read_steps(out)

@@ -74,7 +74,9 @@ class _StepEnd:
         for h in self.handles:
             h.wait()
         s._account()
-        if s.update_on_worker:
+        # (updates on the servers: the last step's parameters are gathered by every
+        # worker here, since final_state runs on rank 0 alone and cannot all-gather)
+        if s.update_on_worker or s.finished:
             s._gather()
 
 
