@@ -43,7 +43,11 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     assert steps == sorted(steps) and steps[0] > 0
     assert report["workers"] == 4
     # the answer trains what one worker would: synchronous, uncompressed settings only
-    assert {r["strategy"] for r in report["ranking"]} == {"allreduce", "ddp", "ps"}
+    assert {r["strategy"] for r in report["ranking"]} == {"allreduce", "ddp", "ps", "byteps"}
+    rows = {r["strategy"]: r for r in report["ranking"]}
+    # per-host aggregation: each host's link carries the gradients once, not per worker
+    assert "update on the" in rows["byteps"]["best setting"]
+    assert float(rows["byteps"]["step ms"]) < float(rows["ps"]["step ms"])
     assert "fp16" not in " ".join(r["best setting"] for r in report["ranking"])
     # asynchronous and compressed settings are options, saying what they change
     opts = report["options"]

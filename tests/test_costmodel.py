@@ -55,6 +55,27 @@ def test_ps_sync_by_hand():
     assert close(cm.ps_sync(1, M, 1, A, B, G), 2.02e-3)
 
 
+def test_byteps_by_hand():
+    # 2 hosts of G = 4 (n = 8), K = 2 servers on hosts of their own, β_link = 8e-9:
+    # inside: 2·3·α + 2·(3/4)·M·β + (3/4)·M·γ = 6e-5 + 1.5e-3 + 1.5e-4 = 1.71e-3
+    # each host pushes M once (cross = 1: M/2 to each of 2 servers on other hosts);
+    # phase = max(1·M·8e-9, 2·M·β/2) = 8e-3; 2α + 2·phase + (2-1)·M·γ/2 = 1.601e-2 + 1e-4
+    t = cm.byteps_sync(4, 2, M, 2, A, 8e-9, B, G, 1.0, A, B)
+    assert close(t, 1.71e-3 + 2e-5 + 1.6e-2 + 1e-4)
+    # one worker a host: nothing inside, it is ps_sync_placed with n = hosts
+    assert close(cm.byteps_sync(1, 2, M, 2, A, 8e-9, B, G, 1.0, A, B),
+                 cm.ps_sync_placed(2, M, 2, A, 8e-9, B, G, 1.0))
+    # through predict_comm, on that cluster: the same formula with the cluster's cross
+    from psring.cluster import Cluster
+    cal = Calibration(zmq_alpha=A, zmq_beta=B, dist_alpha=A, dist_beta=B, gamma=G,
+                      links={"1gbit": {"zmq_alpha": A, "zmq_beta": 8e-9, "dist_alpha": A,
+                                       "dist_beta": 8e-9}})
+    topo = Cluster.of(hosts=2, workers_per_host=4, link_bits=1e9, servers=2,
+                      placement="own-hosts")
+    assert close(predict_comm("byteps", 8, 2, M, cal, topo), t)
+    assert predict_comm("byteps", 8, 2, M, cal, topo) < predict_comm("ps", 8, 2, M, cal, topo)
+
+
 def test_ps_async_by_hand():
     # K = 1: 2e-5 + 8e-3 + M·γ (its own push applied) 2e-4 = 8.22e-3
     assert close(cm.ps_async(N, M, 1, A, B, G), 8.22e-3)

@@ -216,3 +216,45 @@ def test_the_simulators_wire_fractions_are_psring_compress_s():
     assert set(WIRE) == set(CHOICES)
     for choice in CHOICES:
         assert WIRE[choice] * 4096 == wire_bytes(4096, choice)
+
+
+def test_byteps_aggregates_in_the_host_then_pushes_a_part_each():
+    # One host of G = 2 workers, one server, one 8e6-byte bucket ready when backward ends
+    # (30 ms). The host's reduce-scatter (a ring of 2: one step of α + (M/2)β + (M/2)γ =
+    # 1 + 4 + 0.4 ms) ends at 35.4 ms; each worker pushes its 4e6 bytes: worker 0's
+    # arrives at 35.4 + 4 + 1 = 40.4 ms, worker 1's queues behind it at the server's
+    # transport (39.4-43.4) and arrives at 44.4 ms. The server adds each (0.4 ms: 40.8,
+    # 44.8), and once one push per host is in — both halves — applies the update (8e6 x
+    # 0.5 ns = 4 ms): 48.8 ms. It answers both pulls with 4e6 bytes each (its transport
+    # carries 8e6: 48.8-56.8), arriving at 57.8 ms; the host all-gathers (α + (M/2)β =
+    # 5 ms): the next step starts at 62.8 ms.
+    M = 8_000_000
+    cl = Cluster.of(hosts=1, workers_per_host=2, servers=1)
+    p = simulate(profile([M], [B]), cl, "byteps", CAL)
+    assert p.starts[1] == pytest.approx(0.0628)
+    assert p.step_s == pytest.approx(0.0628)
+    assert p.phases["update_s"] == 0
+    # updating on the workers: the server only adds (ready at 44.8 ms), answers 44.8-52.8,
+    # arrival 53.8, all-gather to 58.8, and each worker's own update (4 ms): 62.8 ms
+    w = simulate(profile([M], [B]), cl, "byteps", CAL, update_on="worker")
+    assert w.starts[1] == pytest.approx(0.0628)
+    assert w.phases["update_s"] == pytest.approx(U)
+    assert w.settings["update_on"] == "worker"
+
+
+def test_byteps_with_one_worker_a_host_is_ps_and_a_host_link_carries_m_once():
+    M = 8_000_000
+    single = Cluster.of(hosts=2, workers_per_host=1, link_bits=1e9, servers=2,
+                        placement="own-hosts")
+    assert simulate(profile([M], [B]), single, "byteps", CAL).step_s == \
+        pytest.approx(simulate(profile([M], [B]), single, "ps", CAL).step_s)
+    # 2 hosts of 4 workers, servers on their own hosts: under ps a worker host's link
+    # carries its 4 workers' pushes (4 M), under byteps the host's once (M)
+    four = Cluster.of(hosts=2, workers_per_host=4, link_bits=1e9, servers=2,
+                      placement="own-hosts")
+    ps = simulate(profile([M], [B]), four, "ps", CAL)
+    bp = simulate(profile([M], [B]), four, "byteps", CAL)
+    busy = lambda p: p.utilization["host 0 link out"] * p.step_s  # noqa: E731
+    assert busy(ps) == pytest.approx(4 * M * B_LINK, rel=1e-3)
+    assert busy(bp) == pytest.approx(M * B_LINK, rel=1e-3)
+    assert bp.step_s < ps.step_s

@@ -15,6 +15,7 @@ profiles the model, prints the ranking and with ``--verify`` measures it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,12 +53,17 @@ class Candidate:
             parts.append(f"{c.servers} server{'s' if c.servers > 1 else ''} {where}")
         if compresses and self.compress != "none":
             parts.append(self.compress)
+        if "update_on" in self.prediction.settings:
+            parts.append(f"update on the {self.prediction.settings['update_on']}s")
         return ", ".join(parts)
 
     def run_flags(self) -> dict[str, Any]:
         c = self.cluster
-        return {"strategy": self.strategy, "bucket_mb": self.bucket_mb, "servers": c.servers,
-                "server_placement": c.placement, "compress": self.compress}
+        flags = {"strategy": self.strategy, "bucket_mb": self.bucket_mb, "servers": c.servers,
+                 "server_placement": c.placement, "compress": self.compress}
+        if "update_on" in self.prediction.settings:
+            flags["update_on"] = self.prediction.settings["update_on"]
+        return flags
 
 
 def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any],
@@ -81,6 +87,10 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
         if cls.comm_model is None:
             out.append(Candidate(name, simulate(profile, base, None, cal, cores=cores)))
             continue
+        if cls.needs_equal_hosts and base.workers // base.hosts < 2:
+            continue  # per-host aggregation with one worker a host: its flat twin's setting
+        # where the optimizer runs, when the strategy offers a choice (byteps)
+        updates = list(cls.update_sites) if len(cls.update_sites) > 1 else ["server"]
         servers = [k for k in (1, 2, 4, 8) if k <= max_k] if cls.uses_servers else [1]
         placements = ["colocated", "own-hosts"] if cls.uses_servers and link \
             else ["colocated"]
@@ -88,14 +98,14 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
         for mb in seen_buckets:
             for k in servers:
                 for place in placements:
-                    for comp in compress:
+                    for comp, up in itertools.product(compress, updates):
                         cl = Cluster.of(hosts=base.hosts,
                                         workers_per_host=base.workers // base.hosts,
                                         link_bits=link, delay_s=delay, servers=k,
                                         placement=place)
                         out.append(Candidate(name, simulate(profile, cl, cls.comm_model, cal,
                                                             compress=comp, bucket_mb=mb,
-                                                            cores=cores)))
+                                                            cores=cores, update_on=up)))
     return out
 
 
@@ -116,8 +126,8 @@ def changes_training(c: Candidate) -> str:
 def preference(c: Candidate) -> float:
     """The predicted step, handicapped by 0.5% per server beyond the first (processes,
     and machines, that must pay for themselves)."""
-    k = 1 + 0.005 * (c.cluster.servers - 1) if c.prediction.comm_model in ("ps", "ps-async") \
-        else 1.0
+    k = 1 + 0.005 * (c.cluster.servers - 1) \
+        if c.prediction.comm_model in ("ps", "ps-async", "byteps") else 1.0
     return c.prediction.step_s * k
 
 
@@ -138,16 +148,19 @@ def options(cands: list[Candidate], ranking: list[Candidate],
             classes: dict[str, Any]) -> list[str]:
     """Settings that change what is trained, with their predicted gain over the answer
     and what they change: the best of each asynchronous strategy, and the answer's own
-    strategy with compression."""
+    strategy with compression (or the best that compresses, when it cannot)."""
     win = ranking[0]
     picks: list[Candidate] = []
     for name in sorted({c.strategy for c in cands if c.prediction.comm_model == "ps-async"}):
         same = [c for c in cands if c.strategy == name and c.compress == "none"]
         if same:
             picks.append(min(same, key=preference))
-    squeezed = [c for c in cands if c.strategy == win.strategy and c.compress != "none"
-                and c.bucket_mb == win.bucket_mb and c.cluster.servers == win.cluster.servers
-                and c.cluster.placement == win.cluster.placement]
+    # compression of the answer's strategy, or, when it cannot compress (byteps), of the
+    # best ranked one that can
+    base = next((c for c in ranking if classes[c.strategy].supports_compression), win)
+    squeezed = [c for c in cands if c.strategy == base.strategy and c.compress != "none"
+                and c.bucket_mb == base.bucket_mb and c.cluster.servers == base.cluster.servers
+                and c.cluster.placement == base.cluster.placement]
     if squeezed:
         picks.append(min(squeezed, key=preference))
     lines = []
@@ -188,7 +201,9 @@ def why(c: Candidate, cls: Any) -> str:
     tail = "; no worker waits for another (staleness: see the option)" \
         if cls.comm_model == "ps-async" else ""
     if "link" in p.bound:
-        cross = ps_link_load(cl.worker_host, cl.server_host)
+        # byteps: one push a host (its workers' parts), so one pusher per host
+        pushers = sorted(set(cl.worker_host)) if cls.comm_model == "byteps" else cl.worker_host
+        cross = ps_link_load(pushers, cl.server_host)
         return (f"bound by the {p.bound}: the busiest host link carries {mb(cross * M)} each way "
                 f"per step, {cl.servers} server(s) {cl.placement} ({comm}){tail}")
     if "CPU" in p.bound:
@@ -276,8 +291,8 @@ def plot(ranking: list[Candidate], title: str, path: Path) -> Path:
 def verify_candidates(ranking: list[Candidate], classes: dict[str, Any]) -> list[Candidate]:
     """The winner, the runner-up, and the best of the other family (ring or PS)."""
     # ring or parameter server (async-ps is of the PS family)
-    family = lambda c: {"ps-async": "ps"}.get(classes[c.strategy].comm_model,  # noqa: E731
-                                              classes[c.strategy].comm_model)
+    family = lambda c: {"ps-async": "ps", "byteps": "ps"}.get(  # noqa: E731
+        classes[c.strategy].comm_model, classes[c.strategy].comm_model)
     top = ranking[:2]
     other = next((c for c in ranking if c not in top and family(c) not in
                   {family(t) for t in top} and family(c) is not None), None)

@@ -215,7 +215,9 @@ def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
 
 def _slug(c: Candidate) -> str:
     cl = c.cluster
-    return f"{c.strategy}-b{c.bucket_mb:g}-k{cl.servers}-{cl.placement}-{c.compress}"
+    up = c.prediction.settings.get("update_on")
+    return (f"{c.strategy}-b{c.bucket_mb:g}-k{cl.servers}-{cl.placement}-{c.compress}"
+            + (f"-{up}" if up else ""))
 
 
 def _model_flags(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,7 +21,7 @@ one α, β pair for ZeroMQ (what the parameter-server strategies use) and one fo
 torch.distributed's gloo (what ring all-reduce and DDP use), and one γ.
 
 Which formula a strategy follows is its ``comm_model`` class attribute
-(``psring.strategies.base.Strategy``): ``"ring"``, ``"ps"``, ``"ps-async"``, or ``None``
+(``psring.strategies.base.Strategy``): ``"ring"``, ``"ps"``, ``"ps-async"``, ``"byteps"``, or ``None``
 when it sends no messages (single, hogwild).
 """
 
@@ -40,7 +40,7 @@ from ..runlog import atomic_write_json
 
 #: the values a strategy's ``comm_model`` may take: which α-β-γ formula predicts its
 #: communication; None: it sends nothing (single) or shares memory (hogwild)
-COMM_MODELS = (None, "ring", "ps", "ps-async")
+COMM_MODELS = (None, "ring", "ps", "ps-async", "byteps")
 
 #: the calibration file's name inside a run or comparison directory
 CALIBRATION_FILE = "calibration.json"
@@ -120,6 +120,24 @@ def ps_async_placed(n: int, M: float, K: int, alpha: float, beta_link: float,
     return 2 * alpha + 2 * phase + M * gamma / K
 
 
+def byteps_sync(G: int, hosts: int, M: float, K: int, alpha: float, beta_link: float,
+                beta_local: float, gamma: float, cross: float, alpha_in: float,
+                beta_in: float) -> float:
+    """A synchronous BytePS round (per-host aggregation) on ``hosts`` hosts of G workers.
+
+    ``inside + 2α + 2·max(cross·M·β_link, hosts·M·β_local/K) + (hosts-1)·M·γ/K``, with
+    ``inside = 2(G-1)·α_in + 2(G-1)/G·M·β_in + (G-1)/G·M·γ``: the host's reduce-scatter
+    and all-gather (a ring of G on the host's interconnect: α_in, β_in), then
+    :func:`ps_sync_placed` with one pusher per host — each host sends its gradients
+    once (its G workers a 1/G part each), so ``cross`` is :func:`ps_link_load` of one
+    worker per host, and the servers sum ``hosts`` pushes, not n (Jiang et al., OSDI
+    2020, §3)."""
+    inside = 0.0 if G <= 1 else \
+        2 * (G - 1) * alpha_in + 2 * (G - 1) / G * M * beta_in + (G - 1) / G * M * gamma
+    phase = max(cross * M * beta_link, hosts * M * beta_local / K)
+    return inside + 2 * alpha + 2 * phase + (hosts - 1) * M * gamma / K
+
+
 def ps_link_load(worker_host: list[int], server_host: list[int]) -> float:
     """The most bytes any host link carries in one direction during a PS push (a pull
     mirrors it), as a multiple of M: each worker sends M/K to each of the K servers, and
@@ -187,7 +205,7 @@ class Calibration:
         """(α, β) of the transport ``comm_model`` runs over, inside one host (loopback)."""
         if comm_model == "ring":
             return self.dist_alpha, self.dist_beta
-        if comm_model in ("ps", "ps-async"):
+        if comm_model in ("ps", "ps-async", "byteps"):
             return self.zmq_alpha, self.zmq_beta
         raise ValueError(f"unknown comm_model {comm_model!r}; known: "
                          f"{', '.join(m for m in COMM_MODELS if m)}")
@@ -309,6 +327,16 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
         return ring_allreduce(n, M, alpha, beta, cal.gamma)
     if K < 1:
         raise ValueError(f"K (servers) must be at least 1, not {K}")
+    if comm_model == "byteps":
+        hosts = sorted(set(topo.worker_host)) if topo is not None else [0]
+        G = max(1, n // len(hosts))
+        cross, a, b_link = 0.0, alpha, beta
+        if topo is not None and topo.multi_host:
+            cross = ps_link_load(hosts, list(topo.server_host))
+            a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
+            a = a_link if cross > 0 else alpha
+        a_in, b_in = cal.link("ring")
+        return byteps_sync(G, len(hosts), M, K, a, b_link, beta, cal.gamma, cross, a_in, b_in)
     if topo is None or not topo.multi_host:
         if comm_model == "ps":
             return ps_sync(n, M, K, alpha, beta, cal.gamma)

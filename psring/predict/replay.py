@@ -42,6 +42,7 @@ def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
     compress = cfg.get("compress", "none") if cls.supports_compression else "none"
     try:
         return simulate(prof, cluster_of(cfg), cls.comm_model, cal, compress=compress,
-                        bucket_mb=float(cfg.get("bucket_mb", 25.0)))
+                        bucket_mb=float(cfg.get("bucket_mb", 25.0)),
+                        update_on=cfg.get("update_on") or "server")
     except (ValueError, RuntimeError):
         return None

@@ -36,6 +36,13 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     n workers' pieces of the step are in, it applies the update (the profile's
     optimizer time per byte) and answers the pulls, each pull another message back.
     The next step starts when every shard's parameters are in;
+  - ``byteps`` (per-host aggregation): ``ps``'s timeline with groups. A host's G
+    workers first reduce-scatter each bucket among themselves (a ring of G on the host's
+    own interconnect, loopback's gloo α and β here, one collective at a time per host),
+    then each pushes its 1/G part; a server's range is complete with one push per host;
+    each worker pulls its 1/G of every shard back, and once all G have theirs the host
+    all-gathers every bucket. With ``update_on="worker"`` the servers only add and each
+    worker runs the optimizer after the all-gather;
   - ``ps-async`` (Downpour): a server applies each worker's piece on arrival and answers
     that worker's pull once its own pushes are applied: no worker waits for another.
     (Staleness, async's price in accuracy, is measured by runs, not predicted here.)
@@ -178,6 +185,12 @@ def shard_pieces(buckets: list[tuple[int, float]], servers: int
     return pieces, [(hi - lo) * 4 for lo, hi in ranges]
 
 
+def group_size(cluster: Cluster) -> int:
+    """Workers per host (byteps's groups; every host holds as many)."""
+    hosts = len(set(cluster.worker_host))
+    return max(1, cluster.workers // max(1, hosts))
+
+
 def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> list[float]:
     """The durations of a ring all-reduce's 2(n−1) steps on M bytes: n−1 of the
     reduce-scatter (send a chunk, add the received one) then n−1 of the all-gather."""
@@ -191,11 +204,12 @@ def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> lis
 
 def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibration,
              steps: int = 0, *, compress: str = "none", bucket_mb: float = 25.0,
-             cores: int | None = None) -> Prediction:
+             cores: int | None = None, update_on: str = "server") -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster), with the run's ``compress`` and ``bucket_mb``;
     ``cores``: the cores every process shares (a cluster emulated on one machine),
-    None: each worker computes on a device of its own."""
+    None: each worker computes on a device of its own; ``update_on`` (byteps): where
+    the optimizer runs, "server" or "worker"."""
     if comm_model not in COMM_MODELS:
         raise ValueError(f"comm_model {comm_model!r}: one of {COMM_MODELS}")
     if compress not in WIRE:
@@ -204,7 +218,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
         raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}")
     if cores is not None and cores < 1:
         raise ValueError(f"cores must be at least 1, not {cores!r}")
-    if comm_model in ("ps", "ps-async") and cluster.servers < 1:
+    if comm_model in ("ps", "ps-async", "byteps") and cluster.servers < 1:
         raise ValueError("a parameter-server cluster needs servers >= 1")
     if steps and steps < 2:
         raise ValueError(f"steps must be at least 2 (the step time is a period), not {steps}")
@@ -227,11 +241,13 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
         pred = _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cast, cal, steps)
     else:
         pred = _ps(profile, cluster, comm_model, (D, F, B, U), buckets, total, wire, cast,
-                   cal, steps)
+                   cal, steps, local_update=comm_model == "byteps" and update_on == "worker")
     if cores and pred.comm_model is not None and total and not (n == 1 and comm_model == "ring"):
         _cores_floor(pred, profile, cluster, cores, comm_model, buckets, total, wire, cast,
                      cal)
     pred.settings = {"compress": compress, "bucket_mb": bucket_mb, "cores": cores}
+    if comm_model == "byteps":
+        pred.settings["update_on"] = update_on
     return pred
 
 
@@ -266,9 +282,16 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, cores: int,
         # pushes and their acks, pulls and their parameters
         msgs = 2 * sum(len(p) for p in pieces) + 2 * len(shards)
         sent = 2 * total * wire
+        g = group_size(cluster) if comm_model == "byteps" else 1
+        if g > 1:  # a 1/G part each, plus the host's reduce-scatters and all-gathers
+            a_r, b_r = cal.link("ring")
+            sent = sent / g + 2 * (g - 1) / g * total * b_r / beta  # (in loopback-zmq bytes)
+            msgs += 2 * (g - 1) * len(buckets) * a_r / alpha
         apply = _server_update_per_byte(profile, cal)
         if comm_model == "ps-async":  # every push applied, and a cast for its pull
             server = n * total * (cal.gamma + apply + 2 * cast)
+        elif comm_model == "byteps":  # one push per host added (and the update)
+            server = n // g * total * cal.gamma + total * apply
         else:  # every push added, one update and one cast per version
             server = n * total * (cal.gamma + cast) + total * (apply + cast)
     work = n * (compute * threads + msgs * alpha + sent * beta + 2 * total * cast) + server
@@ -371,10 +394,17 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
 
 
 def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cast, cal,
-        steps) -> Prediction:
+        steps, local_update: bool = False) -> Prediction:
     n, K = cluster.workers, cluster.servers
     D, F, B, U = compute
-    sync = mode == "ps"
+    sync = mode in ("ps", "byteps")
+    # byteps: G workers a host aggregate first; each pushes and pulls 1/G
+    G = group_size(cluster) if mode == "byteps" else 1
+    a_in, b_in = cal.link("ring")  # the host's collectives (gloo on loopback here)
+    inside = {h: _Resource(f"host {h} inside (reduce-scatter, all-gather)", b_in)
+              for h in sorted(set(cluster.worker_host))}
+    rs_done: dict[tuple[int, int, int], float] = {}  # (host, s, bucket) -> its parts ready
+    gathered: dict[tuple[int, int], list[int]] = {}  # (host, s) -> workers with their pulls
     a_loc, b_loc = cal.link(mode)
     a_link, b_link = a_loc, b_loc
     if cluster.hosts > 1 or cluster.placement == "own-hosts":
@@ -389,7 +419,8 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     hosts = sorted({*whost, *shost})
     out = {h: _Resource(f"host {h} link out", link_beta) for h in hosts}
     inn = {h: _Resource(f"host {h} link in", link_beta) for h in hosts}
-    apply_per_byte = _server_update_per_byte(profile, cal)
+    # summing servers (byteps updating on the workers) only add
+    apply_per_byte = 0.0 if local_update else _server_update_per_byte(profile, cal)
 
     def path(src_io: _Resource, h_src: int, h_dst: int, dst_io: _Resource) -> tuple:
         if h_src == h_dst:
@@ -416,7 +447,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     answered = set()    # (k, w, s) pulls answered (async)
     # the α on a step's critical path: a push, then a pull
     crossing = any(h != hk for h in whost for hk in shost)
-    latency = 2 * (a_link if crossing else a_loc)
+    latency = 2 * (a_link if crossing else a_loc) + 2 * (G - 1) * a_in
 
     def step_start(w: int, s: int, t: float) -> None:
         # async workers that are ahead keep going until the slowest has played its
@@ -431,11 +462,19 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
         ev.at(end, lambda tt, w=w, s=s: send_pulls(w, s, tt))
 
     def launch(w: int, s: int, i: int, t: float) -> None:
-        msgs = [(m * wire, *path(w_io[w], whost[w], shost[k], s_io[k])) for k, m in pieces[i]]
+        parts = [(k, m / G) for k, m in pieces[i]]
+        if G > 1:  # the host's reduce-scatter of the bucket, one collective at a time
+            key = (whost[w], s, i)
+            if key not in rs_done:
+                c = buckets[i][0] / G
+                rs_done[key] = inside[whost[w]].occupy(
+                    t, (G - 1) * (a_in + c * b_in + c * cal.gamma))
+            t = rs_done[key]
+        msgs = [(m * wire, *path(w_io[w], whost[w], shost[k], s_io[k])) for k, m in parts]
         if cast:  # the worker casts the bucket before it goes out
-            t = w_io[w].occupy(t, sum(m for _, m in pieces[i]) * cast)
+            t = w_io[w].occupy(t, sum(m for _, m in parts) * cast)
         arrivals = _send_together(t, msgs)
-        for (k, m), arrive in zip(pieces[i], arrivals):
+        for (k, m), arrive in zip(parts, arrivals):
             last_push[(w, s, k)] = max(last_push.get((w, s, k), 0.0), arrive)
             ev.at(arrive, lambda tt, k=k, w=w, s=s, m=m: push_arrives(k, w, s, m, tt))
         if w == 0 and s == steps - 1:
@@ -445,7 +484,8 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
         if sync:
             done = s_cpu[k].occupy(t, m * (cal.gamma + cast))
             got[(k, s)] = got.get((k, s), 0) + m
-            if got[(k, s)] >= n * shard_bytes[k]:
+            # every worker's push (ps), one per host (byteps: G parts of 1/G)
+            if got[(k, s)] >= n / G * shard_bytes[k] * (1 - 1e-9):
                 # the update, and the new version cast once for every pull of it
                 done = s_cpu[k].occupy(done, shard_bytes[k] * (apply_per_byte + cast))
                 ready_v[(k, s)] = done
@@ -492,7 +532,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
         answer_all(k, [w], s, t)
 
     def answer_all(k: int, ws: list[int], s: int, t: float) -> None:
-        msgs = [(shard_bytes[k] * wire, *path(s_io[k], shost[k], whost[w], w_io[w]))
+        msgs = [(shard_bytes[k] / G * wire, *path(s_io[k], shost[k], whost[w], w_io[w]))
                 for w in ws]
         for w, arrive in zip(ws, _send_together(t, msgs)):
             ev.at(arrive, lambda tt, k=k, w=w, s=s: pull_arrives(k, w, s, tt))
@@ -500,12 +540,27 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     def pull_arrives(k: int, w: int, s: int, t: float) -> None:
         pulled[(w, s)] = pulled.get((w, s), 0) + 1
         if cast:  # back to 32 bits on the worker
-            t = w_io[w].occupy(t, shard_bytes[k] * cast)
+            t = w_io[w].occupy(t, shard_bytes[k] / G * cast)
         pull_done[(w, s)] = max(pull_done.get((w, s), 0.0), t)
-        if pulled[(w, s)] == K:
-            nxt = max(pull_done[(w, s)], bw_end[(w, s)])
+        if pulled[(w, s)] < K:
+            return
+        if G == 1:
+            nxt = max(pull_done[(w, s)], bw_end[(w, s)]) + (U if local_update else 0.0)
             starts[w].append(nxt)
             step_start(w, s + 1, nxt)
+            return
+        # byteps: once the host's G workers have their parts, it all-gathers every bucket
+        ready = gathered.setdefault((whost[w], s), [])
+        ready.append(w)
+        if len(ready) < G:
+            return
+        t = max(pull_done[(x, s)] for x in ready)
+        t = inside[whost[w]].occupy(t, sum((G - 1) * (a_in + m / G * b_in)
+                                           for m, _ in buckets))
+        for x in ready:
+            nxt = max(t, bw_end[(x, s)]) + (U if local_update else 0.0)
+            starts[x].append(nxt)
+            step_start(x, s + 1, nxt)
 
     for w in range(n):
         step_start(w, 0, 0.0)
@@ -523,12 +578,12 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     window = (starts[w0][-2], starts[w0][-1])
     width = max(1e-12, window[1] - window[0])
     util = {}
-    for r in [*w_io, *s_io, *s_cpu, *out.values(), *inn.values()]:
+    for r in [*w_io, *s_io, *s_cpu, *out.values(), *inn.values(), *inside.values()]:
         if r.beta > 0:
             util[r.name] = r.busy_between(*window) / width
     # per-step view of the busiest one in steady state (a shared resource's busy time
     # over worker 0's window stands for every worker's)
-    pred = _finish(profile, cluster, mode, period, compute, False, util, latency,
+    pred = _finish(profile, cluster, mode, period, compute, local_update, util, latency,
                    bucket_times, total, starts[0])
     # throughput is every worker's; efficiency is that against n workers alone
     pred.samples_per_s = rate

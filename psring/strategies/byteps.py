@@ -88,8 +88,7 @@ class BytePS(ParameterServer):
     supports_checkpoint = False
     needs_equal_hosts = True
     update_sites = ("server", "worker")
-    #: no formula in the simulator yet (docs/cost-model.md)
-    costed = False
+    comm_model = "byteps"
 
     def setup(self, model: nn.Module) -> nn.Module:
         ctx, cfg = self.ctx, self.ctx.cfg
