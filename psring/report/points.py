@@ -85,7 +85,7 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     # in a synchronous step a worker blocked on a slower peer is waiting, not
     # communicating; asynchronous workers' steps are not rounds, so nothing is subtracted
     synchronous = cfg["strategy"] in STRATEGIES and \
-        getattr(STRATEGIES.get(cfg["strategy"]), "comm_model", None) in ("ring", "ps")
+        getattr(STRATEGIES.get(cfg["strategy"]), "comm_model", None) in ("ring", "ps", "byteps")
     waits = peer_waits(records) if synchronous else {}
     row["comm_time_s"] = st.median(_round_comm(kept, waits) if synchronous else
                                    [comm_time(r) for r in kept])
