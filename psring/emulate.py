@@ -172,7 +172,10 @@ def _spawn_holder(others: list[int]) -> tuple[int, int]:
             kill_with_parent()
             if os.getppid() != agent:
                 os._exit(0)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            # The launcher stops the agent by SIGTERM to its process group, holders
+            # included: they stay until the agent has read the links' counters and
+            # closes (pipe EOF), or dies (PR_SET_PDEATHSIG)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
                 _unshare(CLONE_NEWNET)

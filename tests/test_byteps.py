@@ -54,7 +54,10 @@ def test_byteps_trains_singles_model_updating_on_servers_or_workers(tmp_path, sm
     # gradients once a step (12 steps of M bytes, plus a little of set-up and acks), not
     # once per worker (24 M under ps)
     m = json.loads((two / "manifest.json").read_text())["parameter_bytes"]
-    sent = json.loads((two / "cluster.json").read_text())["link_bytes"]["host-1"]["from_host"]
+    links = json.loads((two / "cluster.json").read_text())["link_bytes"]
+    # every host's link, read before the hosts went (2 of workers, 2 of servers)
+    assert set(links) == {"host-0", "host-1", "host-2", "host-3"}
+    sent = links["host-1"]["from_host"]
     assert 12 * m <= sent < 13 * m, (sent, m)
     assert_cluster_gone(two)
 
