@@ -89,6 +89,18 @@ def _pieces(bounds: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int
     return out
 
 
+def slice_counts(counts: Sequence[int], lo: int, hi: int, padded: int) -> list[int]:
+    """Each tensor's element count inside [lo, hi) of a bucket of ``counts`` padded to
+    ``padded`` elements, and last the padding's (hierarchical Adasum: a worker's slice
+    of the bucket; zeros for tensors outside it, so every worker's list is aligned)."""
+    out, start = [], 0
+    for c in counts:
+        out.append(max(0, min(start + c, hi) - max(start, lo)))
+        start += c
+    out.append(max(0, min(padded, hi) - max(start, lo)))
+    return out
+
+
 def reduce(buf: torch.Tensor, counts: Sequence[int], comm: Comm) -> None:
     """Adasum of every rank's ``buf`` (flat, float), in place; ``counts`` are the
     element counts of the tensors laid end to end in it (each combined on its own)."""
@@ -141,26 +153,37 @@ def reduce(buf: torch.Tensor, counts: Sequence[int], comm: Comm) -> None:
 class TorchComm:
     """:class:`Comm` over torch.distributed (gloo here, NCCL on CUDA): point-to-point
     isend/irecv, and one process group per block of each level for the sums. Creating
-    the groups is collective: every rank constructs this at the same point."""
+    the groups is collective: every rank constructs this at the same point.
 
-    def __init__(self) -> None:
+    ``per_host`` G > 1 (hallreduce): Adasum across hosts, as Horovod's hierarchical
+    Adasum (``AdasumGpuAllreduceOp::NcclHierarchical``: start level = local size). The
+    Adasum ranks are the hosts; this worker (local rank l) swaps with local rank l of
+    the peer host, holding the same slice of every bucket, and a level's sums run over
+    every worker of the block's hosts: the host's G workers hold different slices of
+    the same tensors, so the per-tensor dot products and norms add up to the whole
+    tensors' (``counts`` then has a zero for a tensor outside this worker's slice)."""
+
+    def __init__(self, per_host: int = 1) -> None:
         import torch.distributed as dist
 
         self.dist = dist
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        g = per_host
+        self.per_host, self.local = g, dist.get_rank() % g
+        self.rank, self.size = dist.get_rank() // g, dist.get_world_size() // g
         self.groups: dict[int, object] = {}
         level = 1
         while level < self.size:
             width = 2 * level
             for start in range(0, self.size, width):
                 # every rank creates every group (torch requires it), keeps its own
-                g = dist.new_group(list(range(start, start + width)))
+                g_ = dist.new_group(list(range(start * g, (start + width) * g)))
                 if start <= self.rank < start + width:
-                    self.groups[level] = g
+                    self.groups[level] = g_
             level <<= 1
 
     def sendrecv(self, peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
         dist = self.dist
+        peer = peer * self.per_host + self.local  # the same local rank on the peer host
         ops = [dist.P2POp(dist.isend, send.contiguous(), peer),
                dist.P2POp(dist.irecv, recv, peer)]
         for work in dist.batch_isend_irecv(ops):

@@ -107,10 +107,11 @@ class RunConfig:
         "strategy still trains what single trains on the global batch. Default: equal "
         "shares"))
     reduce: str = field(default="sum", metadata=_flag(
-        "allreduce: how the workers' gradients combine: sum (their average, what single "
+        "allreduce, hallreduce: how the workers' gradients combine: sum (their average, what single "
         "computes on the global batch) or adasum (Maleki et al.'s adaptive sum, as in "
         "Horovod: orthogonal gradients add, equal ones average; a power-of-two --workers; "
-        "psring.adasum)", choices=("sum", "adasum")))
+        "psring.adasum); with hallreduce, Adasum across a power-of-two number of hosts of "
+        "each host's average", choices=("sum", "adasum")))
     update_on: str = field(default="", metadata=_flag(
         "byteps: where the optimizer runs: server (the servers update the parameters, as "
         "for ps) or worker (BytePS's summation servers only add; every worker updates its "
@@ -413,17 +414,21 @@ class RunConfig:
         if self.reduce not in strategy_cls.reductions:
             raise ConfigError(
                 f"--reduce {self.reduce} is not a reduction of {self.strategy!r} (it has "
-                f"{', '.join(strategy_cls.reductions)}); --reduce adasum is for allreduce.")
+                f"{', '.join(strategy_cls.reductions)}); --reduce adasum is for allreduce "
+                f"and hallreduce.")
         if self.reduce != "adasum":
             return
         from .adasum import is_power_of_two
 
-        if not is_power_of_two(self.workers):
-            lower = 1 << (self.workers.bit_length() - 1)
+        # hallreduce: Adasum across the hosts (each host's average), so the hosts count
+        what, n = ("--hosts", derived_hosts(self.workers, self.hosts, self.workers_per_host)) \
+            if strategy_cls.needs_equal_hosts else ("--workers", self.workers)
+        if not is_power_of_two(n):
+            lower = 1 << (n.bit_length() - 1)
             raise ConfigError(
-                f"--reduce adasum combines the workers pairwise, then pairs of pairs "
-                f"(recursive halving, as Horovod's Adasum), so --workers must be a power "
-                f"of two (got {self.workers}); use --workers {lower} or {2 * lower}.")
+                f"--reduce adasum combines the {what[2:]} pairwise, then pairs of pairs "
+                f"(recursive halving, as Horovod's Adasum), so {what} must be a power "
+                f"of two (got {n}); use {what} {lower} or {2 * lower}.")
         if self.compress != "none":
             raise ConfigError("--reduce adasum combines float32 gradients (its dot products "
                               "and norms); drop --compress.")

@@ -108,6 +108,87 @@ def test_vector_halving_equals_the_tree_on_whole_tensors(size, counts):
     assert not torch.allclose(want, sum(bufs), rtol=1e-3)
 
 
+class HostThreadComm(ThreadComm):
+    """hallreduce's Adasum across hosts (adasum.TorchComm with per_host G): the ranks are
+    the hosts; local rank l swaps with local rank l of the peer host, and a level's sums
+    run over every worker of the block's hosts."""
+
+    def __init__(self, host, hosts, local, g, shared):
+        super().__init__(host, hosts, shared)
+        self.local, self.g = local, g
+
+    def sendrecv(self, peer, send, recv):
+        me, them = (self.rank, self.local), (peer, self.local)
+        self.shared["q"][(me, them)].put(send.clone())
+        got = self.shared["q"][(them, me)].get(timeout=10)
+        recv.copy_(got)
+
+    def sum_in_block(self, level, t):
+        block = self.rank // (2 * level)
+        slots, barrier = self.shared["blocks"][(level, block)]
+        slots[(self.rank % (2 * level)) * self.g + self.local] = t.clone()
+        barrier.wait(timeout=10)
+        total = sum(slots)
+        barrier.wait(timeout=10)
+        t.copy_(total)
+
+
+@pytest.mark.parametrize("hosts, g", [(2, 2), (4, 2), (2, 3)])
+def test_adasum_across_hosts_of_host_averages_equals_the_tree(hosts, g):
+    """Each host's workers average (the reduce-scatter: worker l keeps slice l), the
+    slices go through Adasum across the hosts with sums over whole hosts, then the host
+    gathers: the tree over the hosts' averages, per tensor, though the slices cut the
+    tensors (each tensor's dot products and norms are summed over the host's slices)."""
+    counts = [37, 5, 1, 64]
+    n = sum(counts)
+    c = -(-n // g)
+    gen = torch.Generator().manual_seed(hosts * 10 + g)
+    grads = [[torch.randn(n, generator=gen) for _ in range(g)] for _ in range(hosts)]
+    grads[1][0][:37] = grads[0][0][:37] * 0.7  # nearly parallel somewhere: coefficients matter
+    means = [sum(w) / g for w in grads]
+    shared = {"q": {((a, l), (b, l)): queue.Queue() for a in range(hosts)
+                    for b in range(hosts) for l in range(g)}, "blocks": {}}
+    level = 1
+    while level < hosts:
+        for block in range(hosts // (2 * level)):
+            shared["blocks"][(level, block)] = ([None] * (2 * level * g),
+                                                threading.Barrier(2 * level * g))
+        level *= 2
+    slices = {}
+    errors = []
+
+    def work(h, lr):
+        try:
+            padded = torch.zeros(c * g)
+            padded[:n] = means[h]
+            mine = padded[lr * c:(lr + 1) * c].clone()
+            adasum.reduce(mine, adasum.slice_counts(counts, lr * c, (lr + 1) * c, c * g),
+                          HostThreadComm(h, hosts, lr, g, shared))
+            slices[(h, lr)] = mine
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(h, lr)) for h in range(hosts)
+               for lr in range(g)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    want = torch.cat(adasum.reference([split(m, counts) for m in means]))
+    for h in range(hosts):
+        got = torch.cat([slices[(h, lr)] for lr in range(g)])[:n]
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (h, (got - want).abs().max())
+    assert not torch.allclose(want, sum(means) / hosts, rtol=1e-3)
+
+
+def test_slice_counts():
+    # tensors of 3, 5, 2 elements padded to 12, cut into slices of 4: the padding last
+    assert adasum.slice_counts([3, 5, 2], 0, 4, 12) == [3, 1, 0, 0]
+    assert adasum.slice_counts([3, 5, 2], 4, 8, 12) == [0, 4, 0, 0]
+    assert adasum.slice_counts([3, 5, 2], 8, 12, 12) == [0, 0, 2, 2]
+
+
 def test_per_tensor_not_per_buffer():
     """Two tensors in one buffer combine on their own: orthogonal in one, equal in the
     other, the first adds and the second averages."""
@@ -165,6 +246,8 @@ def test_allreduce_reduce_adasum_trains_what_the_tree_computes(tmp_path, small_r
      "--workers must be a power of two (got 3); use --workers 2 or 4"),
     (["--strategy", "allreduce", "--workers", "2", "--compress", "fp16"], "drop --compress"),
     (["--strategy", "ps", "--workers", "2"], "--reduce adasum is for allreduce"),
+    (["--strategy", "hallreduce", "--workers", "6", "--hosts", "3", "--batch-size", "48"],
+     "--hosts must be a power of two (got 3); use --hosts 2 or 4"),
 ])
 def test_bad_adasum_input_is_one_paragraph_and_exit_2(tmp_path, args, needle):
     proc = cli_here("run", *args, "--reduce", "adasum", "--out", tmp_path / "r")

@@ -5,6 +5,7 @@ model on one host (the reduce-scatter and all-gather alone) and on 2 emulated ho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,13 @@ import pytest
 from conftest import (SMALL, assert_no_processes, cli_here, load_model, max_rel_diff,
                       psring_together, read_steps)
 from emutools import assert_cluster_gone, needs_emulation
+from psring import adasum
+from psring.config import RunConfig
+from psring.data import worker_batch
+from psring.models import loss_of
+from psring.optim import SGD
 from psring.strategies.hallreduce import hierarchy_bytes
+from psring.workload import build_workload
 
 
 def test_hierarchy_bytes():
@@ -46,6 +53,40 @@ def test_hallreduce_trains_singles_model_on_one_host_and_across_two(tmp_path, sm
                    r["bucket_launch_s"][0] < r["backward_end_s"] for r in records)
         assert_no_processes(out)
     assert_cluster_gone(two)
+
+
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hallreduce_adasum_is_the_tree_over_the_hosts_averages(tmp_path):
+    """Horovod's hierarchical Adasum: 2 emulated hosts of 2 workers; each host averages
+    its workers' gradients, the hosts' averages combine by Adasum. The run ends with
+    SGD on the tree's Adasum of the 2 host averages, computed here in one process."""
+    out = tmp_path / "hadasum"
+    psring_together(["run", "--strategy", "hallreduce", "--reduce", "adasum", "--workers", 4,
+                     "--hosts", 2, "--link", "1gbit", *SMALL, "--out", out], timeout=250)
+    assert_no_processes(out)
+    assert_cluster_gone(out)
+    m = json.loads((out / "manifest.json").read_text())
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    cfg = RunConfig(**{k: v for k, v in m["config"].items() if k in names})
+    work = build_workload(cfg)  # the run's seed: the same initial model and data
+    model, world = work.model, cfg.workers
+    params = list(model.parameters())
+    opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    for step in range(cfg.steps):
+        grads = []
+        for rank in range(world):
+            model.zero_grad(set_to_none=True)
+            x, y = worker_batch(work.data.train, cfg.batch_size, step, rank, world)
+            loss_of(model(x), y).backward()
+            grads.append([p.grad.detach().clone() for p in params])
+        hosts = [[(a + b) / 2 for a, b in zip(grads[2 * h], grads[2 * h + 1])]
+                 for h in range(2)]
+        for p, g in zip(params, adasum.reference(hosts)):
+            p.grad = g
+        opt.step()
+    assert max_rel_diff(load_model(out), model.state_dict()) < 1e-4
 
 
 def test_uneven_hosts_are_refused(tmp_path):

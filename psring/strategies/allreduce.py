@@ -62,12 +62,9 @@ class AllReduce(Strategy):
         self.adasum = self.ctx.cfg.reduce == "adasum"
         if self.adasum:
             # collective (every rank builds the same groups here, in setup)
-            self.comm = adasum.TorchComm()
-        # a sum is pre-divided into the average; Adasum's rule is scale-aware: it is given
-        # each worker's own gradient
+            self.comm = self._adasum_comm()
         self.buckets = GradientBuckets(
-            list(model.parameters()), cap, first,
-            scale=1.0 if self.adasum else 1.0 / self.ctx.world,
+            list(model.parameters()), cap, first, scale=self._scale(),
             launch=self._launch, stats_of=lambda: self.stats)
         compress = self.ctx.cfg.compress
         # --compress: one wire buffer per bucket, allocated once (psring.compress)
@@ -78,6 +75,14 @@ class AllReduce(Strategy):
                                      for b, w in zip(self.buckets.buckets, self.wire)),
                                  self.ctx.world)
         return model
+
+    def _adasum_comm(self) -> adasum.TorchComm:
+        return adasum.TorchComm()
+
+    def _scale(self) -> float:
+        """What the hooks multiply gradients by: a sum is pre-divided into the average;
+        Adasum's rule is scale-aware: it is given each worker's own gradient."""
+        return 1.0 if self.adasum else 1.0 / self.ctx.world
 
     def _launch(self, bucket: Bucket) -> Handle:
         if self.adasum:

@@ -17,7 +17,11 @@ and one per local rank, created by every rank in the same order (gloo here, NCCL
 CUDA is). The three collectives of a bucket run on a communication thread, so the
 buckets still go out while backward runs.
 
-    psring run --strategy hallreduce --workers 8 --hosts 2 --link 1gbit
+``--reduce adasum`` (Horovod's hierarchical Adasum, ``AdasumGpuAllreduceOp``): the
+host's reduce-scatter averages its workers' gradients, step 2 is Adasum across the
+hosts instead of a sum (psring.adasum with the hosts as its ranks), then the all-gather.
+
+    psring run --strategy hallreduce --workers 8 --hosts 2 --link 1gbit [--reduce adasum]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import adasum
 from .allreduce import AllReduce, ring_bytes
 from .base import STRATEGIES, Handle
 from .buckets import Bucket
@@ -65,11 +70,12 @@ def hierarchy_bytes(param_bytes: int, hosts: int, per_host: int) -> int:
 class HierarchicalAllReduce(AllReduce):
     name = "hallreduce"
     supports_compression = False
-    reductions = ("sum",)
+    #: adasum: Adasum across hosts of each host's average (Horovod's hierarchical Adasum)
+    reductions = ("sum", "adasum")
     #: every host must hold the same number of workers (shard l lives on every host)
     needs_equal_hosts = True
-    #: the flat ring's formula would price it wrongly (docs/cost-model.md)
-    costed = False
+    #: three collectives a bucket, G rings across the hosts (docs/cost-model.md)
+    comm_model = "hring"
 
     def setup(self, model: nn.Module) -> nn.Module:
         g, self.hosts, _, local = host_layout(self.ctx, "hallreduce")
@@ -80,7 +86,9 @@ class HierarchicalAllReduce(AllReduce):
             grp = dist.new_group(list(range(lr, self.ctx.world, g)))
             if lr == local:
                 self.across = grp
-        super().setup(model)  # the buckets, pre-scaled by 1/N: the sum is the average
+        # the buckets, pre-scaled by 1/N: the sum is the average (by 1/G with Adasum:
+        # each host's average, then Adasum across the hosts)
+        super().setup(model)
         # G equal shards: a bucket whose size is not a multiple of G is reduced in a
         # padded copy (most are: layer sizes are multiples of their channels)
         self.padded = [None if b.numel % g == 0 else
@@ -91,7 +99,18 @@ class HierarchicalAllReduce(AllReduce):
                                    device=b.buffer.device) for b in self.buckets.buckets]
         self._bytes = hierarchy_bytes(sum(b.nbytes for b in self.buckets.buckets),
                                       self.hosts, g)
+        # Adasum combines each tensor on its own: the tensors' counts in this worker's
+        # slice of each bucket (zeros outside it, and the padding last)
+        self.slice_counts = [adasum.slice_counts(
+            [p.numel() for p in b.params], local * c, (local + 1) * c, c * g)
+            for b, c in ((b, -(-b.numel // g)) for b in self.buckets.buckets)]
         return model
+
+    def _adasum_comm(self) -> adasum.TorchComm:
+        return adasum.TorchComm(per_host=self.per_host)
+
+    def _scale(self) -> float:
+        return 1.0 / self.per_host if self.adasum else 1.0 / self.ctx.world
 
     def _launch(self, bucket: Bucket) -> Handle:
         return self._on_thread(self._reduce, bucket)
@@ -108,7 +127,9 @@ class HierarchicalAllReduce(AllReduce):
             dist.reduce_scatter_tensor(shard, full, group=self.inside)
         else:
             shard.copy_(full)
-        if self.hosts > 1:
+        if self.hosts > 1 and self.adasum:
+            adasum.reduce(shard, self.slice_counts[bucket.index], self.comm)
+        elif self.hosts > 1:
             dist.all_reduce(shard, group=self.across)
         if g > 1:
             dist.all_gather_into_tensor(full, shard, group=self.inside)
