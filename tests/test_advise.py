@@ -40,14 +40,19 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     assert "Fastest:" in text and "Bucket size:" in text and "Parameter servers:" in text
     report = json.loads((out / "advise.json").read_text())
     steps = [float(r["step ms"]) for r in report["ranking"]]
-    assert steps == sorted(steps) and steps[0] > 0
+    # best first (a server beyond the first costs a 0.5% handicap in the ranking)
+    assert all(a <= b * 1.01 for a, b in zip(steps, steps[1:])) and steps[0] > 0
     assert report["workers"] == 4
     # the answer trains what one worker would: synchronous, uncompressed settings only
-    assert {r["strategy"] for r in report["ranking"]} == {"allreduce", "ddp", "ps", "byteps"}
+    assert {r["strategy"] for r in report["ranking"]} == \
+        {"allreduce", "ddp", "ps", "byteps", "hallreduce"}
     rows = {r["strategy"]: r for r in report["ranking"]}
     # per-host aggregation: each host's link carries the gradients once, not per worker
     assert "update on the" in rows["byteps"]["best setting"]
     assert float(rows["byteps"]["step ms"]) < float(rows["ps"]["step ms"])
+    # hierarchy: the links carry 2(H-1)/H M instead of the flat ring's 2(N-1)/N M
+    assert float(rows["hallreduce"]["step ms"]) < float(rows["allreduce"]["step ms"])
+    assert "2(H−1)/H·M" in rows["hallreduce"]["why"]
     assert "fp16" not in " ".join(r["best setting"] for r in report["ranking"])
     # asynchronous and compressed settings are options, saying what they change
     opts = report["options"]

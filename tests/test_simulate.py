@@ -258,3 +258,37 @@ def test_byteps_with_one_worker_a_host_is_ps_and_a_host_link_carries_m_once():
     assert busy(ps) == pytest.approx(4 * M * B_LINK, rel=1e-3)
     assert busy(bp) == pytest.approx(M * B_LINK, rel=1e-3)
     assert bp.step_s < ps.step_s
+
+
+def test_hallreduce_is_three_collectives_and_its_links_carry_m_over_h():
+    # 2 hosts of 2 workers, one 8e6-byte bucket ready when backward ends (30 ms), 1 Gbit/s
+    # links (α 2 ms, β 8 ns/byte). hring: the host's reduce-scatter and all-gather (a
+    # ring of 2 on loopback on 4e6-byte halves: 2α + 2·4e6·β + 4e6·γ = 2 + 8 + 0.4 ms),
+    # then 2 rings of 2 across the hosts on 4e6-byte slices, both over each host link:
+    # 2 steps of α + (M/2)·β_link (+ (M/2)·γ/2 in the reduce-scatter) = 34.2 + 34 ms.
+    # 78.6 ms of communication; with the update, a 112.6 ms step.
+    M = 8_000_000
+    cl = Cluster.of(hosts=2, workers_per_host=2, link_bits=1e9)
+    h = simulate(profile([M], [B]), cl, "hring", CAL)
+    assert h.phases["comm_s"] == pytest.approx(0.0786)
+    assert h.step_s == pytest.approx(F + B + 0.0786 + U)
+    # the flat ring of 4 crosses each host link 6 times with M/4: 3 x (2 + 16 + 0.2) +
+    # 3 x (2 + 16) = 108.6 ms; its links carry 1.5 M each way, hring's M
+    flat = simulate(profile([M], [B]), cl, "ring", CAL)
+    assert flat.phases["comm_s"] == pytest.approx(0.1086)
+    from psring.predict.costmodel import hring_allreduce
+    assert hring_allreduce(2, 2, M, A_LINK, B_LINK, GAMMA, A, BETA) == pytest.approx(0.0786)
+
+
+def test_adasum_is_vector_halving_with_its_sums_and_passes():
+    # 2 workers on one host, one 8e6-byte bucket: one level: swap 4e6 each way (α +
+    # 4e6·β = 5 ms), sum 3 numbers a tensor over the pair (2α = 2 ms), four passes over
+    # the 4e6-byte half (1.6 ms), swap back (5 ms): 13.6 ms, against the ring's 2α + Mβ +
+    # (M/2)γ = 10.4 ms
+    M = 8_000_000
+    cl = Cluster.of(hosts=1, workers_per_host=2)
+    a = simulate(profile([M], [B]), cl, "ring", CAL, reduce="adasum")
+    assert a.phases["comm_s"] == pytest.approx(0.0136)
+    assert a.settings["reduce"] == "adasum"
+    assert simulate(profile([M], [B]), cl, "ring", CAL).phases["comm_s"] == \
+        pytest.approx(0.0104)

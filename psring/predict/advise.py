@@ -195,6 +195,11 @@ def why(c: Candidate, cls: Any) -> str:
     if p.bound == "cores (shared)":
         return (f"bound by this machine's shared cores: the workers' compute and every "
                 f"message's software cost exceed the cores' time ({comm})")
+    if cls.comm_model == "hring":
+        h = len(set(cl.worker_host))
+        return (f"bound by the {p.bound}: each host link carries 2(H−1)/H·M = "
+                f"{mb(2 * (h - 1) / h * M)} each way per step, in 2(H−1) = {2 * (h - 1)} "
+                f"steps, after the host's reduce-scatter ({comm})")
     if cls.comm_model == "ring":
         return (f"bound by the {p.bound}: each worker sends and receives 2(n−1)/n·M = "
                 f"{mb(2 * (n - 1) / n * M)} per step ({comm})")
@@ -291,7 +296,7 @@ def plot(ranking: list[Candidate], title: str, path: Path) -> Path:
 def verify_candidates(ranking: list[Candidate], classes: dict[str, Any]) -> list[Candidate]:
     """The winner, the runner-up, and the best of the other family (ring or PS)."""
     # ring or parameter server (async-ps is of the PS family)
-    family = lambda c: {"ps-async": "ps", "byteps": "ps"}.get(  # noqa: E731
+    family = lambda c: {"ps-async": "ps", "byteps": "ps", "hring": "ring"}.get(  # noqa: E731
         classes[c.strategy].comm_model, classes[c.strategy].comm_model)
     top = ranking[:2]
     other = next((c for c in ranking if c not in top and family(c) not in

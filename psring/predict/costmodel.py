@@ -21,7 +21,7 @@ one α, β pair for ZeroMQ (what the parameter-server strategies use) and one fo
 torch.distributed's gloo (what ring all-reduce and DDP use), and one γ.
 
 Which formula a strategy follows is its ``comm_model`` class attribute
-(``psring.strategies.base.Strategy``): ``"ring"``, ``"ps"``, ``"ps-async"``, ``"byteps"``, or ``None``
+(``psring.strategies.base.Strategy``): ``"ring"``, ``"ps"``, ``"ps-async"``, ``"byteps"``, ``"hring"`` (hallreduce), or ``None``
 when it sends no messages (single, hogwild).
 """
 
@@ -40,7 +40,7 @@ from ..runlog import atomic_write_json
 
 #: the values a strategy's ``comm_model`` may take: which α-β-γ formula predicts its
 #: communication; None: it sends nothing (single) or shares memory (hogwild)
-COMM_MODELS = (None, "ring", "ps", "ps-async", "byteps")
+COMM_MODELS = (None, "ring", "hring", "ps", "ps-async", "byteps")
 
 #: the calibration file's name inside a run or comparison directory
 CALIBRATION_FILE = "calibration.json"
@@ -118,6 +118,22 @@ def ps_async_placed(n: int, M: float, K: int, alpha: float, beta_link: float,
     server applying only this worker's push."""
     phase = max(cross * M * beta_link, n * M * beta_local / K)
     return 2 * alpha + 2 * phase + M * gamma / K
+
+
+def hring_allreduce(G: int, H: int, M: float, alpha: float, beta: float, gamma: float,
+                    alpha_in: float, beta_in: float) -> float:
+    """Hierarchical all-reduce (hallreduce) on H hosts of G workers, in seconds.
+
+    ``2(G-1)·α_in + 2(G-1)/G·M·β_in + (G-1)/G·M·γ`` (a ring reduce-scatter and
+    all-gather inside the host) ``+ 2(H-1)·α + 2(H-1)/H·M·β + (H-1)/H·M/G·γ``: G rings of
+    H ranks across the hosts, each on a 1/G slice, in parallel over each host link, which
+    carries their M/H a step (Horovod PR #411's scheme). Against the flat ring over N = GH
+    ranks, the same bytes on the links, 2(H-1) latency terms instead of 2(N-1)."""
+    inside = 0.0 if G <= 1 else \
+        2 * (G - 1) * alpha_in + 2 * (G - 1) / G * M * beta_in + (G - 1) / G * M * gamma
+    across = 0.0 if H <= 1 else \
+        2 * (H - 1) * alpha + 2 * (H - 1) / H * M * beta + (H - 1) / H * M / G * gamma
+    return inside + across
 
 
 def byteps_sync(G: int, hosts: int, M: float, K: int, alpha: float, beta_link: float,
@@ -203,7 +219,7 @@ class Calibration:
 
     def link(self, comm_model: str) -> tuple[float, float]:
         """(α, β) of the transport ``comm_model`` runs over, inside one host (loopback)."""
-        if comm_model == "ring":
+        if comm_model in ("ring", "hring"):
             return self.dist_alpha, self.dist_beta
         if comm_model in ("ps", "ps-async", "byteps"):
             return self.zmq_alpha, self.zmq_beta
@@ -224,7 +240,7 @@ class Calibration:
         if link_bits is None:
             return alpha, beta, "loopback"
         
-        key = "dist" if comm_model == "ring" else "zmq"
+        key = "dist" if comm_model in ("ring", "hring") else "zmq"
         # a calibration of this rate and delay; else of this rate, without the delay
         for name, extra in ((link_key(link_bits, delay_s), 0.0),
                             (link_key(link_bits), 2 * delay_s)):
@@ -327,6 +343,12 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
         return ring_allreduce(n, M, alpha, beta, cal.gamma)
     if K < 1:
         raise ValueError(f"K (servers) must be at least 1, not {K}")
+    if comm_model == "hring":
+        H = len(set(topo.worker_host)) if topo is not None else 1
+        a_link, b_link = alpha, beta
+        if H > 1:
+            a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
+        return hring_allreduce(max(1, n // H), H, M, a_link, b_link, cal.gamma, alpha, beta)
     if comm_model == "byteps":
         hosts = sorted(set(topo.worker_host)) if topo is not None else [0]
         G = max(1, n // len(hosts))

@@ -43,6 +43,7 @@ def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
     try:
         return simulate(prof, cluster_of(cfg), cls.comm_model, cal, compress=compress,
                         bucket_mb=float(cfg.get("bucket_mb", 25.0)),
-                        update_on=cfg.get("update_on") or "server")
+                        update_on=cfg.get("update_on") or "server",
+                        reduce=cfg.get("reduce") or "sum")
     except (ValueError, RuntimeError):
         return None

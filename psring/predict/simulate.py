@@ -36,6 +36,15 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     n workers' pieces of the step are in, it applies the update (the profile's
     optimizer time per byte) and answers the pulls, each pull another message back.
     The next step starts when every shard's parameters are in;
+  - ``hring`` (hallreduce): the ring's timeline, each bucket's collective being three:
+    a ring reduce-scatter among the host's G workers (loopback), G rings of H ranks
+    across the hosts on a 1/G slice each, in parallel, so a host link carries M/H a
+    step (2(H−1) steps at the link's α and β), and an all-gather in the host;
+  - with ``reduce="adasum"`` (``--reduce adasum``), the ring (or hring's rings across
+    hosts) is Adasum's vector halving, distance doubling instead: log2 n levels, level i
+    swapping M/2^(i+1) each way, adding up its per-tensor sums over a block of 2^(i+1)
+    ranks (a small all-reduce: 2(i+1) α) and making three passes over its half (dot
+    products and norms, then the combination: 4 γ a byte), then log2 n swaps back;
   - ``byteps`` (per-host aggregation): ``ps``'s timeline with groups. A host's G
     workers first reduce-scatter each bucket among themselves (a ring of G on the host's
     own interconnect, loopback's gloo α and β here, one collective at a time per host),
@@ -204,12 +213,14 @@ def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> lis
 
 def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibration,
              steps: int = 0, *, compress: str = "none", bucket_mb: float = 25.0,
-             cores: int | None = None, update_on: str = "server") -> Prediction:
+             cores: int | None = None, update_on: str = "server",
+             reduce: str = "sum") -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster), with the run's ``compress`` and ``bucket_mb``;
     ``cores``: the cores every process shares (a cluster emulated on one machine),
     None: each worker computes on a device of its own; ``update_on`` (byteps): where
-    the optimizer runs, "server" or "worker"."""
+    the optimizer runs, "server" or "worker"; ``reduce`` (ring, hring): "sum" or
+    "adasum"."""
     if comm_model not in COMM_MODELS:
         raise ValueError(f"comm_model {comm_model!r}: one of {COMM_MODELS}")
     if compress not in WIRE:
@@ -235,17 +246,21 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     cast = 0.0 if wire == 1.0 else (cal.cast or cal.gamma)
     total = sum(m for m, _ in buckets)
     steps = steps or (8 if comm_model == "ps-async" else 4)
-    if comm_model is None or n == 1 and comm_model == "ring" or total == 0:
+    rings = ("ring", "hring")
+    if comm_model is None or n == 1 and comm_model in rings or total == 0:
         pred = _no_messages(profile, cluster, comm_model, (D, F, B, U), buckets, total)
-    elif comm_model == "ring":
-        pred = _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cast, cal, steps)
+    elif comm_model in rings:
+        pred = _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cast, cal, steps,
+                     hier=comm_model == "hring", adasum=reduce == "adasum")
     else:
         pred = _ps(profile, cluster, comm_model, (D, F, B, U), buckets, total, wire, cast,
                    cal, steps, local_update=comm_model == "byteps" and update_on == "worker")
-    if cores and pred.comm_model is not None and total and not (n == 1 and comm_model == "ring"):
+    if cores and pred.comm_model is not None and total and not (n == 1 and comm_model in rings):
         _cores_floor(pred, profile, cluster, cores, comm_model, buckets, total, wire, cast,
                      cal)
     pred.settings = {"compress": compress, "bucket_mb": bucket_mb, "cores": cores}
+    if reduce != "sum":
+        pred.settings["reduce"] = reduce
     if comm_model == "byteps":
         pred.settings["update_on"] = update_on
     return pred
@@ -272,8 +287,8 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, cores: int,
     n, K = cluster.workers, cluster.servers
     alpha, beta = cal.link(comm_model)
     threads = max(1, profile.threads or 1)
-    compute = profile.compute_s - (0.0 if comm_model == "ring" else profile.update_s)
-    if comm_model == "ring":
+    compute = profile.compute_s - (0.0 if comm_model in ("ring", "hring") else profile.update_s)
+    if comm_model in ("ring", "hring"):  # (the same bytes a rank; hring: fewer messages)
         msgs = sum(2 * (n - 1) for _ in buckets)  # sends per worker (each also received)
         sent = sum(2 * (n - 1) / n * m * wire for m, _ in buckets)
         server = 0.0
@@ -350,11 +365,31 @@ def _launches(start: float, compute, buckets) -> list[float]:
     return out
 
 
+def adasum_steps(n: int, M: float, alpha: float, beta: float, gamma: float
+                 ) -> tuple[float, float]:
+    """(seconds, of which α) of Adasum's vector halving, distance doubling over n = 2^k
+    ranks on M bytes (psring.adasum.reduce): level i swaps M/2^(i+1), sums 3 numbers a
+    tensor over its block of 2^(i+1) ranks (an all-reduce of a few bytes: 2(i+1) α) and
+    passes over its half four times (γ a byte each); then the swaps back."""
+    t = lat = 0.0
+    level, i = 1, 0
+    while level < n:
+        half = M / (2 * level)
+        t += 2 * (alpha + half * beta) + 2 * (i + 1) * alpha + 4 * half * gamma
+        lat += 2 * alpha + 2 * (i + 1) * alpha
+        level, i = level * 2, i + 1
+    return t, lat
+
+
 def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
-          steps) -> Prediction:
+          steps, hier: bool = False, adasum: bool = False) -> Prediction:
     n = cluster.workers
     D, F, B, U = compute
     alpha, beta = cal.link("ring")
+    a_in, b_in = alpha, beta  # inside a host (hring's reduce-scatter and all-gather)
+    hosts = len(set(cluster.worker_host))
+    G = n // hosts if hier else 1
+    across = hosts if hier else n  # the ranks of the ring (or rings) across hosts
     edge = "ring edges (loopback)"
     if cluster.hosts > 1:
         a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
@@ -373,14 +408,25 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
         for (m, _), at in zip(buckets, launches):
             begin = max(at, stream.free)
             dur = 2 * m * cast  # to 16 bits before, back after
-            for d in ring_steps(n, m * wire, alpha, beta, cal.gamma * (1 / wire)):
-                dur += d
+            lat = 0.0
+            if G > 1:  # hring: reduce-scatter and all-gather among the host's G workers
+                c = m / G
+                dur += (G - 1) * (2 * a_in + 2 * c * b_in + c * cal.gamma)
+                lat += 2 * (G - 1) * a_in
+            # across: the flat ring of n, or hring's G rings of H on 1/G each (a host
+            # link carries all G of them: M/H a step)
+            if adasum:
+                d, la = adasum_steps(across, m * wire / G, alpha, beta * G, cal.gamma)
+                dur, lat = dur + d, lat + la
+            elif across > 1:
+                dur += sum(ring_steps(across, m * wire, alpha, beta, cal.gamma / wire / G))
+                lat += 2 * (across - 1) * alpha
             stream.occupy(begin, dur)
             done = stream.free
             times.append((at - t, done - t))
             if s == steps - 1:
-                latency_in += 2 * (n - 1) * alpha
-                spans_bw.append(dur - 2 * (n - 1) * alpha)
+                latency_in += lat
+                spans_bw.append(dur - lat)
         t = max(t + D + F + B, done) + U
         starts.append(t)
         bucket_times = times
@@ -388,7 +434,7 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
     window = (starts[-2], starts[-1])
     util = {edge: stream.busy_between(*window) / (window[1] - window[0])}
     bw_busy = sum(spans_bw)
-    return _finish(profile, cluster, "ring", period, compute, True,
+    return _finish(profile, cluster, "hring" if hier else "ring", period, compute, True,
                    {edge: min(util[edge], bw_busy / period) if period else 0.0},
                    latency_in, bucket_times, total, starts)
 
