@@ -46,6 +46,9 @@ class _Part:
     def __init__(self):
         self.work = None   # the reduce-scatter in flight (None: done or not started)
         self.acks: Replies | None = None
+        #: a GPU part's host copy, alive until its push is acknowledged (ZeroMQ sends
+        #: tensors without copying them)
+        self.staged: torch.Tensor | None = None
 
 
 class _BucketPush:
@@ -225,6 +228,8 @@ class BytePS(ParameterServer):
                 part.work = None
             n, s = self._valid(i, self.local), self.server_off[self.local][i]
             data = self.shards[i]
+            if data.device.type != "cpu":  # (not run here: no GPU)
+                data = part.staged = data[:n].cpu()
             keys = [self.client.send(k, "push", {"step": self.step, "offset": a},
                                      [data[a - s:b - s]])
                     for k, a, b in overlaps(s, s + n, self.ranges)]
