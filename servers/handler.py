@@ -79,6 +79,9 @@ class _Deferred:
     msg: Message
     since: float
     sent: set = field(default_factory=set)  # ranges already streamed to it (sync)
+    #: how many of the step's updated ranges (_Run.done) it has been offered: each
+    #: request then streams only the new ones (held pulls x ranges would be quadratic)
+    done_seen: int = 0
 
 
 @dataclass
@@ -495,7 +498,8 @@ class Handler:
                 out.extend(self._answer_pull(st, d))
             else:
                 if st.mode == "sync" and st.version == d.msg.header["min_version"] - 1:
-                    out.extend(self._stream(st, d, st.done, st.version + 1))
+                    out.extend(self._stream(st, d, st.done[d.done_seen:], st.version + 1))
+                    d.done_seen = len(st.done)
                 keep.append(d)
         self.deferred = keep
         return out

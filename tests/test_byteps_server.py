@@ -106,3 +106,13 @@ def test_bad_groups_updates_and_parts_are_refused():
         (r,) = h.handle(b"w0", req("pull", seq=500 + lo, min_version=0, lo=lo, hi=hi))
         assert "not inside this shard [0, 8)" in decode(r.frames).header["message"]
     assert h.deferred == []
+
+
+def test_partitions_cut_at_servers_and_at_the_partition_size():
+    from psring.strategies.byteps import PARTITION_ELEMENTS as P, partitions
+
+    ranges = [(0, 3 * P), (3 * P, 5 * P)]
+    got = partitions(P // 2, 4 * P, ranges)
+    assert got == [(0, P // 2, P // 2 + P), (0, P // 2 + P, P // 2 + 2 * P),
+                   (0, P // 2 + 2 * P, 3 * P), (1, 3 * P, 4 * P)]
+    assert partitions(5, 5, ranges) == []

@@ -9,7 +9,12 @@ On H hosts of G workers each (ranks h*G .. h*G+G-1 on host h), per bucket:
 2. local rank l pushes only its part, so a host's link carries the gradients once per
    direction instead of G times; the servers (``--servers K``, sharded as for ``ps``)
    sum one push per host (init's ``group`` = G);
-3. after backward, local rank l pulls its part back and the host all-gathers the parts.
+3. local rank l pulls its part back — the pull right behind the part's push, so a
+   server streams each partition back as soon as every host's push of it is summed,
+   while later partitions are still being pushed (BytePS's pipelining: pushes go out
+   in partitions of at most 4 MB, BYTEPS_PARTITION_BYTES's default, and a host link
+   carries pushes one way and pulls the other at once) — and after backward the host
+   all-gathers the parts.
 
 ``--update-on server`` (default): the servers run SGD, as ``ps``, and the pull brings
 parameters. ``--update-on worker`` (BytePS's own split): the servers only add
@@ -26,6 +31,8 @@ contiguous range per server it overlaps (docs/protocol.md: ``lo``, ``hi``).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,6 +45,20 @@ from .base import DONE, STRATEGIES, Handle
 from .buckets import Bucket, GradientBuckets, bucket_caps
 from .hallreduce import host_group, host_layout
 from .ps import ParameterServer, PSClient, Replies
+
+#: the largest push (BytePS's BYTEPS_PARTITION_BYTES default, 4096000 bytes): a part is
+#: pushed in partitions, each summed and streamed back on its own
+PARTITION_ELEMENTS = 4_096_000 // 4
+
+
+def partitions(lo: int, hi: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(server, start, end) of [lo, hi) cut at the servers' ranges and into partitions of
+    at most PARTITION_ELEMENTS."""
+    out = []
+    for k, a, b in overlaps(lo, hi, ranges):
+        for x in range(a, b, PARTITION_ELEMENTS):
+            out.append((k, x, min(b, x + PARTITION_ELEMENTS)))
+    return out
 
 
 class _Part:
@@ -63,9 +84,9 @@ class _BucketPush:
 
 
 class _StepEnd:
-    """finish_backward's handle: the remaining pushes, their acks, the pull sent right
-    behind them; with updates on the workers also the pull and the all-gather of the
-    summed gradients (the optimizer needs them)."""
+    """finish_backward's handle: the remaining pushes (each part's pull behind it), their
+    acks; with updates on the workers also the pulls and the all-gather of the summed
+    gradients (the optimizer needs them)."""
 
     def __init__(self, strategy: "BytePS", handles: list):
         self.strategy, self.handles = strategy, handles
@@ -73,7 +94,8 @@ class _StepEnd:
     def wait(self) -> None:
         s = self.strategy
         s._push_ready(upto=len(s.parts) - 1)
-        s.pull = s._send_part_pull(s.step + 1)
+        s.pull = Replies(s.client, s.pull_keys, "a pull of this worker's part")
+        s.gathered = False
         for h in self.handles:
             h.wait()
         s._account()
@@ -161,6 +183,7 @@ class BytePS(ParameterServer):
         Replies(self.client, keys, "a pull of parameters").wait()
         self._early_recv = self.client.bytes_recv - recv
         self.pull = None
+        self.pull_keys: list = []  # this step's pulls, one per part and server
         return model
 
     # -- layout -----------------------------------------------------------------------
@@ -232,17 +255,15 @@ class BytePS(ParameterServer):
                 data = part.staged = data[:n].cpu()
             keys = [self.client.send(k, "push", {"step": self.step, "offset": a},
                                      [data[a - s:b - s]])
-                    for k, a, b in overlaps(s, s + n, self.ranges)]
+                    for k, a, b in partitions(s, s + n, self.ranges)]
             part.acks = Replies(self.client, keys, "a gradient push")
-
-    def _send_part_pull(self, min_version: int) -> Replies:
-        lo, hi = self.columns[self.local]
-        keys = [self.client.send(k, "pull", {"min_version": min_version, "lo": a, "hi": b})
-                for k, a, b in overlaps(lo, hi, self.ranges)]
-        for key, (k, a, b) in zip(keys, overlaps(lo, hi, self.ranges)):
-            self.client.streams[key] = [b - a, self._column_piece]
-        self.gathered = False
-        return Replies(self.client, keys, "a pull of this worker's part")
+            # right behind them, on the same connections: the pull of the part's result
+            # for the next step, streamed back partition by partition as each is summed
+            for k, a, b in overlaps(s, s + n, self.ranges):
+                key = self.client.send(k, "pull", {"min_version": self.step + 1,
+                                                   "lo": a, "hi": b})
+                self.client.streams[key] = [b - a, self._column_piece]
+                self.pull_keys.append(key)
 
     def _column_piece(self, msg: Message) -> None:
         lo, hi = self.columns[self.local]
@@ -258,7 +279,9 @@ class BytePS(ParameterServer):
         into the parameters (update on the servers) or the gradients (on the workers)."""
         if self.gathered:
             return
+        t0 = time.perf_counter()
         self.pull.wait()
+        t1 = time.perf_counter()
         lo = self.columns[self.local][0]
         for i, b in enumerate(self.buckets.buckets):
             n, s = self._valid(i, self.local), self.server_off[self.local][i]
@@ -276,6 +299,9 @@ class BytePS(ParameterServer):
         if self.update_on_worker:
             self.buckets.assign_grads()
         self.gathered = True
+        # where the wait went: the rest of the pull, and the host's all-gather
+        self.stats.extra["pull_wait_s"] = round(t1 - t0, 7)
+        self.stats.extra["gather_s"] = round(time.perf_counter() - t1, 7)
 
     # -- the loop's hooks -------------------------------------------------------------
     def begin_step(self, step: int) -> Handle:
@@ -284,6 +310,7 @@ class BytePS(ParameterServer):
         self._bytes_at_start = (sent, recv - self._early_recv)
         self._early_recv = 0
         self.parts = [_Part() for _ in self.buckets.buckets]
+        self.pull_keys = []
         return _Gathered(self) if not self.update_on_worker and self.pull is not None \
             else DONE
 
