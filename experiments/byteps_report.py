@@ -58,32 +58,41 @@ def link_bytes(rows: list[dict], run_of) -> list[str]:
     return lines
 
 
+#: a GPU host's interconnect on paper, for byteps's and hring's collectives inside a
+#: host: NVLink 2.0 on a V100 (6 links x 25 GB/s each way; 150 GB/s), a few µs a message
+NVLINK = (10e-6, 1 / 150e9)
+
+
 def direction(rows: list[dict], run_of) -> list[str]:
     from psring.predict.costmodel import Calibration, find_calibration
     from psring.predict.replay import replay
 
     path = find_calibration()
     cal = Calibration.load(path) if path else None
-    lines = ["| model | link | strategy | measured step ms | predicted ms | error |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model | link | strategy | measured step ms | predicted ms | error | "
+             "predicted, NVLink inside the hosts |", "|---|---|---|---|---|---|---|"]
     by = defaultdict(dict)
     for r in rows:
         c = r["config"]
-        key = (c.get("device_profile") or c["model"], c["link"])
+        key = (Path(c.get("device_profile") or c["model"]).name, c["link"])
         pred = replay(run_of(r), cal) if cal else None
-        by[key][c["strategy"]] = (r["step_p50_s"], pred.step_s if pred else None)
+        fast = replay(run_of(r), cal, inside=NVLINK) if cal else None
+        by[key][c["strategy"]] = (r["step_p50_s"], pred.step_s if pred else None,
+                                  fast.step_s if fast else None)
+    ms = lambda x: f"{x * 1e3:.0f}" if x else "-"  # noqa: E731
     for (model, link), st in sorted(by.items()):
-        for name, (meas, pred) in sorted(st.items()):
+        for name, (meas, pred, fast) in sorted(st.items()):
             err = f"{(pred - meas) / meas:+.0%}" if pred else "-"
-            p = f"{pred * 1e3:.0f}" if pred else "-"
-            lines.append(f"| {model} | {link} | {name} | {meas * 1e3:.0f} | {p} | {err} |")
-    lines += ["", "| model | link | byteps speed-up over allreduce, measured | predicted |",
-              "|---|---|---|---|"]
+            lines.append(f"| {model} | {link} | {name} | {meas * 1e3:.0f} | {ms(pred)} | "
+                         f"{err} | {ms(fast)} |")
+    lines += ["", "| model | link | byteps speed-up over allreduce, measured | predicted | "
+              "predicted, NVLink inside |", "|---|---|---|---|---|"]
+    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
     for (model, link), st in sorted(by.items()):
         if "byteps" in st and "allreduce" in st:
-            (mb, pb), (ma, pa) = st["byteps"], st["allreduce"]
-            pred = f"{pa / pb:.2f}x" if pa and pb else "-"
-            lines.append(f"| {model} | {link} | {ma / mb:.2f}x | {pred} |")
+            (mb, pb, fb), (ma, pa, fa) = st["byteps"], st["allreduce"]
+            lines.append(f"| {model} | {link} | {ratio(ma, mb)} | {ratio(pa, pb)} | "
+                         f"{ratio(fa, fb)} |")
     if cal is None:
         lines.append("\n(no calibration: run `psring calibrate` for the predictions)")
     return lines

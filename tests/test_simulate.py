@@ -221,25 +221,42 @@ def test_the_simulators_wire_fractions_are_psring_compress_s():
 def test_byteps_aggregates_in_the_host_then_pushes_a_part_each():
     # One host of G = 2 workers, one server, one 8e6-byte bucket ready when backward ends
     # (30 ms). The host's reduce-scatter (a ring of 2: one step of α + (M/2)β + (M/2)γ =
-    # 1 + 4 + 0.4 ms) ends at 35.4 ms; each worker pushes its 4e6 bytes: worker 0's
-    # arrives at 35.4 + 4 + 1 = 40.4 ms, worker 1's queues behind it at the server's
-    # transport (39.4-43.4) and arrives at 44.4 ms. The server adds each (0.4 ms: 40.8,
-    # 44.8), and once one push per host is in — both halves — applies the update (8e6 x
-    # 0.5 ns = 4 ms): 48.8 ms. It answers both pulls with 4e6 bytes each (its transport
-    # carries 8e6: 48.8-56.8), arriving at 57.8 ms; the host all-gathers (α + (M/2)β =
-    # 5 ms): the next step starts at 62.8 ms.
+    # 1 + 4 + 0.4 ms) ends at 35.4 ms; both workers push their 4e6 bytes (one partition
+    # each, under 4.096 MB) side by side, sharing the server's transport (8e6 bytes:
+    # 8 ms): both arrive at 35.4 + 8 + 1 = 44.4 ms. The server adds each (0.4 ms: 45.2),
+    # and with one push per host of every range in applies the update (8e6 x 0.5 ns =
+    # 4 ms): 49.2 ms. It streams 4e6 bytes to each worker (its transport carries 8e6:
+    # 49.2-57.2), arriving at 58.2 ms; the host all-gathers (α + (M/2)β = 5 ms): the next
+    # step starts at 63.2 ms.
     M = 8_000_000
     cl = Cluster.of(hosts=1, workers_per_host=2, servers=1)
     p = simulate(profile([M], [B]), cl, "byteps", CAL)
-    assert p.starts[1] == pytest.approx(0.0628)
-    assert p.step_s == pytest.approx(0.0628)
+    assert p.starts[1] == pytest.approx(0.0632)
+    assert p.step_s == pytest.approx(0.0632)
     assert p.phases["update_s"] == 0
-    # updating on the workers: the server only adds (ready at 44.8 ms), answers 44.8-52.8,
-    # arrival 53.8, all-gather to 58.8, and each worker's own update (4 ms): 62.8 ms
+    # updating on the workers: the server only adds (done at 45.2 ms), streams 45.2-53.2,
+    # arrival 54.2, all-gather to 59.2, and each worker's own update (4 ms): 63.2 ms
     w = simulate(profile([M], [B]), cl, "byteps", CAL, update_on="worker")
-    assert w.starts[1] == pytest.approx(0.0628)
+    assert w.starts[1] == pytest.approx(0.0632)
     assert w.phases["update_s"] == pytest.approx(U)
     assert w.settings["update_on"] == "worker"
+
+
+def test_byteps_pipelines_partitions_push_and_pull():
+    # 2 hosts of 1 worker, a server on a third host, one 40.96e6-byte bucket: 10
+    # partitions of 4.096e6 bytes. The server's link carries both hosts' pushes in
+    # (2 x 40.96e6 x 8 ns = 655 ms) and their pulls out as much; partition j comes back
+    # while j + 1.. are pushed, so the step's communication is about one direction (655
+    # ms) plus a partition's round (~66 ms), not push then pull (1311 ms).
+    M = 40_960_000
+    cl = Cluster.of(hosts=2, workers_per_host=1, link_bits=1e9, servers=1,
+                    placement="own-hosts")
+    p = simulate(profile([M], [B]), cl, "byteps", CAL)
+    one_way = 2 * M * B_LINK
+    assert one_way < p.phases["comm_s"] < 1.15 * one_way
+    from psring.predict.simulate import PARTITION_BYTES
+    from psring.strategies.byteps import PARTITION_ELEMENTS
+    assert PARTITION_BYTES == PARTITION_ELEMENTS * 4
 
 
 def test_byteps_with_one_worker_a_host_is_ps_and_a_host_link_carries_m_once():

@@ -23,11 +23,13 @@ from .profile import Profile
 from .simulate import Prediction, simulate
 
 
-def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
+def replay(run_dir: Any, cal: Calibration,
+           inside: tuple[float, float] | None = None) -> Prediction | None:
     """The simulator's step time for a measured run, from the run's own profile (its
     compute phases and when its buckets were launched; Profile.from_run): what the run's
     communication should have cost on its cluster, given its compute. None for a run
-    the simulator cannot read."""
+    the simulator cannot read. ``inside``: (α, β) of each host's own interconnect, for
+    what the run would take with, say, NVLink inside its hosts (simulate's)."""
     try:
         cfg = read_manifest(run_dir)["config"]
         cls = STRATEGIES.get(cfg["strategy"])
@@ -44,6 +46,6 @@ def replay(run_dir: Any, cal: Calibration) -> Prediction | None:
         return simulate(prof, cluster_of(cfg), cls.comm_model, cal, compress=compress,
                         bucket_mb=float(cfg.get("bucket_mb", 25.0)),
                         update_on=cfg.get("update_on") or "server",
-                        reduce=cfg.get("reduce") or "sum")
+                        reduce=cfg.get("reduce") or "sum", inside=inside)
     except (ValueError, RuntimeError):
         return None

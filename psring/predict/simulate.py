@@ -45,12 +45,13 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     swapping M/2^(i+1) each way, adding up its per-tensor sums over a block of 2^(i+1)
     ranks (a small all-reduce: 2(i+1) α) and making three passes over its half (dot
     products and norms, then the combination: 4 γ a byte), then log2 n swaps back;
-  - ``byteps`` (per-host aggregation): ``ps``'s timeline with groups. A host's G
+  - ``byteps`` (per-host aggregation): ``ps``'s resources with groups. A host's G
     workers first reduce-scatter each bucket among themselves (a ring of G on the host's
     own interconnect, loopback's gloo α and β here, one collective at a time per host),
-    then each pushes its 1/G part; a server's range is complete with one push per host;
-    each worker pulls its 1/G of every shard back, and once all G have theirs the host
-    all-gathers every bucket. With ``update_on="worker"`` the servers only add and each
+    then each pushes its 1/G part, its pull right behind it; a server's piece of a
+    bucket is complete with one push per host, and is then summed (updated) and
+    streamed back to every worker at once, while later buckets are still pushed; once a
+    host's G workers have every piece, the host all-gathers every bucket. With ``update_on="worker"`` the servers only add and each
     worker runs the optimizer after the all-gather;
   - ``ps-async`` (Downpour): a server applies each worker's piece on arrival and answers
     that worker's pull once its own pushes are applied: no worker waits for another.
@@ -88,6 +89,9 @@ from .costmodel import COMM_MODELS, Calibration
 #: (kept here so the simulator needs no torch; a test checks it against
 #: psring.compress.wire_bytes)
 WIRE = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
+#: byteps's largest push, bytes (psring.strategies.byteps.PARTITION_ELEMENTS x 4; kept
+#: here so the simulator needs no torch; a test checks the two agree)
+PARTITION_BYTES = 4_096_000
 
 
 @dataclass
@@ -214,13 +218,15 @@ def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> lis
 def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibration,
              steps: int = 0, *, compress: str = "none", bucket_mb: float = 25.0,
              cores: int | None = None, update_on: str = "server",
-             reduce: str = "sum") -> Prediction:
+             reduce: str = "sum", inside: tuple[float, float] | None = None) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster), with the run's ``compress`` and ``bucket_mb``;
     ``cores``: the cores every process shares (a cluster emulated on one machine),
     None: each worker computes on a device of its own; ``update_on`` (byteps): where
     the optimizer runs, "server" or "worker"; ``reduce`` (ring, hring): "sum" or
-    "adasum"."""
+    "adasum"; ``inside``: (α, β) of a host's own interconnect for byteps's and
+    hring's collectives inside a host (default: loopback's gloo figures, this machine's;
+    e.g. NVLink's on paper)."""
     if comm_model not in COMM_MODELS:
         raise ValueError(f"comm_model {comm_model!r}: one of {COMM_MODELS}")
     if compress not in WIRE:
@@ -251,10 +257,11 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
         pred = _no_messages(profile, cluster, comm_model, (D, F, B, U), buckets, total)
     elif comm_model in rings:
         pred = _ring(profile, cluster, (D, F, B, U), buckets, total, wire, cast, cal, steps,
-                     hier=comm_model == "hring", adasum=reduce == "adasum")
+                     hier=comm_model == "hring", adasum=reduce == "adasum", inside=inside)
     else:
         pred = _ps(profile, cluster, comm_model, (D, F, B, U), buckets, total, wire, cast,
-                   cal, steps, local_update=comm_model == "byteps" and update_on == "worker")
+                   cal, steps, local_update=comm_model == "byteps" and update_on == "worker",
+                   inside=inside)
     if cores and pred.comm_model is not None and total and not (n == 1 and comm_model in rings):
         _cores_floor(pred, profile, cluster, cores, comm_model, buckets, total, wire, cast,
                      cal)
@@ -382,11 +389,13 @@ def adasum_steps(n: int, M: float, alpha: float, beta: float, gamma: float
 
 
 def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
-          steps, hier: bool = False, adasum: bool = False) -> Prediction:
+          steps, hier: bool = False, adasum: bool = False,
+          inside: tuple[float, float] | None = None) -> Prediction:
     n = cluster.workers
     D, F, B, U = compute
     alpha, beta = cal.link("ring")
-    a_in, b_in = alpha, beta  # inside a host (hring's reduce-scatter and all-gather)
+    # inside a host (hring's reduce-scatter and all-gather)
+    a_in, b_in = inside or (alpha, beta)
     hosts = len(set(cluster.worker_host))
     G = n // hosts if hier else 1
     across = hosts if hier else n  # the ranks of the ring (or rings) across hosts
@@ -440,13 +449,15 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
 
 
 def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cast, cal,
-        steps, local_update: bool = False) -> Prediction:
+        steps, local_update: bool = False,
+        inside: tuple[float, float] | None = None) -> Prediction:
     n, K = cluster.workers, cluster.servers
     D, F, B, U = compute
     sync = mode in ("ps", "byteps")
     # byteps: G workers a host aggregate first; each pushes and pulls 1/G
     G = group_size(cluster) if mode == "byteps" else 1
-    a_in, b_in = cal.link("ring")  # the host's collectives (gloo on loopback here)
+    # the host's collectives (gloo on loopback here, unless given)
+    a_in, b_in = inside or cal.link("ring")
     inside = {h: _Resource(f"host {h} inside (reduce-scatter, all-gather)", b_in)
               for h in sorted(set(cluster.worker_host))}
     rs_done: dict[tuple[int, int, int], float] = {}  # (host, s, bucket) -> its parts ready
@@ -516,6 +527,9 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
                 rs_done[key] = inside[whost[w]].occupy(
                     t, (G - 1) * (a_in + c * b_in + c * cal.gamma))
             t = rs_done[key]
+        if mode == "byteps":
+            push_partitions(w, s, i, t, parts)
+            return
         msgs = [(m * wire, *path(w_io[w], whost[w], shost[k], s_io[k])) for k, m in parts]
         if cast:  # the worker casts the bucket before it goes out
             t = w_io[w].occupy(t, sum(m for _, m in parts) * cast)
@@ -552,7 +566,58 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
             own[(k, w, s)] = own.get((k, w, s), 0) + m
             maybe_answer_async(k, w, s)
 
+    # byteps: each worker's part of bucket i for server k goes in `nparts` partitions of
+    # c bytes, one after another on its connection (the G workers of a host side by
+    # side); unit (i, k, j) is partition j of every worker's part, complete when all n
+    # are in; (s, unit) -> bytes in; (w, s) -> units pulled
+    chunks = {(i, k): (max(1, -(-int(m / G) // PARTITION_BYTES)), m / G)
+              for i, p in enumerate(pieces) for k, m in p}
+    units = sum(nparts for nparts, _ in chunks.values())
+    got_i: dict[tuple, float] = {}
+    pushed: set[tuple[int, int]] = set()
+
+    def push_partitions(w: int, s: int, i: int, t: float, parts) -> None:
+        """Every worker pushes its part of bucket i (the first to get here plays all n: a
+        synchronous step launches a bucket on every host at once), partition j of all of
+        them side by side, sharing links and transports fairly, partitions one after
+        another on each connection."""
+        if (s, i) in pushed:
+            return
+        mates = range(n)
+        pushed.add((s, i))
+        most = max(chunks[(i, k)][0] for k, _ in parts)
+        for j in range(most):
+            sends = [(k, x, chunks[(i, k)][1] / chunks[(i, k)][0]) for k, _ in parts
+                     for x in mates if j < chunks[(i, k)][0]]
+            msgs = [(c * wire, *path(w_io[x], whost[x], shost[k], s_io[k]))
+                    for k, x, c in sends]
+            for (k, x, c), arrive in zip(sends, _send_together(t, msgs)):
+                ev.at(arrive, lambda tt, k=k, x=x, u=(i, k, j), c=c:
+                      piece_arrives(k, x, s, u, c, tt))
+                if x == 0 and s == steps - 1:
+                    bucket_times.append((t - starts[0][-1], arrive - starts[0][-1]))
+
+    def piece_arrives(k: int, w: int, s: int, unit: tuple, c: float, t: float) -> None:
+        """byteps: partition j of a worker's part (its pull behind it); once all n are in,
+        the host sums of the partition are summed (and updated) and streamed to all n."""
+        done = s_cpu[k].occupy(t, c * cal.gamma)
+        got_i[(s, unit)] = got_i.get((s, unit), 0.0) + c
+        if got_i[(s, unit)] < n * c * (1 - 1e-9):
+            return
+        done = s_cpu[k].occupy(done, G * c * apply_per_byte)
+        msgs = [(c * wire, *path(s_io[k], shost[k], whost[x], w_io[x])) for x in range(n)]
+        for x, arrive in zip(range(n), _send_together(done, msgs)):
+            ev.at(arrive, lambda tt, x=x: piece_pulled(x, s, tt))
+
+    def piece_pulled(w: int, s: int, t: float) -> None:
+        pulled[(w, s)] = pulled.get((w, s), 0) + 1
+        pull_done[(w, s)] = max(pull_done.get((w, s), 0.0), t)
+        if pulled[(w, s)] == units:
+            pulls_complete(w, s)
+
     def send_pulls(w: int, s: int, t: float) -> None:
+        if mode == "byteps":
+            return  # sent with each push (piece_arrives)
         for k in range(K):
             a = a_loc if whost[w] == shost[k] else a_link
             # behind this worker's pushes on the same connection
@@ -588,8 +653,10 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
         if cast:  # back to 32 bits on the worker
             t = w_io[w].occupy(t, shard_bytes[k] / G * cast)
         pull_done[(w, s)] = max(pull_done.get((w, s), 0.0), t)
-        if pulled[(w, s)] < K:
-            return
+        if pulled[(w, s)] == K:
+            pulls_complete(w, s)
+
+    def pulls_complete(w: int, s: int) -> None:
         if G == 1:
             nxt = max(pull_done[(w, s)], bw_end[(w, s)]) + (U if local_update else 0.0)
             starts[w].append(nxt)
