@@ -40,7 +40,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,7 @@ from typing import Any, Iterator
 from .cluster import NETWORK, Cluster
 from .errors import PsringError
 from .netns import (CLONE_NEWNET, CLONE_NEWUSER, HOST_IFACE, NETNS_ENV,
-                    _setns, _unshare, ns_inode, setns_fd)
+                    _setns, _unshare, link_events, ns_inode, port_bytes, setns_fd)
 from .process import (POLL_S, ProcessSpec, Supervisor, die_with_parent, kill_with_parent,
                       tail)
 from .runlog import atomic_write_json
@@ -323,7 +322,7 @@ class Agent:
             ready, _, _ = select.select([sock], [], [], 5.0)
             if not ready:
                 continue
-            for name, is_up in _link_events(sock.recv(65536)):
+            for name, is_up in link_events(sock.recv(65536)):
                 if name in ports and is_up != up[name]:
                     up[name] = is_up
                     h = ports[name]
@@ -341,17 +340,9 @@ class Agent:
         ports = {h["port"]: h["name"] for h in self.state.get("hosts", [])}
         if not ports or not self.state.get("ready"):
             return
-        try:
-            # /proc/self/net is this process's namespace: the switch's
-            lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
-        except OSError:
-            return
         counts = {}
-        for line in lines:
-            name, _, rest = line.partition(":")
-            f = rest.split()
-            if name.strip() in ports and len(f) >= 9:
-                counts[ports[name.strip()]] = {"from_host": int(f[0]), "to_host": int(f[8])}
+        for port, (rx, tx) in port_bytes(set(ports)).items():
+            counts[ports[port]] = {"from_host": rx, "to_host": tx}
         self.state["link_bytes"] = counts
         self._save()
 
@@ -364,28 +355,6 @@ class Agent:
                 os.waitpid(pid, 0)
             except OSError:
                 pass
-
-
-def _link_events(data: bytes):
-    """(interface name, carrier up) of each RTM_NEWLINK message in a netlink datagram."""
-    IFF_UP, IFF_LOWER_UP, RTM_NEWLINK, IFLA_IFNAME = 0x1, 0x10000, 16, 3
-    off = 0
-    while off + 16 <= len(data):
-        length, kind = struct.unpack_from("=IH", data, off)
-        if length < 16:
-            break
-        if kind == RTM_NEWLINK and length >= 32:
-            flags = struct.unpack_from("=I", data, off + 24)[0]
-            a = off + 32
-            while a + 4 <= off + length:
-                alen, atype = struct.unpack_from("=HH", data, a)
-                if alen < 4:
-                    break
-                if atype == IFLA_IFNAME:
-                    name = data[a + 4:a + alen].split(b"\0")[0].decode(errors="replace")
-                    yield name, bool(flags & IFF_UP and flags & IFF_LOWER_UP)
-                a += (alen + 3) & ~3
-        off += (length + 3) & ~3
 
 
 def agent_main(plan_json: str, state_path: str) -> int:

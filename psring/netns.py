@@ -2,7 +2,8 @@
 one. The emulated cluster (psring.emulate) is built from these; a parameter server
 asks :func:`inside_cluster` whether it may listen without a secret.
 
-Linux only; pure ctypes and /proc, no other psring module.
+Linux only; pure ctypes and /proc, no other psring module. Also what the emulated
+cluster reads of its links: rtnetlink link events and byte counters.
 """
 
 from __future__ import annotations
@@ -102,3 +103,41 @@ def _setns(path: str, nstype: int, inode: int | None = None) -> None:
 
 def ns_inode(pid: int | str, kind: str = "net") -> int:
     return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+
+
+def link_events(data: bytes):
+    """(interface name, carrier up) of each RTM_NEWLINK message in a netlink datagram."""
+    IFF_UP, IFF_LOWER_UP, RTM_NEWLINK, IFLA_IFNAME = 0x1, 0x10000, 16, 3
+    off = 0
+    while off + 16 <= len(data):
+        length, kind = struct.unpack_from("=IH", data, off)
+        if length < 16:
+            break
+        if kind == RTM_NEWLINK and length >= 32:
+            flags = struct.unpack_from("=I", data, off + 24)[0]
+            a = off + 32
+            while a + 4 <= off + length:
+                alen, atype = struct.unpack_from("=HH", data, a)
+                if alen < 4:
+                    break
+                if atype == IFLA_IFNAME:
+                    name = data[a + 4:a + alen].split(b"\0")[0].decode(errors="replace")
+                    yield name, bool(flags & IFF_UP and flags & IFF_LOWER_UP)
+                a += (alen + 3) & ~3
+        off += (length + 3) & ~3
+
+
+def port_bytes(names: set[str]) -> dict[str, tuple[int, int]]:
+    """(received, sent) byte counters of the named interfaces of this process's network
+    namespace (/proc/self/net/dev is the namespace's own); {} if unreadable."""
+    try:
+        lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        name, _, rest = line.partition(":")
+        f = rest.split()
+        if name.strip() in names and len(f) >= 9:
+            out[name.strip()] = (int(f[0]), int(f[8]))
+    return out

@@ -139,6 +139,23 @@ def test_sweeps_drop_cluster_settings_that_cannot_apply(tmp_path):
             for p in sweep.points(tmp_path)] == [(2, 2)]
 
 
+def test_port_bytes_reads_this_namespaces_counters():
+    before = netns.port_bytes({"lo", "no-such-port"})
+    assert set(before) == {"lo"} and all(isinstance(x, int) for x in before["lo"])
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        c = socket.create_connection(srv.getsockname())
+        a, _ = srv.accept()
+        c.sendall(b"x" * 100_000)
+        got = 0
+        while got < 100_000:
+            got += len(a.recv(65536))
+        c.close()
+        a.close()
+    after = netns.port_bytes({"lo"})
+    assert after["lo"][0] - before["lo"][0] >= 100_000  # (loopback: received = sent)
+
+
 def test_link_events_are_read_from_rtnetlink_messages():
     def newlink(name: str, flags: int) -> bytes:
         attr = name.encode() + b"\0"
@@ -149,7 +166,7 @@ def test_link_events_are_read_from_rtnetlink_messages():
 
     up, lower_up = 0x1, 0x10000
     data = newlink("psr-h1", up | lower_up) + newlink("psr-h2", up) + newlink("eth0", 0)
-    assert list(emulate._link_events(data)) == [("psr-h1", True), ("psr-h2", False),
+    assert list(netns.link_events(data)) == [("psr-h1", True), ("psr-h2", False),
                                                 ("eth0", False)]
 
 
