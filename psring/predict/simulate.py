@@ -76,14 +76,15 @@ transport, the shared cores, or latency (α terms dominate).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..cluster import Cluster
-from ..partition import even_split, overlaps
 from .costmodel import COMM_MODELS, Calibration
+# (the engine's names are re-exported: tests and scripts import them from here)
+from .engine import (Events, Resource, adasum_steps, group_size,  # noqa: F401
+                     launches, ring_steps, send_together, server_update_per_byte,
+                     shard_pieces)
 
 #: bytes on the wire per float32 byte of gradient, for each of psring.compress's choices
 #: (kept here so the simulator needs no torch; a test checks it against
@@ -128,89 +129,6 @@ class Prediction:
                             "workers_per_host": c.workers_per_host, "link_bits": c.link_bits,
                             "delay_s": c.delay_s, "servers": c.servers,
                             "placement": c.placement, **self.settings}}
-
-
-# -- the engine -------------------------------------------------------------------------
-
-class _Resource:
-    """Something messages queue for, FIFO: a transport, one direction of a link, a CPU."""
-
-    def __init__(self, name: str, beta: float):
-        self.name = name
-        self.beta = beta  # seconds per byte
-        self.free = 0.0
-        self.spans: list[tuple[float, float]] = []
-
-    def occupy(self, t: float, seconds: float) -> float:
-        start = max(self.free, t)
-        self.free = start + seconds
-        if seconds > 0:
-            self.spans.append((start, self.free))
-        return self.free
-
-    def busy_between(self, a: float, b: float) -> float:
-        return sum(max(0.0, min(e, b) - max(s, a)) for s, e in self.spans)
-
-
-class _Events:
-    def __init__(self) -> None:
-        self.queue: list[tuple[float, int, Callable[[float], None]]] = []
-        self.seq = itertools.count()
-
-    def at(self, t: float, fn: Callable[[float], None]) -> None:
-        heapq.heappush(self.queue, (t, next(self.seq), fn))
-
-    def run(self) -> None:
-        while self.queue:
-            t, _, fn = heapq.heappop(self.queue)
-            fn(t)
-
-
-def _send_together(t: float, msgs: list[tuple[float, list[_Resource], float]]) -> list[float]:
-    """Messages sent at the same moment from one process (a server answering every
-    held pull, a worker pushing a bucket's pieces to K servers): they go out on separate
-    connections, which share each resource fairly (TCP flows through a link, ZeroMQ's
-    I/O thread over its pipes), not one after another. So a resource they share carries
-    their bytes together and each message is done when all its resources have carried
-    the group's bytes (processor sharing of equal-sized messages started together).
-    Returns each message's arrival."""
-    load: dict[int, tuple[_Resource, float]] = {}
-    for nbytes, path, _ in msgs:
-        for r in path:
-            res, b = load.get(id(r), (r, 0.0))
-            load[id(r)] = (res, b + nbytes)
-    done = {key: res.occupy(t, b * res.beta) for key, (res, b) in load.items()}
-    return [max([t, *(done[id(r)] for r in path)]) + alpha for _, path, alpha in msgs]
-
-
-def shard_pieces(buckets: list[tuple[int, float]], servers: int
-                 ) -> tuple[list[list[tuple[int, int]]], list[int]]:
-    """Each bucket's pieces as (server, float32 bytes), and each server's shard bytes: the
-    flat vector of float32 elements split as psring.strategies.ps splits it. Servers
-    beyond the element count would hold nothing, as the strategy's would: at most one
-    server per element."""
-    elems = [-(-m // 4) for m, _ in buckets]
-    ranges = even_split(sum(elems), max(1, min(servers, sum(elems))))
-    pieces, start = [], 0
-    for e in elems:
-        pieces.append([(k, (b - a) * 4) for k, a, b in overlaps(start, start + e, ranges)])
-        start += e
-    return pieces, [(hi - lo) * 4 for lo, hi in ranges]
-
-
-def group_size(cluster: Cluster) -> int:
-    """Workers per host (byteps's groups; every host holds as many)."""
-    hosts = len(set(cluster.worker_host))
-    return max(1, cluster.workers // max(1, hosts))
-
-
-def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> list[float]:
-    """The durations of a ring all-reduce's 2(n−1) steps on M bytes: n−1 of the
-    reduce-scatter (send a chunk, add the received one) then n−1 of the all-gather."""
-    if n <= 1:
-        return []
-    c = M / n
-    return [alpha + c * beta + (c * gamma if j < n - 1 else 0.0) for j in range(2 * (n - 1))]
 
 
 # -- the simulation -------------------------------------------------------------------------
@@ -273,13 +191,6 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     return pred
 
 
-def _server_update_per_byte(profile: Any, cal: Calibration) -> float:
-    """Seconds per byte of a server's update, an SGD step over its shard: the profile's
-    optimizer time per byte, never below two adds' worth (a PS run's own profile has no
-    optimizer time: its workers do not update)."""
-    return max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
-
-
 def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, cores: int,
                  comm_model: str,
                  buckets: list[tuple[int, float]], total: int, wire: float, cast: float,
@@ -309,7 +220,7 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, cores: int,
             a_r, b_r = cal.link("ring")
             sent = sent / g + 2 * (g - 1) / g * total * b_r / beta  # (in loopback-zmq bytes)
             msgs += 2 * (g - 1) * len(buckets) * a_r / alpha
-        apply = _server_update_per_byte(profile, cal)
+        apply = server_update_per_byte(profile, cal)
         if comm_model == "ps-async":  # every push applied, and a cast for its pull
             server = n * total * (cal.gamma + apply + 2 * cast)
         elif comm_model == "byteps":  # one push per host added (and the update)
@@ -362,32 +273,6 @@ def _no_messages(profile, cluster, comm_model, compute, buckets, total) -> Predi
                    [], total)
 
 
-def _launches(start: float, compute, buckets) -> list[float]:
-    """When each bucket is launched: ready in backward, strictly in order."""
-    D, F, _, _ = compute
-    out, last = [], start
-    for _, ready in buckets:
-        last = max(last, start + D + F + ready)
-        out.append(last)
-    return out
-
-
-def adasum_steps(n: int, M: float, alpha: float, beta: float, gamma: float
-                 ) -> tuple[float, float]:
-    """(seconds, of which α) of Adasum's vector halving, distance doubling over n = 2^k
-    ranks on M bytes (psring.adasum.reduce): level i swaps M/2^(i+1), sums 3 numbers a
-    tensor over its block of 2^(i+1) ranks (an all-reduce of a few bytes: 2(i+1) α) and
-    passes over its half four times (γ a byte each); then the swaps back."""
-    t = lat = 0.0
-    level, i = 1, 0
-    while level < n:
-        half = M / (2 * level)
-        t += 2 * (alpha + half * beta) + 2 * (i + 1) * alpha + 4 * half * gamma
-        lat += 2 * alpha + 2 * (i + 1) * alpha
-        level, i = level * 2, i + 1
-    return t, lat
-
-
 def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
           steps, hier: bool = False, adasum: bool = False,
           inside: tuple[float, float] | None = None) -> Prediction:
@@ -407,14 +292,14 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
         alpha, beta, edge = max(a_link, alpha), b_link, "host links (ring)"
     # Every rank runs the same timeline (they launch the same buckets at the same
     # moments and each collective ends for all at once): play rank 0's.
-    stream = _Resource(edge, beta)
+    stream = Resource(edge, beta)
     starts, bucket_times, latency_in, spans_bw = [0.0], [], 0.0, []
     t = 0.0
     for s in range(steps):
-        launches = _launches(t, compute, buckets)
+        launched = launches(t, compute, buckets)
         done = t
         times = []
-        for (m, _), at in zip(buckets, launches):
+        for (m, _), at in zip(buckets, launched):
             begin = max(at, stream.free)
             dur = 2 * m * cast  # to 16 bits before, back after
             lat = 0.0
@@ -458,7 +343,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     G = group_size(cluster) if mode == "byteps" else 1
     # the host's collectives (gloo on loopback here, unless given)
     a_in, b_in = inside or cal.link("ring")
-    inside = {h: _Resource(f"host {h} inside (reduce-scatter, all-gather)", b_in)
+    inside = {h: Resource(f"host {h} inside (reduce-scatter, all-gather)", b_in)
               for h in sorted(set(cluster.worker_host))}
     rs_done: dict[tuple[int, int, int], float] = {}  # (host, s, bucket) -> its parts ready
     gathered: dict[tuple[int, int], list[int]] = {}  # (host, s) -> workers with their pulls
@@ -470,16 +355,16 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     # between hosts (calibrated, or the rate's on paper), never below loopback's
     link_beta = b_link
     whost, shost = cluster.worker_host, cluster.server_host
-    w_io = [_Resource(f"worker {w} transport", b_loc) for w in range(n)]
-    s_io = [_Resource(f"server {k} transport", b_loc) for k in range(K)]
-    s_cpu = [_Resource(f"server {k} CPU", cal.gamma) for k in range(K)]
+    w_io = [Resource(f"worker {w} transport", b_loc) for w in range(n)]
+    s_io = [Resource(f"server {k} transport", b_loc) for k in range(K)]
+    s_cpu = [Resource(f"server {k} CPU", cal.gamma) for k in range(K)]
     hosts = sorted({*whost, *shost})
-    out = {h: _Resource(f"host {h} link out", link_beta) for h in hosts}
-    inn = {h: _Resource(f"host {h} link in", link_beta) for h in hosts}
+    out = {h: Resource(f"host {h} link out", link_beta) for h in hosts}
+    inn = {h: Resource(f"host {h} link in", link_beta) for h in hosts}
     # summing servers (byteps updating on the workers) only add
-    apply_per_byte = 0.0 if local_update else _server_update_per_byte(profile, cal)
+    apply_per_byte = 0.0 if local_update else server_update_per_byte(profile, cal)
 
-    def path(src_io: _Resource, h_src: int, h_dst: int, dst_io: _Resource) -> tuple:
+    def path(src_io: Resource, h_src: int, h_dst: int, dst_io: Resource) -> tuple:
         if h_src == h_dst:
             return [src_io, dst_io], a_loc
         return [src_io, out[h_src], inn[h_dst], dst_io], a_link
@@ -489,7 +374,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     pieces, shard_bytes = shard_pieces(buckets, K)
     K = len(shard_bytes)
 
-    ev = _Events()
+    ev = Events()
     starts = [[0.0] for _ in range(n)]
     bw_end: dict[tuple[int, int], float] = {}  # (w, s) -> when w's backward ended
     got = {}            # (k, s) -> float32 bytes received (sync)
@@ -511,8 +396,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
         # steps, so every worker's last steps meet the others' traffic
         if s >= steps and (sync or min(len(st) for st in starts) > steps):
             return
-        launches = _launches(t, compute, buckets)
-        for i, at in enumerate(launches):
+        for i, at in enumerate(launches(t, compute, buckets)):
             ev.at(at, lambda tt, w=w, s=s, i=i: launch(w, s, i, tt))
         end = t + D + F + B
         bw_end[(w, s)] = end
@@ -533,7 +417,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
         msgs = [(m * wire, *path(w_io[w], whost[w], shost[k], s_io[k])) for k, m in parts]
         if cast:  # the worker casts the bucket before it goes out
             t = w_io[w].occupy(t, sum(m for _, m in parts) * cast)
-        arrivals = _send_together(t, msgs)
+        arrivals = send_together(t, msgs)
         for (k, m), arrive in zip(parts, arrivals):
             last_push[(w, s, k)] = max(last_push.get((w, s, k), 0.0), arrive)
             ev.at(arrive, lambda tt, k=k, w=w, s=s, m=m: push_arrives(k, w, s, m, tt))
@@ -591,7 +475,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
                      for x in mates if j < chunks[(i, k)][0]]
             msgs = [(c * wire, *path(w_io[x], whost[x], shost[k], s_io[k]))
                     for k, x, c in sends]
-            for (k, x, c), arrive in zip(sends, _send_together(t, msgs)):
+            for (k, x, c), arrive in zip(sends, send_together(t, msgs)):
                 ev.at(arrive, lambda tt, k=k, x=x, u=(i, k, j), c=c:
                       piece_arrives(k, x, s, u, c, tt))
                 if x == 0 and s == steps - 1:
@@ -606,7 +490,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
             return
         done = s_cpu[k].occupy(done, G * c * apply_per_byte)
         msgs = [(c * wire, *path(s_io[k], shost[k], whost[x], w_io[x])) for x in range(n)]
-        for x, arrive in zip(range(n), _send_together(done, msgs)):
+        for x, arrive in zip(range(n), send_together(done, msgs)):
             ev.at(arrive, lambda tt, x=x: piece_pulled(x, s, tt))
 
     def piece_pulled(w: int, s: int, t: float) -> None:
@@ -645,7 +529,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     def answer_all(k: int, ws: list[int], s: int, t: float) -> None:
         msgs = [(shard_bytes[k] / G * wire, *path(s_io[k], shost[k], whost[w], w_io[w]))
                 for w in ws]
-        for w, arrive in zip(ws, _send_together(t, msgs)):
+        for w, arrive in zip(ws, send_together(t, msgs)):
             ev.at(arrive, lambda tt, k=k, w=w, s=s: pull_arrives(k, w, s, tt))
 
     def pull_arrives(k: int, w: int, s: int, t: float) -> None:
