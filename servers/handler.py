@@ -261,9 +261,11 @@ class Handler:
         if h["wire_dtype"] not in ("float32", "float16", "bfloat16"):
             raise RequestError(f"init: wire_dtype {h['wire_dtype']!r} is not float32, "
                                f"float16 or bfloat16")
-        if h["group"] < 1 or h["workers"] % h["group"]:
+        if h["group"] < 1 or h["workers"] % h["group"] or h["group"] > 1 and \
+                h["mode"] != "sync":
             raise RequestError(f"init: group {h['group']} must be >= 1 and divide the "
-                               f"{h['workers']} workers")
+                               f"{h['workers']} workers, and a group > 1 needs mode 'sync' "
+                               f"(an async server applies each worker's push alone)")
         if h["update"] not in UPDATES or h["update"] == "sum" and h["mode"] != "sync":
             raise RequestError(f"init: update {h['update']!r} must be one of {UPDATES}, and "
                                f"'sum' needs mode 'sync'")

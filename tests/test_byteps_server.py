@@ -98,6 +98,8 @@ def test_bad_groups_updates_and_parts_are_refused():
     h = Handler()
     assert "group 3 must be >= 1 and divide the 4 workers" in \
         init(h, workers=4, group=3)[0].header["message"]
+    assert "a group > 1 needs mode 'sync'" in \
+        init(h, workers=4, group=2, mode="async")[0].header["message"]
     assert "'sum' needs mode 'sync'" in \
         init(h, workers=2, group=1, update="sum", mode="async")[0].header["message"]
     assert "must be one of" in init(h, workers=2, group=1, update="adam")[0].header["message"]

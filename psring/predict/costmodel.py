@@ -128,7 +128,8 @@ def hring_allreduce(G: int, H: int, M: float, alpha: float, beta: float, gamma: 
     all-gather inside the host) ``+ 2(H-1)·α + 2(H-1)/H·M·β + (H-1)/H·M/G·γ``: G rings of
     H ranks across the hosts, each on a 1/G slice, in parallel over each host link, which
     carries their M/H a step (Horovod PR #411's scheme). Against the flat ring over N = GH
-    ranks, the same bytes on the links, 2(H-1) latency terms instead of 2(N-1)."""
+    ranks numbered host by host, whose host links carry 2(N-1)/N·M each way, they carry
+    2(H-1)/H·M, in 2(H-1) latency terms instead of 2(N-1)."""
     inside = 0.0 if G <= 1 else \
         2 * (G - 1) * alpha_in + 2 * (G - 1) / G * M * beta_in + (G - 1) / G * M * gamma
     across = 0.0 if H <= 1 else \

@@ -84,8 +84,8 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     row["phase_ms"] = {p: st.median(r[p] for r in kept) * 1e3 for p in PHASES}
     # in a synchronous step a worker blocked on a slower peer is waiting, not
     # communicating; asynchronous workers' steps are not rounds, so nothing is subtracted
-    synchronous = cfg["strategy"] in STRATEGIES and \
-        getattr(STRATEGIES.get(cfg["strategy"]), "comm_model", None) in ("ring", "ps", "byteps")
+    cls = STRATEGIES.get(cfg["strategy"]) if cfg["strategy"] in STRATEGIES else None
+    synchronous = cls is not None and cls.synchronous and cls.comm_model is not None
     waits = peer_waits(records) if synchronous else {}
     row["comm_time_s"] = st.median(_round_comm(kept, waits) if synchronous else
                                    [comm_time(r) for r in kept])
