@@ -223,21 +223,22 @@ def test_byteps_aggregates_in_the_host_then_pushes_a_part_each():
     # (30 ms). The host's reduce-scatter (a ring of 2: one step of α + (M/2)β + (M/2)γ =
     # 1 + 4 + 0.4 ms) ends at 35.4 ms; both workers push their 4e6 bytes (one partition
     # each, under 4.096 MB) side by side, sharing the server's transport (8e6 bytes:
-    # 8 ms): both arrive at 35.4 + 8 + 1 = 44.4 ms. The server adds each (0.4 ms: 45.2),
-    # and with one push per host of every range in applies the update (8e6 x 0.5 ns =
-    # 4 ms): 49.2 ms. It streams 4e6 bytes to each worker (its transport carries 8e6:
-    # 49.2-57.2), arriving at 58.2 ms; the host all-gathers (α + (M/2)β = 5 ms): the next
-    # step starts at 63.2 ms.
+    # 8 ms): both arrive at 35.4 + 8 + 1 = 44.4 ms. Each worker's part is its own range,
+    # complete with its one host's push: the server adds worker 0's (44.4-44.8), updates
+    # it (4e6 x 0.5 ns = 2 ms: 46.8) and sends it back (its transport 46.8-50.8, arrival
+    # 51.8); then worker 1's: add 46.8-47.2, update to 49.2, send 50.8-54.8, arrival
+    # 55.8. The host all-gathers (α + (M/2)β = 5 ms): the next step starts at 60.8 ms.
     M = 8_000_000
     cl = Cluster.of(hosts=1, workers_per_host=2, servers=1)
     p = simulate(profile([M], [B]), cl, "byteps", CAL)
-    assert p.starts[1] == pytest.approx(0.0632)
-    assert p.step_s == pytest.approx(0.0632)
+    assert p.starts[1] == pytest.approx(0.0608)
+    assert p.step_s == pytest.approx(0.0608)
     assert p.phases["update_s"] == 0
-    # updating on the workers: the server only adds (done at 45.2 ms), streams 45.2-53.2,
-    # arrival 54.2, all-gather to 59.2, and each worker's own update (4 ms): 63.2 ms
+    # updating on the workers, the server only adds: worker 0's part goes back 44.8-48.8
+    # (arrival 49.8), worker 1's 48.8-52.8 (53.8); all-gather to 58.8, and each worker's
+    # own update (4 ms): 62.8 ms
     w = simulate(profile([M], [B]), cl, "byteps", CAL, update_on="worker")
-    assert w.starts[1] == pytest.approx(0.0632)
+    assert w.starts[1] == pytest.approx(0.0628)
     assert w.phases["update_s"] == pytest.approx(U)
     assert w.settings["update_on"] == "worker"
 
@@ -309,3 +310,16 @@ def test_adasum_is_vector_halving_with_its_sums_and_passes():
     assert a.settings["reduce"] == "adasum"
     assert simulate(profile([M], [B]), cl, "ring", CAL).phases["comm_s"] == \
         pytest.approx(0.0104)
+
+
+def test_byteps_columns_send_each_local_ranks_part_to_the_servers_holding_it():
+    from psring.predict.simulate import column_pieces
+
+    # one 16-byte bucket (4 elements) on hosts of 2 workers, 2 servers: the columns are
+    # [part 0 | part 1], so local rank 0 pushes only to server 0 and local rank 1 to 1
+    assert column_pieces([(16, 0.0)], 2, 2) == {(0, 0): [(0, 8.0)], (1, 0): [(1, 8.0)]}
+    # two buckets of 8 and 4 elements: column 0 = [b0 0..3, b1 0..1], column 1 = [b0
+    # 4..7, b1 2..3]; 12 elements over 2 servers, 6 each
+    got = column_pieces([(32, 0.0), (16, 0.0)], 2, 2)
+    assert got == {(0, 0): [(0, 16.0)], (0, 1): [(0, 8.0)],
+                   (1, 0): [(1, 16.0)], (1, 1): [(1, 8.0)]}

@@ -79,6 +79,23 @@ def shard_pieces(buckets: list[tuple[int, float]], servers: int
     return pieces, [(hi - lo) * 4 for lo, hi in ranges]
 
 
+def column_pieces(buckets: list[tuple[int, float]], G: int, servers: int
+                  ) -> dict[tuple[int, int], list[tuple[int, float]]]:
+    """byteps's layout (psring.strategies.byteps): local rank l's part of bucket i (1/G
+    of its float32 elements, the last part short) as (server, bytes) pieces, the
+    servers holding the parts in columns: every bucket's part 0, then every part 1..."""
+    elems = [-(-m // 4) for m, _ in buckets]
+    cut = [-(-e // G) for e in elems]
+    ranges = even_split(sum(elems), servers)
+    out, off = {}, 0
+    for lr in range(G):
+        for i, e in enumerate(elems):
+            v = max(0, min(cut[i], e - lr * cut[i]))
+            out[(lr, i)] = [(k, (b - a) * 4.0) for k, a, b in overlaps(off, off + v, ranges)]
+            off += v
+    return out
+
+
 def group_size(cluster: Cluster) -> int:
     """Workers per host (byteps's groups; every host holds as many)."""
     hosts = len(set(cluster.worker_host))

@@ -82,9 +82,9 @@ from typing import Any
 from ..cluster import Cluster
 from .costmodel import COMM_MODELS, Calibration
 # (the engine's names are re-exported: tests and scripts import them from here)
-from .engine import (Events, Resource, adasum_steps, group_size,  # noqa: F401
-                     launches, ring_steps, send_together, server_update_per_byte,
-                     shard_pieces)
+from .engine import (Events, Resource, adasum_steps, column_pieces,  # noqa: F401
+                     group_size, launches, ring_steps, send_together,
+                     server_update_per_byte, shard_pieces)
 
 #: bytes on the wire per float32 byte of gradient, for each of psring.compress's choices
 #: (kept here so the simulator needs no torch; a test checks it against
@@ -182,7 +182,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
                    inside=inside)
     if cores and pred.comm_model is not None and total and not (n == 1 and comm_model in rings):
         _cores_floor(pred, profile, cluster, cores, comm_model, buckets, total, wire, cast,
-                     cal)
+                     cal, update_on=update_on)
     pred.settings = {"compress": compress, "bucket_mb": bucket_mb, "cores": cores}
     if reduce != "sum":
         pred.settings["reduce"] = reduce
@@ -194,7 +194,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
 def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, cores: int,
                  comm_model: str,
                  buckets: list[tuple[int, float]], total: int, wire: float, cast: float,
-                 cal: Calibration) -> None:
+                 cal: Calibration, update_on: str = "server") -> None:
     """On shared cores a step cannot take less than the CPU work it needs divided by the
     cores (work conservation): every worker's compute, and its messages' software cost —
     α per message and loopback's β per byte, the transport's own work, which on one
@@ -205,9 +205,13 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, cores: int,
     n, K = cluster.workers, cluster.servers
     alpha, beta = cal.link(comm_model)
     threads = max(1, profile.threads or 1)
-    compute = profile.compute_s - (0.0 if comm_model in ("ring", "hring") else profile.update_s)
-    if comm_model in ("ring", "hring"):  # (the same bytes a rank; hring: fewer messages)
-        msgs = sum(2 * (n - 1) for _ in buckets)  # sends per worker (each also received)
+    on_workers = comm_model in ("ring", "hring") or comm_model == "byteps" and \
+        update_on == "worker"  # (the optimizer's work is the workers')
+    compute = profile.compute_s - (0.0 if on_workers else profile.update_s)
+    if comm_model in ("ring", "hring"):  # (about the same bytes a rank)
+        g = group_size(cluster) if comm_model == "hring" else 1
+        hops = 2 * (g - 1) + 2 * (n // g - 1)  # sends per worker (each also received)
+        msgs = hops * len(buckets)
         sent = sum(2 * (n - 1) / n * m * wire for m, _ in buckets)
         server = 0.0
     else:
@@ -224,7 +228,7 @@ def _cores_floor(pred: Prediction, profile: Any, cluster: Cluster, cores: int,
         if comm_model == "ps-async":  # every push applied, and a cast for its pull
             server = n * total * (cal.gamma + apply + 2 * cast)
         elif comm_model == "byteps":  # one push per host added (and the update)
-            server = n // g * total * cal.gamma + total * apply
+            server = n // g * total * cal.gamma + (0.0 if on_workers else total * apply)
         else:  # every push added, one update and one cast per version
             server = n * total * (cal.gamma + cast) + total * (apply + cast)
     work = n * (compute * threads + msgs * alpha + sent * beta + 2 * total * cast) + server
@@ -450,13 +454,16 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
             own[(k, w, s)] = own.get((k, w, s), 0) + m
             maybe_answer_async(k, w, s)
 
-    # byteps: each worker's part of bucket i for server k goes in `nparts` partitions of
-    # c bytes, one after another on its connection (the G workers of a host side by
-    # side); unit (i, k, j) is partition j of every worker's part, complete when all n
-    # are in; (s, unit) -> bytes in; (w, s) -> units pulled
-    chunks = {(i, k): (max(1, -(-int(m / G) // PARTITION_BYTES)), m / G)
-              for i, p in enumerate(pieces) for k, m in p}
-    units = sum(nparts for nparts, _ in chunks.values())
+    # byteps: the servers hold the flat vector in columns (psring.strategies.byteps):
+    # local rank l's part of every bucket, then l + 1's; local rank l pushes part l of
+    # bucket i to the servers holding it, in `nparts` partitions of c bytes, one after
+    # another on its connection. Unit (l, i, k, j) is partition j of that piece, complete
+    # when every host's is in; (s, unit) -> bytes in; (w, s) -> units pulled.
+    local = {x: sorted(y for y in range(n) if whost[y] == whost[x]).index(x) for x in range(n)}
+    col = column_pieces(buckets, G, K) if mode == "byteps" else {}
+    chunks = {(lr, i, k): (max(1, -(-int(m) // PARTITION_BYTES)), m)
+              for (lr, i), p in col.items() for k, m in p}
+    units = {lr: sum(c[0] for key, c in chunks.items() if key[0] == lr) for lr in range(G)}
     got_i: dict[tuple, float] = {}
     pushed: set[tuple[int, int]] = set()
 
@@ -467,36 +474,37 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
         another on each connection."""
         if (s, i) in pushed:
             return
-        mates = range(n)
         pushed.add((s, i))
-        most = max(chunks[(i, k)][0] for k, _ in parts)
-        for j in range(most):
-            sends = [(k, x, chunks[(i, k)][1] / chunks[(i, k)][0]) for k, _ in parts
-                     for x in mates if j < chunks[(i, k)][0]]
+        sends_of = [(x, k, *chunks[(local[x], i, k)]) for x in range(n)
+                    for k, _ in col[(local[x], i)]]
+        for j in range(max((c[2] for c in sends_of), default=0)):
+            sends = [(k, x, m / nparts) for x, k, nparts, m in sends_of if j < nparts]
             msgs = [(c * wire, *path(w_io[x], whost[x], shost[k], s_io[k]))
                     for k, x, c in sends]
             for (k, x, c), arrive in zip(sends, send_together(t, msgs)):
-                ev.at(arrive, lambda tt, k=k, x=x, u=(i, k, j), c=c:
+                ev.at(arrive, lambda tt, k=k, x=x, u=(local[x], i, k, j), c=c:
                       piece_arrives(k, x, s, u, c, tt))
                 if x == 0 and s == steps - 1:
                     bucket_times.append((t - starts[0][-1], arrive - starts[0][-1]))
 
     def piece_arrives(k: int, w: int, s: int, unit: tuple, c: float, t: float) -> None:
-        """byteps: partition j of a worker's part (its pull behind it); once all n are in,
-        the host sums of the partition are summed (and updated) and streamed to all n."""
+        """byteps: a partition of a worker's part (its pull already in); once every
+        host's is in, it is summed (and updated) and streamed to the workers of that
+        local rank."""
         done = s_cpu[k].occupy(t, c * cal.gamma)
         got_i[(s, unit)] = got_i.get((s, unit), 0.0) + c
-        if got_i[(s, unit)] < n * c * (1 - 1e-9):
+        if got_i[(s, unit)] < n / G * c * (1 - 1e-9):
             return
-        done = s_cpu[k].occupy(done, G * c * apply_per_byte)
-        msgs = [(c * wire, *path(s_io[k], shost[k], whost[x], w_io[x])) for x in range(n)]
-        for x, arrive in zip(range(n), send_together(done, msgs)):
+        done = s_cpu[k].occupy(done, c * apply_per_byte)
+        mates = [x for x in range(n) if local[x] == unit[0]]
+        msgs = [(c * wire, *path(s_io[k], shost[k], whost[x], w_io[x])) for x in mates]
+        for x, arrive in zip(mates, send_together(done, msgs)):
             ev.at(arrive, lambda tt, x=x: piece_pulled(x, s, tt))
 
     def piece_pulled(w: int, s: int, t: float) -> None:
         pulled[(w, s)] = pulled.get((w, s), 0) + 1
         pull_done[(w, s)] = max(pull_done.get((w, s), 0.0), t)
-        if pulled[(w, s)] == units:
+        if pulled[(w, s)] == units[local[w]]:
             pulls_complete(w, s)
 
     def send_pulls(w: int, s: int, t: float) -> None:
