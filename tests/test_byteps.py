@@ -43,6 +43,8 @@ def test_byteps_trains_singles_model_updating_on_servers_or_workers(tmp_path, sm
             # each host's workers push one part each: the host's gradients once
             assert sum(r["bytes_sent"] for r in rows) == hosts * m["parameter_bytes"]
             assert all(0 < r["bytes_sent"] < m["parameter_bytes"] for r in rows)
+            if out == two:  # updating on the workers: a step pulls its own sums back
+                assert sum(r["bytes_recv"] for r in rows) == hosts * m["parameter_bytes"]
         # several buckets, the first on its way (the host's reduce-scatter) during backward
         assert all(len(r["bucket_launch_s"]) > 1 and
                    r["bucket_launch_s"][0] < r["backward_end_s"] for r in records)

@@ -9,12 +9,12 @@ On H hosts of G workers each (ranks h*G .. h*G+G-1 on host h), per bucket:
 2. local rank l pushes only its part, so a host's link carries the gradients once per
    direction instead of G times; the servers (``--servers K``, sharded as for ``ps``)
    sum one push per host (init's ``group`` = G);
-3. local rank l pulls its part back — the pull right behind the part's push, so a
-   server streams each partition back as soon as every host's push of it is summed,
-   while later partitions are still being pushed (BytePS's pipelining: pushes go out
-   in partitions of at most 4 MB, BYTEPS_PARTITION_BYTES's default, and a host link
-   carries pushes one way and pulls the other at once) — and after backward the host
-   all-gathers the parts.
+3. local rank l pulls its part back — one pull per server, sent with the step's first
+   push, which the server answers partition by partition as soon as every host's push
+   of a partition is summed, while later partitions are still being pushed (BytePS's
+   pipelining: pushes go out in partitions of at most 4 MB, BYTEPS_PARTITION_BYTES's
+   default, and a host link carries pushes one way and pulls the other at once) — and
+   after backward the host all-gathers the parts.
 
 ``--update-on server`` (default): the servers run SGD, as ``ps``, and the pull brings
 parameters. ``--update-on worker`` (BytePS's own split): the servers only add
@@ -94,15 +94,17 @@ class _StepEnd:
     def wait(self) -> None:
         s = self.strategy
         s._push_ready(upto=len(s.parts) - 1)
+        if not s.pull_keys:  # (a column with nothing in it: pull nothing)
+            s._send_column_pulls()
         s.pull = Replies(s.client, s.pull_keys, "a pull of this worker's part")
         s.gathered = False
         for h in self.handles:
             h.wait()
-        s._account()
         # (updates on the servers: the last step's parameters are gathered by every
         # worker here, since final_state runs on rank 0 alone and cannot all-gather)
-        if s.update_on_worker or s.finished:
+        if s.update_on_worker or s.step == s.ctx.cfg.steps - 1:
             s._gather()
+        s._account()  # after the gather: its pull's bytes are this step's
 
 
 @STRATEGIES.register("byteps")
@@ -244,6 +246,8 @@ class BytePS(ParameterServer):
             part = self.parts[i]
             if part.acks is not None:
                 continue
+            if not self.pull_keys:
+                self._send_column_pulls()
             if part.work is not None:
                 if not block and not part.work.is_completed():
                     return
@@ -257,22 +261,32 @@ class BytePS(ParameterServer):
                                      [data[a - s:b - s]])
                     for k, a, b in partitions(s, s + n, self.ranges)]
             part.acks = Replies(self.client, keys, "a gradient push")
-            # right behind them, on the same connections: the pull of the part's result
-            # for the next step, streamed back partition by partition as each is summed
-            for k, a, b in overlaps(s, s + n, self.ranges):
-                key = self.client.send(k, "pull", {"min_version": self.step + 1,
-                                                   "lo": a, "hi": b})
-                self.client.streams[key] = [b - a, self._column_piece]
-                self.pull_keys.append(key)
 
-    def _column_piece(self, msg: Message) -> None:
+    def _send_column_pulls(self) -> None:
+        """With the step's first push: one pull per server of this worker's column (the
+        part it pushes, of every bucket), which the server streams back partition by
+        partition as each is summed, while later ones are still being pushed."""
         lo, hi = self.columns[self.local]
+        version = self.step + 1
+        for k, a, b in overlaps(lo, hi, self.ranges):
+            key = self.client.send(k, "pull", {"min_version": version, "lo": a, "hi": b})
+            self.client.streams[key] = [b - a, lambda m, a=a, b=b, v=version:
+                                        self._column_piece(m, a, b, v)]
+            self.pull_keys.append(key)
+
+    def _column_piece(self, msg: Message, lo: int, hi: int, version: int) -> None:
+        """A piece of the pull of [lo, hi) for ``version``, checked before use."""
+        ts = msg.tensors
         a = msg.header["offset"]
-        b = a + msg.tensors[0].numel()
-        if a < lo or b > hi:
-            raise PsringError(f"worker {self.ctx.rank}: a parameter server sent elements "
-                              f"[{a}, {b}), outside this worker's part [{lo}, {hi})")
-        self.column[a - lo:b - lo].copy_(msg.tensors[0])
+        b = a + (ts[0].numel() if len(ts) == 1 else 0)
+        if len(ts) != 1 or ts[0].dtype != torch.float32 or not lo <= a < b <= hi \
+                or msg.header["version"] != version:
+            raise PsringError(f"worker {self.ctx.rank}: a parameter server answered the pull "
+                              f"of [{lo}, {hi}) for version {version} with elements [{a}, "
+                              f"{b}) of version {msg.header['version']} in {len(ts)} "
+                              f"tensor(s): not what was asked")
+        start = self.columns[self.local][0]
+        self.column[a - start:b - start].copy_(ts[0])
 
     def _gather(self) -> None:
         """Wait for the pulled part, then all-gather the host's parts of every bucket
