@@ -268,6 +268,10 @@ class BytePS(ParameterServer):
         partition as each is summed, while later ones are still being pushed."""
         lo, hi = self.columns[self.local]
         version = self.step + 1
+        # what each bucket's part still waits for, and the host's all-gathers started
+        # (in bucket order, as every rank of the host issues them)
+        self.missing = [self._valid(i, self.local) for i in range(len(self.parts))]
+        self.gathers: list = []
         for k, a, b in overlaps(lo, hi, self.ranges):
             key = self.client.send(k, "pull", {"min_version": version, "lo": a, "hi": b})
             self.client.streams[key] = [b - a, lambda m, a=a, b=b, v=version:
@@ -287,33 +291,57 @@ class BytePS(ParameterServer):
                               f"tensor(s): not what was asked")
         start = self.columns[self.local][0]
         self.column[a - start:b - start].copy_(ts[0])
+        mine = self.server_off[self.local]
+        for i in range(len(self.missing)):  # (tens of buckets, a piece every 4 MB)
+            lo_i, hi_i = mine[i], mine[i] + self._valid(i, self.local)
+            self.missing[i] -= max(0, min(b, hi_i) - max(a, lo_i))
+        self._start_gathers()
+
+    def _dest(self, i: int) -> torch.Tensor:
+        """Where bucket i's all-gather lands: the gradients (updates on the workers) or
+        the parameters."""
+        b = self.buckets.buckets[i]
+        return b.buffer if self.update_on_worker else \
+            self.host_flat[self.bucket_start[i]:self.bucket_start[i] + b.numel]
+
+    def _start_gathers(self) -> None:
+        """All-gather, in bucket order, every bucket whose part has been pulled whole, as
+        the pieces arrive: the host's all-gathers overlap the rest of the pull. (A
+        bucket's pieces come after the acknowledgements of its pushes on each
+        connection, so its shard, their zero-copy source, is free to reuse.)"""
+        lo = self.columns[self.local][0]
+        while len(self.gathers) < len(self.missing) and self.missing[len(self.gathers)] == 0:
+            i = len(self.gathers)
+            n, s = self._valid(i, self.local), self.server_off[self.local][i]
+            shard = self.shards[i]
+            shard[:n].copy_(self.column[s - lo:s - lo + n])
+            full = self.padded[i] if self.padded[i] is not None else self._dest(i)
+            if self.inside is not None:
+                self.gathers.append(dist.all_gather_into_tensor(full, shard, group=self.inside,
+                                                                async_op=True))
+            else:
+                full.copy_(shard)
+                self.gathers.append(None)
 
     def _gather(self) -> None:
-        """Wait for the pulled part, then all-gather the host's parts of every bucket
-        into the parameters (update on the servers) or the gradients (on the workers)."""
+        """Wait for the pulled part and the host's all-gathers of every bucket into the
+        parameters (update on the servers) or the gradients (on the workers)."""
         if self.gathered:
             return
         t0 = time.perf_counter()
         self.pull.wait()
+        self._start_gathers()  # (parts with nothing to pull)
         t1 = time.perf_counter()
-        lo = self.columns[self.local][0]
-        for i, b in enumerate(self.buckets.buckets):
-            n, s = self._valid(i, self.local), self.server_off[self.local][i]
-            shard = self.shards[i]
-            shard[:n].copy_(self.column[s - lo:s - lo + n])
-            dest = (b.buffer if self.update_on_worker else
-                    self.host_flat[self.bucket_start[i]:self.bucket_start[i] + b.numel])
-            full = self.padded[i] if self.padded[i] is not None else dest
-            if self.inside is not None:
-                dist.all_gather_into_tensor(full, shard, group=self.inside)
-            else:
-                full.copy_(shard)
-            if full is not dest:
-                dest.copy_(full[:b.numel])
+        for i, work in enumerate(self.gathers):
+            if work is not None:
+                work.wait()
+            if self.padded[i] is not None:
+                dest = self._dest(i)
+                dest.copy_(self.padded[i][:dest.numel()])
         if self.update_on_worker:
             self.buckets.assign_grads()
         self.gathered = True
-        # where the wait went: the rest of the pull, and the host's all-gather
+        # where the wait went: the rest of the pull, and the all-gathers not yet done
         self.stats.extra["pull_wait_s"] = round(t1 - t0, 7)
         self.stats.extra["gather_s"] = round(time.perf_counter() - t1, 7)
 
