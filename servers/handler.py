@@ -9,8 +9,8 @@ without a network.
 sync   pushes for step ``s`` are summed (into the momentum buffer, as they arrive:
        see psring.servers.store); each range is updated (SGD) as soon as all N
        workers' pushes of it are in (with init's ``group`` G, N / G pushes: byteps's
-       workers push one host's sum each, a range from one worker per host), and when every element is updated the version
-       becomes ``s + 1``. A pull for ``min_version = s + 1`` is answered range by range:
+       workers push one host's sum each, a range from one worker per host), and when
+       every element is updated the version becomes ``s + 1``. A pull for ``min_version = s + 1`` is answered range by range:
        each range is sent as soon as it is updated (so replies overlap the summing of
        the rest), the pull is complete when the whole shard has been sent.
 async  every push is applied as it arrives (Downpour). When a worker's push for a step
@@ -82,6 +82,9 @@ class _Deferred:
     #: how many of the step's updated ranges (_Run.done) it has been offered: each
     #: request then streams only the new ones (held pulls x ranges would be quadratic)
     done_seen: int = 0
+    #: the part of the shard it asks for, [a, b) relative to the shard, once validated
+    #: against the run (at arrival, or at init for a pull held before it)
+    part: tuple[int, int] | None = None
 
 
 @dataclass
@@ -283,6 +286,8 @@ class Handler:
         # pulls held for an older run will never be answered: refuse them now
         stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
         self.deferred = [d for d in self.deferred if d.msg.header["run"] == h["run"]]
+        for d in self.deferred:
+            d.part = None  # validated again against this run's shard (_fits)
         replies = [Reply(d.peer, error_frames(f"run {d.msg.header['run']!r} was replaced",
                                               d.msg.header, self.key), self._record(d.msg, t0))
                    for d in stale]
@@ -354,12 +359,13 @@ class Handler:
         if len(msg.tensors) != 0:
             raise RequestError("a pull carries no tensors")
         st = self.state
+        part = None
         if st is not None and st.run == msg.header["run"]:
             self._current(msg)  # validates the worker index
-            self._wanted(st, msg)  # and the range
+            part = self._wanted(st, msg)  # and the range
         if len(self.deferred) >= MAX_DEFERRED:
             raise RequestError(f"{self.name} already holds {MAX_DEFERRED} pulls")
-        self.deferred.append(_Deferred(peer, msg, time.perf_counter()))
+        self.deferred.append(_Deferred(peer, msg, time.perf_counter(), part=part))
         return []  # answered by _release, now or later
 
     def _leave(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
@@ -487,8 +493,7 @@ class Handler:
         for d in self.deferred:
             if d.msg.header["run"] != st.run:
                 keep.append(d)
-            elif not 0 <= d.msg.header["worker"] < st.workers \
-                    or d.msg.header["shard"] != st.shard or not self._fits(st, d.msg):
+            elif d.part is None and not self._fits(st, d):
                 # held before init, when the worker count, shard and range were unknown
                 out.append(Reply(d.peer, error_frames(
                     f"worker {d.msg.header['worker']}'s pull of shard {d.msg.header['shard']} "
@@ -506,9 +511,14 @@ class Handler:
         self.deferred = keep
         return out
 
-    def _fits(self, st: _Run, msg: Message) -> bool:
+    def _fits(self, st: _Run, d: _Deferred) -> bool:
+        """Validate, once, a pull held before the run was known: its worker, shard and
+        range (``d.part`` from then on); False if it does not fit the run."""
+        h = d.msg.header
+        if not 0 <= h["worker"] < st.workers or h["shard"] != st.shard:
+            return False
         try:
-            self._wanted(st, msg)
+            d.part = self._wanted(st, d.msg)
         except RequestError:
             return False
         return True
@@ -578,7 +588,7 @@ class Handler:
         again — which each does only after its pull is complete — so it is sent
         zero-copy, while other ranges are still being summed."""
         out = []
-        a, b = self._wanted(st, d.msg)
+        a, b = d.part
         values = st.store.sendable(version)
         for start, n in ranges:
             start, end = max(start, a), min(start + n, b)
