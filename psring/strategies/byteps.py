@@ -197,31 +197,29 @@ class BytePS(ParameterServer):
     def _init_fields(self) -> dict:
         return {"group": self.per_host, "update": "sum" if self.update_on_worker else "sgd"}
 
+    def _spans(self, lo: int, hi: int):
+        """(server offset, bucket-order offset, length) of every part's elements inside
+        servers' elements [lo, hi): how the two orders of the flat vector meet."""
+        for lr in range(self.per_host):
+            for i in range(len(self.buckets.buckets)):
+                s = self.server_off[lr][i]
+                a, b = max(s, lo), min(s + self._valid(i, lr), hi)
+                if a < b:
+                    yield a, self.bucket_start[i] + lr * self.chunk[i] + (a - s), b - a
+
     def _server_values(self, lo: int, hi: int) -> torch.Tensor:
         """Flat elements [lo, hi) in the servers' order (columns of parts)."""
         out = torch.empty(hi - lo)
-        for lr in range(self.per_host):
-            for i in range(len(self.buckets.buckets)):
-                n = self._valid(i, lr)
-                s = self.server_off[lr][i]
-                a, b = max(s, lo), min(s + n, hi)
-                if a < b:
-                    src = self.bucket_start[i] + lr * self.chunk[i] + (a - s)
-                    out[a - lo:b - lo].copy_(self.host_flat[src:src + (b - a)])
+        for a, src, n in self._spans(lo, hi):
+            out[a - lo:a - lo + n].copy_(self.host_flat[src:src + n])
         return out
 
     def _initial_piece(self, msg: Message) -> None:
         if self.update_on_worker:
             return  # a summing server's sum of no step: the parameters are the workers'
-        a = msg.header["offset"]
-        piece = msg.tensors[0]
-        for lr in range(self.per_host):
-            for i in range(len(self.buckets.buckets)):
-                n, s = self._valid(i, lr), self.server_off[lr][i]
-                lo, hi = max(s, a), min(s + n, a + piece.numel())
-                if lo < hi:
-                    dst = self.bucket_start[i] + lr * self.chunk[i] + (lo - s)
-                    self.host_flat[dst:dst + (hi - lo)].copy_(piece[lo - a:hi - a])
+        a, piece = msg.header["offset"], msg.tensors[0]
+        for s, dst, n in self._spans(a, a + piece.numel()):
+            self.host_flat[dst:dst + n].copy_(piece[s - a:s - a + n])
 
     # -- a step -----------------------------------------------------------------------
     def _launch(self, bucket: Bucket) -> Handle:
