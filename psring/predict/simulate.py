@@ -48,11 +48,13 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
   - ``byteps`` (per-host aggregation): ``ps``'s resources with groups. A host's G
     workers first reduce-scatter each bucket among themselves (a ring of G on the host's
     own interconnect, loopback's gloo α and β here, one collective at a time per host),
-    then each pushes its 1/G part, its pull right behind it; a server's piece of a
-    bucket is complete with one push per host, and is then summed (updated) and
-    streamed back to every worker at once, while later buckets are still pushed; once a
-    host's G workers have every piece, the host all-gathers every bucket. With ``update_on="worker"`` the servers only add and each
-    worker runs the optimizer after the all-gather;
+    then local rank l pushes its part l to the servers holding it (the runtime's
+    columns), in 4 MB partitions one after another on each connection; a partition is
+    complete with one push per host, and is then summed (updated) and streamed back to
+    the workers of local rank l while later ones are still pushed; once a host's G
+    workers have every piece, the host all-gathers every bucket. With
+    ``update_on="worker"`` the servers only add and each worker runs the optimizer
+    after the all-gather;
   - ``ps-async`` (Downpour): a server applies each worker's piece on arrival and answers
     that worker's pull once its own pushes are applied: no worker waits for another.
     (Staleness, async's price in accuracy, is measured by runs, not predicted here.)
