@@ -82,8 +82,7 @@ class _Deferred:
     #: how many of the step's updated ranges (_Run.done) it has been offered: each
     #: request then streams only the new ones (held pulls x ranges would be quadratic)
     done_seen: int = 0
-    #: the part of the shard it asks for, [a, b) relative to the shard, once validated
-    #: against the run (at arrival, or at init for a pull held before it)
+    #: the part of the shard it asks for, [a, b) relative to it, once validated (_fits)
     part: tuple[int, int] | None = None
 
 
@@ -118,8 +117,7 @@ class _Run:
     snapshot_last: int = 0
     snapshot: tuple | None = None
     started: bool = False  # every worker has asked for parameters once
-    #: workers that sum among themselves before pushing (init's `group`): each range is
-    #: pushed by workers // group of them, worker w in place w // group of the sum
+    #: init's `group`: workers // group push each range, worker w in place w // group
     group: int = 1
 
     @property
@@ -264,12 +262,12 @@ class Handler:
         if h["wire_dtype"] not in ("float32", "float16", "bfloat16"):
             raise RequestError(f"init: wire_dtype {h['wire_dtype']!r} is not float32, "
                                f"float16 or bfloat16")
-        if h["group"] < 1 or h["workers"] % h["group"] or h["group"] > 1 and \
-                h["mode"] != "sync":
-            raise RequestError(f"init: group {h['group']} must be >= 1 and divide the "
-                               f"{h['workers']} workers, and a group > 1 needs mode 'sync' "
-                               f"(an async server applies each worker's push alone)")
-        if h["update"] not in UPDATES or h["update"] == "sum" and h["mode"] != "sync":
+        group, sync = h["group"], h["mode"] == "sync"
+        if group < 1 or h["workers"] % group or group > 1 and not sync:
+            raise RequestError(f"init: group {group} must be >= 1 and divide the {h['workers']}"
+                               f" workers, and a group > 1 needs mode 'sync' (an async "
+                               f"server applies each worker's push alone)")
+        if h["update"] not in UPDATES or h["update"] == "sum" and not sync:
             raise RequestError(f"init: update {h['update']!r} must be one of {UPDATES}, and "
                                f"'sum' needs mode 'sync'")
         store = ShardStore(lo, hi, msg.tensors[0], h["lr"], h["momentum"], h["weight_decay"],
@@ -363,6 +361,9 @@ class Handler:
         if st is not None and st.run == msg.header["run"]:
             self._current(msg)  # validates the worker index
             part = self._wanted(st, msg)  # and the range
+            if part is None:
+                raise RequestError(f"pull of [{msg.header['lo']}, {msg.header['hi']}) is not "
+                                   f"inside this shard [{st.store.lo}, {st.store.hi})")
         if len(self.deferred) >= MAX_DEFERRED:
             raise RequestError(f"{self.name} already holds {MAX_DEFERRED} pulls")
         self.deferred.append(_Deferred(peer, msg, time.perf_counter(), part=part))
@@ -473,16 +474,13 @@ class Handler:
         return entry[0]
 
     @staticmethod
-    def _wanted(st: _Run, msg: Message) -> tuple[int, int]:
+    def _wanted(st: _Run, msg: Message) -> tuple[int, int] | None:
         """The part of the shard a pull asks for, [a, b) relative to the shard: all of
-        it, or flat elements [lo, hi) when hi > 0."""
-        lo, hi = msg.header["lo"], msg.header["hi"]
+        it, or flat elements [lo, hi) when hi > 0; None when that is not in the shard."""
+        lo, hi, store = msg.header["lo"], msg.header["hi"], st.store
         if hi == 0 and lo == 0:
-            return 0, st.store.numel
-        if not st.store.lo <= lo < hi <= st.store.hi:
-            raise RequestError(f"pull of [{lo}, {hi}) is not inside this shard "
-                               f"[{st.store.lo}, {st.store.hi})")
-        return lo - st.store.lo, hi - st.store.lo
+            return 0, store.numel
+        return (lo - store.lo, hi - store.lo) if store.lo <= lo < hi <= store.hi else None
 
     # ------------------------------------------------------------------ deferred pulls
     def _release(self) -> list[Reply]:
@@ -512,16 +510,11 @@ class Handler:
         return out
 
     def _fits(self, st: _Run, d: _Deferred) -> bool:
-        """Validate, once, a pull held before the run was known: its worker, shard and
-        range (``d.part`` from then on); False if it does not fit the run."""
+        """Validate, once, a pull held before init: worker, shard and range (d.part)."""
         h = d.msg.header
-        if not 0 <= h["worker"] < st.workers or h["shard"] != st.shard:
-            return False
-        try:
+        if 0 <= h["worker"] < st.workers and h["shard"] == st.shard:
             d.part = self._wanted(st, d.msg)
-        except RequestError:
-            return False
-        return True
+        return d.part is not None
 
     def _can_answer(self, st: _Run, msg: Message) -> bool:
         if not st.started:
@@ -591,11 +584,8 @@ class Handler:
         a, b = d.part
         values = st.store.sendable(version)
         for start, n in ranges:
-            start, end = max(start, a), min(start + n, b)
-            if start >= end:
-                continue
-            n = end - start
-            if (start, n) in d.sent:
+            start, n = max(start, a), min(start + n, b) - max(start, a)
+            if n <= 0 or (start, n) in d.sent:
                 continue
             d.sent.add((start, n))
             params = values[start:start + n]
