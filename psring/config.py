@@ -164,6 +164,11 @@ class RunConfig:
         "--compute device: run S times slower than the cluster described, the device's "
         "times x S and every emulated link's rate / S, for links faster than this machine "
         "can carry; step times are recorded divided by S (docs/emulation.md)"))
+    device_link: str = field(default="", metadata=_flag(
+        "--compute device, byteps and hallreduce: the hosts' own interconnect (nvlink, or "
+        "a rate such as 1200gbit): the collectives among a host's workers take its time, "
+        "as on GPUs, instead of running over this machine's loopback and cores "
+        "(psring.interconnect). Default: loopback"))
     trace: bool = field(default=False, metadata=_flag(
         "record spans of every step and write trace.json (Chrome trace / Perfetto) in the "
         "run directory; `psring trace DIR` renders it as a PNG"))

@@ -89,6 +89,9 @@ def check(cfg: Any, strategy_cls: Any, model: nn.Module | None) -> Profile | Non
     when known; the profile, or None for --compute real. Before any process starts."""
     if cfg.compute not in MODES:
         raise ConfigError(f"--compute must be one of {', '.join(MODES)} (got {cfg.compute!r}).")
+    from .interconnect import check as check_device_link
+
+    check_device_link(cfg, strategy_cls)
     if cfg.compute == "real":
         if cfg.device_profile or cfg.device_speed != 1.0 or cfg.time_scale != 1.0:
             raise ConfigError("--device-profile, --device-speed and --time-scale apply to "
@@ -315,5 +318,7 @@ def describe(cfg: Any) -> dict[str, Any]:
             "forward_s": times.forward_s / cfg.time_scale,
             "backward_s": times.backward_s / cfg.time_scale,
             "update_s": times.update_s / cfg.time_scale,
+            # --device-link: the host's own collectives as that interconnect's time
+            "device_link": cfg.device_link or "loopback",
             # what the launcher warned of (psring.device.capacity): [] when faithful
             "capacity_warnings": capacity(cfg)}

@@ -29,7 +29,8 @@ def replay(run_dir: Any, cal: Calibration,
     compute phases and when its buckets were launched; Profile.from_run): what the run's
     communication should have cost on its cluster, given its compute. None for a run
     the simulator cannot read. ``inside``: (α, β) of each host's own interconnect, for
-    what the run would take with, say, NVLink inside its hosts (simulate's)."""
+    what the run would take with, say, NVLink inside its hosts (simulate's); by default
+    the run's own --device-link where it had one (psring.interconnect)."""
     try:
         cfg = read_manifest(run_dir)["config"]
         cls = STRATEGIES.get(cfg["strategy"])
@@ -40,6 +41,11 @@ def replay(run_dir: Any, cal: Calibration,
         return None
     if not cls.costed:
         return None
+    if inside is None and cfg.get("device_link"):
+        from ..interconnect import parse
+
+        alpha, rate = parse(cfg["device_link"])
+        inside = (alpha, 1 / rate)
     # the run's own compute already carries its share of the cores: no stretch
     compress = cfg.get("compress", "none") if cls.supports_compression else "none"
     try:

@@ -149,6 +149,9 @@ class Strategy:
     #: --compute device can stand in for each worker's accelerator (psring.device); False
     #: where the workers share memory on one host and have no device of their own
     emulates_device: ClassVar[bool] = True
+    #: it runs collectives among the workers of one host (psring.interconnect), which
+    #: --device-link can time as a device interconnect's
+    host_collectives: ClassVar[bool] = False
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx

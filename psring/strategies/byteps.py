@@ -34,16 +34,15 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..errors import PsringError
+from ..interconnect import host_comm, host_layout
 from ..partition import even_split, overlaps
 from ..protocol import Message, load_secret
 from ..runlog import run_id
 from .base import DONE, STRATEGIES, Handle
 from .buckets import Bucket, GradientBuckets, bucket_caps
-from .hallreduce import host_group, host_layout
 from .ps import ParameterServer, PSClient, Replies
 
 #: the largest push (BytePS's BYTEPS_PARTITION_BYTES default, 4096000 bytes): a part is
@@ -115,13 +114,14 @@ class BytePS(ParameterServer):
     supports_checkpoint = False
     needs_equal_hosts = True
     update_sites = ("server", "worker")
+    host_collectives = True
     comm_model = "byteps"
 
     def setup(self, model: nn.Module) -> nn.Module:
         ctx, cfg = self.ctx, self.ctx.cfg
         g, self.hosts, _, self.local = host_layout(ctx, "byteps")
         self.per_host = g
-        self.inside = host_group(ctx, "byteps")
+        self.inside = host_comm(ctx, "byteps")  # a process group, or a device link's time
         self.update_on_worker = cfg.update_on == "worker"
         # the loop builds an optimizer for the workers' own update
         self.local_optimizer = self.update_on_worker
@@ -230,8 +230,7 @@ class BytePS(ParameterServer):
         else:
             full[:bucket.numel].copy_(bucket.buffer)
         if self.inside is not None:
-            self.parts[i].work = dist.reduce_scatter_tensor(self.shards[i], full,
-                                                            group=self.inside, async_op=True)
+            self.parts[i].work = self.inside.reduce_scatter(self.shards[i], full)
         else:
             self.shards[i].copy_(full)
         self._push_ready(upto=i, block=False)
@@ -315,8 +314,7 @@ class BytePS(ParameterServer):
             shard[:n].copy_(self.column[s - lo:s - lo + n])
             full = self.padded[i] if self.padded[i] is not None else self._dest(i)
             if self.inside is not None:
-                self.gathers.append(dist.all_gather_into_tensor(full, shard, group=self.inside,
-                                                                async_op=True))
+                self.gathers.append(self.inside.all_gather(full, shard))
             else:
                 full.copy_(shard)
                 self.gathers.append(None)
@@ -380,6 +378,11 @@ class BytePS(ParameterServer):
         if not self.update_on_worker:
             self._gather()
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    def close(self) -> None:
+        if getattr(self, "inside", None) is not None:
+            self.inside.close()
+        super().close()
 
     @classmethod
     def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:

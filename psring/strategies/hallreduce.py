@@ -31,31 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import adasum
+from ..interconnect import host_comm, host_layout
 from .allreduce import AllReduce, ring_bytes
 from .base import STRATEGIES, Handle
 from .buckets import Bucket
-
-
-def host_layout(ctx, who: str) -> tuple[int, int, int, int]:
-    """(G workers per host, H hosts, this worker's host, its local rank), ranks h*G ..
-    h*G+G-1 on host h (as torchrun and psring's launcher number them)."""
-    g = ctx.local_world
-    if g < 1 or ctx.world % g:
-        raise RuntimeError(f"{who}: {ctx.world} workers do not make hosts of {g} "
-                           f"(LOCAL_WORLD_SIZE) each")
-    return (g, ctx.world // g, *divmod(ctx.rank, g))
-
-
-def host_group(ctx, who: str):
-    """The process group of this worker's host (every rank creates every host's, in the
-    same order, as torch requires); None with one worker per host."""
-    g, hosts, host, _ = host_layout(ctx, who)
-    mine = None
-    for h in range(hosts):
-        grp = dist.new_group(list(range(h * g, (h + 1) * g)))
-        if h == host:
-            mine = grp
-    return mine if g > 1 else None
 
 
 def hierarchy_bytes(param_bytes: int, hosts: int, per_host: int) -> int:
@@ -74,13 +53,15 @@ class HierarchicalAllReduce(AllReduce):
     reductions = ("sum", "adasum")
     #: every host must hold the same number of workers (shard l lives on every host)
     needs_equal_hosts = True
+    host_collectives = True
     #: three collectives a bucket, G rings across the hosts (docs/cost-model.md)
     comm_model = "hring"
 
     def setup(self, model: nn.Module) -> nn.Module:
         g, self.hosts, _, local = host_layout(self.ctx, "hallreduce")
         self.per_host = g
-        self.inside = host_group(self.ctx, "hallreduce")
+        # the host's collectives (its process group, or a device link's time)
+        self.inside = host_comm(self.ctx, "hallreduce")
         # every rank creates every group, in the same order (torch requires it)
         for lr in range(g):
             grp = dist.new_group(list(range(lr, self.ctx.world, g)))
@@ -106,6 +87,11 @@ class HierarchicalAllReduce(AllReduce):
             for b, c in ((b, -(-b.numel // g)) for b in self.buckets.buckets)]
         return model
 
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "inside", None) is not None:
+            self.inside.close()
+
     def _adasum_comm(self) -> adasum.TorchComm:
         return adasum.TorchComm(per_host=self.per_host)
 
@@ -124,7 +110,7 @@ class HierarchicalAllReduce(AllReduce):
             full[:bucket.numel].copy_(bucket.buffer)
         shard = self.shards[bucket.index]
         if g > 1:
-            dist.reduce_scatter_tensor(shard, full, group=self.inside)
+            self.inside.reduce_scatter(shard, full).wait()
         else:
             shard.copy_(full)
         if self.hosts > 1 and self.adasum:
@@ -132,7 +118,7 @@ class HierarchicalAllReduce(AllReduce):
         elif self.hosts > 1:
             dist.all_reduce(shard, group=self.across)
         if g > 1:
-            dist.all_gather_into_tensor(full, shard, group=self.inside)
+            self.inside.all_gather(full, shard).wait()
         else:
             full.copy_(shard)
         if full is not bucket.buffer:

@@ -1,0 +1,213 @@
+"""A host's own interconnect: the collectives among the workers of one host (byteps's and
+hallreduce's reduce-scatter and all-gather), behind one seam, :func:`host_comm`.
+
+    psring run --strategy byteps --workers 8 --hosts 2 --link 20gbit --servers 2 \\
+        --server-placement own-hosts --update-on worker --compute device \\
+        --device-profile runs/prof-vgg16 --time-scale 20 --device-link nvlink
+
+On a GPU host these collectives run from device to device (NCCL over NVLink or PCIe):
+they take neither the host's cores nor its NIC. Here a host's workers are processes on
+the same 2 cores, and the collectives are gloo over loopback: in device mode, where
+every worker's compute is already time, they would be the one part of the devices' work
+still done by this machine's cores (a VGG-16 byteps step on 2 hosts of 4 spent 2.7 s of
+real time in its all-gathers alone). ``--device-link`` (device mode only) makes them
+time as well:
+
+- :class:`GroupComm` (default): the host's torch process group (gloo here, NCCL where
+  CUDA is): the real collective, the reduced values.
+- :class:`TimedComm` (``--device-link nvlink`` or a rate such as ``1200gbit``): each
+  collective first waits for every worker of the host to start it (a one-element
+  all-reduce in the host's group, so a late worker holds its host back as it would on
+  the devices), then takes a ring's time on the described clock, ``(G - 1) (α + B/G /
+  rate)`` for B bytes in, x ``--time-scale`` on the wall, one collective after another
+  as on a device's stream. Only this worker's own part moves (the reduce-scatter hands
+  on its own part of its own gradient, the all-gather puts the part in place): nothing
+  is learnt in device mode, and what crosses the emulated links (the pushes, the pulls,
+  the rings across hosts) keeps its real size.
+
+What is not timed this way: a flat ring's hops between two workers of one host
+(``allreduce``, ``ddp``): gloo runs the ring as one collective, so those hops stay
+loopback (docs/emulation.md).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+#: NVLink 2.0 on a V100 (6 links x 25 GB/s each way: 150 GB/s), NCCL's ~10 µs a step
+NVLINK = (10e-6, 150e9)
+#: a ring step's start-up on a device interconnect (NCCL's order of magnitude)
+DEVICE_ALPHA_S = 10e-6
+
+
+def parse(text: str) -> tuple[float, float] | None:
+    """(α seconds, bytes per second) of a --device-link value; None for ''."""
+    if not text:
+        return None
+    if text.lower() == "nvlink":
+        return NVLINK
+    from .cluster import parse_rate
+
+    try:
+        rate = parse_rate(text, "--device-link")
+    except ConfigError as e:
+        raise ConfigError(f"{e} Or name the interconnect: --device-link nvlink "
+                          f"(150 GB/s, V100's NVLink 2.0).") from None
+    return DEVICE_ALPHA_S, rate / 8
+
+
+def check(cfg: Any, strategy_cls: Any) -> None:
+    """--device-link's settings, before any process starts."""
+    link = parse(cfg.device_link)  # (a bad rate raises, naming the flag)
+    if link is None:
+        return
+    if cfg.compute != "device":
+        raise ConfigError("--device-link times the collectives inside a host as a device "
+                          "interconnect's, which only a timing-only run may do (the "
+                          "gradients are not reduced): add --compute device, or drop "
+                          "--device-link.")
+    if not strategy_cls.host_collectives:
+        raise ConfigError(f"--device-link times the collectives a strategy runs among the "
+                          f"workers of one host; {cfg.strategy!r} has none (a flat ring's "
+                          f"hops inside a host stay loopback). Use byteps or hallreduce, "
+                          f"or drop --device-link.")
+
+
+def collective_s(workers: int, nbytes: float, alpha: float, rate: float) -> float:
+    """A ring reduce-scatter's (or all-gather's) time among ``workers`` devices, for
+    ``nbytes`` in (out): G - 1 steps of B/G bytes each."""
+    if workers <= 1:
+        return 0.0
+    return (workers - 1) * (alpha + nbytes / workers / rate)
+
+
+class GroupComm:
+    """The host's collectives as torch runs them, each returning its async Work."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
+        import torch.distributed as dist
+
+        return dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=True)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        import torch.distributed as dist
+
+        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _Timed:
+    """A timed collective's handle: done when its time is up (or it failed)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class TimedComm:
+    """The host's collectives as a device interconnect's time (see the module's doc).
+    ``enter`` starts the one-element collective that every worker of the host must join
+    and returns its Work (a parameter for tests; by default an all-reduce in ``group``)."""
+
+    def __init__(self, group: Any, workers: int, local: int, alpha: float, rate: float,
+                 time_scale: float = 1.0, enter=None) -> None:
+        self.workers, self.local = workers, local
+        self.alpha, self.rate, self.time_scale = alpha, rate, time_scale
+        if enter is None:
+            import torch.distributed as dist
+
+            token = torch.zeros(1)
+            enter = lambda: dist.all_reduce(token, group=group, async_op=True)  # noqa: E731
+        self.enter = enter
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._free_at = 0.0  # when the device's stream is free (perf_counter)
+        self._thread = threading.Thread(target=self._run, name="psring-device-link",
+                                        daemon=True)
+        self._thread.start()
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> _Timed:
+        n = out.numel()
+        part = inp[self.local * n:(self.local + 1) * n]
+        return self._submit(inp.numel() * inp.element_size(), lambda: out.copy_(part))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Timed:
+        n = inp.numel()
+        part = out[self.local * n:(self.local + 1) * n]
+        return self._submit(out.numel() * out.element_size(), lambda: part.copy_(inp))
+
+    def _submit(self, nbytes: int, move) -> _Timed:
+        handle = _Timed()
+        # entered here, on the caller's thread: the host's workers issue the one-element
+        # collectives in the order they issue the real ones, as torch requires
+        self._queue.put((self.enter(), nbytes, move, handle))
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, nbytes, move, handle = item
+            try:
+                work.wait()
+                start = max(time.perf_counter(), self._free_at)
+                self._free_at = start + self.time_scale * collective_s(
+                    self.workers, nbytes, self.alpha, self.rate)
+                move()
+                time.sleep(max(0.0, self._free_at - time.perf_counter()))
+            except BaseException as e:  # noqa: BLE001 -- handed to whoever waits on it
+                handle.error = e
+            handle.done.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+def host_layout(ctx: Any, who: str) -> tuple[int, int, int, int]:
+    """(G workers per host, H hosts, this worker's host, its local rank), ranks h*G ..
+    h*G+G-1 on host h (as torchrun and psring's launcher number them)."""
+    g = ctx.local_world
+    if g < 1 or ctx.world % g:
+        raise RuntimeError(f"{who}: {ctx.world} workers do not make hosts of {g} "
+                           f"(LOCAL_WORLD_SIZE) each")
+    return (g, ctx.world // g, *divmod(ctx.rank, g))
+
+
+def host_comm(ctx: Any, who: str) -> GroupComm | TimedComm | None:
+    """This worker's host collectives (None with one worker per host). Collective: every
+    rank creates every host's process group, in the same order, as torch requires."""
+    import torch.distributed as dist
+
+    g, hosts, host, local = host_layout(ctx, who)
+    mine = None
+    for h in range(hosts):
+        grp = dist.new_group(list(range(h * g, (h + 1) * g)))
+        if h == host:
+            mine = grp
+    if g == 1:
+        return None
+    link = parse(getattr(ctx.cfg, "device_link", ""))
+    if link is None:
+        return GroupComm(mine)
+    return TimedComm(mine, g, local, *link, time_scale=ctx.cfg.time_scale)
