@@ -262,7 +262,8 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
         if stats.bucket_launch:
             record["bucket_launch_s"] = [round((t - t0) * per, 7) for t in stats.bucket_launch]
             record["bucket_done_s"] = [round((t - t0) * per, 7) for t in stats.bucket_done]
-        record.update(stats.extra)
+        record.update({k: round(v * per, 7) if k.endswith("_s") else v
+                       for k, v in stats.extra.items()})
         if ctx.stand_in is not None:
             record.update(ctx.stand_in.record())
         if log is not None:

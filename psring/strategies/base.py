@@ -99,6 +99,8 @@ class StepStats:
     bytes_recv: int = 0
     bucket_launch: list[float] = field(default_factory=list)
     bucket_done: list[float] = field(default_factory=list)
+    #: more fields for the step record; a name ending in ``_s`` is a duration in
+    #: seconds, recorded on the described cluster's clock as the loop's own (/ --time-scale)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
