@@ -14,7 +14,8 @@ gradient bytes M.
 Direction: per model and link, each strategy's measured step (the slowest worker's
 median, on the described cluster's clock) beside the simulator's prediction for the run
 (`psring.predict.replay`: the run's own compute and bucket launches, the cluster's
-links), and byteps's speed-up over allreduce, measured and predicted.
+links; a run's own --device-link, psring.interconnect), and each strategy's speed-up
+over allreduce, measured and predicted.
 """
 
 from __future__ import annotations
@@ -58,41 +59,45 @@ def link_bytes(rows: list[dict], run_of) -> list[str]:
     return lines
 
 
-#: a GPU host's interconnect on paper, for byteps's and hring's collectives inside a
-#: host: NVLink 2.0 on a V100 (6 links x 25 GB/s each way; 150 GB/s), a few µs a message
-NVLINK = (10e-6, 1 / 150e9)
-
-
 def direction(rows: list[dict], run_of) -> list[str]:
+    from psring.interconnect import NVLINK
     from psring.predict.costmodel import Calibration, find_calibration
     from psring.predict.replay import replay
 
+    # the hosts' interconnect at NVLink's figures on paper, for runs that had loopback
+    nvlink = (NVLINK[0], 1 / NVLINK[1])
     path = find_calibration()
     cal = Calibration.load(path) if path else None
-    lines = ["| model | link | strategy | measured step ms | predicted ms | error | "
-             "predicted, NVLink inside the hosts |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | link | strategy | device link | measured step ms | predicted ms | "
+             "error | predicted, NVLink inside the hosts |", "|---|---|---|---|---|---|---|---|"]
     by = defaultdict(dict)
     for r in rows:
         c = r["config"]
         key = (Path(c.get("device_profile") or c["model"]).name, c["link"])
+        # (replay prices a run's own --device-link; NVLink on paper for the others)
         pred = replay(run_of(r), cal) if cal else None
-        fast = replay(run_of(r), cal, inside=NVLINK) if cal else None
-        by[key][c["strategy"]] = (r["step_p50_s"], pred.step_s if pred else None,
-                                  fast.step_s if fast else None)
+        fast = replay(run_of(r), cal, inside=None if c.get("device_link") else nvlink) \
+            if cal else None
+        name = (c["strategy"], c.get("device_link") or "loopback")
+        by[key][name] = (r["step_p50_s"], pred.step_s if pred else None,
+                         fast.step_s if fast else None)
     ms = lambda x: f"{x * 1e3:.0f}" if x else "-"  # noqa: E731
     for (model, link), st in sorted(by.items()):
-        for name, (meas, pred, fast) in sorted(st.items()):
+        for (name, inside), (meas, pred, fast) in sorted(st.items()):
             err = f"{(pred - meas) / meas:+.0%}" if pred else "-"
-            lines.append(f"| {model} | {link} | {name} | {meas * 1e3:.0f} | {ms(pred)} | "
-                         f"{err} | {ms(fast)} |")
-    lines += ["", "| model | link | byteps speed-up over allreduce, measured | predicted | "
-              "predicted, NVLink inside |", "|---|---|---|---|---|"]
+            lines.append(f"| {model} | {link} | {name} | {inside} | {meas * 1e3:.0f} | "
+                         f"{ms(pred)} | {err} | {ms(fast)} |")
+    lines += ["", "| model | link | over allreduce | device link | speed-up, measured | "
+              "predicted | predicted, NVLink inside |", "|---|---|---|---|---|---|---|"]
     ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
     for (model, link), st in sorted(by.items()):
-        if "byteps" in st and "allreduce" in st:
-            (mb, pb, fb), (ma, pa, fa) = st["byteps"], st["allreduce"]
-            lines.append(f"| {model} | {link} | {ratio(ma, mb)} | {ratio(pa, pb)} | "
-                         f"{ratio(fa, fb)} |")
+        base = st.get(("allreduce", "loopback"))
+        for (name, inside), (mb, pb, fb) in sorted(st.items()):
+            if base is None or name == "allreduce":
+                continue
+            ma, pa, fa = base
+            lines.append(f"| {model} | {link} | {name} | {inside} | {ratio(ma, mb)} | "
+                         f"{ratio(pa, pb)} | {ratio(fa, fb)} |")
     if cal is None:
         lines.append("\n(no calibration: run `psring calibrate` for the predictions)")
     return lines

@@ -38,7 +38,8 @@ uses it:
 (weak scaling); otherwise ``batch_size`` is the global batch (strong scaling).
 Settings that do not apply to a strategy are normalized, and points that become the
 same run are run once: ``single`` runs 1 worker, ``servers`` is 1 for strategies
-without servers, ``max_staleness`` is -1 where it does not apply, and a
+without servers, ``max_staleness`` is -1 where it does not apply, ``device_link`` is dropped for
+strategies without collectives inside a host, and a
 ``slow_worker`` that names no worker of the point (``1:3`` for ``single``) is dropped.
 
 Each point runs in ``OUT/<point id>/`` and is done when its ``point.json`` says so
@@ -210,6 +211,8 @@ class Sweep:
                 values["servers"] = 1
             if not strategy.supports_staleness_bound:
                 values["max_staleness"] = -1
+            if not strategy.host_collectives:
+                values["device_link"] = ""  # nothing runs inside a host to time
             slow = str(values.get("slow_worker") or "")
             if slow and int(slow.split(":")[0] or 0) >= values.get("workers", 1):
                 values["slow_worker"] = ""  # no such worker (single): nobody is slowed
