@@ -31,6 +31,8 @@ contiguous range per server it overlaps (docs/protocol.md: ``lo``, ``hi``).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import torch
@@ -66,6 +68,9 @@ class _Part:
     def __init__(self):
         self.work = None   # the reduce-scatter in flight (None: done or not started)
         self.acks: Replies | None = None
+        #: set by the pusher once the part's partitions are sent (or sending failed)
+        self.sent = threading.Event()
+        self.error: BaseException | None = None
         #: a GPU part's host copy, alive until its push is acknowledged (ZeroMQ sends
         #: tensors without copying them)
         self.staged: torch.Tensor | None = None
@@ -78,7 +83,7 @@ class _BucketPush:
         self.strategy, self.index = strategy, index
 
     def wait(self) -> None:
-        self.strategy._push_ready(upto=self.index)
+        self.strategy._pushed(upto=self.index)
         self.strategy.parts[self.index].acks.wait()
 
 
@@ -92,7 +97,7 @@ class _StepEnd:
 
     def wait(self) -> None:
         s = self.strategy
-        s._push_ready(upto=len(s.parts) - 1)
+        s._pushed(upto=len(s.parts) - 1)
         if not s.pull_keys:  # (a column with nothing in it: pull nothing)
             s._send_column_pulls()
         s.pull = Replies(s.client, s.pull_keys, "a pull of this worker's part")
@@ -186,6 +191,15 @@ class BytePS(ParameterServer):
         self._early_recv = self.client.bytes_recv - recv
         self.pull = None
         self.pull_keys: list = []  # this step's pulls, one per part and server
+        # The pusher: pushes each bucket's part as soon as the host's reduce-scatter of it
+        # is done, while backward goes on (the loop's thread is inside backward between
+        # gradient hooks, and would push it only at the next hook). It sends on the
+        # client, under its lock; replies are read by the loop's thread once a step's
+        # parts are all sent.
+        self._pushq: queue.SimpleQueue = queue.SimpleQueue()
+        self._pusher = threading.Thread(target=self._push_loop, name="psring-pusher",
+                                        daemon=True)
+        self._pusher.start()
         return model
 
     # -- layout -----------------------------------------------------------------------
@@ -233,31 +247,38 @@ class BytePS(ParameterServer):
             self.parts[i].work = self.inside.reduce_scatter(self.shards[i], full)
         else:
             self.shards[i].copy_(full)
-        self._push_ready(upto=i, block=False)
+        if not self.pull_keys:
+            self._send_column_pulls()
+        self._pushq.put((self.parts[i], i))
         return _BucketPush(self, i)
 
-    def _push_ready(self, upto: int, block: bool = True) -> None:
-        """Push, in bucket order, the parts whose host reduction is done (waiting for
-        them up to bucket ``upto`` when ``block``)."""
-        for i in range(upto + 1):
-            part = self.parts[i]
-            if part.acks is not None:
-                continue
-            if not self.pull_keys:
-                self._send_column_pulls()
-            if part.work is not None:
-                if not block and not part.work.is_completed():
-                    return
-                part.work.wait()
-                part.work = None
-            n, s = self._valid(i, self.local), self.server_off[self.local][i]
-            data = self.shards[i]
-            if data.device.type != "cpu":  # (not run here: no GPU)
-                data = part.staged = data[:n].cpu()
-            keys = [self.client.send(k, "push", {"step": self.step, "offset": a},
-                                     [data[a - s:b - s]])
-                    for k, a, b in partitions(s, s + n, self.ranges)]
-            part.acks = Replies(self.client, keys, "a gradient push")
+    def _push_loop(self) -> None:
+        """The pusher's thread: parts in launch (bucket) order, each pushed once its
+        host's reduce-scatter is done; a failure is handed to whoever waits for it."""
+        while (item := self._pushq.get()) is not None:
+            part, i = item
+            try:
+                if part.work is not None:
+                    part.work.wait()
+                    part.work = None
+                n, s = self._valid(i, self.local), self.server_off[self.local][i]
+                data = self.shards[i]
+                if data.device.type != "cpu":  # (not run here: no GPU)
+                    data = part.staged = data[:n].cpu()
+                keys = [self.client.send(k, "push", {"step": self.step, "offset": a},
+                                         [data[a - s:b - s]])
+                        for k, a, b in partitions(s, s + n, self.ranges)]
+                part.acks = Replies(self.client, keys, "a gradient push")
+            except BaseException as e:  # noqa: BLE001 -- raised where the part is waited for
+                part.error = e
+            part.sent.set()
+
+    def _pushed(self, upto: int) -> None:
+        """Wait until the parts of buckets 0 .. ``upto`` are sent."""
+        for part in self.parts[:upto + 1]:
+            part.sent.wait()
+            if part.error is not None:
+                raise part.error
 
     def _send_column_pulls(self) -> None:
         """With the step's first push: one pull per server of this worker's column (the
@@ -380,6 +401,8 @@ class BytePS(ParameterServer):
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     def close(self) -> None:
+        if getattr(self, "_pusher", None) is not None:
+            self._pushq.put(None)
         if getattr(self, "inside", None) is not None:
             self.inside.close()
         super().close()

@@ -32,6 +32,7 @@ every reply must carry a valid signature (docs/protocol.md).
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from typing import Callable, ClassVar, ContextManager
 
@@ -76,6 +77,9 @@ class PSClient:
         # Seqs start at the clock (µs), so a client's seqs are above those of any earlier
         # client of the same (run, worker), which a server with a secret drops as replays.
         self.seq = time.time_ns() // 1000
+        # ZeroMQ sockets are not thread-safe: a strategy that sends from a thread of its
+        # own (byteps's pusher) does so under this lock, as every send and poll here does
+        self.lock = threading.RLock()
         self.pending: set[tuple[int, int]] = set()  # requests sent, not yet answered
         self.replies: dict[tuple[int, int], Message] = {}
         # pulls answered in pieces: key -> [elements still expected, callback per piece]
@@ -84,13 +88,14 @@ class PSClient:
         self.bytes_recv = 0
 
     def send(self, shard: int, op: str, fields: dict, tensors=()) -> tuple[int, int]:
-        self.seq += 1
-        frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
-                             "shard": shard, **fields}, tensors, self.key)
-        self.socks[shard].send_multipart(frames, copy=False)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        self.pending.add((shard, self.seq))
-        return shard, self.seq
+        with self.lock:
+            self.seq += 1
+            frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
+                                 "shard": shard, **fields}, tensors, self.key)
+            self.socks[shard].send_multipart(frames, copy=False)
+            self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+            self.pending.add((shard, self.seq))
+            return shard, self.seq
 
     def pull(self, shard: int, min_version: int, numel: int,
              on_piece: Callable[[Message], None]) -> tuple[int, int]:
@@ -116,8 +121,9 @@ class PSClient:
                     f"that they run, are reachable and have {secret} (a server with a "
                     f"secret drops unsigned messages unanswered: --secret-file or "
                     f"PSRING_SECRET), or raise --timeout.")
-            for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
-                self._receive(sock)
+            with self.lock:
+                for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
+                    self._receive(sock)
         return [self.replies.pop(k) for k in keys]
 
     def _receive(self, sock: zmq.Socket) -> None:
