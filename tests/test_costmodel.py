@@ -98,6 +98,19 @@ def cal(**over) -> Calibration:
     return Calibration(**{**values, **over})
 
 
+def test_a_time_scaled_runs_clock_divides_this_machines_costs():
+    c = cal(cast=4e-11, links={"1gbit": {"zmq_alpha": 1e-4, "zmq_beta": 8e-9,
+                                         "dist_alpha": 1e-4, "dist_beta": 8e-9}})
+    assert c.faster(1) is c
+    f = c.faster(20)
+    assert (f.zmq_alpha, f.zmq_beta, f.dist_alpha, f.dist_beta, f.gamma, f.cast) == \
+        pytest.approx((5e-7, 5e-11, 5e-6, 5e-11, 1e-11, 2e-12))
+    # the links are priced at the described rate: 20 Gbit/s's payload, no longer
+    # loopback's slower β as at time scale 1
+    assert f.links == {}
+    assert f.between_hosts("ring", 20e9)[1] < c.between_hosts("ring", 20e9)[1]
+
+
 def test_predict_comm_picks_the_transport():
     c = cal(dist_beta=2e-9)
     assert predict_comm("ring", N, 1, M, c) == cm.ring_allreduce(N, M, 1e-4, 2e-9, 2e-10)

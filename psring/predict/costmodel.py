@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +250,17 @@ class Calibration:
                 return (measured[f"{key}_alpha"] + extra,
                         max(measured[f"{key}_beta"], beta), f"calibrated {name}")
         return alpha + 2 * delay_s, max(payload_beta(link_bits), beta), "nominal rate"
+
+    def faster(self, scale: float) -> "Calibration":
+        """This machine's figures on the clock of a run slowed ``scale``-fold
+        (--time-scale): its software costs (α, β, γ, the cast) take the same wall time,
+        so 1/scale of it on the described cluster's clock. Emulated links are priced at
+        the described rate (between_hosts' nominal rate), not from ``links``, which are
+        this machine's measurements at the rates it shaped."""
+        if scale == 1:
+            return self
+        return replace(self, **{n: getattr(self, n) / scale for n in _NUMBERS},
+                       cast=self.cast / scale if self.cast is not None else None, links={})
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, **asdict(self)}

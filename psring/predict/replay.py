@@ -41,6 +41,8 @@ def replay(run_dir: Any, cal: Calibration,
         return None
     if not cls.costed:
         return None
+    # a time-scaled run: this machine's software costs are 1/S on the described clock
+    cal = cal.faster(float(cfg.get("time_scale") or 1.0))
     if inside is None and cfg.get("device_link"):
         from ..interconnect import parse
 
