@@ -45,6 +45,9 @@ def test_byteps_trains_singles_model_updating_on_servers_or_workers(tmp_path, sm
             assert all(0 < r["bytes_sent"] < m["parameter_bytes"] for r in rows)
             if out == two:  # updating on the workers: a step pulls its own sums back
                 assert sum(r["bytes_recv"] for r in rows) == hosts * m["parameter_bytes"]
+            # the manifest's per-worker figure is a part (1/G) of the gradients, each way
+            assert all(abs(r["bytes_sent"] - m["bytes_per_step"]["sent"]) < 1024
+                       for r in rows)
         # several buckets, the first on its way (the host's reduce-scatter) during backward
         assert all(len(r["bucket_launch_s"]) > 1 and
                    r["bucket_launch_s"][0] < r["backward_end_s"] for r in records)

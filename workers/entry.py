@@ -177,7 +177,8 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     model, ds = work.model, work.data.train
     if rank == 0:
         write_manifest(run_dir, cfg, work, strategy_cls, threads,
-                       launch={**launch.describe(), "network": net.describe()})
+                       launch={**launch.describe(), "network": net.describe()},
+                       per_host=local_world)
     model.to(device)
     # --compute device: the device's times stand in for forward, backward and the
     # optimizer step (psring.device); its warm-up would time nothing

@@ -14,14 +14,15 @@ from psring.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, v
 
 
 def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
-                   launch: dict | None = None) -> dict:
+                   launch: dict | None = None, per_host: int = 1) -> dict:
     """``work``: the run's psring.workload.Workload; ``launch``: who started the workers
-    and where they ran (psring.rendezvous: under torchrun, every rank's host)."""
+    and where they ran (psring.rendezvous: under torchrun, every rank's host);
+    ``per_host``: workers on each host (LOCAL_WORLD_SIZE)."""
     model, ds = work.model, work.data.train
     pbytes = parameter_bytes(model)
     # gradients as they travel: half the bytes with --compress fp16/bf16
     wire = wire_bytes(pbytes, cfg.compress) if strategy_cls.supports_compression else pbytes
-    sent, recv = strategy_cls.bytes_per_step(wire, cfg.workers)
+    sent, recv = strategy_cls.bytes_per_step(wire, cfg.workers, per_host)
     fps = flops_per_sample(model, work.inputs)
     flops_worker_step = fps * cfg.per_worker_batch * cfg.accumulate
     return {
@@ -57,7 +58,7 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
 
 
 def write_manifest(run_dir: Path, cfg: RunConfig, work, strategy_cls, threads: int,
-                   launch: dict | None = None) -> dict:
-    m = build_manifest(cfg, work, strategy_cls, threads, launch)
+                   launch: dict | None = None, per_host: int = 1) -> dict:
+    m = build_manifest(cfg, work, strategy_cls, threads, launch, per_host)
     atomic_write_json(Path(run_dir) / MANIFEST, m)
     return m

@@ -119,7 +119,8 @@ class AllReduce(Strategy):
             self.pool.shutdown(wait=False, cancel_futures=True)
 
     @classmethod
-    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+    def bytes_per_step(cls, param_bytes: int, world: int,
+                       per_host: int = 1) -> tuple[int, int]:
         b = ring_bytes(param_bytes, world)
         return b, b
 

@@ -233,7 +233,9 @@ class Strategy:
 
     # -- facts for the manifest ------------------------------------------------------
     @classmethod
-    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+    def bytes_per_step(cls, param_bytes: int, world: int,
+                       per_host: int = 1) -> tuple[int, int]:
         """(sent, received) bytes per worker per synchronized step, by the algorithm, for
-        ``param_bytes`` of gradients as they are sent (compressed, with --compress)."""
+        ``param_bytes`` of gradients as they are sent (compressed, with --compress), on
+        hosts of ``per_host`` workers each."""
         return 0, 0

@@ -408,8 +408,12 @@ class BytePS(ParameterServer):
         super().close()
 
     @classmethod
-    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
-        return param_bytes, param_bytes  # without the layout: one worker per host
+    def bytes_per_step(cls, param_bytes: int, world: int,
+                       per_host: int = 1) -> tuple[int, int]:
+        # each worker pushes its 1/G part and pulls it back (the host's collectives are
+        # not counted: they do not leave the host)
+        part = -(-param_bytes // per_host)
+        return part, part
 
 
 class _Gathered:

@@ -53,6 +53,7 @@ class DDP(Strategy):
         return super().finish_backward()
 
     @classmethod
-    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+    def bytes_per_step(cls, param_bytes: int, world: int,
+                       per_host: int = 1) -> tuple[int, int]:
         b = ring_bytes(param_bytes, world)
         return b, b

@@ -125,8 +125,7 @@ class HierarchicalAllReduce(AllReduce):
             bucket.buffer.copy_(full[:bucket.numel])
 
     @classmethod
-    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
-        # without the layout (one host of all the workers): the reduce-scatter and
-        # all-gather of a ring
-        b = ring_bytes(param_bytes, world)
+    def bytes_per_step(cls, param_bytes: int, world: int,
+                       per_host: int = 1) -> tuple[int, int]:
+        b = hierarchy_bytes(param_bytes, world // per_host, per_host)  # as each step counts
         return b, b

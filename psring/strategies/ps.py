@@ -494,7 +494,8 @@ class ParameterServer(Strategy):
                 self.client.close()
 
     @classmethod
-    def bytes_per_step(cls, param_bytes: int, world: int) -> tuple[int, int]:
+    def bytes_per_step(cls, param_bytes: int, world: int,
+                       per_host: int = 1) -> tuple[int, int]:
         return param_bytes, param_bytes  # push every gradient, pull every parameter
 
 
