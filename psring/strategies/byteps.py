@@ -81,10 +81,11 @@ class _BucketPush:
 
     def __init__(self, strategy: "BytePS", index: int):
         self.strategy, self.index = strategy, index
+        self.part = strategy.parts[index]  # this step's, whenever it is waited for
 
     def wait(self) -> None:
         self.strategy._pushed(upto=self.index)
-        self.strategy.parts[self.index].acks.wait()
+        self.part.acks.wait()
 
 
 class _StepEnd:
@@ -403,6 +404,9 @@ class BytePS(ParameterServer):
     def close(self) -> None:
         if getattr(self, "_pusher", None) is not None:
             self._pushq.put(None)
+            # (after a failure it may still be sending queued parts: let it finish one
+            # before the sockets close; a send after that fails and is dropped)
+            self._pusher.join(timeout=5.0)
         if getattr(self, "inside", None) is not None:
             self.inside.close()
         super().close()

@@ -163,9 +163,10 @@ class PSClient:
             self.replies[key] = msg
 
     def close(self) -> None:
-        for s in self.socks:
-            s.close(linger=0)
-        self.ctx.term()
+        with self.lock:  # (never under a send of another thread)
+            for s in self.socks:
+                s.close(linger=0)
+            self.ctx.term()
 
 
 class Replies:
