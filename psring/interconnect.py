@@ -78,6 +78,14 @@ def check(cfg: Any, strategy_cls: Any) -> None:
                           f"workers of one host; {cfg.strategy!r} has none (a flat ring's "
                           f"hops inside a host stay loopback). Use byteps or hallreduce, "
                           f"or drop --device-link.")
+    from .cluster import derived_hosts
+
+    hosts = derived_hosts(cfg.workers, cfg.hosts, cfg.workers_per_host)
+    if cfg.workers <= hosts:
+        raise ConfigError(f"--device-link times the collectives among the workers of one "
+                          f"host, and {cfg.workers} worker(s) on {hosts} host(s) leave one a "
+                          f"host: nothing to time. Put several workers on a host "
+                          f"(--workers-per-host), or drop --device-link.")
 
 
 def collective_s(workers: int, nbytes: float, alpha: float, rate: float) -> float:
@@ -141,6 +149,7 @@ class TimedComm:
             enter = lambda: dist.all_reduce(token, group=group, async_op=True)  # noqa: E731
         self.enter = enter
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._free_at = 0.0  # when the device's stream is free (perf_counter)
         self._thread = threading.Thread(target=self._run, name="psring-device-link",
                                         daemon=True)
@@ -157,6 +166,8 @@ class TimedComm:
         return self._submit(out.numel() * out.element_size(), lambda: part.copy_(inp))
 
     def _submit(self, nbytes: int, move) -> _Timed:
+        if self._closed:  # (a reduction still on a communication thread after close)
+            raise RuntimeError("the host's timed interconnect was closed")
         handle = _Timed()
         # entered here, on the caller's thread: the host's workers issue the one-element
         # collectives in the order they issue the real ones, as torch requires
@@ -169,6 +180,10 @@ class TimedComm:
             if item is None:
                 return
             work, nbytes, move, handle = item
+            if self._closed:  # queued when the worker closed: never run
+                handle.error = RuntimeError("the host's timed interconnect was closed")
+                handle.done.set()
+                continue
             try:
                 work.wait()
                 start = max(time.perf_counter(), self._free_at)
@@ -181,6 +196,7 @@ class TimedComm:
             handle.done.set()
 
     def close(self) -> None:
+        self._closed = True
         self._queue.put(None)
 
 

@@ -82,6 +82,20 @@ def test_a_failed_entry_reaches_the_waiter_and_the_stream_goes_on():
         comm.close()
 
 
+def test_a_closed_interconnect_fails_what_is_queued_and_refuses_more():
+    gate = _Entered()
+    slow = interconnect.TimedComm(None, 2, 0, 0.0, 1e4, enter=lambda: gate)  # 0.1 s each
+    first = slow.all_gather(torch.zeros(2000), torch.ones(1000))
+    queued = slow.all_gather(torch.zeros(2000), torch.ones(1000))
+    time.sleep(0.03)  # the first under way
+    slow.close()
+    assert first.wait()  # (the one under way finishes)
+    with pytest.raises(RuntimeError, match="closed"):
+        queued.wait()
+    with pytest.raises(RuntimeError, match="closed"):
+        slow.all_gather(torch.zeros(2), torch.ones(1))
+
+
 def test_bad_device_link_settings_are_refused_with_the_fix(tmp_path):
     model, _ = meta_model(RunConfig(**FLAGS))
     Profile.on_paper([p.numel() * 4 for p in model.parameters()], 0.01, 0.02, 0.0,
@@ -98,6 +112,8 @@ def test_bad_device_link_settings_are_refused_with_the_fix(tmp_path):
             device_link="nvlink", **device)
     refused("'fast' is not a rate.* --device-link nvlink", strategy="byteps",
             device_link="fast", **device)
+    refused("leave one a host: nothing to time", strategy="byteps", hosts=2,
+            device_link="nvlink", **device)
     assert RunConfig(**{**FLAGS, "workers": 2, "strategy": "hallreduce",
                         "device_link": "1200gbit", **device}).device_link == "1200gbit"
 
