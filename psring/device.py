@@ -195,7 +195,9 @@ class DeviceCompute:
         """For the step record: a digest of the parameters and of the gradients as the
         update saw them (each parameter's first element, summed: O(parameters), not
         O(bytes)). Synchronous ranks must agree on both, step by step; the gradients
-        differ per rank before they are reduced, so agreeing shows they were."""
+        differ per rank before they are reduced, so agreeing shows they were (not under
+        --device-link, whose collectives inside a host move no values:
+        psring.interconnect)."""
         with torch.no_grad():
             params = sum(float(p.reshape(-1)[0]) for p in self.params)
             grads = sum(float(p.grad.reshape(-1)[0]) for p in self.params

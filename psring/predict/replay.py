@@ -46,7 +46,10 @@ def replay(run_dir: Any, cal: Calibration,
     if inside is None and cfg.get("device_link"):
         from ..interconnect import parse
 
-        alpha, rate = parse(cfg["device_link"])
+        try:
+            alpha, rate = parse(cfg["device_link"])
+        except PsringError:
+            return None
         inside = (alpha, 1 / rate)
     # the run's own compute already carries its share of the cores: no stretch
     compress = cfg.get("compress", "none") if cls.supports_compression else "none"

@@ -146,7 +146,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     the optimizer runs, "server" or "worker"; ``reduce`` (ring, hring): "sum" or
     "adasum"; ``inside``: (α, β) of a host's own interconnect for byteps's and
     hring's collectives inside a host (default: loopback's gloo figures, this machine's;
-    e.g. NVLink's on paper)."""
+    e.g. NVLink's on paper, whose sums run on the devices: no host γ)."""
     if comm_model not in COMM_MODELS:
         raise ValueError(f"comm_model {comm_model!r}: one of {COMM_MODELS}")
     if compress not in WIRE:
@@ -286,7 +286,7 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
     D, F, B, U = compute
     alpha, beta = cal.link("ring")
     # inside a host (hring's reduce-scatter and all-gather)
-    a_in, b_in = inside or (alpha, beta)
+    a_in, b_in, g_in = (*inside, 0.0) if inside else (alpha, beta, cal.gamma)  # (γ: host sums)
     hosts = len(set(cluster.worker_host))
     G = n // hosts if hier else 1
     across = hosts if hier else n  # the ranks of the ring (or rings) across hosts
@@ -311,7 +311,7 @@ def _ring(profile, cluster: Cluster, compute, buckets, total, wire, cast, cal,
             lat = 0.0
             if G > 1:  # hring: reduce-scatter and all-gather among the host's G workers
                 c = m / G
-                dur += (G - 1) * (2 * a_in + 2 * c * b_in + c * cal.gamma)
+                dur += (G - 1) * (2 * a_in + 2 * c * b_in + c * g_in)
                 lat += 2 * (G - 1) * a_in
             # across: the flat ring of n, or hring's G rings of H on 1/G each (a host
             # link carries all G of them: M/H a step)
@@ -348,7 +348,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
     # byteps: G workers a host aggregate first; each pushes and pulls 1/G
     G = group_size(cluster) if mode == "byteps" else 1
     # the host's collectives (gloo on loopback here, unless given)
-    a_in, b_in = inside or cal.link("ring")
+    a_in, b_in, g_in = (*inside, 0.0) if inside else (*cal.link("ring"), cal.gamma)
     inside = {h: Resource(f"host {h} inside (reduce-scatter, all-gather)", b_in)
               for h in sorted(set(cluster.worker_host))}
     rs_done: dict[tuple[int, int, int], float] = {}  # (host, s, bucket) -> its parts ready
@@ -415,7 +415,7 @@ def _ps(profile, cluster: Cluster, mode: str, compute, buckets, total, wire, cas
             if key not in rs_done:
                 c = buckets[i][0] / G
                 rs_done[key] = inside[whost[w]].occupy(
-                    t, (G - 1) * (a_in + c * b_in + c * cal.gamma))
+                    t, (G - 1) * (a_in + c * b_in + c * g_in))
             t = rs_done[key]
         if mode == "byteps":
             push_partitions(w, s, i, t, parts)
