@@ -11,8 +11,8 @@ collectives in the same order.
 
 Each ``param.grad`` is pointed at its slot of the bucket as soon as it is copied there
 (the reduction then happens in place: no copy back), and autograd's own gradient tensor
-is freed at once; :meth:`GradientBuckets.assign_grads` does the same for parameters
-that got no gradient.
+is freed at once (in device mode it is the stand-in's, kept: psring.device);
+:meth:`GradientBuckets.assign_grads` does the same for parameters that got no gradient.
 """
 
 from __future__ import annotations
