@@ -78,7 +78,9 @@ class PSClient:
         # client of the same (run, worker), which a server with a secret drops as replays.
         self.seq = time.time_ns() // 1000
         # ZeroMQ sockets are not thread-safe: a strategy that sends from a thread of its
-        # own (byteps's pusher) does so under this lock, as every send and poll here does
+        # own (byteps's pusher) does so under this lock, as every send and poll here does.
+        # A poll holds it up to 1 s: byteps polls only once a step's parts are all sent,
+        # so its pusher never waits behind one.
         self.lock = threading.RLock()
         self.pending: set[tuple[int, int]] = set()  # requests sent, not yet answered
         self.replies: dict[tuple[int, int], Message] = {}
