@@ -60,12 +60,12 @@ def link_bytes(rows: list[dict], run_of) -> list[str]:
 
 
 def direction(rows: list[dict], run_of) -> list[str]:
-    from psring.interconnect import NVLINK
+    from psring.interconnect import NVLINK, alpha_beta
     from psring.predict.costmodel import Calibration, find_calibration
     from psring.predict.replay import replay
 
     # the hosts' interconnect at NVLink's figures on paper, for runs that had loopback
-    nvlink = (NVLINK[0], 1 / NVLINK[1])
+    nvlink = alpha_beta(NVLINK)
     path = find_calibration()
     cal = Calibration.load(path) if path else None
     lines = ["| model | link | strategy | device link | measured step ms | predicted ms | "

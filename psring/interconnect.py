@@ -41,10 +41,10 @@ import torch
 
 from .errors import ConfigError
 
-#: NVLink 2.0 on a V100 (6 links x 25 GB/s each way: 150 GB/s), NCCL's ~10 µs a step
-NVLINK = (10e-6, 150e9)
 #: a ring step's start-up on a device interconnect (NCCL's order of magnitude)
 DEVICE_ALPHA_S = 10e-6
+#: NVLink 2.0 on a V100 (6 links x 25 GB/s each way: 150 GB/s)
+NVLINK = (DEVICE_ALPHA_S, 150e9)
 
 
 def parse(text: str) -> tuple[float, float] | None:
@@ -61,6 +61,11 @@ def parse(text: str) -> tuple[float, float] | None:
         raise ConfigError(f"{e} Or name the interconnect: --device-link nvlink "
                           f"(150 GB/s, V100's NVLink 2.0).") from None
     return DEVICE_ALPHA_S, rate / 8
+
+
+def alpha_beta(link: tuple[float, float]) -> tuple[float, float]:
+    """(α, β seconds per byte) of a (α, bytes per second) link: the simulator's ``inside``."""
+    return link[0], 1 / link[1]
 
 
 def check(cfg: Any, strategy_cls: Any) -> None:

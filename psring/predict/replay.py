@@ -44,13 +44,12 @@ def replay(run_dir: Any, cal: Calibration,
     # a time-scaled run: this machine's software costs are 1/S on the described clock
     cal = cal.faster(float(cfg.get("time_scale") or 1.0))
     if inside is None and cfg.get("device_link"):
-        from ..interconnect import parse
+        from ..interconnect import alpha_beta, parse
 
         try:
-            alpha, rate = parse(cfg["device_link"])
+            inside = alpha_beta(parse(cfg["device_link"]))
         except PsringError:
             return None
-        inside = (alpha, 1 / rate)
     # the run's own compute already carries its share of the cores: no stretch
     compress = cfg.get("compress", "none") if cls.supports_compression else "none"
     try:
