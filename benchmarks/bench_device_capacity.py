@@ -77,7 +77,7 @@ CASES = [
     # gloo's per-hop wake-ups of 8 processes on 2 cores
     Case("vgg16-8-100gbit-b25", "compute", "vgg16", 300, 8, 4, "100gbit", time_scale=100,
          steps=8),
-    # at the time scale the capacity rule asks for (psring.device.capacity)
+    # at the time scale the capacity rule asks for (psring.train.device.capacity)
     Case("vgg16-8-S10", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=10),
     Case("vgg16-8-rule", "compute", "vgg16", 300, 8, 4, "10gbit", time_scale=15),
     # one described cluster at several time scales: how far S moves a result

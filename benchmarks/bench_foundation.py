@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from psring import data
+from psring.train import data
 from psring.config import RunConfig
-from psring.models import ModelSettings, build_model
+from psring.train.models import ModelSettings, build_model
 from psring.strategies import STRATEGIES, WorkerContext
 from psring.strategies.base import StepStats
 from psring.strategies.buckets import GradientBuckets, bucket_caps
 from psring.workers.loop import make_optimizer, train
-from psring.workload import build_workload
+from psring.train.workload import build_workload
 
 # eval_samples=0: these time steps, and the loop would otherwise also evaluate
 MODEL = dict(model="mlp", width=1024, depth=3, features=256, batch_size=64, eval_samples=0)
@@ -65,7 +65,7 @@ def bench_loop_overhead(rounds: int, steps: int) -> dict:
         return times
 
     def psring_loop(log_dir: str) -> list[float]:
-        from psring.runlog import StepLog
+        from psring.runs.runlog import StepLog
 
         model = build_model("mlp", ModelSettings.from_config(cfg), 0)[0]
         recs: list[dict] = []
@@ -182,7 +182,7 @@ def _busbw(rank: int, rounds: int, width: int, depth: int, iters: int = 25) -> d
 
 
 def bench_distributed(rounds: int, steps: int) -> dict:
-    from psring.process import free_port
+    from psring.runtime.process import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -1,4 +1,4 @@
-"""Emulated-cluster benchmarks (psring.emulate): figures measured side by side in one run.
+"""Emulated-cluster benchmarks (psring.cluster.emulate): figures measured side by side in one run.
 
     .venv/bin/python benchmarks/bench_links.py [--quick] [--only fidelity|ring|sharded]
 
@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from psring.cluster import PAYLOAD_FRACTION, parse_rate
-from psring.emulate import standalone, tbf_params
+from psring.cluster.spec import PAYLOAD_FRACTION, parse_rate
+from psring.cluster.emulate import standalone, tbf_params
 
 RATES = ["100mbit", "200mbit", "500mbit", "1gbit", "2gbit", "5gbit"]
 

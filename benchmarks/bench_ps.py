@@ -39,8 +39,8 @@ import time
 import torch
 import zmq
 
-from psring.partition import even_split
-from psring.protocol import abstract_ipc_endpoint
+from psring.comm.partition import even_split
+from psring.comm.protocol import abstract_ipc_endpoint
 
 N = 2
 
@@ -52,7 +52,7 @@ def endpoint() -> str:
 
 
 def start_server(addr: str, servers: int) -> subprocess.Popen:
-    from psring.process import server_threads
+    from psring.runtime.process import server_threads
 
     return subprocess.Popen([sys.executable, "-m", "psring.servers", "--bind",
                              addr], stdout=subprocess.DEVNULL,

@@ -10,7 +10,7 @@ contenders alternated in each round:
   strategy has several), its wall time beside its training time (the slowest worker's
   step time from steps.jsonl): the difference is the run's fixed cost;
 - the same with ``PSRING_FORK=0``: every worker and server a new interpreter, as
-  before psring.forking;
+  before psring.runtime.forking;
 - a sweep of ``--sweep-points`` 1-step points (``psring sweep``), wall time per point,
   both ways.
 

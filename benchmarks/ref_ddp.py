@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    from psring.data import synthetic, worker_batch
-    from psring.models import Inputs, ModelSettings, build_model
+    from psring.train.data import synthetic, worker_batch
+    from psring.train.models import Inputs, ModelSettings, build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.workers))
@@ -58,7 +58,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=3)
     args = ap.parse_args()
-    from psring.process import free_port
+    from psring.runtime.process import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

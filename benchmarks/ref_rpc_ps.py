@@ -34,7 +34,7 @@ from torch import nn
 
 
 def build(seed: int) -> nn.Module:
-    from psring.models import ModelSettings, build_model
+    from psring.train.models import ModelSettings, build_model
 
     return build_model("mlp", ModelSettings(features=256, classes=10), seed)[0]
 
@@ -75,8 +75,8 @@ class BatchUpdateParameterServer:
 
 class Trainer:
     def __init__(self, ps_rref, rank: int, args: argparse.Namespace):
-        from psring.data import synthetic
-        from psring.models import Inputs
+        from psring.train.data import synthetic
+        from psring.train.models import Inputs
 
         self.ps_rref = ps_rref
         self.rank, self.args = rank, args
@@ -84,7 +84,7 @@ class Trainer:
         self.ds = synthetic(Inputs.vector(256, 10), 4096, 0, args.seed).train
 
     def train(self) -> list[float]:
-        from psring.data import worker_batch
+        from psring.train.data import worker_batch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (self.args.workers + 1)))
         m = self.ps_rref.rpc_sync().get_model()
@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=3)
     args = ap.parse_args()
-    from psring.process import free_port
+    from psring.runtime.process import free_port
 
     mp.spawn(run, args=(args.workers + 1, args, free_port()), nprocs=args.workers + 1,
              join=True)

@@ -5,8 +5,8 @@
 
 ``--model package.module:function`` imports ``package.module`` from the directory you
 run psring in (or from anything installed) and calls ``function`` with the run's
-:class:`psring.models.ModelSettings`. It returns the module and the
-:class:`psring.models.Inputs` the module takes: psring then generates a learnable
+:class:`psring.train.models.ModelSettings`. It returns the module and the
+:class:`psring.train.models.Inputs` the module takes: psring then generates a learnable
 synthetic data set of that shape (images here), or checks that a ``.npz`` given with
 ``--data`` has rows of that shape. Every worker calls it after seeding torch with
 ``--seed``, so all workers start from the same parameters.
@@ -19,7 +19,7 @@ worker's slice of the batch; see docs/models.md).
 
 from torch import nn
 
-from psring.models import Inputs, ModelSettings
+from psring.train.models import Inputs, ModelSettings
 
 
 def build(s: ModelSettings) -> tuple[nn.Module, Inputs]:

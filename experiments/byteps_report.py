@@ -14,7 +14,7 @@ gradient bytes M.
 Direction: per model and link, each strategy's measured step (the slowest worker's
 median, on the described cluster's clock) beside the simulator's prediction for the run
 (`psring.predict.replay`: the run's own compute and bucket launches, the cluster's
-links; a run's own --device-link, psring.interconnect), and each strategy's speed-up
+links; a run's own --device-link, psring.comm.interconnect), and each strategy's speed-up
 over allreduce, measured and predicted.
 """
 
@@ -60,7 +60,7 @@ def link_bytes(rows: list[dict], run_of) -> list[str]:
 
 
 def direction(rows: list[dict], run_of) -> list[str]:
-    from psring.interconnect import NVLINK, alpha_beta
+    from psring.comm.interconnect import NVLINK, alpha_beta
     from psring.predict.costmodel import Calibration, find_calibration
     from psring.predict.replay import replay
 

@@ -21,13 +21,13 @@ import sys
 
 from psring.predict.costmodel import Calibration
 from psring.predict.profile import Profile
-from psring.cluster import Cluster
+from psring.cluster.spec import Cluster
 from psring.predict.simulate import simulate
 
 # -- the hardware, on paper ------------------------------------------------------------
 #: GPU clusters: NCCL over RDMA; per-message latency ~10 µs; inside a server PCIe/NVLink
 #: at ~10 GB/s (β 1e-10 s/byte); a GPU adds at several hundred GB/s (γ 2e-12 s/byte).
-#: Between servers the link's nominal rate sets β (psring.cluster.payload_beta: TCP
+#: Between servers the link's nominal rate sets β (psring.cluster.spec.payload_beta: TCP
 #: payload at a 1500-byte MTU, a conservative reading of RoCE's).
 GPU = Calibration(zmq_alpha=1e-5, zmq_beta=1e-10, dist_alpha=1e-5, dist_beta=1e-10,
                   gamma=2e-12, host="on paper: GPU servers")
@@ -50,7 +50,7 @@ def resnet(layers: list[int]) -> list[int]:
 
 
 def zoo(name: str, image_size: int = 224) -> list[int]:
-    from psring.models import ModelSettings, build_model
+    from psring.train.models import ModelSettings, build_model
 
     def build():
         return build_model(name, ModelSettings(classes=1000, image_size=image_size), 0)[0]

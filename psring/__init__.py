@@ -3,6 +3,35 @@
     psring run --strategy allreduce --workers 2
     psring compare
     psring report runs/*
+
+From Python (a notebook)::
+
+    import psring
+    cfg = psring.RunConfig(strategy="ps", workers=2, steps=20)
+    run_dir = psring.launch(cfg)
+
+The packages, each with one job (its ``__init__`` says which):
+
+- ``strategies``: the strategy seam and one module per strategy;
+- ``comm``: the wire protocol, partitions, compression, Adasum, a host's interconnect;
+- ``cluster``: a run's cluster and the emulated one built for it;
+- ``runtime``: the launcher and the processes it supervises;
+- ``train``: models, data, the update, evaluation, checkpoints, device mode;
+- ``zoo``: the built-in models;
+- ``runs``: run logs, traces, merges, sweeps;
+- ``report``: tables, plots, report.md; ``predict``: cost model, simulator, advise.
+
+Names used here are imported on first use, so ``import psring`` imports no torch.
 """
 
+from psring._lazy import lazy_exports
+
 __version__ = "0.1.0"
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "RunConfig": "config", "ConfigError": "errors", "PsringError": "errors",
+    "launch": "runtime.launch", "Cluster": "cluster.spec",
+    "Strategy": "strategies", "STRATEGIES": "strategies", "StepStats": "strategies",
+    "WorkerContext": "strategies", "MODELS": "train.models", "build_model": "train.models",
+    "summarize_all": "report", "write_report": "report",
+})

@@ -1,3 +1,3 @@
-from .cli import entry
+from psring.cli import entry
 
 entry()

@@ -26,21 +26,21 @@ import logging
 import os
 import sys
 
-from . import forking
-from .errors import ConfigError, run_guarded
+from psring.runtime import forking
+from psring.errors import ConfigError, run_guarded
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     # first, before torch and a user's model are imported: this process only launches,
-    # and its children are forked from it (psring.forking)
+    # and its children are forked from it (psring.runtime.forking)
     forking.allow()
-    from .config import config_from_args
-    from .launch import launch
-    from .report import render_table, summarize_all
+    from psring.config import config_from_args
+    from psring.runtime.launch import launch
+    from psring.report import render_table, summarize_all
 
     if args.resume:
-        from .config import given_fields
-        from .launch import resume_config
+        from psring.config import given_fields
+        from psring.runtime.launch import resume_config
 
         argv = getattr(args, "argv", None)
         given = given_fields(argv if argv is not None else sys.argv[1:]) - {"resume"}
@@ -69,8 +69,8 @@ def _progress_printer(total: int):
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import render_table, summarize_all, write_report
-    from .sweep import is_sweep_dir
+    from psring.report import render_table, summarize_all, write_report
+    from psring.runs.sweep import is_sweep_dir
 
     if len(args.dirs) == 1 and is_sweep_dir(args.dirs[0]) and not args.json:
         path, table = write_report(args.dirs[0])
@@ -86,7 +86,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from .merge import merge
+    from psring.runs.merge import merge
 
     manifest = merge(args.dirs, args.out)
     parts = manifest["merged_from"]
@@ -101,7 +101,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     forking.allow()  # first: its runs' processes are forked from it (see _cmd_run)
     from pathlib import Path
 
-    from .sweep import Sweep, default_out, format_summary, run_sweep_with_progress
+    from psring.runs.sweep import Sweep, default_out, format_summary, run_sweep_with_progress
 
     sweep = Sweep.load(args.spec)
     if args.repeats is not None:
@@ -110,7 +110,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     res = run_sweep_with_progress(sweep, out)
     print(format_summary(res), file=sys.stderr)
     if args.report:
-        from .report import write_report
+        from psring.report import write_report
 
         path, table = write_report(out)
         print(table)
@@ -123,9 +123,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     # first (see _cmd_run); a calibration that computes in this process leaves threads
     # behind, and its runs' processes then start anew
     forking.allow()
-    from .compare import run_compare
-    from .report import write_report
-    from .sweep import format_summary
+    from psring.runs.compare import run_compare
+    from psring.report import write_report
+    from psring.runs.sweep import format_summary
 
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
     print(format_summary(res), file=sys.stderr)
@@ -138,7 +138,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .trace import TRACE, load_trace, render_png, write_trace
+    from psring.runs.trace import TRACE, load_trace, render_png, write_trace
 
     run_dir = Path(args.dir)
     path = run_dir / TRACE
@@ -151,7 +151,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from .servers.entry import run_server
+    from psring.servers.entry import run_server
 
     return run_server(args)
 
@@ -160,7 +160,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .models import MODELS, ModelSettings, describe
+    from psring.train.models import MODELS, ModelSettings, describe
 
     s = ModelSettings(classes=args.classes, image_size=args.image_size, seq_len=args.seq_len,
                       features=args.features, width=args.width, depth=args.depth)
@@ -194,7 +194,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .predict.profiling import PAPER_FLAGS, paper_profile, profile_config, take_profile
+    from psring.predict.profiling import (
+        PAPER_FLAGS,
+        paper_profile,
+        profile_config,
+        take_profile,
+    )
 
     paper = {k: getattr(args, k) for k in PAPER_FLAGS}
     flags = {k: v for k, v in vars(args).items()
@@ -223,7 +228,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_strategies(args: argparse.Namespace) -> int:
-    from .strategies import STRATEGIES
+    from psring.strategies import STRATEGIES
 
     for name in STRATEGIES:
         cls = STRATEGIES.get(name)
@@ -233,7 +238,7 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import add_config_flags
+    from psring.config import add_config_flags
 
     parser = argparse.ArgumentParser(
         prog="psring", description="Compare data-parallel training strategies: parameter "
@@ -270,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the report when the sweep is done (default: yes)")
     sw.set_defaults(func=_cmd_sweep)
 
-    from .predict.calibrate_cli import add_calibrate_parser
+    from psring.predict.calibrate_cli import add_calibrate_parser
 
     add_calibrate_parser(sub)
 
@@ -293,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_cmd_trace)
 
     srv = sub.add_parser("server", help="run one parameter server (for --server-addrs)")
-    from .servers.entry import add_server_flags
+    from psring.servers.entry import add_server_flags
 
     add_server_flags(srv)
     srv.set_defaults(func=_cmd_server)
@@ -333,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(kept in the profile)")
     pr.set_defaults(func=_cmd_profile)
 
-    from .predict.advise_cli import add_advise_parser
+    from psring.predict.advise_cli import add_advise_parser
 
     add_advise_parser(sub)
 

@@ -22,10 +22,16 @@ from functools import cached_property
 from typing import Any
 from urllib.parse import urlparse
 
-from .cluster import (PLACEMENTS, Cluster, derived_hosts, host_address, in_network,
-                      worker_counts)
-from .errors import ConfigError, PsringError
-from .shares import check_global_batch, proportional_shares, shares_of
+from psring.cluster.spec import (
+    PLACEMENTS,
+    Cluster,
+    derived_hosts,
+    host_address,
+    in_network,
+    worker_counts,
+)
+from psring.errors import ConfigError, PsringError
+from psring.train.shares import check_global_batch, proportional_shares, shares_of
 
 
 def _flag(help: str, **kw: Any) -> dict:
@@ -110,7 +116,7 @@ class RunConfig:
         "allreduce, hallreduce: how the workers' gradients combine: sum (their average, what single "
         "computes on the global batch) or adasum (Maleki et al.'s adaptive sum, as in "
         "Horovod: orthogonal gradients add, equal ones average; a power-of-two --workers; "
-        "psring.adasum); with hallreduce, Adasum across a power-of-two number of hosts of "
+        "psring.comm.adasum); with hallreduce, Adasum across a power-of-two number of hosts of "
         "each host's average", choices=("sum", "adasum")))
     update_on: str = field(default="", metadata=_flag(
         "byteps: where the optimizer runs: server (the servers update the parameters, as "
@@ -168,7 +174,7 @@ class RunConfig:
         "--compute device, byteps and hallreduce: the hosts' own interconnect (nvlink, or "
         "a rate such as 1200gbit): the collectives among a host's workers take its time, "
         "as on GPUs, instead of running over this machine's loopback and cores "
-        "(psring.interconnect). Default: loopback"))
+        "(psring.comm.interconnect). Default: loopback"))
     trace: bool = field(default=False, metadata=_flag(
         "record spans of every step and write trace.json (Chrome trace / Perfetto) in the "
         "run directory; `psring trace DIR` renders it as a PNG"))
@@ -176,8 +182,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         # Imported here: both registries import torch, and config must stay importable
         # without building models or strategies.
-        from .models import model_factory
-        from .strategies import STRATEGIES
+        from psring.train.models import model_factory
+        from psring.strategies import STRATEGIES
 
         strategy_cls = STRATEGIES.get(self.strategy)
         model_factory(self.model)  # an unknown name or a module that won't import fails here
@@ -268,7 +274,7 @@ class RunConfig:
         if self.data == "synthetic":
             # Build the model on the meta device (no memory, no compute) so a model that
             # can't take these inputs is refused here, before any process starts.
-            from .workload import meta_model
+            from psring.train.workload import meta_model
 
             try:
                 meta = meta_model(self)[0]
@@ -281,13 +287,13 @@ class RunConfig:
                     f"on torch's meta device (shapes only) to check it before starting any "
                     f"process: a factory must build from the settings it is given, without "
                     f"reading tensor values.") from None
-        from . import device
+        from psring.train import device
 
         device.check(self, strategy_cls, meta)  # (a data file's model: in the worker)
 
     def _check_cluster(self, strategy_cls) -> None:
         """The cluster flags: what the strategy allows, then the cluster itself
-        (psring.cluster validates hosts, links and placement), kept as ``cluster``."""
+        (psring.cluster.spec validates hosts, links and placement), kept as ``cluster``."""
         if strategy_cls.max_hosts is not None and self.hosts > strategy_cls.max_hosts:
             raise ConfigError(
                 f"strategy {self.strategy!r} runs on one host by definition (its workers share "
@@ -314,10 +320,10 @@ class RunConfig:
 
     @cached_property
     def cluster(self) -> Cluster:
-        """Where this run's processes live (psring.cluster): derived from the config
+        """Where this run's processes live (psring.cluster.spec): derived from the config
         once (validation computes it first) and kept."""
         # the registry imports torch; see __post_init__
-        from .strategies import STRATEGIES
+        from psring.strategies import STRATEGIES
 
         return Cluster.from_config(self, STRATEGIES.get(self.strategy).uses_servers)
 
@@ -342,7 +348,7 @@ class RunConfig:
                 raise ConfigError("--transport ipc reaches only this host's own processes; "
                                   "emulated hosts talk over their links: drop --transport "
                                   "(or use tcp).")
-            from .protocol import ABSTRACT_IPC
+            from psring.comm.protocol import ABSTRACT_IPC
 
             if self.transport == "ipc" and not ABSTRACT_IPC:
                 raise ConfigError("--transport ipc uses Linux's abstract Unix sockets; on "
@@ -358,7 +364,7 @@ class RunConfig:
                 if u.scheme not in ("tcp", "ipc") or (u.scheme == "tcp" and not u.port):
                     raise ConfigError(f"--server-addrs entry {a!r} is not an address like "
                                       f"tcp://127.0.0.1:5555.")
-            from .protocol import HOW_TO_SET_A_SECRET, is_local, load_secret
+            from psring.comm.protocol import HOW_TO_SET_A_SECRET, is_local, load_secret
 
             # an emulated cluster's own servers are reachable only inside it
             remote = [a for a in addrs if not is_local(a)
@@ -373,7 +379,7 @@ class RunConfig:
             object.__setattr__(self, "servers", len(addrs))
             self.__dict__.pop("cluster", None)  # derived from servers: again when next read
         if strategy_cls.uses_servers and self.secret_file:
-            from .protocol import load_secret
+            from psring.comm.protocol import load_secret
 
             load_secret(self.secret_file)  # a missing or too short file fails here, early
 
@@ -423,7 +429,7 @@ class RunConfig:
                 f"and hallreduce.")
         if self.reduce != "adasum":
             return
-        from .adasum import is_power_of_two
+        from psring.comm.adasum import is_power_of_two
 
         # hallreduce: Adasum across the hosts (each host's average), so the hosts count
         what, n = ("--hosts", derived_hosts(self.workers, self.hosts, self.workers_per_host)) \
@@ -532,11 +538,11 @@ def _flag_name(name: str) -> str:
 
 def cluster_of(cfg: Any) -> Cluster:
     """The cluster of a RunConfig, or of a run's config as its manifest stores it (a
-    dict, perhaps from before a cluster setting existed: psring.cluster.DEFAULTS)."""
+    dict, perhaps from before a cluster setting existed: psring.cluster.spec.DEFAULTS)."""
     if isinstance(cfg, RunConfig):
         return cfg.cluster
     # the registry imports torch; see RunConfig.__post_init__
-    from .strategies import STRATEGIES
+    from psring.strategies import STRATEGIES
 
     return Cluster.from_config(cfg, STRATEGIES.get(cfg.get("strategy", "single")).uses_servers)
 

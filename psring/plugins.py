@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from .errors import ConfigError
+from psring.errors import ConfigError
 
 _loaded: set[str] = set()
 

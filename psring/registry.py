@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
 
-from .errors import ConfigError
+from psring.errors import ConfigError
 
 T = TypeVar("T")
 

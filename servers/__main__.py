@@ -1,3 +1,3 @@
-from .entry import main
+from psring.servers.entry import main
 
 raise SystemExit(main())

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from psring.errors import ConfigError, PsringError
-from psring.process import die_with_parent, set_process_name
+from psring.runtime.process import die_with_parent, set_process_name
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -40,11 +40,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from psring.allocator import keep_freed_memory
-    from psring.protocol import load_secret
+    from psring.runtime.allocator import keep_freed_memory
+    from psring.comm.protocol import load_secret
 
     keep_freed_memory()  # received frames are freed and allocated again every round
-    from .server import Server
+    from psring.servers.server import Server
 
     stop = {"now": False}
 

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from psring.protocol import DTYPE_NAMES, DTYPES, MODES, UPDATES, Message, encode, error_frames
+from psring.comm.protocol import DTYPE_NAMES, DTYPES, MODES, UPDATES, Message, encode, error_frames
 
-from .store import ShardStore
+from psring.servers.store import ShardStore
 
 #: pulls held back at once, beyond which new ones are refused (bounded memory)
 MAX_DEFERRED = 4096

@@ -2,7 +2,7 @@
 
     psring server --bind tcp://127.0.0.1:5555 [--log servers.jsonl] [--secret-file F]
 
-One thread: receive a request, validate it (psring.protocol.decode), let the handler
+One thread: receive a request, validate it (psring.comm.protocol.decode), let the handler
 apply it, send the replies. A malformed message is answered with an error and the
 server goes on serving everyone else. With a shared secret every message must be
 signed: one that is not (or badly) is dropped unanswered and counted. Binding anything
@@ -23,15 +23,15 @@ from urllib.parse import urlparse
 
 import zmq
 
-from psring.cluster import in_network
-from psring.netns import inside_cluster
+from psring.cluster.spec import in_network
+from psring.cluster.netns import inside_cluster
 from psring.errors import ConfigError
-from psring.runlog import host_name
-from psring.protocol import (HOW_TO_SET_A_SECRET, MAX_HEADER_BYTES, REQUESTS, SIGNATURE_BYTES,
+from psring.runs.runlog import host_name
+from psring.comm.protocol import (HOW_TO_SET_A_SECRET, MAX_HEADER_BYTES, REQUESTS, SIGNATURE_BYTES,
                              AuthenticationError, ProtocolError, decode, error_frames,
                              is_local)
 
-from .handler import Handler
+from psring.servers.handler import Handler
 
 POLL_MS = 100
 #: the largest frame accepted when the model is not known at start (--max-frame-mb)
@@ -50,7 +50,7 @@ class RequestLog:
     def __init__(self, path: Path | None, flush_s: float = 0.5):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else -1
         # every line names the host, so a run over emulated hosts shows where each
-        # server was (psring.emulate)
+        # server was (psring.cluster.emulate)
         self.host = host_name()
         self.lines: list[str] = []
         self.flush_s = flush_s
@@ -81,7 +81,7 @@ is_loopback = is_local
 
 def private_to_cluster(endpoint: str) -> bool:
     """An emulated host's address, bound inside the emulated network, which nothing
-    outside psring's own namespaces can reach (psring.emulate): no secret needed."""
+    outside psring's own namespaces can reach (psring.cluster.emulate): no secret needed."""
     return in_network(endpoint) and inside_cluster()
 
 
@@ -102,7 +102,7 @@ def default_io_threads() -> int:
 
 
 class Server:
-    """``secret``: the shared secret (psring.protocol.load_secret); with one, only
+    """``secret``: the shared secret (psring.comm.protocol.load_secret); with one, only
     signed requests are served and every reply is signed. ``max_frame_bytes``: the
     largest frame libzmq accepts (ZMQ_MAXMSGSIZE) — fixed when the socket binds, since
     libzmq copies a socket's options into its listener then."""

@@ -1,6 +1,6 @@
 """A parameter server's store: one shard of the flat parameters and its optimizer state.
 
-The update is the workers' own SGD (psring.optim.sgd_update: ``torch.optim.SGD``'s
+The update is the workers' own SGD (psring.train.optim.sgd_update: ``torch.optim.SGD``'s
 arithmetic; lr, momentum, weight decay; no dampening, no Nesterov) in its fused form:
 one pass over parameters, gradient and momentum instead of three (what
 ``SGD(fused=True)`` calls), so a synchronous parameter server trains the model
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from psring.optim import sgd_update
+from psring.train.optim import sgd_update
 
 
 class ShardStore:

@@ -1,6 +1,6 @@
 """The model an Adasum run should end with, computed in one process: the run's own
 initial model and batches (its manifest's settings), SGD on the tree's Adasum
-(psring.adasum.reference) of the workers' gradients — or, with ``per_host`` G
+(psring.comm.adasum.reference) of the workers' gradients — or, with ``per_host`` G
 (hallreduce --reduce adasum), of each host's average of its G workers' gradients."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-from psring import adasum
+from psring.comm import adasum
 from psring.config import RunConfig
-from psring.data import worker_batch
-from psring.models import loss_of
-from psring.optim import SGD
-from psring.workload import build_workload
+from psring.train.data import worker_batch
+from psring.train.models import loss_of
+from psring.train.optim import SGD
+from psring.train.workload import build_workload
 
 
 def trained_by_the_tree(run_dir: Path, per_host: int = 1) -> dict:

@@ -1,4 +1,4 @@
-"""Helpers for the tests of emulated clusters (psring.emulate): can this machine build
+"""Helpers for the tests of emulated clusters (psring.cluster.emulate): can this machine build
 one, and is every namespace, veth and bridge of a run gone afterwards?"""
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ try:
 except ImportError:
     sys.exit("atheris is not installed: pip install atheris (Linux x86_64, Python 3.11-3.13)")
 
-# imported before instrumentation: only psring.protocol is instrumented, not torch
+# imported before instrumentation: only psring.comm.protocol is instrumented, not torch
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 
-with atheris.instrument_imports(include=["psring.protocol"]):
-    from psring import protocol
+with atheris.instrument_imports(include=["psring.comm.protocol"]):
+    from psring.comm import protocol
 
 KEY = b"k" * 32
 _T = torch.arange(8, dtype=torch.float32)

@@ -1,6 +1,6 @@
 """Hosts for the tests of the multi-host path (torchrun on several machines).
 
-Each host is one of psring's emulated hosts (psring.emulate.standalone: a network
+Each host is one of psring's emulated hosts (psring.cluster.emulate.standalone: a network
 namespace on a bridge, addressed in 198.18.0.0/15) with a host name of its own that
 resolves nowhere, so nothing may rely on the host name (the failure that gloo's default
 choice of address meets). On them a test runs the README's commands as a user runs
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from emutools import assert_cluster_gone
-from psring import emulate
+from psring.cluster import emulate
 
 _ports = itertools.count(29500)
 

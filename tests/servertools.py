@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from psring.protocol import decode, encode
+from psring.comm.protocol import decode, encode
 
 
 class LiveServer:

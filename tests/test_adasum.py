@@ -1,4 +1,4 @@
-"""Adasum (psring.adasum): the pairwise rule, and recursive vector halving over 2, 4
+"""Adasum (psring.comm.adasum): the pairwise rule, and recursive vector halving over 2, 4
 and 8 ranks (threads here, with queues for the point-to-point swaps) equal to the
 rule applied as a tree to whole tensors in one process."""
 
@@ -13,7 +13,7 @@ import torch
 from conftest import (SMALL, assert_no_processes, cli_here, load_model, max_rel_diff, psring,
                       read_steps)
 from adasumref import trained_by_the_tree
-from psring import adasum
+from psring.comm import adasum
 
 
 class ThreadComm:

@@ -118,7 +118,7 @@ def test_profile_records_every_gradient_and_buckets_like_the_strategies(tmp_path
     # the profile's buckets are the strategies' own, at any size
     import torch
 
-    from psring.models import ModelSettings, build_model
+    from psring.train.models import ModelSettings, build_model
 
     model, _ = build_model("cnn", ModelSettings(), 0)
     params = [p for p in model.parameters() if p.requires_grad]

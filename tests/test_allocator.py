@@ -1,4 +1,4 @@
-"""psring.allocator: freed tensors stay mapped from one step to the next."""
+"""psring.runtime.allocator: freed tensors stay mapped from one step to the next."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 PROBE = r"""
 import resource, sys, torch
-from psring.allocator import keep_freed_memory
+from psring.runtime.allocator import keep_freed_memory
 on = sys.argv[1] == "1" and keep_freed_memory()
 faults = []
 for i in range(16):

@@ -14,9 +14,9 @@ import torch
 import zmq
 
 from conftest import SMALL, assert_no_processes, load_model, max_rel_diff, psring, read_steps
-from psring import protocol
+from psring.comm import protocol
 from psring.errors import ConfigError, PsringError
-from psring.protocol import AuthenticationError, ProtocolError, decode, encode, load_secret
+from psring.comm.protocol import AuthenticationError, ProtocolError, decode, encode, load_secret
 from servertools import LiveServer, RawClient, start_server_process
 
 KEY = b"k" * 32
@@ -69,7 +69,7 @@ def test_which_endpoints_need_a_secret(endpoint, local):
 
 # ---------------------------------------------------------------------- refusing a bind
 def test_server_refuses_non_loopback_bind_without_secret():
-    from psring.process import free_port
+    from psring.runtime.process import free_port
     from psring.servers.server import Server
 
     for host in filter(None, ["0.0.0.0", non_loopback_ip()]):
@@ -79,7 +79,7 @@ def test_server_refuses_non_loopback_bind_without_secret():
 
 @pytest.mark.timeout(60)
 def test_psring_server_beyond_loopback_without_secret_exits_2(tmp_path):
-    from psring.process import free_port
+    from psring.runtime.process import free_port
 
     port = free_port()
     for cmd in (["-m", "psring", "server"], ["-m", "psring.servers"]):

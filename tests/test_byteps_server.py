@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from psring.protocol import decode
+from psring.comm.protocol import decode
 from psring.servers.handler import Handler
 
 from test_server import ops, req

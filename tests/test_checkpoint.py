@@ -12,7 +12,7 @@ import torch
 
 from conftest import (PSRING, SMALL, assert_no_processes, cli_here, interruptible, load_model,
                       max_rel_diff, psring, read_evals, read_steps)
-from psring import checkpoint
+from psring.train import checkpoint
 from psring.errors import ConfigError
 
 

@@ -1,11 +1,11 @@
-"""psring.cluster: one description of a run's cluster, pure (no torch, no processes)."""
+"""psring.cluster.spec: one description of a run's cluster, pure (no torch, no processes)."""
 
 import subprocess
 import sys
 
 import pytest
 
-from psring.cluster import DEFAULTS, Cluster
+from psring.cluster.spec import DEFAULTS, Cluster
 from psring.errors import ConfigError
 
 
@@ -62,7 +62,7 @@ def test_a_cluster_that_cannot_be_is_refused_naming_the_flag(kw, needle):
 
 
 def test_the_cluster_module_needs_no_torch():
-    code = "import sys, psring.cluster; print('torch' in sys.modules)"
+    code = "import sys, psring.cluster.spec; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "False", out.stderr

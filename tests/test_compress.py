@@ -1,4 +1,4 @@
-"""--compress fp16|bf16 (psring.compress): half the bytes on the wire, float32 everywhere
+"""--compress fp16|bf16 (psring.comm.compress): half the bytes on the wire, float32 everywhere
 else; the loss still falls and the model stays close to the uncompressed one."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from conftest import SMALL, assert_no_processes, load_model, psring, psring_together, read_steps
 from psring.config import RunConfig
 from psring.errors import ConfigError
-from psring.protocol import decode, encode
+from psring.comm.protocol import decode, encode
 from psring.servers.handler import Handler
 
 #: unit roundoff of each wire dtype: the largest relative error of one cast

@@ -66,7 +66,7 @@ def test_byteps_by_hand():
     assert close(cm.byteps_sync(1, 2, M, 2, A, 8e-9, B, G, 1.0, A, B),
                  cm.ps_sync_placed(2, M, 2, A, 8e-9, B, G, 1.0))
     # through predict_comm, on that cluster: the same formula with the cluster's cross
-    from psring.cluster import Cluster
+    from psring.cluster.spec import Cluster
     cal = Calibration(zmq_alpha=A, zmq_beta=B, dist_alpha=A, dist_beta=B, gamma=G,
                       links={"1gbit": {"zmq_alpha": A, "zmq_beta": 8e-9, "dist_alpha": A,
                                        "dist_beta": 8e-9}})
@@ -357,7 +357,7 @@ def test_ps_link_load_by_hand():
 
 
 def test_links_cost_their_rate_unless_calibrated():
-    from psring.cluster import payload_beta
+    from psring.cluster.spec import payload_beta
 
     c = cal()
     # on paper: loopback's α plus two link delays, the rate's payload β
@@ -382,7 +382,7 @@ def test_links_cost_their_rate_unless_calibrated():
 
 
 def test_predictions_on_an_emulated_cluster_by_hand():
-    from psring.cluster import Cluster, payload_beta
+    from psring.cluster.spec import Cluster, payload_beta
 
     c = cal()
     bl = payload_beta(1e8)  # 100 Mbit/s

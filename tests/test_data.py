@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from psring import data
+from psring.train import data
 from psring.errors import ConfigError
-from psring.models import Inputs
+from psring.train.models import Inputs
 
 KINDS = [Inputs.vector(16, 5), Inputs.image(3, 8, 5), Inputs.tokens(12, 5)]
 
@@ -72,7 +72,7 @@ def test_npz_token_sequences(tmp_path):
     np.savez(path, x=seqs[:, :-1], y=seqs[:, 1:])
     ds = data.from_npz(str(path))
     assert ds.x.dtype == torch.int64 and ds.classes == 7
-    from psring.models import ModelSettings
+    from psring.train.models import ModelSettings
 
     s = data.file_settings(ds, ModelSettings())
     assert s.seq_len == 8 and s.classes == 7
@@ -90,12 +90,12 @@ def test_digits_is_scikit_learns_bundled_set():
 
 @pytest.mark.parametrize("shape, n", [((3, 32, 32), 2100), ((3, 75, 75), 300), ((1, 7, 9), 50)])
 def test_images_made_in_pieces_are_the_ones_made_at_once(shape, n):
-    """psring.data._images makes its patterns and noise in pieces (memory); the values
+    """psring.train.data._images makes its patterns and noise in pieces (memory); the values
     are those of the former whole-set code (patterns of every class at once, noise in
     1024-row pieces), at image sizes whose rows are not a multiple of 16 values too."""
     from torch.nn import functional as F
 
-    from psring.data import IMAGE_SIGNAL, _images
+    from psring.train.data import IMAGE_SIGNAL, _images
 
     classes = 10
     g = torch.Generator().manual_seed(3)

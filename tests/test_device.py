@@ -1,4 +1,4 @@
-"""--compute device (psring.device): each worker's compute as the profile's times, its
+"""--compute device (psring.train.device): each worker's compute as the profile's times, its
 communication real. Bad settings are refused before anything starts; gradients are
 released at the profile's ready times, in its order, through the parameters' own
 accumulators (so DDP's buckets launch during backward); a compute-bound step takes the
@@ -16,11 +16,11 @@ import torch
 
 from conftest import SMALL, assert_no_processes, cli_here, psring, read_steps
 from emutools import assert_cluster_gone, needs_emulation
-from psring import device
+from psring.train import device
 from psring.config import RunConfig
 from psring.errors import ConfigError
 from psring.predict.profile import Profile
-from psring.workload import meta_model
+from psring.train.workload import meta_model
 
 FLAGS = dict(model="mlp", width=256, depth=2, features=64, batch_size=32)
 

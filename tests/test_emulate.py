@@ -1,4 +1,4 @@
-"""Emulated clusters (psring.emulate): hosts as network namespaces, links shaped by tbf.
+"""Emulated clusters (psring.cluster.emulate): hosts as network namespaces, links shaped by tbf.
 
 What is checked: the flags' syntax and placement rules; that a run's gradients really
 cross the emulated links (communication at least bytes / RATE, and shorter at a tenfold
@@ -27,7 +27,7 @@ from conftest import (PSRING, SMALL, assert_no_processes, cli_here, interruptibl
                       read_steps)
 from emutools import (assert_cluster_gone, cluster_state, cut_link, needs_emulation,
                       netem_available)
-from psring import cluster as clusters, emulate, netns
+from psring.cluster import spec as clusters, emulate, netns
 from psring.config import RunConfig
 from psring.errors import ConfigError
 
@@ -120,7 +120,7 @@ def test_cluster_flags_are_validated(kw, needle):
 
 
 def test_sweeps_drop_cluster_settings_that_cannot_apply(tmp_path):
-    from psring.sweep import Sweep
+    from psring.runs.sweep import Sweep
 
     sweep = Sweep(name="t", base={"steps": 2, "link": "1gbit", "hosts": 2,
                                   "server_placement": "own-hosts", "batch_size": 64},
@@ -181,7 +181,7 @@ def test_the_machines_own_namespace_is_not_inside_a_cluster(monkeypatch):
 @needs_emulation
 @pytest.mark.timeout(60)
 def test_only_a_placed_process_on_an_emulated_host_counts_as_inside_it():
-    probe = [sys.executable, "-c", "from psring.netns import namespace_is_isolated, "
+    probe = [sys.executable, "-c", "from psring.cluster.netns import namespace_is_isolated, "
              "inside_cluster; print(namespace_is_isolated(), inside_cluster())"]
     with emulate.standalone(2, "1gbit") as cluster:
         def run(env: dict) -> str:

@@ -3,7 +3,7 @@ parameters `single` ends with, on the same seed and global batch."""
 
 import pytest
 
-from psring.models import ModelSettings, build_model
+from psring.train.models import ModelSettings, build_model
 
 from conftest import (SMALL, assert_evals, assert_no_processes, load_model, max_rel_diff,
                       psring_together, read_steps)

@@ -6,7 +6,7 @@ client bug; the acks remembered for this are bounded."""
 import pytest
 import torch
 
-from psring.protocol import decode, encode
+from psring.comm.protocol import decode, encode
 from psring.servers import handler as handler_mod
 from psring.servers.handler import Handler
 from servertools import LiveServer, RawClient

@@ -1,4 +1,4 @@
-"""psring.forking: when the launcher forks a run's processes, and that a forked child
+"""psring.runtime.forking: when the launcher forks a run's processes, and that a forked child
 behaves as a new ``python -m MODULE`` would (its own log, exit status, environment).
 Each check runs in a fresh interpreter: forking from pytest's own process is what the
 module refuses to do."""
@@ -15,7 +15,7 @@ SCRIPT = r"""
 import os, sys, threading, time
 from pathlib import Path
 from psring import forking
-from psring.process import ProcessSpec, Supervisor
+from psring.runtime.process import ProcessSpec, Supervisor
 
 w = [sys.executable, "-m", "psring.workers", "--help"]
 print("before allow:", forking.target(w))
@@ -80,7 +80,7 @@ CLOSED = r"""
 import os, signal, sys
 from pathlib import Path
 from psring import forking
-from psring.process import ProcessSpec, Supervisor
+from psring.runtime.process import ProcessSpec, Supervisor
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as some parents leave it
 forking.allow()
 os.close(0)  # the launcher's stdin closed: its first log file opens as fd 0

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_no_processes
-from psring import protocol
-from psring.protocol import AuthenticationError, ProtocolError, decode, encode
+from psring.comm import protocol
+from psring.comm.protocol import AuthenticationError, ProtocolError, decode, encode
 from servertools import LiveServer, RawClient, rss_kib, start_server_process
 
 KEY = b"k" * 32

@@ -1,4 +1,4 @@
-"""psring.interconnect: a host's collectives as a device link's time (--device-link).
+"""psring.comm.interconnect: a host's collectives as a device link's time (--device-link).
 The time of a ring reduce-scatter or all-gather, the timed collectives' serial stream,
 what moves, failures handed to the waiter; bad settings refused; and through the CLI,
 byteps's and hallreduce's steps take at least the device link's time for their host
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conftest import assert_no_processes, psring, read_steps
-from psring import interconnect
+from psring.comm import interconnect
 from psring.config import RunConfig
 from psring.errors import ConfigError
 from psring.predict.profile import Profile
-from psring.workload import meta_model
+from psring.train.workload import meta_model
 
 FLAGS = dict(model="mlp", width=1024, depth=3, features=64, batch_size=32)
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from psring.evaluate import is_due, time_to_accuracy
+from psring.train.evaluate import is_due, time_to_accuracy
 
 from conftest import assert_no_processes, psring, read_evals
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from psring import merge as merge_mod
+from psring.runs import merge as merge_mod
 from psring.errors import ConfigError
 from psring.report.runs import summarize
-from psring.runlog import read_manifest, read_steps
+from psring.runs.runlog import read_manifest, read_steps
 
 
 def _host_dir(d: Path, run: str, ranks: list[int], world: int = 2, steps: int = 3,

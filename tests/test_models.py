@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from psring.errors import ConfigError
-from psring.models import MODELS, ModelSettings, build_model, flops_per_sample, parameter_count
+from psring.train.models import MODELS, ModelSettings, build_model, flops_per_sample, parameter_count
 
 from conftest import (assert_no_processes, load_model, max_rel_diff, psring, psring_together,
                       read_evals)
@@ -150,7 +150,7 @@ def test_a_broken_user_factory_is_refused_before_any_process_starts(tmp_path, mo
 
     (tmp_path / "usermodels.py").write_text(
         "import torch\n"
-        "from psring.models import Inputs\n"
+        "from psring.train.models import Inputs\n"
         "def reads_values(s):\n"
         "    m = torch.nn.Linear(s.features, s.classes)\n"
         "    m.weight[0, 0].item()\n"

@@ -18,8 +18,8 @@ import pytest
 from conftest import SMALL, assert_no_processes, cli_here, load_model, max_rel_diff, psring
 from emutools import needs_emulation
 from multihost import emulated_hosts, next_port
-from psring.rendezvous import GRACE_S
-from psring.runlog import read_manifest, read_steps
+from psring.runtime.rendezvous import GRACE_S
+from psring.runs.runlog import read_manifest, read_steps
 
 pytestmark = [needs_emulation, pytest.mark.slow]
 
@@ -167,7 +167,7 @@ def test_a_link_cut_mid_run_ends_every_host_within_the_deadline(tmp_path):
                                              "--steps", "100000"], rdzv_timeout=T)
                  for i, out in enumerate((a, b))]
         deadline = time.monotonic() + 60
-        # training for a few heartbeats (psring.rendezvous.BEAT_S), so the store knows
+        # training for a few heartbeats (psring.runtime.rendezvous.BEAT_S), so the store knows
         while len(read_steps(a)) < 20 or time.time() - read_steps(a)[0]["time"] < 2:
             assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), \
                 [n.output for n in nodes]

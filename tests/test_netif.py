@@ -1,4 +1,4 @@
-"""psring.netif: the interface a worker's collectives use across hosts. A user's
+"""psring.cluster.netif: the interface a worker's collectives use across hosts. A user's
 setting wins; else the interface routed to MASTER_ADDR; else an error naming the
 variable to set. (On emulated hosts, where it matters: tests/test_multihost.py.)"""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from emutools import needs_emulation
-from psring import netif
+from psring.cluster import netif
 from psring.errors import ConfigError
 
 

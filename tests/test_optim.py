@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from psring.optim import SGD
+from psring.train.optim import SGD
 
 
 @pytest.mark.parametrize("momentum,weight_decay", [(0.9, 0.01), (0.0, 0.01), (0.9, 0.0),

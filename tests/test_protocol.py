@@ -11,8 +11,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psring import protocol
-from psring.protocol import ProtocolError, decode, encode
+from psring.comm import protocol
+from psring.comm.protocol import ProtocolError, decode, encode
 
 COMMON = {"run": "r", "worker": 0, "seq": 1, "shard": 0}
 

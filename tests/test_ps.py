@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from psring.protocol import ABSTRACT_IPC
+from psring.comm.protocol import ABSTRACT_IPC
 
 from conftest import (SMALL, assert_evals, assert_no_processes, load_model, max_rel_diff, psring,
                       read_steps)
@@ -77,7 +77,7 @@ def test_standalone_servers_serve_a_run_and_keep_running(small_runs, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_server_addrs_pointing_at_nothing_fails_fast(tmp_path):
-    from psring.process import free_port
+    from psring.runtime.process import free_port
 
     out = tmp_path / "nothing"
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""psring.rendezvous without torchrun: the attempt's keys, and the watchdog (in a child
+"""psring.runtime.rendezvous without torchrun: the attempt's keys, and the watchdog (in a child
 process: it ends the process it runs in). The multi-host flows are
 tests/test_multihost.py."""
 
@@ -11,13 +11,13 @@ import textwrap
 
 import pytest
 
-from psring.process import free_port
+from psring.runtime.process import free_port
 
 
 def test_each_attempt_of_a_launch_has_keys_of_its_own():
     from torch.distributed import HashStore
 
-    from psring.rendezvous import _attempt
+    from psring.runtime.rendezvous import _attempt
 
     store = HashStore()
     assert [_attempt(store, 0), _attempt(store, 1)] == ["psring/1/", "psring/1/"]

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import assert_no_processes, psring, read_steps
 from psring.report.runs import percentile
-from psring.runlog import warmup_steps
+from psring.runs.runlog import warmup_steps
 
 
 def test_percentile_and_warmup():

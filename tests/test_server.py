@@ -4,8 +4,8 @@ async staleness and its bound, partitioning."""
 import pytest
 import torch
 
-from psring.partition import even_split, overlaps
-from psring.protocol import decode, encode
+from psring.comm.partition import even_split, overlaps
+from psring.comm.protocol import decode, encode
 from psring.servers.handler import Handler
 from psring.servers.store import ShardStore
 

@@ -11,7 +11,7 @@ import pytest
 
 from psring.predict.costmodel import Calibration, ring_allreduce
 from psring.predict.profile import Profile
-from psring.cluster import Cluster
+from psring.cluster.spec import Cluster
 from psring.errors import ConfigError
 from psring.predict.simulate import ring_steps, simulate
 
@@ -210,7 +210,7 @@ def test_a_profile_with_non_finite_times_is_refused():
 
 
 def test_the_simulators_wire_fractions_are_psring_compress_s():
-    from psring.compress import CHOICES, wire_bytes
+    from psring.comm.compress import CHOICES, wire_bytes
     from psring.predict.simulate import WIRE
 
     assert set(WIRE) == set(CHOICES)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import (SMALL, assert_no_processes, cli_here, load_model, max_rel_diff,
                       psring_together, read_steps)
-from psring.data import Dataset, worker_batch
+from psring.train.data import Dataset, worker_batch
 
 
 def test_uneven_shares_cover_single_batch_rows_once():
@@ -74,7 +74,7 @@ def test_proportional_shares_follow_the_measured_speeds(tmp_path):
     import json
 
     from psring.config import RunConfig
-    from psring.shares import proportional_shares
+    from psring.train.shares import proportional_shares
 
     run = tmp_path / "even"
     run.mkdir()

@@ -2,7 +2,7 @@ import logging
 import os
 import sys
 
-from .entry import main
+from psring.workers.entry import main
 
 try:
     code = main()

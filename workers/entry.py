@@ -11,8 +11,8 @@ MASTER_ADDR, MASTER_PORT). Two hosts, one worker each:
     # on host B: the same with --node-rank 1
 
 Takes every flag of ``psring run``. Under torchrun the workers agree on the run through
-torchrun's store (psring.rendezvous) and choose their network interface
-(psring.netif); docs/reliability.md says what is bounded by which timeout.
+torchrun's store (psring.runtime.rendezvous) and choose their network interface
+(psring.cluster.netif); docs/reliability.md says what is bounded by which timeout.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from psring import device as psring_device
-from psring import netif, rendezvous
-from psring.allocator import keep_freed_memory
+from psring.train import device as psring_device
+from psring.cluster import netif
+from psring.runtime import rendezvous
+from psring.runtime.allocator import keep_freed_memory
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
-from psring.process import die_with_parent, set_process_name, worker_threads
+from psring.runtime.process import die_with_parent, set_process_name, worker_threads
 
 
 #: objects kept alive until the process exits (see the end of run_worker)
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 PID` prints every thread's Python stack into the log: for a hang
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     die_with_parent()
-    keep_freed_memory()  # no page faults on each step's tensors (psring.allocator)
+    keep_freed_memory()  # no page faults on each step's tensors (psring.runtime.allocator)
     # SIGTERM (from the launcher or torchrun) unwinds through finally blocks.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(prog="python -m psring.workers",
@@ -106,8 +107,8 @@ def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
     registered yet, and the gradients are dropped, so training is unchanged."""
     import torch
 
-    from psring.data import worker_batch
-    from psring.models import loss_of
+    from psring.train.data import worker_batch
+    from psring.train.models import loss_of
 
     # batch norm's running statistics must not count the discarded pass
     buffers = {k: v.clone() for k, v in model.named_buffers()}
@@ -124,13 +125,13 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     import torch
     import torch.distributed as dist
 
-    from psring.workload import build_workload
-    from psring.runlog import (MODEL, WORKERS, StepLog, append_record, host_name,
+    from psring.train.workload import build_workload
+    from psring.runs.runlog import (MODEL, WORKERS, StepLog, append_record, host_name,
                                save_state_dict)
     from psring.strategies import STRATEGIES, WorkerContext
 
-    from .loop import train
-    from .manifest import write_manifest
+    from psring.workers.loop import train
+    from psring.workers.manifest import write_manifest
 
     threads = worker_threads(cfg, local_world)
     torch.set_num_threads(threads)
@@ -144,7 +145,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     strategy_cls = STRATEGIES.get(cfg.strategy)
     resume = None
     if cfg.resume:
-        from psring import checkpoint
+        from psring.train import checkpoint
 
         resume = checkpoint.latest(run_dir, log=log.warning)
         if resume is None:
@@ -181,7 +182,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
                        per_host=local_world)
     model.to(device)
     # --compute device: the device's times stand in for forward, backward and the
-    # optimizer step (psring.device); its warm-up would time nothing
+    # optimizer step (psring.train.device); its warm-up would time nothing
     ctx.stand_in = stand_in = psring_device.for_worker(cfg, rank, work.inputs)
     if stand_in is not None:
         psring_device.check(cfg, strategy_cls, model)

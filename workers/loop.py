@@ -9,7 +9,7 @@ on communication; communication that overlaps backward is inside ``backward_s``.
 With ``--trace`` each record also carries ``start`` (wall-clock time of the step's
 start, the clock all processes of a host share) and ``spans``: the phases in the
 order they happened, as ``[phase, start_s, end_s]`` relative to ``start``
-(psring.trace turns them into a timeline).
+(psring.runs.trace turns them into a timeline).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from psring import checkpoint
-from psring.checkpoint import Checkpoint
-from psring.data import Split, worker_batch
+from psring.train import checkpoint
+from psring.train.checkpoint import Checkpoint
+from psring.train.data import Split, worker_batch
 from psring.errors import PsringError
-from psring.evaluate import evaluate, is_due
-from psring.models import loss_of
-from psring.optim import SGD
-from psring.runlog import EVALS, PHASES, StepLog
+from psring.train.evaluate import evaluate, is_due
+from psring.train.models import loss_of
+from psring.train.optim import SGD
+from psring.runs.runlog import EVALS, PHASES, StepLog
 from psring.strategies.base import Strategy, WorkerContext
 
 now = time.perf_counter
@@ -46,7 +46,7 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
     module = strategy.setup(model)
     optimizer = None
     if strategy.local_optimizer:
-        # with --compute device the step is the device's (psring.device.DeviceSGD)
+        # with --compute device the step is the device's (psring.train.device.DeviceSGD)
         optimizer = ctx.stand_in.optimizer() if ctx.stand_in else make_optimizer(model, cfg)
     first_step = 0
     clock = TrainingClock()

@@ -6,17 +6,17 @@ import os
 import sys
 from pathlib import Path
 
-from psring import device as psring_device
-from psring.compress import wire_bytes
+from psring.train import device as psring_device
+from psring.comm.compress import wire_bytes
 from psring.config import RunConfig
-from psring.models import flops_per_sample, parameter_bytes
-from psring.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
+from psring.train.models import flops_per_sample, parameter_bytes
+from psring.runs.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
 
 
 def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
                    launch: dict | None = None, per_host: int = 1) -> dict:
-    """``work``: the run's psring.workload.Workload; ``launch``: who started the workers
-    and where they ran (psring.rendezvous: under torchrun, every rank's host);
+    """``work``: the run's psring.train.workload.Workload; ``launch``: who started the workers
+    and where they ran (psring.runtime.rendezvous: under torchrun, every rank's host);
     ``per_host``: workers on each host (LOCAL_WORLD_SIZE)."""
     model, ds = work.model, work.data.train
     pbytes = parameter_bytes(model)

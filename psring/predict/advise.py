@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .costmodel import ps_link_load
-from .profile import Profile
-from ..cluster import Cluster
-from .simulate import Prediction, simulate
+from psring.predict.costmodel import ps_link_load
+from psring.predict.profile import Profile
+from psring.cluster.spec import Cluster
+from psring.predict.simulate import Prediction, simulate
 
 BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
 

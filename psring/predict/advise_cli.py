@@ -22,10 +22,10 @@ This module is the command: its flags, the profile and calibration it needs, the
 printing, and ``--verify``; the ranking itself is psring.predict.advise.
 
 ``--verify`` runs the winner, the runner-up and the best of the other family (ring vs
-parameter server) on this machine as the cluster's emulation (psring.emulate: one
+parameter server) on this machine as the cluster's emulation (psring.cluster.emulate: one
 network namespace per host, links shaped to ``--link``) and prints predicted against
 measured step times. Each worker there is a device with the ranked profile's times
-(``--compute device``, psring.device): the verified cluster is the described one, a
+(``--compute device``, psring.train.device): the verified cluster is the described one, a
 device per worker, not this machine's shared cores. Clusters larger than this machine
 can hold are refused for ``--verify`` with the reason.
 """
@@ -40,17 +40,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cluster import Cluster, parse_delay, parse_rate
-from ..errors import ConfigError
-from ..runlog import atomic_write_json
-from .advise import (HEADER, Candidate, candidates, options, plot, rank, recommendations, table,
-                     verify_candidates)
-from .costmodel import Calibration, find_calibration
-from .profile import MODEL_KEYS, Profile
-from .profiling import profile_config, take_profile
+from psring.cluster.spec import Cluster, parse_delay, parse_rate
+from psring.errors import ConfigError
+from psring.runs.runlog import atomic_write_json
+from psring.predict.advise import (
+    HEADER,
+    Candidate,
+    candidates,
+    options,
+    plot,
+    rank,
+    recommendations,
+    table,
+    verify_candidates,
+)
+from psring.predict.costmodel import Calibration, find_calibration
+from psring.predict.profile import MODEL_KEYS, Profile
+from psring.predict.profiling import profile_config, take_profile
 
 # Imported inside the functions that use them, as before this command had a module of
-# its own: psring.models, the strategy registry, calibrate and the run report (each
+# its own: psring.train.models, the strategy registry, calibrate and the run report (each
 # imports torch, which building this command's parser does not need), and
 # psring.config, emulate and launch (whose own import cycle is being untangled).
 
@@ -61,7 +70,7 @@ VERIFY_MAX_PROCESSES = 24
 
 
 def add_advise_parser(sub: Any) -> None:
-    from ..config import add_config_flags
+    from psring.config import add_config_flags
 
     p = sub.add_parser("advise", help="predict which strategy, bucket size and servers "
                        "train fastest on a cluster, and why (psring.predict.simulate)")
@@ -124,7 +133,7 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
                           f"a measurement (at most {VERIFY_MAX_PROCESSES} processes); run "
                           f"advise without --verify for the prediction alone.")
     if not args.profile:
-        from ..shares import check_global_batch
+        from psring.train.shares import check_global_batch
 
         check_global_batch(args.batch_size, n)
     return Cluster.of(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
@@ -143,7 +152,7 @@ def _calibration(args: argparse.Namespace, out: Path):
     path = find_calibration(out)
     if path is not None:
         return Calibration.load(path)
-    from .calibrate import calibrate
+    from psring.predict.calibrate import calibrate
 
     print("psring: no α-β-γ calibration found (psring calibrate); measuring a quick one",
           flush=True)
@@ -160,11 +169,11 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
     the described one, a device per worker, not these shared cores), the profiled
     ``model`` at global batch ``batch``; predicted vs measured step time. Each run takes
     the smallest --time-scale at which this machine emulates it faithfully
-    (psring.device.required_time_scale)."""
-    from ..config import RunConfig
-    from ..device import required_time_scale
-    from ..launch import launch
-    from ..report import summarize
+    (psring.train.device.required_time_scale)."""
+    from psring.config import RunConfig
+    from psring.train.device import required_time_scale
+    from psring.runtime.launch import launch
+    from psring.report import summarize
 
     results = []
     for c in top:
@@ -198,7 +207,7 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
 
 def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
     """The registered strategies that can run ``workers`` workers on ``hosts`` hosts."""
-    from ..strategies import STRATEGIES
+    from psring.strategies import STRATEGIES
 
     out = {}
     for name in STRATEGIES:
@@ -228,7 +237,7 @@ def advise_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..models import ModelSettings, meta_build
+    from psring.train.models import ModelSettings, meta_build
 
     cluster, n = _cluster(args)
     if not (args.device_speed > 0 and args.device_speed != float("inf")):

@@ -20,7 +20,7 @@ would compete for the same cores):
   last-level cache), one thread; seconds per byte of one operand.
 
 With ``--hosts 2 --link RATE`` the ZeroMQ and gloo pairs run on two emulated hosts
-(psring.emulate) joined by links of RATE, over messages up to what crosses the link in
+(psring.cluster.emulate) joined by links of RATE, over messages up to what crosses the link in
 ~0.1 s; the result is kept per rate in ``Calibration.links`` beside the loopback figures,
 and the cost model uses it for traffic between hosts.
 
@@ -48,10 +48,10 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from ..errors import PsringError
-from ..process import die_with_parent, free_port
-from ..protocol import ABSTRACT_IPC, abstract_ipc_endpoint
-from .costmodel import Calibration
+from psring.errors import PsringError
+from psring.runtime.process import die_with_parent, free_port
+from psring.comm.protocol import ABSTRACT_IPC, abstract_ipc_endpoint
+from psring.predict.costmodel import Calibration
 
 KB, MB = 1024, 1024 * 1024
 #: message sizes of the ping-pongs: from latency-bound to bandwidth-bound. They stop at
@@ -128,7 +128,7 @@ def _child(fn: Callable[..., Any], rank: int, args: tuple, conn, parent_pid: int
     die_with_parent()
     try:
         if where is not None:
-            from ..emulate import HOST_IFACE, enter
+            from psring.cluster.emulate import HOST_IFACE, enter
 
             enter(where[0][rank], where[1])  # still single-threaded, as setns needs
             os.environ["GLOO_SOCKET_IFNAME"] = HOST_IFACE
@@ -249,13 +249,13 @@ def _zmq_pingpong(rank: int, addr: str, sizes: list[int], quick: bool,
 def measure_zmq(sizes: list[int], quick: bool, link: "Link | None" = None
                 ) -> tuple[list[list[float]], dict]:
     """(ladder rows, {}) of the ZeroMQ ping-pong across ``link``, or on this host over
-    the transport its runs use between workers and servers (psring.launch.local_ipc:
+    the transport its runs use between workers and servers (psring.runtime.launch.local_ipc:
     Unix sockets on Linux). Either way nothing outside can connect."""
     timeout = QUICK_PAIR_TIMEOUT_S if quick else PAIR_TIMEOUT_S
     if link:
         host, budget, where = link.args()
         addr = f"tcp://{host}:{free_port()}"
-    elif ABSTRACT_IPC:  # as psring.launch.local_ipc chooses for a run's own servers
+    elif ABSTRACT_IPC:  # as psring.runtime.launch.local_ipc chooses for a run's own servers
         addr, budget, where = abstract_ipc_endpoint("psring-calibrate"), None, None
     else:
         addr, budget, where = f"tcp://127.0.0.1:{free_port()}", None, None
@@ -325,7 +325,7 @@ def measure_gloo(sizes: list[int], quick: bool, link: "Link | None" = None
 
 
 class Link:
-    """Two emulated hosts joined by links of a rate (psring.emulate): where the
+    """Two emulated hosts joined by links of a rate (psring.cluster.emulate): where the
     measuring pair runs when calibrating a link."""
 
     def __init__(self, cluster: Any, bits: float, quick: bool):
@@ -482,9 +482,9 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
 def calibrate_link(link: str, delay: str = "", quick: bool = False,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """α and β of ZeroMQ and gloo between two emulated hosts joined by ``link``
-    (psring.emulate): the entry ``Calibration.links[rate]``."""
-    from ..cluster import parse_rate
-    from ..emulate import standalone
+    (psring.cluster.emulate): the entry ``Calibration.links[rate]``."""
+    from psring.cluster.spec import parse_rate
+    from psring.cluster.emulate import standalone
 
     say = log or (lambda _msg: None)
     bits = parse_rate(link)

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cluster import link_key, parse_delay, parse_rate
-from ..errors import ConfigError, run_guarded
-from .costmodel import Calibration, default_path
+from psring.cluster.spec import link_key, parse_delay, parse_rate
+from psring.errors import ConfigError, run_guarded
+from psring.predict.costmodel import Calibration, default_path
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 def command(args: argparse.Namespace) -> int:
     # the measuring module imports torch (~1-2 s): only when the command runs, so that
     # `psring --help` and every other command's start-up do not pay for it
-    from .calibrate import calibrate, calibrate_link, describe
+    from psring.predict.calibrate import calibrate, calibrate_link, describe
 
     out = Path(args.out).expanduser() if args.out else default_path()
     if out.is_dir():

@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..cluster import Cluster, link_key, payload_beta
-from ..errors import ConfigError
-from ..runlog import atomic_write_json
+from psring.cluster.spec import Cluster, link_key, payload_beta
+from psring.errors import ConfigError
+from psring.runs.runlog import atomic_write_json
 
 #: the values a strategy's ``comm_model`` may take: which α-β-γ formula predicts its
 #: communication; None: it sends nothing (single) or shares memory (hogwild)
@@ -202,7 +202,7 @@ class Calibration:
     #: [[bytes, median s]] of gloo's all_reduce on 2 ranks (a check, not fitted)
     measurements: dict[str, Any] = field(default_factory=dict)
     #: emulated links measured by ``psring calibrate --hosts 2 --link RATE [--delay D]``,
-    #: by rate and delay (psring.cluster.link_key: "1gbit", "1gbit+2000us"):
+    #: by rate and delay (psring.cluster.spec.link_key: "1gbit", "1gbit+2000us"):
     #: {"zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "time", "measurements"}
     #: between two emulated hosts
     links: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -234,7 +234,7 @@ class Calibration:
         when this calibration has that rate (with that delay; a calibration without the
         delay gets 2·delay added to its α); else, on paper, loopback's α plus the delay of the
         two links a message crosses, and the rate's β for TCP payload
-        (psring.cluster.payload_beta). β is never below loopback's: a link faster than
+        (psring.cluster.spec.payload_beta). β is never below loopback's: a link faster than
         the transport's software does not make it faster. Unshaped links (None): the
         loopback figures."""
         alpha, beta = self.link(comm_model)

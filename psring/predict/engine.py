@@ -9,8 +9,8 @@ import heapq
 import itertools
 from typing import Any, Callable
 
-from ..cluster import Cluster
-from ..partition import even_split, overlaps
+from psring.cluster.spec import Cluster
+from psring.comm.partition import even_split, overlaps
 
 
 class Resource:
@@ -114,7 +114,7 @@ def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> lis
 def adasum_steps(n: int, M: float, alpha: float, beta: float, gamma: float
                  ) -> tuple[float, float]:
     """(seconds, of which α) of Adasum's vector halving, distance doubling over n = 2^k
-    ranks on M bytes (psring.adasum.reduce): level i swaps M/2^(i+1), sums 3 numbers a
+    ranks on M bytes (psring.comm.adasum.reduce): level i swaps M/2^(i+1), sums 3 numbers a
     tensor over its block of 2^(i+1) ranks (an all-reduce of a few bytes: 2(i+1) α) and
     passes over its half four times (γ a byte each); then the swaps back."""
     t = lat = 0.0

@@ -10,7 +10,7 @@ the manifest lists each parameter's gradient bytes (``parameter_sizes``). Kept a
 medians, over the steps after warm-up, of the data, forward, backward and update
 (optimizer) times and of each parameter's ready time (seconds after backward starts).
 Kept per parameter, not per bucket, so the simulator can bucket the gradients at any
-``--bucket-mb``, as DDP would (psring.partition.bucket_assignment).
+``--bucket-mb``, as DDP would (psring.comm.partition.bucket_assignment).
 
 :meth:`Profile.from_run` also reads a run of any strategy (what ``psring report`` does
 to replay a measured run, as dPRO replays a profiled trace): its own phase times, and
@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..partition import bucket_assignment, bucket_caps
-from ..runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
-from ..shares import shares_of
+from psring.errors import ConfigError
+from psring.comm.partition import bucket_assignment, bucket_caps
+from psring.runs.runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
+from psring.train.shares import shares_of
 
-# Taking a profile (a run: psring.config, psring.launch) is psring.predict.profiling;
+# Taking a profile (a run: psring.config, psring.runtime.launch) is psring.predict.profiling;
 # reading and using one (the simulator, advise, replay, --compute device) needs neither.
 
 PROFILE_FILE = "profile.json"
@@ -168,7 +168,7 @@ class Profile:
                  source: dict[str, Any] | None = None,
                  shares: list[float] | None = None) -> "Profile":
         """A profile from published figures. ``shares``: for each parameter, the share
-        of backward done when its gradient is ready (psring.models.backward_shares:
+        of backward done when its gradient is ready (psring.train.models.backward_shares:
         backward's FLOPs in autograd's order); without them, gradients become ready in
         proportion to the bytes already produced, last parameter first."""
         if shares is not None and len(shares) != len(param_bytes):

@@ -11,9 +11,9 @@ import os
 import time
 from typing import Any
 
-from ..config import RunConfig
-from ..launch import launch
-from .profile import MODEL_KEYS, Profile
+from psring.config import RunConfig
+from psring.runtime.launch import launch
+from psring.predict.profile import MODEL_KEYS, Profile
 
 
 def profile_config(**run_flags: Any):
@@ -61,10 +61,10 @@ def paper_profile(cfg: RunConfig, forward_ms: float | None, backward_ms: float |
     """A profile from published figures for ``cfg``'s model at ``cfg.batch_size`` (its
     parameter list from the model itself, built on the meta device: no compute). Give
     forward and backward times, or a step time (split by :data:`BACKWARD_SHARE`).
-    Each gradient is ready when backward's FLOPs reach it (psring.models.backward_shares),
+    Each gradient is ready when backward's FLOPs reach it (psring.train.models.backward_shares),
     else in proportion to bytes (Profile.on_paper)."""
-    from ..errors import ConfigError
-    from ..workload import meta_model
+    from psring.errors import ConfigError
+    from psring.train.workload import meta_model
 
     if step_ms is not None and (forward_ms is not None or backward_ms is not None):
         raise ConfigError("--on-paper takes --step-ms, or --forward-ms and --backward-ms, "
@@ -77,7 +77,7 @@ def paper_profile(cfg: RunConfig, forward_ms: float | None, backward_ms: float |
     for name, v in (("forward", forward_ms), ("backward", backward_ms), ("update", update_ms)):
         if not (v >= 0 and v != float("inf")):
             raise ConfigError(f"--{name}-ms must be a time in milliseconds >= 0 (got {v}).")
-    from ..models import backward_shares
+    from psring.train.models import backward_shares
 
     model, inputs = meta_model(cfg)
     sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import cluster_of
-from ..errors import PsringError
-from ..runlog import read_manifest
-from ..strategies import STRATEGIES
-from .costmodel import Calibration
-from .profile import Profile
-from .simulate import Prediction, simulate
+from psring.config import cluster_of
+from psring.errors import PsringError
+from psring.runs.runlog import read_manifest
+from psring.strategies import STRATEGIES
+from psring.predict.costmodel import Calibration
+from psring.predict.profile import Profile
+from psring.predict.simulate import Prediction, simulate
 
 
 def replay(run_dir: Any, cal: Calibration,
@@ -30,7 +30,7 @@ def replay(run_dir: Any, cal: Calibration,
     communication should have cost on its cluster, given its compute. None for a run
     the simulator cannot read. ``inside``: (α, β) of each host's own interconnect, for
     what the run would take with, say, NVLink inside its hosts (simulate's); by default
-    the run's own --device-link where it had one (psring.interconnect)."""
+    the run's own --device-link where it had one (psring.comm.interconnect)."""
     try:
         cfg = read_manifest(run_dir)["config"]
         cls = STRATEGIES.get(cfg["strategy"])
@@ -44,7 +44,7 @@ def replay(run_dir: Any, cal: Calibration,
     # a time-scaled run: this machine's software costs are 1/S on the described clock
     cal = cal.faster(float(cfg.get("time_scale") or 1.0))
     if inside is None and cfg.get("device_link"):
-        from ..interconnect import alpha_beta, parse
+        from psring.comm.interconnect import alpha_beta, parse
 
         try:
             inside = alpha_beta(parse(cfg["device_link"]))

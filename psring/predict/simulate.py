@@ -3,7 +3,7 @@ profile of the model (psring.predict.profile) and a cluster, without running any
 
     from psring.predict.costmodel import Calibration, find_calibration
     from psring.predict.profile import Profile
-    from psring.cluster import Cluster
+    from psring.cluster.spec import Cluster
     from psring.predict.simulate import simulate
 
     prof = Profile.load("runs/prof-r18")          # psring profile --model resnet18 ...
@@ -81,16 +81,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster import Cluster
-from .costmodel import COMM_MODELS, Calibration
+from psring.cluster.spec import Cluster
+from psring.predict.costmodel import COMM_MODELS, Calibration
 # (the engine's names are re-exported: tests and scripts import them from here)
-from .engine import (Events, Resource, adasum_steps, column_pieces,  # noqa: F401
-                     group_size, launches, ring_steps, send_together,
-                     server_update_per_byte, shard_pieces)
+from psring.predict.engine import (
+    Events,
+    Resource,
+    adasum_steps,
+    column_pieces,
+    group_size,
+    launches,
+    ring_steps,
+    send_together,
+    server_update_per_byte,
+    shard_pieces,
+)
 
-#: bytes on the wire per float32 byte of gradient, for each of psring.compress's choices
+#: bytes on the wire per float32 byte of gradient, for each of psring.comm.compress's choices
 #: (kept here so the simulator needs no torch; a test checks it against
-#: psring.compress.wire_bytes)
+#: psring.comm.compress.wire_bytes)
 WIRE = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
 #: byteps's largest push, bytes (psring.strategies.byteps.PARTITION_ELEMENTS x 4; kept
 #: here so the simulator needs no torch; a test checks the two agree)
@@ -140,7 +149,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
              cores: int | None = None, update_on: str = "server",
              reduce: str = "sum", inside: tuple[float, float] | None = None) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
-    ``cluster`` (psring.cluster), with the run's ``compress`` and ``bucket_mb``;
+    ``cluster`` (psring.cluster.spec), with the run's ``compress`` and ``bucket_mb``;
     ``cores``: the cores every process shares (a cluster emulated on one machine),
     None: each worker computes on a device of its own; ``update_on`` (byteps): where
     the optimizer runs, "server" or "worker"; ``reduce`` (ring, hring): "sum" or

@@ -14,7 +14,7 @@ report flows through the package's modules in this order:
 - ``markdown``: report.md, report.json and the key table.
 """
 
-from .markdown import write_report
-from .runs import render_table, summarize, summarize_all
+from psring.report.markdown import write_report
+from psring.report.runs import render_table, summarize, summarize_all
 
 __all__ = ["render_table", "summarize", "summarize_all", "write_report"]

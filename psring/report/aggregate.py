@@ -6,7 +6,7 @@ Definitions (also in docs/cost-model.md):
 - *intensity* = FLOPs a worker computes per step / bytes of gradients M. It is the
   same for every strategy on one workload, so curves of different strategies share x.
 - *time to accuracy* (MLPerf Training's) = the training time (rank 0's clock,
-  evaluations excluded; psring.evaluate) of the first held-out evaluation whose
+  evaluations excluded; psring.train.evaluate) of the first held-out evaluation whose
   accuracy reaches the target: ``[report] target_accuracy`` of the definition, else
   the runs' own ``--target-accuracy``. A run that never reaches it is "not reached".
 """
@@ -21,14 +21,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..config import cluster_of
-from ..evaluate import time_to_accuracy
-from ..predict.costmodel import Calibration, crossover_bytes, predict_comm
-from ..predict.replay import replay
-from ..runlog import PHASES
-from ..strategies import STRATEGIES
-from .cluster import CLUSTER_KEYS, cluster_text, network_text
-from .runs import WORKLOAD_KEYS
+from psring.config import cluster_of
+from psring.train.evaluate import time_to_accuracy
+from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
+from psring.predict.replay import replay
+from psring.runs.runlog import PHASES
+from psring.strategies import STRATEGIES
+from psring.report.cluster import CLUSTER_KEYS, cluster_text, network_text
+from psring.report.runs import WORKLOAD_KEYS
 
 
 #: keys that define the model and data (not the batch): the scaling baseline's match

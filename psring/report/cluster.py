@@ -4,15 +4,15 @@
                   "link": "100mbit", "server_placement": "own-hosts"})
     # '4 hosts + 2 server hosts, 100mbit links, servers own-hosts'
 
-Labels and figure footnotes use :func:`cluster_text` (psring.cluster's words for a
+Labels and figure footnotes use :func:`cluster_text` (psring.cluster.spec's words for a
 run's cluster); the predicted crossovers group their contenders by :func:`network_text`.
 """
 
 from __future__ import annotations
 
-from ..config import cluster_of
+from psring.config import cluster_of
 
-#: the settings that place a run on an emulated cluster (psring.cluster)
+#: the settings that place a run on an emulated cluster (psring.cluster.spec)
 CLUSTER_KEYS = ("hosts", "workers_per_host", "link", "delay", "server_placement")
 
 

@@ -27,22 +27,38 @@ import json
 import statistics as st
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..predict.costmodel import Calibration, find_calibration
-from ..runlog import PHASES, atomic_write_bytes, read_manifest
-from .aggregate import (Setting, Spread, add_time_to_accuracy, aggregate, crossovers,
-                        make_label, predicted_crossovers, prediction_check, setting_label,
-                        target_accuracy)
-from .plots import (plot_accuracy, plot_along, plot_breakdown, plot_costmodel, plot_loss,
-                    plot_scaling, plot_staleness)
-from .points import collect
+from psring.errors import ConfigError
+from psring.predict.costmodel import Calibration, find_calibration
+from psring.runs.runlog import PHASES, atomic_write_bytes, read_manifest
+from psring.report.aggregate import (
+    Setting,
+    Spread,
+    add_time_to_accuracy,
+    aggregate,
+    crossovers,
+    make_label,
+    predicted_crossovers,
+    prediction_check,
+    setting_label,
+    target_accuracy,
+)
+from psring.report.plots import (
+    plot_accuracy,
+    plot_along,
+    plot_breakdown,
+    plot_costmodel,
+    plot_loss,
+    plot_scaling,
+    plot_staleness,
+)
+from psring.report.points import collect
 
 
 REPORT = "report.md"
 
 
 def _timing_only(s: Setting) -> bool:
-    """A setting run with --compute device (psring.device): nothing learnt to show."""
+    """A setting run with --compute device (psring.train.device): nothing learnt to show."""
     return any(r.get("timing_only") for r in s.rows)
 
 

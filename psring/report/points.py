@@ -21,11 +21,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..runlog import PHASES, read_evals, read_manifest, read_steps, warmup_steps
-from ..strategies import STRATEGIES
-from ..sweep import SWEEP_FILE, point_status
-from .runs import summarize
+from psring.errors import ConfigError
+from psring.runs.runlog import PHASES, read_evals, read_manifest, read_steps, warmup_steps
+from psring.strategies import STRATEGIES
+from psring.runs.sweep import SWEEP_FILE, point_status
+from psring.report.runs import summarize
 
 
 def peer_waits(records: list[dict]) -> dict[tuple[int, int], float]:

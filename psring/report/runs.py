@@ -15,12 +15,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..evaluate import time_to_accuracy
-from ..merge import missing_ranks
-from ..runlog import PHASES, iter_run_dirs, read_evals, read_manifest, read_steps, warmup_steps
-from ..shares import shares_of
-from ..strategies import STRATEGIES
+from psring.errors import ConfigError
+from psring.train.evaluate import time_to_accuracy
+from psring.runs.merge import missing_ranks
+from psring.runs.runlog import (
+    PHASES,
+    iter_run_dirs,
+    read_evals,
+    read_manifest,
+    read_steps,
+    warmup_steps,
+)
+from psring.train.shares import shares_of
+from psring.strategies import STRATEGIES
 
 #: config keys that define "the same workload" for speedups
 WORKLOAD_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",

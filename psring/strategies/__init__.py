@@ -6,9 +6,9 @@ is a module named in ``PSRING_PLUGINS`` (comma-separated, importable); it is imp
 here, in the launcher and in every worker alike. See docs/architecture.md.
 """
 
-from .base import STRATEGIES, Strategy, StepStats, WorkerContext  # noqa: F401
-from . import single, allreduce, ddp, ps, hogwild, hallreduce, byteps  # noqa: F401,E402  (registration side effects)
-from ..plugins import load_plugins  # noqa: E402
+from psring.strategies.base import STRATEGIES, Strategy, StepStats, WorkerContext
+from psring.strategies import single, allreduce, ddp, ps, hogwild, hallreduce, byteps
+from psring.plugins import load_plugins
 
 load_plugins()
 

@@ -6,7 +6,7 @@ average; each bucket's all-reduce starts from the gradient hooks while backward 
 still running, and the update waits on the handles. ``ddp`` is the reference
 implementation of the same algorithm.
 
-``--reduce adasum`` combines the buckets by Adasum instead (psring.adasum: recursive
+``--reduce adasum`` combines the buckets by Adasum instead (psring.comm.adasum: recursive
 vector halving over point-to-point swaps, each parameter's tensor on its own; no
 pre-division), on one communication thread per worker so that buckets still go out
 while backward runs, as Horovod's background thread does.
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import adasum
-from ..compress import CastBack, wire_dtype
-from .base import STRATEGIES, Handle, Strategy, WaitAll
-from .buckets import Bucket, GradientBuckets, bucket_caps
+from psring.comm import adasum
+from psring.comm.compress import CastBack, wire_dtype
+from psring.strategies.base import STRATEGIES, Handle, Strategy, WaitAll
+from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 
 
 class Pending:
@@ -67,7 +67,7 @@ class AllReduce(Strategy):
             list(model.parameters()), cap, first, scale=self._scale(),
             launch=self._launch, stats_of=lambda: self.stats)
         compress = self.ctx.cfg.compress
-        # --compress: one wire buffer per bucket, allocated once (psring.compress)
+        # --compress: one wire buffer per bucket, allocated once (psring.comm.compress)
         self.wire = [None if compress == "none" else
                      torch.empty(b.numel, dtype=wire_dtype(compress), device=b.buffer.device)
                      for b in self.buckets.buckets]

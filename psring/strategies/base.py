@@ -30,8 +30,8 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterable, Protocol
 import torch
 from torch import nn
 
-from ..optim import SGD
-from ..registry import Registry
+from psring.train.optim import SGD
+from psring.registry import Registry
 
 STRATEGIES: Registry = Registry("strategy")
 
@@ -79,11 +79,11 @@ class WorkerContext:
     device: torch.device
     run_dir: Path
     log: logging.Logger
-    #: the checkpoint this run resumes from (psring.checkpoint.Checkpoint), or None
+    #: the checkpoint this run resumes from (psring.train.checkpoint.Checkpoint), or None
     resume: Any = None
     #: the host this worker runs on (an emulated host's name, or the machine's)
     host: str = ""
-    #: --compute device: the device stand-in (psring.device.DeviceCompute), else None
+    #: --compute device: the device stand-in (psring.train.device.DeviceCompute), else None
     stand_in: Any = None
 
 
@@ -115,7 +115,7 @@ class Strategy:
     max_hosts: ClassVar[int | None] = None
     #: the worker entry point must initialize torch.distributed before setup()
     uses_process_group: ClassVar[bool] = False
-    #: the loop builds a psring.optim.SGD and update() applies it; False when a server
+    #: the loop builds a psring.train.optim.SGD and update() applies it; False when a server
     #: applies the update and workers only receive parameters
     local_optimizer: ClassVar[bool] = True
     #: the launcher starts --servers parameter-server processes (unless --server-addrs
@@ -133,7 +133,7 @@ class Strategy:
     waits_for: ClassVar[str] = "communication"
     #: --checkpoint-every and --resume work (checkpoint_state/restore_checkpoint below)
     supports_checkpoint: ClassVar[bool] = True
-    #: --compress fp16/bf16 means something: the strategy sends gradients (psring.compress)
+    #: --compress fp16/bf16 means something: the strategy sends gradients (psring.comm.compress)
     supports_compression: ClassVar[bool] = False
     #: the simulator has a formula for it (its comm_model); False: advise leaves it out
     #: and reports predict nothing for its runs (docs/cost-model.md says why)
@@ -148,10 +148,10 @@ class Strategy:
     #: where the optimizer may run (--update-on): "server" where a server updates the
     #: parameters, "worker" where each worker does; byteps offers both
     update_sites: ClassVar[tuple[str, ...]] = ("worker",)
-    #: --compute device can stand in for each worker's accelerator (psring.device); False
+    #: --compute device can stand in for each worker's accelerator (psring.train.device); False
     #: where the workers share memory on one host and have no device of their own
     emulates_device: ClassVar[bool] = True
-    #: it runs collectives among the workers of one host (psring.interconnect), which
+    #: it runs collectives among the workers of one host (psring.comm.interconnect), which
     #: --device-link can time as a device interconnect's
     host_collectives: ClassVar[bool] = False
 
@@ -200,7 +200,7 @@ class Strategy:
                          optimizer: SGD | None) -> dict[str, torch.Tensor]:
         """The tensors of a checkpoint, taken after a step's update. Called on every
         worker at the same step (a strategy may communicate here); rank 0's result is
-        written (psring.checkpoint). Default: the model's state_dict and the local
+        written (psring.train.checkpoint). Default: the model's state_dict and the local
         optimizer's momentum buffers, by parameter name."""
         state = {"model/" + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         if optimizer is not None:

@@ -11,7 +11,7 @@ collectives in the same order.
 
 Each ``param.grad`` is pointed at its slot of the bucket as soon as it is copied there
 (the reduction then happens in place: no copy back), and autograd's own gradient tensor
-is freed at once (in device mode it is the stand-in's, kept: psring.device);
+is freed at once (in device mode it is the stand-in's, kept: psring.train.device);
 :meth:`GradientBuckets.assign_grads` does the same for parameters that got no gradient.
 """
 
@@ -25,8 +25,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..partition import DEFAULT_BUCKET_MB, bucket_assignment, bucket_caps  # noqa: F401
-from .base import Handle, StepStats
+from psring.comm.partition import DEFAULT_BUCKET_MB, bucket_assignment, bucket_caps
+from psring.strategies.base import Handle, StepStats
 
 
 

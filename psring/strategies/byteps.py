@@ -38,14 +38,14 @@ import time
 import torch
 from torch import nn
 
-from ..errors import PsringError
-from ..interconnect import host_comm, host_layout
-from ..partition import even_split, overlaps
-from ..protocol import Message, load_secret
-from ..runlog import run_id
-from .base import DONE, STRATEGIES, Handle
-from .buckets import Bucket, GradientBuckets, bucket_caps
-from .ps import ParameterServer, PSClient, Replies
+from psring.errors import PsringError
+from psring.comm.interconnect import host_comm, host_layout
+from psring.comm.partition import even_split, overlaps
+from psring.comm.protocol import Message, load_secret
+from psring.runs.runlog import run_id
+from psring.strategies.base import DONE, STRATEGIES, Handle
+from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
+from psring.strategies.ps import ParameterServer, PSClient, Replies
 
 #: the largest push (BytePS's BYTEPS_PARTITION_BYTES default, 4096000 bytes): a part is
 #: pushed in partitions, each summed and streamed back on its own

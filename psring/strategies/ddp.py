@@ -13,10 +13,10 @@ from typing import ContextManager
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..compress import ddp_hook, wire_bytes
-from .allreduce import ring_bytes
-from .base import STRATEGIES, Strategy
-from .buckets import DEFAULT_BUCKET_MB
+from psring.comm.compress import ddp_hook, wire_bytes
+from psring.strategies.allreduce import ring_bytes
+from psring.strategies.base import STRATEGIES, Strategy
+from psring.strategies.buckets import DEFAULT_BUCKET_MB
 
 
 @STRATEGIES.register("ddp")

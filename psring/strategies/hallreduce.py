@@ -19,7 +19,7 @@ buckets still go out while backward runs.
 
 ``--reduce adasum`` (Horovod's hierarchical Adasum, ``AdasumGpuAllreduceOp``): the
 host's reduce-scatter averages its workers' gradients, step 2 is Adasum across the
-hosts instead of a sum (psring.adasum with the hosts as its ranks), then the all-gather.
+hosts instead of a sum (psring.comm.adasum with the hosts as its ranks), then the all-gather.
 
     psring run --strategy hallreduce --workers 8 --hosts 2 --link 1gbit [--reduce adasum]
 """
@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import adasum
-from ..interconnect import host_comm, host_layout
-from .allreduce import AllReduce, ring_bytes
-from .base import STRATEGIES, Handle
-from .buckets import Bucket
+from psring.comm import adasum
+from psring.comm.interconnect import host_comm, host_layout
+from psring.strategies.allreduce import AllReduce, ring_bytes
+from psring.strategies.base import STRATEGIES, Handle
+from psring.strategies.buckets import Bucket
 
 
 def hierarchy_bytes(param_bytes: int, hosts: int, per_host: int) -> int:

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, PsringError
-from ..runlog import run_id
-from .base import STRATEGIES, Strategy
+from psring.errors import ConfigError, PsringError
+from psring.runs.runlog import run_id
+from psring.strategies.base import STRATEGIES, Strategy
 
 
 def shm_paths(cfg: Any) -> tuple[Path, Path]:  # a RunConfig (see base.WorkerContext)

@@ -1,7 +1,7 @@
 """``ps`` and ``async-ps``: data-parallel SGD through parameter servers over ZeroMQ.
 
 The model's parameters live in one flat vector (in gradient-bucket order), split by the
-partitioner (``psring.partition``) into K shards, one per server. Each step:
+partitioner (``psring.comm.partition``) into K shards, one per server. Each step:
 
 - gradient hooks fill buckets (pre-scaled by 1/N, as ``allreduce``); a full bucket is
   pushed at once, in pieces, to every server whose range it overlaps, so pushes overlap
@@ -26,7 +26,7 @@ every reply must carry a valid signature (docs/protocol.md).
     psring run --strategy ps --workers 2 --servers 2
     psring run --strategy async-ps --workers 4 --max-staleness 2
     psring run --strategy ps --workers 2 --server-addrs tcp://hostA:5555,tcp://hostB:5555
-    psring run --strategy ps --workers 2 --compress fp16    (psring.compress)
+    psring run --strategy ps --workers 2 --compress fp16    (psring.comm.compress)
 """
 
 from __future__ import annotations
@@ -40,14 +40,21 @@ import torch
 import zmq
 from torch import nn
 
-from ..errors import PsringError
-from ..runlog import run_id
-from ..partition import even_split, overlaps
-from ..compress import wire_dtype
-from ..protocol import (DTYPE_NAMES, AuthenticationError, Message, ProtocolError, decode, encode,
-                        load_secret)
-from .base import STRATEGIES, Handle, Strategy, WaitAll
-from .buckets import Bucket, GradientBuckets, bucket_caps
+from psring.errors import PsringError
+from psring.runs.runlog import run_id
+from psring.comm.partition import even_split, overlaps
+from psring.comm.compress import wire_dtype
+from psring.comm.protocol import (
+    DTYPE_NAMES,
+    AuthenticationError,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    load_secret,
+)
+from psring.strategies.base import STRATEGIES, Handle, Strategy, WaitAll
+from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 
 #: replies a worker accepts
 _REPLIES = ("ack", "params", "ok", "error", "state")
@@ -197,7 +204,7 @@ def server_frame_limit(cfg) -> int | None:
     servers then keep their default bound."""
     from psring.servers.server import FRAME_SLACK
 
-    from ..workload import meta_model
+    from psring.train.workload import meta_model
 
     if cfg.data != "synthetic":
         return None
@@ -257,7 +264,7 @@ class ParameterServer(Strategy):
         self.host_buckets = [torch.empty(b.numel, pin_memory=True) if cuda else None
                              for b in self.buckets.buckets]
         # --compress: pushes and pulls travel in the wire dtype, one cast buffer per
-        # bucket (psring.compress); the servers keep float32
+        # bucket (psring.comm.compress); the servers keep float32
         self.wire_dtype = wire_dtype(cfg.compress)
         self.wire_buckets = [None if self.wire_dtype == torch.float32 else
                              torch.empty(b.numel, dtype=self.wire_dtype)

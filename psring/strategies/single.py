@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import STRATEGIES, Strategy
+from psring.strategies.base import STRATEGIES, Strategy
 
 
 @STRATEGIES.register("single")

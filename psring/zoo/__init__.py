@@ -10,5 +10,5 @@ their parameter counts equal torchvision's (tests/test_models.py checks).
     psring models --classes 1000 --image-size 224  # the papers' sizes
 """
 
-from .base import KINDS, MODELS, Factory, Inputs, ModelSettings  # noqa: F401
-from . import simple, vision, text  # noqa: F401,I001  - registering is importing, in this order
+from psring.zoo.base import KINDS, MODELS, Factory, Inputs, ModelSettings
+from psring.zoo import simple, vision, text

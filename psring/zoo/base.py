@@ -1,6 +1,6 @@
 """The model vocabulary: what a factory is given (:class:`ModelSettings`), what it
 returns beside the module (:class:`Inputs`), and the registry of built-in factories.
-psring.models re-exports these for users' own factories."""
+psring.train.models re-exports these for users' own factories."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from ..registry import Registry
+from psring.errors import ConfigError
+from psring.registry import Registry
 
-#: the kinds of input psring can generate synthetic data for (psring.data)
+#: the kinds of input psring can generate synthetic data for (psring.train.data)
 KINDS = ("vector", "image", "tokens")
 
 

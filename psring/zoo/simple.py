@@ -9,8 +9,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from .base import MODELS, Inputs, ModelSettings
+from psring.errors import ConfigError
+from psring.zoo.base import MODELS, Inputs, ModelSettings
 
 
 @MODELS.register("mlp")

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import ConfigError
-from .base import MODELS, Inputs, ModelSettings
+from psring.errors import ConfigError
+from psring.zoo.base import MODELS, Inputs, ModelSettings
 
 EMBED = 64  # sentiment-discovery's byte embedding
 

@@ -2,7 +2,7 @@
 with a held-out split that is never trained on (``--eval-samples`` rows).
 
 The synthetic tasks are learnable, deterministic (drawn from ``--seed``) and shaped
-for the model (psring.models.Inputs):
+for the model (psring.train.models.Inputs):
 
 - ``vector``: Gaussian classes in ``--features`` dimensions, their centres far enough
   apart that the default MLP goes from chance to over 90% held-out accuracy within
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .errors import ConfigError
-from .models import Inputs
+from psring.errors import ConfigError
+from psring.train.models import Inputs
 
 #: distance between the vector task's class centres, in units of the noise (chosen so
 #: the default MLP reaches 90% within 30 steps of 64 samples, and not in the first few)

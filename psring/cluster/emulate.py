@@ -14,7 +14,7 @@ and receives at most RATE at once, as a full-duplex NIC does; ``--delay`` adds a
 on that host's loopback. docs/emulation.md has the picture and what is not emulated.
 
 Lifetime, which is the point of the design: nothing is named and nothing is mounted.
-The *agent* (``python -m psring.emulate agent``, a service of the run's supervisor)
+The *agent* (``python -m psring.cluster.emulate agent``, a service of the run's supervisor)
 moves itself into the switch's namespace (inside a new user namespace when it is not
 root) and forks one *holder* per host, a process whose only job is to keep that host's
 namespace alive. Every process of the run dies with its parent (PR_SET_PDEATHSIG), and
@@ -47,13 +47,29 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .cluster import NETWORK, Cluster
-from .errors import PsringError
-from .netns import (CLONE_NEWNET, CLONE_NEWUSER, HOST_IFACE, NETNS_ENV,
-                    _setns, _unshare, link_events, ns_inode, port_bytes, setns_fd)
-from .process import (POLL_S, ProcessSpec, Supervisor, die_with_parent, kill_with_parent,
-                      tail)
-from .runlog import atomic_write_json
+from psring.cluster.spec import NETWORK, Cluster
+from psring.errors import PsringError
+from psring.cluster.netns import (
+    CLONE_NEWNET,
+    CLONE_NEWUSER,
+    HOST_IFACE,
+    NETNS_ENV,
+    _setns,
+    _unshare,
+    link_events,
+    ns_inode,
+    port_bytes,
+    setns_fd,
+)
+from psring.runtime.process import (
+    POLL_S,
+    ProcessSpec,
+    Supervisor,
+    die_with_parent,
+    kill_with_parent,
+    tail,
+)
+from psring.runs.runlog import atomic_write_json
 
 #: the switch's bridge (its ports are named after the hosts)
 BRIDGE = "psr-br"
@@ -412,9 +428,9 @@ def enter_host(state_path: str | Path, host_name: str) -> None:
 
 
 def _enter_main(argv: list[str]) -> int:
-    # python -m psring.emulate enter STATE HOST -- COMMAND...
+    # python -m psring.cluster.emulate enter STATE HOST -- COMMAND...
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: python -m psring.emulate enter STATE HOST -- COMMAND...", file=sys.stderr)
+        print("usage: python -m psring.cluster.emulate enter STATE HOST -- COMMAND...", file=sys.stderr)
         return 2
     state_path, host_name, _, *command = argv
     try:
@@ -435,7 +451,7 @@ class Network:
     """What the launcher calls. This base is the machine's own network (no emulation)."""
 
     def __init__(self, plan: Cluster):
-        #: the run's cluster (psring.cluster): which process is on which host
+        #: the run's cluster (psring.cluster.spec): which process is on which host
         self.plan = plan
 
     def start(self, sup: Supervisor) -> None:
@@ -466,7 +482,7 @@ class EmulatedCluster(Network):
                 "link": p.link, "delay": p.delay,
                 # shaped as the cluster it stands for, slowed by --time-scale
                 "link_bits": p.emulated_link_bits, "delay_us": round(p.emulated_delay_s * 1e6)}
-        return ProcessSpec("cluster", [sys.executable, "-m", "psring.emulate", "agent",
+        return ProcessSpec("cluster", [sys.executable, "-m", "psring.cluster.emulate", "agent",
                                        json.dumps(plan), str(self.state_path)], service=True)
 
     def start(self, sup: Supervisor) -> None:
@@ -500,7 +516,7 @@ class EmulatedCluster(Network):
 
     def trampoline(self, host: str) -> list[str]:
         """The argv prefix that runs a command inside emulated ``host``."""
-        return [sys.executable, "-m", "psring.emulate", "enter", str(self.state_path), host,
+        return [sys.executable, "-m", "psring.cluster.emulate", "enter", str(self.state_path), host,
                 "--"]
 
     def command(self, host: str, argv: list[str]) -> list[str]:
@@ -518,7 +534,7 @@ class EmulatedCluster(Network):
 
     def place(self, spec: ProcessSpec) -> ProcessSpec:
         # a new interpreter goes through the setns trampoline; a forked one enters the
-        # host itself (psring.forking): both the same namespaces, the same environment
+        # host itself (psring.runtime.forking): both the same namespaces, the same environment
         host = self.plan.host_of(spec.name).name
         return dataclasses.replace(spec, prefix=self.trampoline(host),
                                    enter=functools.partial(enter_host, self.state_path, host),
@@ -570,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         return _enter_main(argv[1:])
     if argv[:1] == ["agent"] and len(argv) == 3:
         return agent_main(argv[1], argv[2])
-    print("usage: python -m psring.emulate enter STATE HOST -- COMMAND... | agent PLAN STATE "
+    print("usage: python -m psring.cluster.emulate enter STATE HOST -- COMMAND... | agent PLAN STATE "
           "(started by psring run; see docs/emulation.md)", file=sys.stderr)
     return 2
 

@@ -2,7 +2,7 @@
 
     DIR/manifest.json   config, versions, host, sizes, FLOPs, bytes per step (rank 0)
     DIR/steps.jsonl     one JSON object per worker per step (every worker appends)
-    DIR/evals.jsonl     one JSON object per held-out evaluation (rank 0; psring.evaluate)
+    DIR/evals.jsonl     one JSON object per held-out evaluation (rank 0; psring.train.evaluate)
     DIR/workers.jsonl   one JSON object per worker per launch: its run id, rank, host,
                         address and interface (every worker appends)
     DIR/model.pt        final parameters, a plain state_dict (rank 0)
@@ -153,7 +153,7 @@ def versions() -> dict[str, str]:
     import torch
     import zmq
 
-    from . import __version__
+    from psring import __version__
 
     return {"psring": __version__, "python": platform.python_version(),
             "torch": torch.__version__, "pyzmq": zmq.__version__,
@@ -178,7 +178,7 @@ def host_facts() -> dict[str, Any]:
 
 def host_name() -> str:
     """The host a process runs on, for its log lines: the emulated host's name
-    (PSRING_HOST, set by psring.emulate), else the machine's hostname."""
+    (PSRING_HOST, set by psring.cluster.emulate), else the machine's hostname."""
     return os.environ.get("PSRING_HOST") or socket.gethostname()
 
 
@@ -187,7 +187,7 @@ def run_id(cfg) -> str:
     names the run to parameter servers and names its shared-memory files.
 
     ``psring run`` sets PSRING_RUN_ID (random) for its processes; under torchrun rank 0
-    draws it and every worker reads it from the rendezvous store (psring.rendezvous).
+    draws it and every worker reads it from the rendezvous store (psring.runtime.rendezvous).
     Only a worker started by hand, alone, falls back to its --out path."""
     import hashlib
 

@@ -1,6 +1,6 @@
 """What a run trains: its model, the inputs the model takes, and the data split.
 
-    from psring.workload import build_workload
+    from psring.train.workload import build_workload
     w = build_workload(cfg)              # model (seeded), inputs, train/held-out split
 
 The order matters for a user's data: an ``.npz`` is loaded first, because its shape
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import data as datasets
-from .models import Inputs, ModelSettings, build_model, meta_build
+from psring.train import data as datasets
+from psring.train.models import Inputs, ModelSettings, build_model, meta_build
 
 
 @dataclass
@@ -39,7 +39,7 @@ def build_workload(cfg) -> Workload:
     settings, loaded = model_settings(cfg)
     model, inputs = build_model(cfg.model, settings, cfg.seed)
     if loaded is None:
-        # A device's forward reads only the batch's shape (psring.device): one worker's
+        # A device's forward reads only the batch's shape (psring.train.device): one worker's
         # batch of rows stands for the data set. --samples rows of 224 x 224 images
         # would be 2.4 GB per worker, and sixteen of them do not fit this machine.
         rows = min(cfg.samples, cfg.per_worker_batch) if cfg.compute == "device" \
@@ -51,7 +51,7 @@ def build_workload(cfg) -> Workload:
 
 
 def meta_model(cfg) -> tuple[nn.Module, Inputs]:
-    """The run's model on the meta device (psring.models.meta_build): shapes and
+    """The run's model on the meta device (psring.train.models.meta_build): shapes and
     counts, checked against its inputs. Synthetic data only (a file's shape is known
     once it is loaded)."""
     return meta_build(cfg.model, ModelSettings.from_config(cfg))

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError
-from .predict.profile import PROFILE_FILE, Profile
+from psring.errors import ConfigError
+from psring.predict.profile import PROFILE_FILE, Profile
 
 MODES = ("real", "device")
 
@@ -89,7 +89,7 @@ def check(cfg: Any, strategy_cls: Any, model: nn.Module | None) -> Profile | Non
     when known; the profile, or None for --compute real. Before any process starts."""
     if cfg.compute not in MODES:
         raise ConfigError(f"--compute must be one of {', '.join(MODES)} (got {cfg.compute!r}).")
-    from .interconnect import check as check_device_link
+    from psring.comm.interconnect import check as check_device_link
 
     check_device_link(cfg, strategy_cls)
     if cfg.compute == "real":
@@ -197,7 +197,7 @@ class DeviceCompute:
         O(bytes)). Synchronous ranks must agree on both, step by step; the gradients
         differ per rank before they are reduced, so agreeing shows they were (not under
         --device-link, whose collectives inside a host move no values:
-        psring.interconnect)."""
+        psring.comm.interconnect)."""
         with torch.no_grad():
             params = sum(float(p.reshape(-1)[0]) for p in self.params)
             grads = sum(float(p.grad.reshape(-1)[0]) for p in self.params
@@ -335,5 +335,5 @@ def describe(cfg: Any) -> dict[str, Any]:
             "update_s": times.update_s / cfg.time_scale,
             # --device-link: the host's own collectives as that interconnect's time
             "device_link": cfg.device_link or "loopback",
-            # what the launcher warned of (psring.device.capacity): [] when faithful
+            # what the launcher warned of (psring.train.device.capacity): [] when faithful
             "capacity_warnings": capacity(cfg)}

@@ -20,8 +20,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .data import Dataset
-from .models import loss_and_correct
+from psring.train.data import Dataset
+from psring.train.models import loss_and_correct
 
 #: rows per forward pass when evaluating (memory, not results, depends on it)
 EVAL_BATCH = 256

@@ -1,6 +1,6 @@
 """Keep freed memory in the process: glibc's malloc set for a training loop.
 
-    from psring.allocator import keep_freed_memory
+    from psring.runtime.allocator import keep_freed_memory
     keep_freed_memory()      # first thing in a worker or server process (their main())
 
 Every step allocates and frees the same large tensors (gradients, activations, received

@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 import msgpack
 import torch
 
-from .errors import ConfigError
+from psring.errors import ConfigError
 
 #: 2: a signature frame after the header (empty without a shared secret)
 VERSION = 2

@@ -1,7 +1,7 @@
 """Processes of a run: start them, watch them, stop them, leave no orphans.
 
-The :class:`Supervisor` is psring's process manager (psring.launch starts a run's
-workers and servers with it, psring.emulate its cluster agent):
+The :class:`Supervisor` is psring's process manager (psring.runtime.launch starts a run's
+workers and servers with it, psring.cluster.emulate its cluster agent):
 
 - every child runs in its own session (so a terminal's Ctrl-C reaches only the
   launcher, which then stops the children in order) and is told to die with its
@@ -10,7 +10,7 @@ workers and servers with it, psring.emulate its cluster agent):
 - when any child exits non-zero, the others get SIGTERM, then SIGKILL after a grace
   period, and the run fails with that child's name, exit status and last lines.
 
-A child is started one of two ways (psring.forking): forked from this process, which
+A child is started one of two ways (psring.runtime.forking): forked from this process, which
 has imported torch and psring's worker and server code once, or as a new interpreter
 (``python -m psring.workers ...``), which pays the ~1-2 s of importing torch again.
 Both look the same to the supervisor and to the child's code.
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import forking
-from .errors import ConfigError, RunFailed
+from psring.runtime import forking
+from psring.errors import ConfigError, RunFailed
 
 GRACE_S = 5.0
 #: how often the supervisor looks at its children: a run ends at most this late
@@ -124,7 +124,7 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     #: a service (a parameter server) runs until the workers are done; then it is stopped
     service: bool = False
-    #: where the process runs when not on this machine's own network (psring.emulate's
+    #: where the process runs when not on this machine's own network (psring.cluster.emulate's
     #: hosts): ``prefix`` is a trampoline put before ``argv`` that moves a new process
     #: there, ``enter`` the same move made by a forked child before its ``main``
     prefix: list[str] = field(default_factory=list)

@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 from typing import Mapping
 
-from .errors import ConfigError
+from psring.errors import ConfigError
 
 GLOO = "GLOO_SOCKET_IFNAME"
 NCCL = "NCCL_SOCKET_IFNAME"

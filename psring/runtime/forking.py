@@ -52,8 +52,8 @@ ENV = "PSRING_FORK"
 #: what can be forked: the modules of ``python -m MODULE`` that preload() imports
 MODULES = ("psring.workers", "psring.servers")
 _PRELOAD = ("torch", "torch.distributed", "psring.workers.entry", "psring.workers.loop",
-            "psring.workers.manifest", "psring.workload", "psring.strategies",
-            "psring.checkpoint", "psring.servers.entry", "psring.servers.server")
+            "psring.workers.manifest", "psring.train.workload", "psring.strategies",
+            "psring.train.checkpoint", "psring.servers.entry", "psring.servers.server")
 
 _baseline_threads: int | None = None
 _BLOCKED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD}

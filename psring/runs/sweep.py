@@ -60,10 +60,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from .cluster import derived_hosts
-from .config import RunConfig
-from .errors import ConfigError, PsringError, RunFailed
-from .runlog import atomic_write_json
+from psring.cluster.spec import derived_hosts
+from psring.config import RunConfig
+from psring.errors import ConfigError, PsringError, RunFailed
+from psring.runs.runlog import atomic_write_json
 
 SWEEP_FILE = "sweep.json"
 POINT_FILE = "point.json"
@@ -144,7 +144,7 @@ class Sweep:
                               f"(got {self.repeats!r}).")
 
     def _check_profiles(self) -> None:
-        from .predict.profiling import PAPER_FLAGS
+        from psring.predict.profiling import PAPER_FLAGS
 
         valid = {f.name for f in fields(RunConfig)} | set(PAPER_FLAGS)
         for name, spec in self.profiles.items():
@@ -163,7 +163,7 @@ class Sweep:
 
     def build_profiles(self, out: Path) -> None:
         """Build each [profiles] entry once, in OUT/profiles/NAME (kept on a rerun)."""
-        from .predict.profiling import paper_profile_from
+        from psring.predict.profiling import paper_profile_from
 
         for name, spec in self.profiles.items():
             dest = Path(out) / PROFILES_DIR / name
@@ -193,7 +193,7 @@ class Sweep:
         """Every distinct run of the sweep, in a stable order (strategies together). The
         sweep's [profiles] are built first (once, in OUT/profiles): points are validated
         runs, and a run's --device-profile must exist."""
-        from .strategies import STRATEGIES
+        from psring.strategies import STRATEGIES
 
         self.build_profiles(out)
 
@@ -242,7 +242,7 @@ class Sweep:
 
 
 def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
-    """Emulation settings that cannot apply to a point are dropped (psring.cluster): a
+    """Emulation settings that cannot apply to a point are dropped (psring.cluster.spec): a
     strategy of one host runs on one; no more hosts than workers; servers are placed
     only where there are servers; links and delays only where traffic crosses hosts."""
     workers = values.get("workers", 1)
@@ -298,7 +298,7 @@ def run_sweep(sweep: Sweep, out: Path,
     is called once the points are known, ``on_point(point, status, seconds)`` after each
     point (for progress displays)."""
     if launch is None:
-        from .launch import launch
+        from psring.runtime.launch import launch
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     points = sweep.points(out)
@@ -351,7 +351,7 @@ def run_sweep_with_progress(sweep: Sweep, out: Path) -> SweepResult:
                   TextColumn("points"), TimeElapsedColumn(), TextColumn("ETA"),
                   TimeRemainingColumn(), console=console,
                   # redrawn on each point, not by a thread: a thread would keep the
-                  # runs' workers from being forked (psring.forking)
+                  # runs' workers from being forked (psring.runtime.forking)
                   auto_refresh=False) as bar:
         task = bar.add_task(f"sweep {sweep.name}", total=None)
 

@@ -24,8 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .runlog import atomic_write_json, read_steps
+from psring.errors import ConfigError
+from psring.runs.runlog import atomic_write_json, read_steps
 
 TRACE = "trace.json"
 SERVERS = "servers.jsonl"

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from psring.errors import ConfigError
 
 #: a ring step's start-up on a device interconnect (NCCL's order of magnitude)
 DEVICE_ALPHA_S = 10e-6
@@ -53,7 +53,7 @@ def parse(text: str) -> tuple[float, float] | None:
         return None
     if text.lower() == "nvlink":
         return NVLINK
-    from .cluster import parse_rate
+    from psring.cluster.spec import parse_rate
 
     try:
         rate = parse_rate(text, "--device-link")
@@ -83,7 +83,7 @@ def check(cfg: Any, strategy_cls: Any) -> None:
                           f"workers of one host; {cfg.strategy!r} has none (a flat ring's "
                           f"hops inside a host stay loopback). Use byteps or hallreduce, "
                           f"or drop --device-link.")
-    from .cluster import derived_hosts
+    from psring.cluster.spec import derived_hosts
 
     hosts = derived_hosts(cfg.workers, cfg.hosts, cfg.workers_per_host)
     if cfg.workers <= hosts:

@@ -16,10 +16,10 @@ import os
 import time
 from pathlib import Path
 
-from .predict.calibrate import calibrate
-from .predict.costmodel import find_calibration
-from .strategies import STRATEGIES
-from .sweep import Sweep, SweepResult, run_sweep_with_progress
+from psring.predict.calibrate import calibrate
+from psring.predict.costmodel import find_calibration
+from psring.strategies import STRATEGIES
+from psring.runs.sweep import Sweep, SweepResult, run_sweep_with_progress
 
 #: the definition compare runs (shipped beside the package's source in experiments/)
 SPEC = Path(__file__).resolve().parent.parent / "experiments" / "compare.toml"

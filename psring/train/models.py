@@ -2,7 +2,7 @@
 
 A model factory takes the run's :class:`ModelSettings` and returns the module and the
 :class:`Inputs` it expects; psring generates synthetic data of that shape
-(psring.data), or checks a user's ``.npz`` against it. Built-in names:
+(psring.train.data), or checks a user's ``.npz`` against it. Built-in names:
 
 - ``mlp``: Linear+ReLU layers. Each weight is used once per sample, so FLOPs per
   parameter are low: communication-bound, the default (psring.zoo.simple).
@@ -37,10 +37,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from psring.errors import ConfigError
 # the model vocabulary lives with the models; re-exported here, where user factories
 # import it from (examples/my_model.py)
-from .zoo import KINDS, MODELS, Factory, Inputs, ModelSettings  # noqa: F401
+from psring.zoo import KINDS, MODELS, Factory, Inputs, ModelSettings
 
 def model_factory(name: str) -> Factory:
     """A built-in model's factory, or ``package.module:function`` imported."""
@@ -70,7 +70,7 @@ def build_model(name: str, settings: ModelSettings, seed: int) -> tuple[nn.Modul
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)
             and isinstance(out[1], Inputs)):
         raise ConfigError(f"--model {name}: a model factory must return (nn.Module, "
-                          f"psring.models.Inputs), got {type(out).__name__}; see "
+                          f"psring.train.models.Inputs), got {type(out).__name__}; see "
                           f"examples/my_model.py.")
     return out
 

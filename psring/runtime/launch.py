@@ -1,12 +1,12 @@
 """Start a run's processes, watch them, and make the run fail-stop.
 
 ``psring run`` starts one OS process per worker (``python -m psring.workers``, or a
-fork of the launcher: psring.forking) with the environment torchrun would give it
+fork of the launcher: psring.runtime.forking) with the environment torchrun would give it
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the
 same worker runs unchanged under ``torchrun`` across hosts; a parameter-server strategy
-gets its servers first. The run's cluster (``cfg.cluster``, psring.cluster) says where
-each process lives; psring.emulate builds it when it spans emulated hosts; the
-processes are supervised by psring.process (fail-stop, no orphans).
+gets its servers first. The run's cluster (``cfg.cluster``, psring.cluster.spec) says where
+each process lives; psring.cluster.emulate builds it when it spans emulated hosts; the
+processes are supervised by psring.runtime.process (fail-stop, no orphans).
 """
 
 from __future__ import annotations
@@ -24,12 +24,18 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .config import RunConfig
-from .emulate import network_for
-from .errors import ConfigError, RunFailed
-from .process import (ProcessSpec, Supervisor, check_port_free, free_port, server_threads,
-                      worker_threads)
-from .runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
+from psring.config import RunConfig
+from psring.cluster.emulate import network_for
+from psring.errors import ConfigError, RunFailed
+from psring.runtime.process import (
+    ProcessSpec,
+    Supervisor,
+    check_port_free,
+    free_port,
+    server_threads,
+    worker_threads,
+)
+from psring.runs.runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
 
 #: RunConfig's default rendezvous address
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -66,7 +72,7 @@ LAUNCH = "launch.json"
 def resume_config(resume_dir: str, given: dict) -> RunConfig:
     """The config to continue the run in ``resume_dir``: the run's own settings (as its
     launch recorded them, else from its manifest), with the flags given now on top."""
-    from .runlog import read_manifest
+    from psring.runs.runlog import read_manifest
 
     d = Path(resume_dir)
     try:
@@ -119,7 +125,7 @@ def prepare(cfg: RunConfig) -> tuple[str, int]:
         raise ConfigError(f"cannot use run directory {out} ({why}); pass an --out this "
                           f"user can write.")
     if cfg.resume:
-        from . import checkpoint
+        from psring.train import checkpoint
 
         if Path(out).resolve() != Path(cfg.resume).resolve():
             raise ConfigError(f"--resume {cfg.resume} continues that run in its own "
@@ -167,7 +173,7 @@ def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
 
 def local_ipc(cfg: RunConfig) -> bool:
     """Whether psring's own servers are reached over Unix domain sockets (--transport)."""
-    from .protocol import ABSTRACT_IPC
+    from psring.comm.protocol import ABSTRACT_IPC
 
     if cfg.transport == "auto":
         return ABSTRACT_IPC and not cfg.cluster.emulated
@@ -180,7 +186,7 @@ def server_endpoint(cfg: RunConfig, k: int) -> str:
     segmenting and acknowledging (docs/benchmarks.md, issue 10, fix 4). Else loopback
     TCP, or the server's emulated host's address (a fresh namespace: any port free
     here is free there)."""
-    from .protocol import abstract_ipc_endpoint
+    from psring.comm.protocol import abstract_ipc_endpoint
 
     if local_ipc(cfg):
         return abstract_ipc_endpoint(f"psring-{os.getpid()}-{k}")
@@ -191,11 +197,11 @@ def server_endpoint(cfg: RunConfig, k: int) -> str:
 def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[ProcessSpec]]:
     """Parameter servers to start for ``cfg`` (none when it names running ones), and
     the settings the workers get to reach them (their addresses)."""
-    from .strategies import STRATEGIES
+    from psring.strategies import STRATEGIES
 
     if not STRATEGIES.get(cfg.strategy).uses_servers or cfg.server_addrs:
         return {}, []
-    from .strategies.ps import server_frame_limit
+    from psring.strategies.ps import server_frame_limit
 
     addrs = [server_endpoint(cfg, k) for k in range(cfg.servers)]
     extra = ["--secret-file", cfg.secret_file] if cfg.secret_file else []
@@ -223,8 +229,8 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
     if cluster.emulated and cfg.master_addr != DEFAULT_MASTER_ADDR:
         raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
                           "host); drop it.")
-    # (imported here: psring.device imports torch, and psring --help reaches this module)
-    from .device import capacity
+    # (imported here: psring.train.device imports torch, and psring --help reaches this module)
+    from psring.train.device import capacity
 
     for why in capacity(cfg):  # --compute device beyond what this machine emulates
         print(f"psring: warning: {why}.", file=sys.stderr)
@@ -235,7 +241,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
         # the settings as given (ports and server addresses not yet filled in): what
         # --resume starts from
         atomic_write_json(run_dir / LAUNCH, {"config": {**cfg.to_dict(), "out": out}})
-    # A new id for every launch, inherited by the run's processes (psring.runlog.run_id)
+    # A new id for every launch, inherited by the run's processes (psring.runs.runlog.run_id)
     os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
     net = network_for(cluster, run_dir)
     # what the launcher decides, filled in at once (one more validation, not one each)
@@ -276,13 +282,13 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
                             f"run in {run_dir} were stopped.", exit_code=143) from None
         finally:
             sup.stop()
-            from .strategies import STRATEGIES
+            from psring.strategies import STRATEGIES
 
             STRATEGIES.get(cfg.strategy).cleanup_run(cfg)
     if progress is not None:
         progress(min(count_lines(steps_path), total), total)
     if cfg.trace:
-        from .trace import write_trace
+        from psring.runs.trace import write_trace
 
         write_trace(run_dir)
     return run_dir

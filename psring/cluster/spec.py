@@ -2,7 +2,7 @@
 hosts, its delay, and where the parameter servers are.
 
 Pure (no torch, no processes, no syscalls): computed from a run's config alone, so the
-launcher, every worker (its manifest), the emulated network (psring.emulate), the cost
+launcher, every worker (its manifest), the emulated network (psring.cluster.emulate), the cost
 model, the simulator, ``psring advise`` and the reports all agree on one cluster.
 
     >>> c = Cluster(workers=4, hosts=2, servers=2, link="1gbit")
@@ -26,7 +26,7 @@ from functools import cached_property
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from .errors import ConfigError
+from psring.errors import ConfigError
 
 #: the emulated network: RFC 2544's benchmarking range, never a real network's
 NETWORK = ipaddress.ip_network("198.18.0.0/15")
@@ -157,7 +157,7 @@ class Cluster:
     #: the one host's address when nothing is emulated (the rendezvous address)
     local_address: str = "127.0.0.1"
     #: --time-scale S: the emulation runs S times slower than the cluster it stands for
-    #: (psring.device): its links carry link/S and its delays last S times longer
+    #: (psring.train.device): its links carry link/S and its delays last S times longer
     time_scale: float = 1.0
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """Network namespaces, in system calls: which one this process is in, and moving into
-one. The emulated cluster (psring.emulate) is built from these; a parameter server
+one. The emulated cluster (psring.cluster.emulate) is built from these; a parameter server
 asks :func:`inside_cluster` whether it may listen without a secret.
 
 Linux only; pure ctypes and /proc, no other psring module. Also what the emulated
@@ -15,7 +15,7 @@ import os
 import struct
 from pathlib import Path
 
-from .cluster import NETWORK
+from psring.cluster.spec import NETWORK
 
 #: the interface of every emulated host
 HOST_IFACE = "eth0"

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
-from .runlog import atomic_write_bytes, atomic_write_json
+from psring.errors import ConfigError
+from psring.runs.runlog import atomic_write_bytes, atomic_write_json
 
 CHECKPOINTS = "checkpoints"
 STATE = "state.pt"

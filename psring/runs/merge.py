@@ -9,7 +9,7 @@ per worker: run id, rank, host). Copied back to one machine:
     psring report runs/two-hosts
 
 The directories must be of one launch (the same run id, agreed through torchrun's
-rendezvous: psring.rendezvous) and together hold every rank; else a ConfigError says
+rendezvous: psring.runtime.rendezvous) and together hold every rank; else a ConfigError says
 which directory is of which run, or which ranks are missing. Steps a directory shares
 with another (the same directory given twice, or a shared file system) count once.
 Step records carry no run id: give each launch a fresh --out (or --resume into it), as
@@ -23,9 +23,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .runlog import (EVALS, MANIFEST, MODEL, STEPS, WORKERS, atomic_write_json,
-                     read_manifest, read_steps)
+from psring.errors import ConfigError
+from psring.runs.runlog import (
+    EVALS,
+    MANIFEST,
+    MODEL,
+    STEPS,
+    WORKERS,
+    atomic_write_json,
+    read_manifest,
+    read_steps,
+)
 
 #: files copied from node 0's directory as they are
 RANK0_FILES = (EVALS, MODEL)

@@ -1,0 +1,14 @@
+"""Running a run: the launcher and the processes it supervises.
+
+- ``launch``: a RunConfig in, the run's servers and workers started and waited for;
+- ``process``: the supervisor (fail-stop on the first failure, no orphans);
+- ``forking``: starting those processes as forks of a launcher that imported torch once;
+- ``rendezvous``: workers started by torchrun on several hosts (run id, deadlines);
+- ``allocator``: glibc malloc thresholds for worker and server processes.
+"""
+
+from psring._lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "Supervisor": "process", "ProcessSpec": "process",
+})
