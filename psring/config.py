@@ -189,9 +189,9 @@ class RunConfig:
         model_factory(self.model)  # an unknown name or a module that won't import fails here
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1 (got {self.workers}).")
-        if strategy_cls.max_workers is not None and self.workers > strategy_cls.max_workers:
+        if strategy_cls.caps.max_workers is not None and self.workers > strategy_cls.caps.max_workers:
             raise ConfigError(
-                f"strategy {self.strategy!r} runs at most {strategy_cls.max_workers} worker(s) "
+                f"strategy {self.strategy!r} runs at most {strategy_cls.caps.max_workers} worker(s) "
                 f"(got --workers {self.workers}); use --workers 1, or a distributed strategy "
                 f"such as allreduce.")
         if self.worker_batch:
@@ -239,19 +239,19 @@ class RunConfig:
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be >= 0 (0 = never; got "
                               f"{self.checkpoint_every}).")
-        if (self.checkpoint_every or self.resume) and not strategy_cls.supports_checkpoint:
+        if (self.checkpoint_every or self.resume) and not strategy_cls.caps.supports_checkpoint:
             raise ConfigError(f"strategy {self.strategy!r} cannot checkpoint or resume; "
                               f"drop --checkpoint-every/--resume, or use a strategy that "
                               f"can (see docs/reliability.md).")
         self._check_data()
         if self.compress not in ("none", "fp16", "bf16"):
             raise ConfigError(f"--compress must be none, fp16 or bf16 (got {self.compress!r}).")
-        if self.compress != "none" and not strategy_cls.supports_compression:
+        if self.compress != "none" and not strategy_cls.caps.supports_compression:
             raise ConfigError(
                 f"--compress applies to strategies that send gradients (allreduce, ddp, ps, "
                 f"async-ps); {self.strategy!r} sends nothing to compress. Drop --compress.")
         self._check_reduce(strategy_cls)
-        if strategy_cls.needs_equal_hosts:
+        if strategy_cls.caps.needs_equal_hosts:
             counts = worker_counts(self.workers, derived_hosts(
                 self.workers, self.hosts, self.workers_per_host), self.workers_per_host)
             if len(set(counts)) > 1:
@@ -294,12 +294,12 @@ class RunConfig:
     def _check_cluster(self, strategy_cls) -> None:
         """The cluster flags: what the strategy allows, then the cluster itself
         (psring.cluster.spec validates hosts, links and placement), kept as ``cluster``."""
-        if strategy_cls.max_hosts is not None and self.hosts > strategy_cls.max_hosts:
+        if strategy_cls.caps.max_hosts is not None and self.hosts > strategy_cls.caps.max_hosts:
             raise ConfigError(
                 f"strategy {self.strategy!r} runs on one host by definition (its workers share "
                 f"memory), so --hosts {self.hosts} cannot apply; drop --hosts, or use a "
                 f"message-passing strategy (allreduce, ps, async-ps) across hosts.")
-        if self.server_placement != "colocated" and not strategy_cls.uses_servers:
+        if self.server_placement != "colocated" and not strategy_cls.caps.uses_servers:
             if self.server_placement not in PLACEMENTS:
                 raise ConfigError(f"--server-placement must be one of {', '.join(PLACEMENTS)} "
                                   f"(got {self.server_placement!r}).")
@@ -325,19 +325,19 @@ class RunConfig:
         # the registry imports torch; see __post_init__
         from psring.strategies import STRATEGIES
 
-        return Cluster.from_config(self, STRATEGIES.get(self.strategy).uses_servers)
+        return Cluster.from_config(self, STRATEGIES.get(self.strategy).caps.uses_servers)
 
     def _check_servers(self, strategy_cls) -> None:
         if self.servers < 1:
             raise ConfigError(f"--servers must be at least 1 (got {self.servers}).")
         addrs = self.server_addr_list
-        if (self.servers != 1 or addrs) and not strategy_cls.uses_servers:
+        if (self.servers != 1 or addrs) and not strategy_cls.caps.uses_servers:
             raise ConfigError(f"--servers and --server-addrs apply to parameter-server "
                               f"strategies (ps, async-ps, byteps), not {self.strategy!r}.")
         if self.transport not in ("auto", "tcp", "ipc"):
             raise ConfigError(f"--transport must be auto, tcp or ipc (got {self.transport!r}).")
         if self.transport != "auto":
-            if not strategy_cls.uses_servers:
+            if not strategy_cls.caps.uses_servers:
                 raise ConfigError(f"--transport applies to parameter-server strategies (ps, "
                                   f"async-ps), not {self.strategy!r}; drop it.")
             if addrs:
@@ -353,7 +353,7 @@ class RunConfig:
             if self.transport == "ipc" and not ABSTRACT_IPC:
                 raise ConfigError("--transport ipc uses Linux's abstract Unix sockets; on "
                                   f"{sys.platform} use --transport tcp (or auto).")
-        if self.max_staleness != -1 and not strategy_cls.supports_staleness_bound:
+        if self.max_staleness != -1 and not strategy_cls.caps.supports_staleness_bound:
             raise ConfigError(f"--max-staleness applies to async-ps, not {self.strategy!r}.")
         if self.max_staleness < -1:
             raise ConfigError(f"--max-staleness must be >= 0, or -1 for no bound "
@@ -378,7 +378,7 @@ class RunConfig:
                                   f"{len(addrs)} --server-addrs; give one or the other.")
             object.__setattr__(self, "servers", len(addrs))
             self.__dict__.pop("cluster", None)  # derived from servers: again when next read
-        if strategy_cls.uses_servers and self.secret_file:
+        if strategy_cls.caps.uses_servers and self.secret_file:
             from psring.comm.protocol import load_secret
 
             load_secret(self.secret_file)  # a missing or too short file fails here, early
@@ -404,7 +404,7 @@ class RunConfig:
             raise ConfigError(f"--worker-batch {self.worker_batch} adds up to {sum(sizes)}, "
                               f"not --batch-size {self.batch_size} (the global batch it "
                               f"splits); make them agree.")
-        if not strategy_cls.synchronous:
+        if not strategy_cls.caps.synchronous:
             raise ConfigError(f"--worker-batch weighs gradients by samples within one "
                               f"synchronous step; {self.strategy!r} applies each worker's "
                               f"update alone. Use allreduce, hallreduce, ddp or ps.")
@@ -413,7 +413,7 @@ class RunConfig:
                               "weighs them by their directions. Use one of the two.")
 
     def _check_reduce(self, strategy_cls) -> None:
-        sites = strategy_cls.update_sites
+        sites = strategy_cls.caps.update_sites
         if self.update_on and self.update_on not in sites:
             raise ConfigError(
                 f"--update-on {self.update_on}: {self.strategy!r} updates on the "
@@ -422,10 +422,10 @@ class RunConfig:
                 f"--strategy byteps --update-on worker; drop --update-on otherwise."
                 if self.update_on in ("server", "worker") else
                 f"--update-on must be server or worker (got {self.update_on!r}).")
-        if self.reduce not in strategy_cls.reductions:
+        if self.reduce not in strategy_cls.caps.reductions:
             raise ConfigError(
                 f"--reduce {self.reduce} is not a reduction of {self.strategy!r} (it has "
-                f"{', '.join(strategy_cls.reductions)}); --reduce adasum is for allreduce "
+                f"{', '.join(strategy_cls.caps.reductions)}); --reduce adasum is for allreduce "
                 f"and hallreduce.")
         if self.reduce != "adasum":
             return
@@ -433,7 +433,7 @@ class RunConfig:
 
         # hallreduce: Adasum across the hosts (each host's average), so the hosts count
         what, n = ("--hosts", derived_hosts(self.workers, self.hosts, self.workers_per_host)) \
-            if strategy_cls.needs_equal_hosts else ("--workers", self.workers)
+            if strategy_cls.caps.needs_equal_hosts else ("--workers", self.workers)
         if not is_power_of_two(n):
             lower = 1 << (n.bit_length() - 1)
             raise ConfigError(
@@ -544,7 +544,7 @@ def cluster_of(cfg: Any) -> Cluster:
     # the registry imports torch; see RunConfig.__post_init__
     from psring.strategies import STRATEGIES
 
-    return Cluster.from_config(cfg, STRATEGIES.get(cfg.get("strategy", "single")).uses_servers)
+    return Cluster.from_config(cfg, STRATEGIES.get(cfg.get("strategy", "single")).caps.uses_servers)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, defaults: RunConfig | None = None,

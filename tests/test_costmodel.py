@@ -125,9 +125,9 @@ def test_strategies_name_their_model():
     expect = {"single": None, "hogwild": None, "allreduce": "ring", "ddp": "ring",
               "ps": "ps", "async-ps": "ps-async"}
     for name, model in expect.items():
-        assert STRATEGIES.get(name).comm_model == model, name
+        assert STRATEGIES.get(name).caps.cost_model == model, name
     for name in STRATEGIES.names():
-        assert STRATEGIES.get(name).comm_model in cm.COMM_MODELS, name
+        assert STRATEGIES.get(name).caps.cost_model in cm.COMM_MODELS, name
 
 
 def test_crossover_by_hand():

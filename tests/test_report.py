@@ -5,6 +5,7 @@ import json
 import pytest
 
 from conftest import assert_no_processes, psring, read_steps
+from psring.predict.costmodel import is_costed
 from psring.report.runs import percentile
 from psring.runs.runlog import warmup_steps
 
@@ -66,7 +67,7 @@ def test_compare_runs_every_strategy_and_reports(tmp_path):
     # error is what the report says it is; hogwild's prediction is its compute alone
     for name in STRATEGIES:
         r = rows[name]
-        if not STRATEGIES.get(name).costed:  # (no formula yet: no prediction shown)
+        if not is_costed(STRATEGIES.get(name).caps.cost_model):  # (no prediction shown)
             assert r["predicted_step_ms"] is None, name
             continue
         assert r["predicted_step_ms"] > 0, name

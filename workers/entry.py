@@ -193,7 +193,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     strategy = None
     steps = StepLog(run_dir)
     try:
-        if strategy_cls.uses_process_group:
+        if strategy_cls.caps.uses_process_group:
             backend = "nccl" if device.type == "cuda" else "gloo"
             launch.stage(f"creating the {backend} process group")
             log.info("joining process group (%s, %s:%s)", backend,

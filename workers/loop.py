@@ -45,7 +45,7 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
     cfg = ctx.cfg
     module = strategy.setup(model)
     optimizer = None
-    if strategy.local_optimizer:
+    if strategy.caps.local_optimizer(cfg.update_on):
         # with --compute device the step is the device's (psring.train.device.DeviceSGD)
         optimizer = ctx.stand_in.optimizer() if ctx.stand_in else make_optimizer(model, cfg)
     first_step = 0
@@ -67,7 +67,7 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
             raise
         raise PsringError(
             f"worker {ctx.rank}: no progress within --timeout {cfg.timeout:g} s while "
-            f"waiting for {strategy.waits_for}; see the other workers' logs for which one "
+            f"waiting for {strategy.caps.waits_for}; see the other workers' logs for which one "
             f"stopped (or raise --timeout if a step can legitimately take that long). "
             f"({str(e).splitlines()[0][:200]})") from e
     finally:
@@ -157,7 +157,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
     # psring.predict.profile (the simulator rebuckets a profile at any bucket size).
     last_grad = [0.0]
     grad_ready: list[float] | None = None
-    if strategy.syncs_inside_backward or cfg.trace:
+    if strategy.caps.syncs_inside_backward or cfg.trace:
         params = [p for p in model.parameters() if p.requires_grad]
         ready_at = [0.0] * len(params)
         grad_ready = ready_at if cfg.trace else None
@@ -224,7 +224,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
                 lap("backward_s")
                 last_compute = (mark - compute_start) / (slow_factor if slowed else 1)
                 backward_end = mark
-            if last and strategy.syncs_inside_backward and last_grad[0] > backward_start:
+            if last and strategy.caps.syncs_inside_backward and last_grad[0] > backward_start:
                 blocked = backward_end - last_grad[0]
                 ph["backward_s"] -= blocked
                 ph["comm_s"] += blocked

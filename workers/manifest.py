@@ -21,7 +21,7 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
     model, ds = work.model, work.data.train
     pbytes = parameter_bytes(model)
     # gradients as they travel: half the bytes with --compress fp16/bf16
-    wire = wire_bytes(pbytes, cfg.compress) if strategy_cls.supports_compression else pbytes
+    wire = wire_bytes(pbytes, cfg.compress) if strategy_cls.caps.supports_compression else pbytes
     sent, recv = strategy_cls.bytes_per_step(wire, cfg.workers, per_host)
     fps = flops_per_sample(model, work.inputs)
     flops_worker_step = fps * cfg.per_worker_batch * cfg.accumulate

@@ -78,7 +78,7 @@ def check(cfg: Any, strategy_cls: Any) -> None:
                           "interconnect's, which only a timing-only run may do (the "
                           "gradients are not reduced): add --compute device, or drop "
                           "--device-link.")
-    if not strategy_cls.host_collectives:
+    if not strategy_cls.caps.host_collectives:
         raise ConfigError(f"--device-link times the collectives a strategy runs among the "
                           f"workers of one host; {cfg.strategy!r} has none (a flat ring's "
                           f"hops inside a host stay loopback). Use byteps or hallreduce, "

@@ -84,17 +84,17 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
             seen_buckets.append(mb)
     max_k = max(1, min(max_servers, 2 * base.hosts))
     for name, cls in classes.items():
-        if cls.comm_model is None:
+        if cls.caps.cost_model is None:
             out.append(Candidate(name, simulate(profile, base, None, cal, cores=cores)))
             continue
-        if cls.needs_equal_hosts and base.workers // base.hosts < 2:
+        if cls.caps.needs_equal_hosts and base.workers // base.hosts < 2:
             continue  # per-host aggregation with one worker a host: its flat twin's setting
         # where the optimizer runs, when the strategy offers a choice (byteps)
-        updates = list(cls.update_sites) if len(cls.update_sites) > 1 else ["server"]
-        servers = [k for k in (1, 2, 4, 8) if k <= max_k] if cls.uses_servers else [1]
-        placements = ["colocated", "own-hosts"] if cls.uses_servers and link \
+        updates = list(cls.caps.update_sites) if len(cls.caps.update_sites) > 1 else ["server"]
+        servers = [k for k in (1, 2, 4, 8) if k <= max_k] if cls.caps.uses_servers else [1]
+        placements = ["colocated", "own-hosts"] if cls.caps.uses_servers and link \
             else ["colocated"]
-        compress = ["none", "fp16"] if cls.supports_compression else ["none"]
+        compress = ["none", "fp16"] if cls.caps.supports_compression else ["none"]
         for mb in seen_buckets:
             for k in servers:
                 for place in placements:
@@ -103,7 +103,7 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
                                         workers_per_host=base.workers // base.hosts,
                                         link_bits=link, delay_s=delay, servers=k,
                                         placement=place)
-                        out.append(Candidate(name, simulate(profile, cl, cls.comm_model, cal,
+                        out.append(Candidate(name, simulate(profile, cl, cls.caps.cost_model, cal,
                                                             compress=comp, bucket_mb=mb,
                                                             cores=cores, update_on=up)))
     return out
@@ -157,7 +157,7 @@ def options(cands: list[Candidate], ranking: list[Candidate],
             picks.append(min(same, key=preference))
     # compression of the answer's strategy, or, when it cannot compress (byteps), of the
     # best ranked one that can
-    base = next((c for c in ranking if classes[c.strategy].supports_compression), win)
+    base = next((c for c in ranking if classes[c.strategy].caps.supports_compression), win)
     squeezed = [c for c in cands if c.strategy == base.strategy and c.compress != "none"
                 and c.bucket_mb == base.bucket_mb and c.cluster.servers == base.cluster.servers
                 and c.cluster.placement == base.cluster.placement]
@@ -169,7 +169,7 @@ def options(cands: list[Candidate], ranking: list[Candidate],
         gain = 1 - c.prediction.step_s / win.prediction.step_s
         verdict = f"{gain:.0%} less per step than the answer" if gain > 0 else \
             f"no faster per step ({-gain:.0%} more)"
-        setting = c.setting(cls.uses_servers, cls.supports_compression)
+        setting = c.setting(cls.caps.uses_servers, cls.caps.supports_compression)
         lines.append(f"Option: {c.strategy} ({setting}), {c.prediction.step_s * 1e3:.1f} ms "
                      f"per step, {verdict}; it changes the "
                      f"training: {changes_training(c)}. Worth it only if the steps it saves "
@@ -185,7 +185,7 @@ def why(c: Candidate, cls: Any) -> str:
     M = p.gradient_bytes * (0.5 if c.compress != "none" else 1.0)
     mb = lambda b: f"{b / 1e6:.3g} MB"  # noqa: E731
     comm = f"{p.phases['comm_s'] * 1e3:.1f} ms of communication exposed"
-    if cls.comm_model is None:
+    if cls.caps.cost_model is None:
         return (f"no messages: the step is compute ({p.step_s * 1e3:.1f} ms); "
                 + ("workers share one memory" if n > 1 else "one worker"))
     if p.bound == "compute":
@@ -195,19 +195,19 @@ def why(c: Candidate, cls: Any) -> str:
     if p.bound == "cores (shared)":
         return (f"bound by this machine's shared cores: the workers' compute and every "
                 f"message's software cost exceed the cores' time ({comm})")
-    if cls.comm_model == "hring":
+    if cls.caps.cost_model == "hring":
         h = len(set(cl.worker_host))
         return (f"bound by the {p.bound}: each host link carries 2(H−1)/H·M = "
                 f"{mb(2 * (h - 1) / h * M)} each way per step, in 2(H−1) = {2 * (h - 1)} "
                 f"steps, after the host's reduce-scatter ({comm})")
-    if cls.comm_model == "ring":
+    if cls.caps.cost_model == "ring":
         return (f"bound by the {p.bound}: each worker sends and receives 2(n−1)/n·M = "
                 f"{mb(2 * (n - 1) / n * M)} per step ({comm})")
     tail = "; no worker waits for another (staleness: see the option)" \
-        if cls.comm_model == "ps-async" else ""
+        if cls.caps.cost_model == "ps-async" else ""
     if "link" in p.bound:
         # byteps: one push a host (its workers' parts), so one pusher per host
-        pushers = sorted(set(cl.worker_host)) if cls.comm_model == "byteps" else cl.worker_host
+        pushers = sorted(set(cl.worker_host)) if cls.caps.cost_model == "byteps" else cl.worker_host
         cross = ps_link_load(pushers, cl.server_host)
         return (f"bound by the {p.bound}: the busiest host link carries {mb(cross * M)} each way "
                 f"per step, {cl.servers} server(s) {cl.placement} ({comm}){tail}")
@@ -226,10 +226,10 @@ def recommendations(cands: list[Candidate], ranking: list[Candidate],
                     classes: dict[str, Any]) -> list[str]:
     win = ranking[0]
     cls = classes[win.strategy]
-    lines = [f"Fastest: {win.strategy} ({win.setting(cls.uses_servers, cls.supports_compression)}), "
+    lines = [f"Fastest: {win.strategy} ({win.setting(cls.caps.uses_servers, cls.caps.supports_compression)}), "
              f"{win.prediction.step_s * 1e3:.1f} ms per step, scaling efficiency "
              f"{win.prediction.efficiency:.0%}."]
-    if cls.comm_model is not None:
+    if cls.caps.cost_model is not None:
         same = [c for c in cands if c.strategy == win.strategy
                 and c.cluster.servers == win.cluster.servers
                 and c.cluster.placement == win.cluster.placement
@@ -238,8 +238,8 @@ def recommendations(cands: list[Candidate], ranking: list[Candidate],
         lines.append("Bucket size: " + f"{win.bucket_mb:g} MB (" + ", ".join(
             f"{c.bucket_mb:g} MB {c.prediction.step_s * 1e3:.1f} ms" for c in by_mb)
             + ").")
-    ps = [c for c in cands if classes[c.strategy].uses_servers
-          and classes[c.strategy].comm_model == "ps" and not changes_training(c)]
+    ps = [c for c in cands if classes[c.strategy].caps.uses_servers
+          and classes[c.strategy].caps.cost_model == "ps" and not changes_training(c)]
     if ps:
         best = min(ps, key=preference)
         one = min((c for c in ps if c.cluster.servers == 1), key=preference)
@@ -254,7 +254,7 @@ def table(ranking: list[Candidate], classes: dict[str, Any]) -> list[list[str]]:
     rows = []
     for i, c in enumerate(ranking, 1):
         p, cls = c.prediction, classes[c.strategy]
-        rows.append([str(i), c.strategy, c.setting(cls.uses_servers, cls.supports_compression),
+        rows.append([str(i), c.strategy, c.setting(cls.caps.uses_servers, cls.caps.supports_compression),
                      f"{p.step_s * 1e3:.1f}",
                      f"{(p.step_s - p.phases['comm_s']) * 1e3:.1f}",
                      f"{p.phases['comm_s'] * 1e3:.1f}", f"{p.samples_per_s:.0f}",
@@ -297,7 +297,7 @@ def verify_candidates(ranking: list[Candidate], classes: dict[str, Any]) -> list
     """The winner, the runner-up, and the best of the other family (ring or PS)."""
     # ring or parameter server (async-ps is of the PS family)
     family = lambda c: {"ps-async": "ps", "byteps": "ps", "hring": "ring"}.get(  # noqa: E731
-        classes[c.strategy].comm_model, classes[c.strategy].comm_model)
+        classes[c.strategy].caps.cost_model, classes[c.strategy].caps.cost_model)
     top = ranking[:2]
     other = next((c for c in ranking if c not in top and family(c) not in
                   {family(t) for t in top} and family(c) is not None), None)

@@ -54,7 +54,7 @@ from psring.predict.advise import (
     table,
     verify_candidates,
 )
-from psring.predict.costmodel import Calibration, find_calibration
+from psring.predict.costmodel import Calibration, find_calibration, is_costed
 from psring.predict.profile import MODEL_KEYS, Profile
 from psring.predict.profiling import profile_config, take_profile
 
@@ -185,20 +185,20 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
                  "device_profile": str(device_profile),
                  "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
         cls = classes[c.strategy]
-        if not cls.uses_servers:
+        if not cls.caps.uses_servers:
             flags.pop("servers"), flags.pop("server_placement")
-        if not cls.supports_compression:
+        if not cls.caps.supports_compression:
             flags.pop("compress")
-        if cls.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
+        if cls.caps.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
             flags["link"] = args.link
         scale = required_time_scale(RunConfig(**flags))
-        print(f"psring: verifying {c.strategy} ({c.setting(cls.uses_servers, cls.supports_compression)})"
+        print(f"psring: verifying {c.strategy} ({c.setting(cls.caps.uses_servers, cls.caps.supports_compression)})"
               f"{f', --time-scale {scale}' if scale > 1 else ''}", flush=True)
         run_dir = launch(RunConfig(**flags, time_scale=scale))
         measured = summarize(run_dir)["step_p50_s"]
         predicted = c.prediction.step_s
         results.append({"strategy": c.strategy, "setting":
-                        c.setting(cls.uses_servers, cls.supports_compression),
+                        c.setting(cls.caps.uses_servers, cls.caps.supports_compression),
                         "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
                         "error": (predicted - measured) / measured, "time_scale": scale,
                         "run": str(run_dir)})
@@ -212,11 +212,11 @@ def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
     out = {}
     for name in STRATEGIES:
         cls = STRATEGIES.get(name)
-        if cls.max_workers is not None and workers > cls.max_workers:
+        if cls.caps.max_workers is not None and workers > cls.caps.max_workers:
             continue
-        if cls.max_hosts is not None and hosts > cls.max_hosts:
+        if cls.caps.max_hosts is not None and hosts > cls.caps.max_hosts:
             continue
-        if not cls.costed:  # no formula yet (docs/cost-model.md): nothing to rank it by
+        if not is_costed(cls.caps.cost_model):  # no cost model: nothing to rank it by
             continue
         out[name] = cls
     return out

@@ -42,6 +42,12 @@ from psring.runs.runlog import atomic_write_json
 #: communication; None: it sends nothing (single) or shares memory (hogwild)
 COMM_MODELS = (None, "ring", "hring", "ps", "ps-async", "byteps")
 
+def is_costed(cost_model: str | None) -> bool:
+    """Whether the simulator can price a strategy declaring ``cost_model`` (None: it
+    sends no messages, its step is its compute)."""
+    return cost_model in COMM_MODELS
+
+
 #: the calibration file's name inside a run or comparison directory
 CALIBRATION_FILE = "calibration.json"
 #: bumped when the file's meaning changes; load() refuses other formats

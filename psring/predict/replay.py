@@ -18,7 +18,7 @@ from psring.config import cluster_of
 from psring.errors import PsringError
 from psring.runs.runlog import read_manifest
 from psring.strategies import STRATEGIES
-from psring.predict.costmodel import Calibration
+from psring.predict.costmodel import Calibration, is_costed
 from psring.predict.profile import Profile
 from psring.predict.simulate import Prediction, simulate
 
@@ -39,7 +39,7 @@ def replay(run_dir: Any, cal: Calibration,
         prof = Profile.from_run(run_dir, worker=None)
     except (PsringError, KeyError, OSError, ValueError):
         return None
-    if not cls.costed:
+    if not is_costed(cls.caps.cost_model):
         return None
     # a time-scaled run: this machine's software costs are 1/S on the described clock
     cal = cal.faster(float(cfg.get("time_scale") or 1.0))
@@ -51,9 +51,9 @@ def replay(run_dir: Any, cal: Calibration,
         except PsringError:
             return None
     # the run's own compute already carries its share of the cores: no stretch
-    compress = cfg.get("compress", "none") if cls.supports_compression else "none"
+    compress = cfg.get("compress", "none") if cls.caps.supports_compression else "none"
     try:
-        return simulate(prof, cluster_of(cfg), cls.comm_model, cal, compress=compress,
+        return simulate(prof, cluster_of(cfg), cls.caps.cost_model, cal, compress=compress,
                         bucket_mb=float(cfg.get("bucket_mb", 25.0)),
                         update_on=cfg.get("update_on") or "server",
                         reduce=cfg.get("reduce") or "sum", inside=inside)

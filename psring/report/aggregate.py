@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from psring.config import cluster_of
 from psring.train.evaluate import time_to_accuracy
-from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
+from psring.predict.costmodel import Calibration, crossover_bytes, is_costed, predict_comm
 from psring.predict.replay import replay
 from psring.runs.runlog import PHASES
 from psring.strategies import STRATEGIES
@@ -149,7 +149,7 @@ def aggregate(rows: list[dict], cal: Calibration | None = None) -> list[Setting]
         r0 = rs[0]
         cls = STRATEGIES.get(r0["strategy"]) if r0["strategy"] in STRATEGIES else None
         # (a strategy without a formula yet is not priced: docs/cost-model.md)
-        model = getattr(cls, "comm_model", None) if getattr(cls, "costed", True) else None
+        model = cls.caps.cost_model if cls and is_costed(cls.caps.cost_model) else None
         s = Setting(
             id=setting, strategy=r0["strategy"], workers=r0["workers"],
             servers=r0["servers"], varied=r0["varied"], config=r0["config"],
@@ -372,7 +372,7 @@ def make_label(s: Setting, with_cluster: bool, varied: dict[str, Any] | None = N
     c = s.config
     # settings a strategy has no use for were normalized away: not worth naming
     unused = set() if s.strategy not in STRATEGIES or \
-        STRATEGIES.get(s.strategy).uses_servers else {"servers", "server_placement"}
+        STRATEGIES.get(s.strategy).caps.uses_servers else {"servers", "server_placement"}
     shown = {("batch_size" if k == "batch_per_worker" else k): c.get(k, v)
              for k, v in (s.varied if varied is None else varied).items()
              if k != "strategy" and k not in unused

@@ -85,7 +85,7 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     # in a synchronous step a worker blocked on a slower peer is waiting, not
     # communicating; asynchronous workers' steps are not rounds, so nothing is subtracted
     cls = STRATEGIES.get(cfg["strategy"]) if cfg["strategy"] in STRATEGIES else None
-    synchronous = cls is not None and cls.synchronous and cls.comm_model is not None
+    synchronous = cls is not None and cls.caps.synchronous and cls.caps.cost_model is not None
     waits = peer_waits(records) if synchronous else {}
     row["comm_time_s"] = st.median(_round_comm(kept, waits) if synchronous else
                                    [comm_time(r) for r in kept])

@@ -205,13 +205,13 @@ class Sweep:
                 values.update(v if isinstance(v, dict) else {k: v})
             varied = {k: v[k] if isinstance(v, dict) else v for k, v in zip(keys, combo)}
             strategy = STRATEGIES.get(values.get("strategy", "single"))
-            if strategy.max_workers is not None:
-                values["workers"] = min(values.get("workers", 1), strategy.max_workers)
-            if not strategy.uses_servers:
+            if strategy.caps.max_workers is not None:
+                values["workers"] = min(values.get("workers", 1), strategy.caps.max_workers)
+            if not strategy.caps.uses_servers:
                 values["servers"] = 1
-            if not strategy.supports_staleness_bound:
+            if not strategy.caps.supports_staleness_bound:
                 values["max_staleness"] = -1
-            if not strategy.host_collectives:
+            if not strategy.caps.host_collectives:
                 values["device_link"] = ""  # nothing runs inside a host to time
             slow = str(values.get("slow_worker") or "")
             if slow and int(slow.split(":")[0] or 0) >= values.get("workers", 1):
@@ -248,18 +248,18 @@ def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
     workers = values.get("workers", 1)
     per_host = values.get("workers_per_host", 0)
     hosts = derived_hosts(workers, values.get("hosts", 1), per_host)
-    if strategy.max_hosts is not None and hosts > strategy.max_hosts:
-        hosts, per_host = strategy.max_hosts, 0
+    if strategy.caps.max_hosts is not None and hosts > strategy.caps.max_hosts:
+        hosts, per_host = strategy.caps.max_hosts, 0
     hosts = min(hosts, workers)
     if per_host:  # as many hosts as G per host takes, whatever else was given
         hosts = -(-workers // per_host)
     values["hosts"] = hosts
     values["workers_per_host"] = 0 if per_host >= workers or hosts == 1 else per_host
-    if not strategy.uses_servers:
+    if not strategy.caps.uses_servers:
         values["server_placement"] = "colocated"
         values["transport"] = "auto"
     # hosts beyond one, or servers on hosts of their own: Cluster.emulated's rule
-    own = strategy.uses_servers and values.get("server_placement") == "own-hosts"
+    own = strategy.caps.uses_servers and values.get("server_placement") == "own-hosts"
     if values["hosts"] == 1 and not own:
         values["link"] = ""
         values["delay"] = ""

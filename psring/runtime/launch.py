@@ -199,7 +199,7 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[Pr
     the settings the workers get to reach them (their addresses)."""
     from psring.strategies import STRATEGIES
 
-    if not STRATEGIES.get(cfg.strategy).uses_servers or cfg.server_addrs:
+    if not STRATEGIES.get(cfg.strategy).caps.uses_servers or cfg.server_addrs:
         return {}, []
     from psring.strategies.ps import server_frame_limit
 

@@ -6,10 +6,10 @@ is a module named in ``PSRING_PLUGINS`` (comma-separated, importable); it is imp
 here, in the launcher and in every worker alike. See docs/architecture.md.
 """
 
-from psring.strategies.base import STRATEGIES, Strategy, StepStats, WorkerContext
+from psring.strategies.base import STRATEGIES, Capabilities, Strategy, StepStats, WorkerContext
 from psring.strategies import single, allreduce, ddp, ps, hogwild, hallreduce, byteps
 from psring.plugins import load_plugins
 
 load_plugins()
 
-__all__ = ["STRATEGIES", "Strategy", "StepStats", "WorkerContext"]
+__all__ = ["STRATEGIES", "Capabilities", "Strategy", "StepStats", "WorkerContext"]

@@ -26,7 +26,7 @@ from torch import nn
 
 from psring.comm import adasum
 from psring.comm.compress import CastBack, wire_dtype
-from psring.strategies.base import STRATEGIES, Handle, Strategy, WaitAll
+from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 
 
@@ -47,15 +47,17 @@ def ring_bytes(param_bytes: int, world: int) -> int:
     return 0 if world < 2 else int(2 * (world - 1) / world * param_bytes)
 
 
+#: what a ring's worker waits for when --timeout expires (allreduce, ddp)
+RING_WAITS_FOR = ("the other workers' gradients (an all-reduce needs every worker; one of "
+                  "them stopped, hung or is far slower)")
+
+
 @STRATEGIES.register("allreduce")
 class AllReduce(Strategy):
     name = "allreduce"
-    waits_for = ("the other workers' gradients (an all-reduce needs every worker; "
-                 "one of them stopped, hung or is far slower)")
-    comm_model = "ring"
-    uses_process_group = True
-    supports_compression = True
-    reductions = ("sum", "adasum")
+    caps = Capabilities(
+        uses_process_group=True, supports_compression=True, reductions=("sum", "adasum"),
+        cost_model="ring", waits_for=RING_WAITS_FOR)
 
     def setup(self, model: nn.Module) -> nn.Module:
         cap, first = bucket_caps(self.ctx.cfg.bucket_mb)

@@ -2,8 +2,8 @@
 
 A strategy is everything that differs between data-parallel algorithms; the loop
 (``psring.workers.loop``) is what they share. The loop never asks which strategy it
-runs: it calls these hooks in this order every optimizer step and reads the capability
-flags below.
+runs: it calls these hooks in this order every optimizer step and reads what the
+strategy declares it can do (its ``caps``, a :class:`Capabilities`).
 
     handle = strategy.begin_step(step)     # e.g. a PS pull of fresh parameters
     handle.wait()                          # timed as comm_s
@@ -104,56 +104,71 @@ class StepStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a strategy can do, declared once per strategy (``caps``) and read by the
+    config checks, the launcher, the loop, sweeps, the simulator and advise. A
+    strategy derived from another states what differs with ``dataclasses.replace``."""
+
+    #: largest --workers the strategy supports (None = any)
+    max_workers: int | None = None
+    #: largest --hosts allowed (None = any): a strategy whose workers share memory runs
+    #: on one host
+    max_hosts: int | None = None
+    #: the worker entry point must initialize torch.distributed before setup()
+    uses_process_group: bool = False
+    #: the launcher starts --servers parameter-server processes (unless --server-addrs
+    #: names running ones) and passes their addresses to the workers
+    uses_servers: bool = False
+    #: --max-staleness means something to this strategy
+    supports_staleness_bound: bool = False
+    #: gradient communication is waited on inside backward() (DDP's reducer does this);
+    #: the loop then splits backward at the last gradient hook so comm_s stays honest
+    syncs_inside_backward: bool = False
+    #: the simulator's cost model for it, by name (psring.predict.costs.COST_MODELS: a
+    #: plugin may register its own); None when it sends no messages (one process,
+    #: shared memory): its step is its compute
+    cost_model: str | None = None
+    #: what a worker blocked in communication waits for (named when --timeout expires)
+    waits_for: str = "communication"
+    #: --checkpoint-every and --resume work (checkpoint_state/restore_checkpoint below)
+    supports_checkpoint: bool = True
+    #: --compress fp16/bf16 means something: the strategy sends gradients
+    #: (psring.comm.compress)
+    supports_compression: bool = False
+    #: every host must hold the same number of workers (hallreduce's shards)
+    needs_equal_hosts: bool = False
+    #: every step averages all workers' gradients (so --worker-batch can weigh them by
+    #: samples); False where each worker's update lands alone (async-ps, hogwild)
+    synchronous: bool = True
+    #: the values --reduce may take (how the workers' gradients combine)
+    reductions: tuple[str, ...] = ("sum",)
+    #: where the optimizer may run (--update-on), the default first: "server" where a
+    #: server updates the parameters, "worker" where each worker does
+    update_sites: tuple[str, ...] = ("worker",)
+    #: --compute device can stand in for each worker's accelerator (psring.train.device);
+    #: False where the workers share memory on one host and have no device of their own
+    emulates_device: bool = True
+    #: it runs collectives among the workers of one host (psring.comm.interconnect),
+    #: which --device-link can time as a device interconnect's
+    host_collectives: bool = False
+
+    def update_site(self, update_on: str) -> str:
+        """Where the optimizer runs for a run's --update-on ("" = the default)."""
+        return update_on or self.update_sites[0]
+
+    def local_optimizer(self, update_on: str) -> bool:
+        """Whether each worker builds and applies the optimizer (the loop's update);
+        False where a server applies it and workers only receive parameters."""
+        return self.update_site(update_on) == "worker"
+
+
 class Strategy:
     """Base class: a no-communication strategy. Subclasses override what differs."""
 
     name: ClassVar[str] = ""
-    #: largest --workers the strategy supports (None = any)
-    max_workers: ClassVar[int | None] = None
-    #: largest --hosts allowed (None = any): a strategy whose workers share memory runs
-    #: on one host
-    max_hosts: ClassVar[int | None] = None
-    #: the worker entry point must initialize torch.distributed before setup()
-    uses_process_group: ClassVar[bool] = False
-    #: the loop builds a psring.train.optim.SGD and update() applies it; False when a server
-    #: applies the update and workers only receive parameters
-    local_optimizer: ClassVar[bool] = True
-    #: the launcher starts --servers parameter-server processes (unless --server-addrs
-    #: names running ones) and passes their addresses to the workers
-    uses_servers: ClassVar[bool] = False
-    #: --max-staleness means something to this strategy
-    supports_staleness_bound: ClassVar[bool] = False
-    #: gradient communication is waited on inside backward() (DDP's reducer does this);
-    #: the loop then splits backward at the last gradient hook so comm_s stays honest
-    syncs_inside_backward: ClassVar[bool] = False
-    #: which α-β-γ formula predicts its communication (psring.predict.costmodel): "ring",
-    #: "ps" or "ps-async"; None when it sends no messages (one process, shared memory)
-    comm_model: ClassVar[str | None] = None
-    #: what a worker blocked in communication waits for (named when --timeout expires)
-    waits_for: ClassVar[str] = "communication"
-    #: --checkpoint-every and --resume work (checkpoint_state/restore_checkpoint below)
-    supports_checkpoint: ClassVar[bool] = True
-    #: --compress fp16/bf16 means something: the strategy sends gradients (psring.comm.compress)
-    supports_compression: ClassVar[bool] = False
-    #: the simulator has a formula for it (its comm_model); False: advise leaves it out
-    #: and reports predict nothing for its runs (docs/cost-model.md says why)
-    costed: ClassVar[bool] = True
-    #: every host must hold the same number of workers (hallreduce's shards)
-    needs_equal_hosts: ClassVar[bool] = False
-    #: every step averages all workers' gradients (so --worker-batch can weigh them by
-    #: samples); False where each worker's update lands alone (async-ps, hogwild)
-    synchronous: ClassVar[bool] = True
-    #: the values --reduce may take (how the workers' gradients combine)
-    reductions: ClassVar[tuple[str, ...]] = ("sum",)
-    #: where the optimizer may run (--update-on): "server" where a server updates the
-    #: parameters, "worker" where each worker does; byteps offers both
-    update_sites: ClassVar[tuple[str, ...]] = ("worker",)
-    #: --compute device can stand in for each worker's accelerator (psring.train.device); False
-    #: where the workers share memory on one host and have no device of their own
-    emulates_device: ClassVar[bool] = True
-    #: it runs collectives among the workers of one host (psring.comm.interconnect), which
-    #: --device-link can time as a device interconnect's
-    host_collectives: ClassVar[bool] = False
+    #: what the strategy can do (see Capabilities)
+    caps: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx

@@ -31,6 +31,8 @@ contiguous range per server it overlaps (docs/protocol.md: ``lo``, ``hi``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import queue
 import threading
 import time
@@ -115,22 +117,17 @@ class _StepEnd:
 @STRATEGIES.register("byteps")
 class BytePS(ParameterServer):
     name = "byteps"
-    uses_process_group = True
-    supports_compression = False
-    supports_checkpoint = False
-    needs_equal_hosts = True
-    update_sites = ("server", "worker")
-    host_collectives = True
-    comm_model = "byteps"
+    caps = replace(ParameterServer.caps, uses_process_group=True,
+                   supports_compression=False, supports_checkpoint=False,
+                   needs_equal_hosts=True, update_sites=("server", "worker"),
+                   host_collectives=True, cost_model="byteps")
 
     def setup(self, model: nn.Module) -> nn.Module:
         ctx, cfg = self.ctx, self.ctx.cfg
         g, self.hosts, _, self.local = host_layout(ctx, "byteps")
         self.per_host = g
         self.inside = host_comm(ctx, "byteps")  # a process group, or a device link's time
-        self.update_on_worker = cfg.update_on == "worker"
-        # the loop builds an optimizer for the workers' own update
-        self.local_optimizer = self.update_on_worker
+        self.update_on_worker = self.caps.local_optimizer(cfg.update_on)
         params = [p for p in model.parameters() if p.requires_grad]
         cap, first = bucket_caps(cfg.bucket_mb)
         self.buckets = GradientBuckets(params, cap, first, scale=1.0 / ctx.world,

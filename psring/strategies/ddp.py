@@ -14,20 +14,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from psring.comm.compress import ddp_hook, wire_bytes
-from psring.strategies.allreduce import ring_bytes
-from psring.strategies.base import STRATEGIES, Strategy
+from psring.strategies.allreduce import RING_WAITS_FOR, ring_bytes
+from psring.strategies.base import STRATEGIES, Capabilities, Strategy
 from psring.strategies.buckets import DEFAULT_BUCKET_MB
 
 
 @STRATEGIES.register("ddp")
 class DDP(Strategy):
     name = "ddp"
-    waits_for = ("the other workers' gradients (an all-reduce needs every worker; "
-                 "one of them stopped, hung or is far slower)")
-    comm_model = "ring"
-    uses_process_group = True
-    syncs_inside_backward = True
-    supports_compression = True
+    caps = Capabilities(
+        uses_process_group=True, syncs_inside_backward=True, supports_compression=True,
+        cost_model="ring", waits_for=RING_WAITS_FOR)
 
     def setup(self, model: nn.Module) -> nn.Module:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None

@@ -26,6 +26,8 @@ hosts instead of a sum (psring.comm.adasum with the hosts as its ranks), then th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,14 +50,11 @@ def hierarchy_bytes(param_bytes: int, hosts: int, per_host: int) -> int:
 @STRATEGIES.register("hallreduce")
 class HierarchicalAllReduce(AllReduce):
     name = "hallreduce"
-    supports_compression = False
-    #: adasum: Adasum across hosts of each host's average (Horovod's hierarchical Adasum)
-    reductions = ("sum", "adasum")
-    #: every host must hold the same number of workers (shard l lives on every host)
-    needs_equal_hosts = True
-    host_collectives = True
-    #: three collectives a bucket, G rings across the hosts (docs/cost-model.md)
-    comm_model = "hring"
+    # adasum: Adasum across hosts of each host's average (Horovod's hierarchical
+    # Adasum); every host holds as many workers (shard l lives on every host); three
+    # collectives a bucket, G rings across the hosts (docs/cost-model.md)
+    caps = replace(AllReduce.caps, supports_compression=False, needs_equal_hosts=True,
+                   host_collectives=True, cost_model="hring")
 
     def setup(self, model: nn.Module) -> nn.Module:
         g, self.hosts, _, local = host_layout(self.ctx, "hallreduce")

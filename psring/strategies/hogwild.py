@@ -26,7 +26,7 @@ from torch import nn
 
 from psring.errors import ConfigError, PsringError
 from psring.runs.runlog import run_id
-from psring.strategies.base import STRATEGIES, Strategy
+from psring.strategies.base import STRATEGIES, Capabilities, Strategy
 
 
 def shm_paths(cfg: Any) -> tuple[Path, Path]:  # a RunConfig (see base.WorkerContext)
@@ -44,9 +44,8 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 @STRATEGIES.register("hogwild")
 class Hogwild(Strategy):
     name = "hogwild"
-    synchronous = False
-    max_hosts = 1  # its workers share one memory
-    emulates_device = False  # ... and no device of their own: nothing to stand in for
+    # its workers share one memory, and have no device of their own to stand in for
+    caps = Capabilities(synchronous=False, max_hosts=1, emulates_device=False)
 
     def setup(self, model: nn.Module) -> nn.Module:
         ctx = self.ctx

@@ -31,6 +31,8 @@ every reply must carry a valid signature (docs/protocol.md).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import bisect
 import threading
 import time
@@ -53,7 +55,7 @@ from psring.comm.protocol import (
     encode,
     load_secret,
 )
-from psring.strategies.base import STRATEGIES, Handle, Strategy, WaitAll
+from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 
 #: replies a worker accepts
@@ -220,11 +222,8 @@ def server_frame_limit(cfg) -> int | None:
 @STRATEGIES.register("ps")
 class ParameterServer(Strategy):
     name = "ps"
-    comm_model = "ps"
-    uses_servers = True
-    local_optimizer = False
-    supports_compression = True
-    update_sites = ("server",)
+    caps = Capabilities(uses_servers=True, supports_compression=True,
+                        update_sites=("server",), cost_model="ps")
     mode: ClassVar[str] = "sync"
 
     def setup(self, model: nn.Module) -> nn.Module:
@@ -512,8 +511,7 @@ class ParameterServer(Strategy):
 @STRATEGIES.register("async-ps")
 class AsyncParameterServer(ParameterServer):
     name = "async-ps"
-    comm_model = "ps-async"
+    caps = replace(ParameterServer.caps, synchronous=False, supports_staleness_bound=True,
+                   cost_model="ps-async")
     mode = "async"
-    synchronous = False
-    supports_staleness_bound = True
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from psring.strategies.base import STRATEGIES, Strategy
+from psring.strategies.base import STRATEGIES, Capabilities, Strategy
 
 
 @STRATEGIES.register("single")
 class Single(Strategy):
     name = "single"
-    max_workers = 1
+    caps = Capabilities(max_workers=1)

@@ -98,7 +98,7 @@ def check(cfg: Any, strategy_cls: Any, model: nn.Module | None) -> Profile | Non
                               "--compute device (this machine's own compute cannot be "
                               "slowed down); add --compute device, or drop them.")
         return None
-    if not strategy_cls.emulates_device:
+    if not strategy_cls.caps.emulates_device:
         raise ConfigError(f"--compute device has nothing to emulate for {cfg.strategy!r}: its "
                           f"workers share memory on one host, with no device of their own. "
                           f"Use --compute real, or a strategy that sends its gradients.")
