@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import assert_no_processes, psring, read_steps
-from psring.predict.costmodel import is_costed
+from psring.predict.simulate import is_costed
 from psring.report.runs import percentile
 from psring.runs.runlog import warmup_steps
 

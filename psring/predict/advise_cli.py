@@ -54,7 +54,8 @@ from psring.predict.advise import (
     table,
     verify_candidates,
 )
-from psring.predict.costmodel import Calibration, find_calibration, is_costed
+from psring.predict.costmodel import Calibration, find_calibration
+from psring.predict.simulate import is_costed
 from psring.predict.profile import MODEL_KEYS, Profile
 from psring.predict.profiling import profile_config, take_profile
 

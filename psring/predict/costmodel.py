@@ -42,12 +42,6 @@ from psring.runs.runlog import atomic_write_json
 #: communication; None: it sends nothing (single) or shares memory (hogwild)
 COMM_MODELS = (None, "ring", "hring", "ps", "ps-async", "byteps")
 
-def is_costed(cost_model: str | None) -> bool:
-    """Whether the simulator can price a strategy declaring ``cost_model`` (None: it
-    sends no messages, its step is its compute)."""
-    return cost_model in COMM_MODELS
-
-
 #: the calibration file's name inside a run or comparison directory
 CALIBRATION_FILE = "calibration.json"
 #: bumped when the file's meaning changes; load() refuses other formats
@@ -392,27 +386,30 @@ _M_REF = float(2**30)
 
 
 def _linear(comm_model: str, n: int, K: int, cal: Calibration,
-            topo: Cluster | None = None) -> tuple[float, float]:
+            topo: Cluster | None = None, price=None) -> tuple[float, float]:
     """(fixed seconds, seconds per byte) of a prediction: every formula is a + b·M, so
     two evaluations give both, without restating the formulas. Reading b off at 1 GiB
     rather than 1 byte keeps the subtraction's rounding far below b."""
-    a = predict_comm(comm_model, n, K, 0.0, cal, topo)
-    at_ref = predict_comm(comm_model, n, K, _M_REF, cal, topo)
+    price = price or predict_comm
+    a = price(comm_model, n, K, 0.0, cal, topo)
+    at_ref = price(comm_model, n, K, _M_REF, cal, topo)
     assert a is not None and at_ref is not None
     return a, (at_ref - a) / _M_REF
 
 
 def crossover_bytes(model_a: str | None, model_b: str | None, n: int, K: int,
                     cal: Calibration, topo_a: Cluster | None = None,
-                    topo_b: Cluster | None = None) -> float | None:
+                    topo_b: Cluster | None = None, price=None) -> float | None:
     """The gradient size M (bytes) at which both models predict the same time; None when
     the lines never meet at a positive M (parallel, or crossing only at M <= 0), or when
     either strategy sends no messages. Below M the model with the smaller fixed cost is
-    faster, above it the one with the smaller per-byte cost."""
+    faster, above it the one with the smaller per-byte cost. ``price``: the closed form
+    by cost model name, :func:`predict_comm`'s signature (default: it; reports pass
+    psring.predict.simulate.comm_seconds, which knows a plugin's cost models too)."""
     if model_a is None or model_b is None:
         return None
-    a1, b1 = _linear(model_a, n, K, cal, topo_a)
-    a2, b2 = _linear(model_b, n, K, cal, topo_b)
+    a1, b1 = _linear(model_a, n, K, cal, topo_a, price)
+    a2, b2 = _linear(model_b, n, K, cal, topo_b, price)
     # Parallel within rounding: they never cross (or coincide everywhere).
     if abs(b1 - b2) <= 1e-12 * max(abs(b1), abs(b2)):
         return None

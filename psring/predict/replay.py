@@ -18,9 +18,9 @@ from psring.config import cluster_of
 from psring.errors import PsringError
 from psring.runs.runlog import read_manifest
 from psring.strategies import STRATEGIES
-from psring.predict.costmodel import Calibration, is_costed
+from psring.predict.costmodel import Calibration
 from psring.predict.profile import Profile
-from psring.predict.simulate import Prediction, simulate
+from psring.predict.simulate import Prediction, is_costed, simulate
 
 
 def replay(run_dir: Any, cal: Calibration,

@@ -23,7 +23,8 @@ from typing import Any, Iterable
 
 from psring.config import cluster_of
 from psring.train.evaluate import time_to_accuracy
-from psring.predict.costmodel import Calibration, crossover_bytes, is_costed, predict_comm
+from psring.predict.costmodel import Calibration, crossover_bytes
+from psring.predict.simulate import comm_seconds, is_costed
 from psring.predict.replay import replay
 from psring.runs.runlog import PHASES
 from psring.strategies import STRATEGIES
@@ -166,7 +167,7 @@ def aggregate(rows: list[dict], cal: Calibration | None = None) -> list[Setting]
         )
         pred = None
         if cal is not None and model is not None:
-            pred = predict_comm(model, s.workers, s.servers, s.gradient_bytes, cal,
+            pred = comm_seconds(model, s.workers, s.servers, s.gradient_bytes, cal,
                                 cluster_of(r0["config"]))
         s.predicted_comm_ms = pred * 1e3 if pred is not None else None
         _predict_step(s, cal)
@@ -347,9 +348,8 @@ def predicted_crossovers(settings: list[Setting], cal: Calibration | None) -> li
             for b in names[i + 1:]:
                 ma, mb = by[a][0].comm_model, by[b][0].comm_model
                 k = max(by[a][0].servers, by[b][0].servers)
-                m_star = crossover_bytes(ma, mb, n, k, cal,
-                                         cluster_of(by[a][0].config),
-                                         cluster_of(by[b][0].config))
+                m_star = crossover_bytes(ma, mb, n, k, cal, cluster_of(by[a][0].config),
+                                         cluster_of(by[b][0].config), price=comm_seconds)
                 sizes = sorted({x.gradient_bytes for x in by[a] + by[b]})
                 big_a = max(by[a], key=lambda x: x.gradient_bytes)
                 big_b = max(by[b], key=lambda x: x.gradient_bytes)

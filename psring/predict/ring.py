@@ -1,0 +1,108 @@
+"""The ring's cost models: ``ring`` (allreduce, ddp) and ``hring`` (hallreduce).
+
+Collectives run one at a time in launch order; each is the ring's 2(n−1) steps, every
+step sending an M/n chunk over every edge at once, so a step lasts as long as its
+slowest edge (a host link where the ring crosses hosts, else loopback). ``hring``'s
+collective is three: a reduce-scatter among a host's G workers, G rings of H ranks
+across the hosts on a 1/G slice each, an all-gather in the host. With ``--reduce
+adasum`` the ring (or hring's rings across hosts) is Adasum's vector halving, distance
+doubling. (psring.predict.simulate's docstring has the whole picture.)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from psring.predict.costmodel import predict_comm
+from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim, finish
+from psring.predict.engine import Resource, adasum_steps, group_size, launches, ring_steps
+
+
+def ring_timeline(sim: Sim, hier: bool = False) -> Prediction:
+    """Every rank runs the same timeline (they launch the same buckets at the same
+    moments and each collective ends for all at once): play rank 0's."""
+    cluster, cal = sim.cluster, sim.cal
+    D, F, B, U = sim.compute
+    n = cluster.workers
+    alpha, beta = cal.link("ring")
+    hosts = len(set(cluster.worker_host))
+    G = n // hosts if hier else 1
+    across = hosts if hier else n  # the ranks of the ring (or rings) across hosts
+    edge = "ring edges (loopback)"
+    if cluster.hosts > 1:
+        a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
+        # a step lasts as long as its slowest edge: the link the ring crosses hosts on
+        # (never faster than loopback: between_hosts keeps β at least loopback's)
+        alpha, beta, edge = max(a_link, alpha), b_link, "host links (ring)"
+    collective = partial(_collective, sim, G, across, alpha, beta)
+    stream = Resource(edge, beta)
+    starts, bucket_times, latency_in, spans_bw = [0.0], [], 0.0, []
+    t = 0.0
+    for s in range(sim.steps):
+        done, times = t, []
+        for (m, _), at in zip(sim.buckets, launches(t, sim.compute, sim.buckets)):
+            dur, lat = collective(m)
+            stream.occupy(max(at, stream.free), dur)
+            done = stream.free
+            times.append((at - t, done - t))
+            if s == sim.steps - 1:
+                latency_in += lat
+                spans_bw.append(dur - lat)
+        t = max(t + D + F + B, done) + U
+        starts.append(t)
+        bucket_times = times
+    period = (starts[-1] - starts[-3]) / 2
+    window = (starts[-2], starts[-1])
+    util = stream.busy_between(*window) / (window[1] - window[0])
+    bw_busy = sum(spans_bw)
+    return finish(sim, "hring" if hier else "ring", period,
+                  util={edge: min(util, bw_busy / period) if period else 0.0},
+                  latency=latency_in, bucket_times=bucket_times, starts=starts)
+
+
+def _collective(sim: Sim, G: int, across: int, alpha: float, beta: float,
+                m: float) -> tuple[float, float]:
+    """(seconds, of which α) of one bucket's collective of ``m`` float32 bytes."""
+    cal, wire = sim.cal, sim.wire
+    # inside a host (hring's reduce-scatter and all-gather): loopback's gloo, with host
+    # sums (γ), or a device interconnect's, whose sums run on the devices
+    if sim.inside:
+        (a_in, b_in), g_in = sim.inside, 0.0
+    else:
+        (a_in, b_in), g_in = cal.link("ring"), cal.gamma
+    dur, lat = 2 * m * sim.cast, 0.0  # to 16 bits before, back after
+    if G > 1:  # hring: reduce-scatter and all-gather among the host's G workers
+        c = m / G
+        dur += (G - 1) * (2 * a_in + 2 * c * b_in + c * g_in)
+        lat += 2 * (G - 1) * a_in
+    # across: the flat ring of n, or hring's G rings of H on 1/G each (a host link
+    # carries all G of them: M/H a step)
+    if sim.reduce == "adasum":
+        d, la = adasum_steps(across, m * wire / G, alpha, beta * G, cal.gamma)
+        dur, lat = dur + d, lat + la
+    elif across > 1:
+        dur += sum(ring_steps(across, m * wire, alpha, beta, cal.gamma / wire / G))
+        lat += 2 * (across - 1) * alpha
+    return dur, lat
+
+
+def ring_cpu_work(sim: Sim, hier: bool = False) -> float:
+    """A step's CPU work on shared cores: every worker's compute (its own update too),
+    and its messages' α and loopback β (about the same bytes a rank)."""
+    cluster, cal, n = sim.cluster, sim.cal, sim.cluster.workers
+    alpha, beta = cal.link("ring")
+    threads = max(1, sim.profile.threads or 1)
+    g = group_size(cluster) if hier else 1
+    hops = 2 * (g - 1) + 2 * (n // g - 1)  # sends per worker (each also received)
+    msgs = hops * len(sim.buckets)
+    sent = sum(2 * (n - 1) / n * m * sim.wire for m, _ in sim.buckets)
+    return n * (sim.profile.compute_s * threads + msgs * alpha + sent * beta
+                + 2 * sim.total * sim.cast)
+
+
+COST_MODELS.register("ring")(CostModel(
+    "ring", ring_timeline, transport="dist", collective=True, cpu_work=ring_cpu_work,
+    formula=partial(predict_comm, "ring")))
+COST_MODELS.register("hring")(CostModel(
+    "hring", partial(ring_timeline, hier=True), transport="dist", collective=True,
+    cpu_work=partial(ring_cpu_work, hier=True), formula=partial(predict_comm, "hring")))
