@@ -67,7 +67,7 @@ def chunks(lo: int, hi: int) -> list[tuple[int, int]]:
 
 
 def ps_worker(rank: int, addrs: list[str], numel: int, rounds: int, run: str, q) -> None:
-    from psring.strategies.ps import PSClient
+    from psring.comm.psclient import PSClient
 
     torch.set_num_threads(1)
     client = PSClient(addrs, run=run, worker=rank, timeout=60)

@@ -230,7 +230,7 @@ def test_replayed_signed_messages_are_not_applied_twice(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_client_names_the_server_whose_reply_fails_authentication():
-    from psring.strategies.ps import PSClient
+    from psring.comm.psclient import PSClient
 
     # a server without the secret answers a signed request with an unsigned error
     with LiveServer() as server:
@@ -264,7 +264,7 @@ def test_client_names_the_server_whose_reply_fails_authentication():
 
 @pytest.mark.timeout(60)
 def test_a_client_without_the_secret_times_out_with_a_hint():
-    from psring.strategies.ps import PSClient
+    from psring.comm.psclient import PSClient
 
     with LiveServer(secret=KEY) as server:
         client = PSClient([server.endpoint], run="r", worker=0, timeout=1, secret=None)

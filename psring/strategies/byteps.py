@@ -47,7 +47,8 @@ from psring.comm.protocol import Message, load_secret
 from psring.runs.runlog import run_id
 from psring.strategies.base import DONE, STRATEGIES, Handle
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
-from psring.strategies.ps import ParameterServer, PSClient, Replies
+from psring.comm.psclient import PSClient, Replies
+from psring.strategies.ps import ParameterServer
 
 #: the largest push (BytePS's BYTEPS_PARTITION_BYTES default, 4096000 bytes): a part is
 #: pushed in partitions, each summed and streamed back on its own
@@ -289,9 +290,8 @@ class BytePS(ParameterServer):
         self.missing = [self._valid(i, self.local) for i in range(len(self.parts))]
         self.gathers: list = []
         for k, a, b in overlaps(lo, hi, self.ranges):
-            key = self.client.send(k, "pull", {"min_version": version, "lo": a, "hi": b})
-            self.client.streams[key] = [b - a, lambda m, a=a, b=b, v=version:
-                                        self._column_piece(m, a, b, v)]
+            key = self.client.pull(k, version, b - a, lambda m, a=a, b=b, v=version:
+                                   self._column_piece(m, a, b, v), lo=a, hi=b)
             self.pull_keys.append(key)
 
     def _column_piece(self, msg: Message, lo: int, hi: int, version: int) -> None:

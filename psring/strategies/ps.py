@@ -34,168 +34,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 import bisect
-import threading
-import time
-from typing import Callable, ClassVar, ContextManager
+from typing import ClassVar, ContextManager
 
 import torch
-import zmq
 from torch import nn
 
 from psring.errors import PsringError
 from psring.runs.runlog import run_id
 from psring.comm.partition import even_split, overlaps
 from psring.comm.compress import wire_dtype
-from psring.comm.protocol import (
-    DTYPE_NAMES,
-    AuthenticationError,
-    Message,
-    ProtocolError,
-    decode,
-    encode,
-    load_secret,
-)
+from psring.comm.protocol import DTYPE_NAMES, Message, load_secret
+from psring.comm.psclient import PSClient, Replies
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
-
-#: replies a worker accepts
-_REPLIES = ("ack", "params", "ok", "error", "state")
-
-
-class PSClient:
-    """One DEALER socket per server; requests are matched to replies by (shard, seq).
-    With ``secret`` requests are signed and replies verified."""
-
-    def __init__(self, addrs: list[str], run: str, worker: int, timeout: float,
-                 secret: bytes | None = None):
-        self.addrs = addrs
-        self.run = run
-        self.worker = worker
-        self.timeout = timeout
-        self.key = secret
-        self.ctx = zmq.Context()
-        self.socks = []
-        self.poller = zmq.Poller()
-        for addr in addrs:
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)  # never hang on exit with unsent messages
-            s.connect(addr)
-            self.poller.register(s, zmq.POLLIN)
-            self.socks.append(s)
-        self.index = {s: k for k, s in enumerate(self.socks)}
-        # Seqs start at the clock (µs), so a client's seqs are above those of any earlier
-        # client of the same (run, worker), which a server with a secret drops as replays.
-        self.seq = time.time_ns() // 1000
-        # ZeroMQ sockets are not thread-safe: a strategy that sends from a thread of its
-        # own (byteps's pusher) does so under this lock, as every send and poll here does.
-        # A poll holds it up to 1 s: byteps polls only once a step's parts are all sent,
-        # so its pusher never waits behind one.
-        self.lock = threading.RLock()
-        self.pending: set[tuple[int, int]] = set()  # requests sent, not yet answered
-        self.replies: dict[tuple[int, int], Message] = {}
-        # pulls answered in pieces: key -> [elements still expected, callback per piece]
-        self.streams: dict[tuple[int, int], list] = {}
-        self.bytes_sent = 0
-        self.bytes_recv = 0
-
-    def send(self, shard: int, op: str, fields: dict, tensors=()) -> tuple[int, int]:
-        with self.lock:
-            self.seq += 1
-            frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
-                                 "shard": shard, **fields}, tensors, self.key)
-            self.socks[shard].send_multipart(frames, copy=False)
-            self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-            self.pending.add((shard, self.seq))
-            return shard, self.seq
-
-    def pull(self, shard: int, min_version: int, numel: int,
-             on_piece: Callable[[Message], None]) -> tuple[int, int]:
-        """Request a shard of ``numel`` elements; ``on_piece`` gets each ``params`` piece
-        as it arrives (the server streams ranges as they are updated); the request is
-        answered when the pieces cover the shard."""
-        key = self.send(shard, "pull", {"min_version": min_version})
-        self.streams[key] = [numel, on_piece]
-        return key
-
-    def wait(self, keys: list[tuple[int, int]], what: str,
-             timeout: float | None = None) -> list[Message]:
-        deadline = time.monotonic() + (timeout or self.timeout)
-        while any(k not in self.replies for k in keys):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted({self.addrs[k[0]] for k in keys if k not in self.replies})
-                secret = ("the same shared secret as this worker" if self.key else
-                          "no shared secret, as this worker has none")
-                raise PsringError(
-                    f"worker {self.worker}: no answer to {what} from parameter server(s) "
-                    f"{', '.join(missing)} within {timeout or self.timeout:.0f} s; check "
-                    f"that they run, are reachable and have {secret} (a server with a "
-                    f"secret drops unsigned messages unanswered: --secret-file or "
-                    f"PSRING_SECRET), or raise --timeout.")
-            with self.lock:
-                for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
-                    self._receive(sock)
-        return [self.replies.pop(k) for k in keys]
-
-    def _receive(self, sock: zmq.Socket) -> None:
-        frames = sock.recv_multipart(copy=False)
-        shard = self.index[sock]
-        try:
-            msg = decode(frames, expect=_REPLIES, key=self.key)
-        except AuthenticationError as e:
-            raise PsringError(f"worker {self.worker}: a reply from parameter server "
-                              f"{self.addrs[shard]} failed authentication ({e}); the server "
-                              f"and this worker must share the same secret (--secret-file "
-                              f"or PSRING_SECRET).") from None
-        except ProtocolError as e:
-            raise PsringError(f"worker {self.worker}: malformed reply from "
-                              f"{self.addrs[shard]}: {e}") from None
-        h = msg.header
-        if msg.op == "error":
-            raise PsringError(f"parameter server {self.addrs[shard]} refused a request of "
-                              f"worker {self.worker}: {h['message']}")
-        key = (shard, h["seq"])
-        if h["run"] != self.run or h["worker"] != self.worker or key not in self.pending:
-            return  # a late answer meant for an earlier run, or for nothing asked
-        self.bytes_recv += sum(t.numel() * t.element_size() for t in msg.tensors)
-        stream = self.streams.get(key)
-        if stream is None:
-            self.pending.discard(key)
-            self.replies[key] = msg
-            return
-        if msg.op != "params" or sum(t.numel() for t in msg.tensors) > stream[0]:
-            raise PsringError(f"worker {self.worker}: parameter server {self.addrs[shard]} "
-                              f"answered a pull with more than the shard")
-        stream[1](msg)  # copy this piece into place now, while the others arrive
-        stream[0] -= msg.tensors[0].numel()
-        if stream[0] == 0:
-            del self.streams[key]
-            self.pending.discard(key)
-            self.replies[key] = msg
-
-    def close(self) -> None:
-        with self.lock:  # (never under a send of another thread)
-            for s in self.socks:
-                s.close(linger=0)
-            self.ctx.term()
-
-
-class Replies:
-    """The handle for requests in flight: wait() blocks until all are answered."""
-
-    def __init__(self, client: PSClient, keys: list[tuple[int, int]], what: str,
-                 on_done: Callable[[list[Message]], None] | None = None):
-        self.client, self.keys, self.what, self.on_done = client, keys, what, on_done
-        self.done = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        msgs = self.client.wait(self.keys, self.what)
-        self.done = True
-        if self.on_done is not None:
-            self.on_done(msgs)
-
 
 def server_frame_limit(cfg) -> int | None:
     """The largest frame a server of this run receives — worker 0's ``init`` carries a
