@@ -3,7 +3,7 @@
 Each host is one of psring's emulated hosts (psring.cluster.emulate.standalone: a network
 namespace on a bridge, addressed in 198.18.0.0/15) with a host name of its own that
 resolves nowhere, so nothing may rely on the host name (the failure that gloo's default
-choice of address meets). On them a test runs the README's commands as a user runs
+choice of address meets). On them a test runs docs/multihost.md's commands as a user runs
 them on real machines: no psring launcher, nothing set in the environment but what a
 user's shell has.
 """
@@ -102,7 +102,7 @@ class Hosts:
     def torchrun(self, i: int, nnodes: int, port: int, worker_args: list[str],
                  rdzv_timeout: float, name: str = "", module: str = "psring.workers",
                  env: dict[str, str] | None = None) -> Node:
-        """The README's command on host ``i`` as node ``i``, node 0 on host 0."""
+        """docs/multihost.md's command on host ``i`` as node ``i``, node 0 on host 0."""
         argv = [self.command("torchrun"), "--nnodes", str(nnodes), "--node-rank", str(i),
                 "--nproc-per-node", "1", "--master-addr", self.address(0),
                 "--master-port", str(port), "--rdzv-conf", f"timeout={rdzv_timeout:g}",

@@ -3,51 +3,27 @@ way (no cycle), and no module grows past ~600 lines without a reason written her
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: source directory -> the package it installs as (setup.py)
-PACKAGES = {"psring": "psring", "workers": "psring.workers", "servers": "psring.servers"}
 #: modules allowed past LIMIT lines, with the one concern that needs the length
 LONG = {}
 LIMIT = 600
 
 
-def modules() -> dict[str, Path]:
-    found = {}
-    for src, pkg in PACKAGES.items():
-        for path in (ROOT / src).rglob("*.py"):
-            rel = path.relative_to(ROOT / src).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            found[".".join([pkg, *parts])] = path
-    return found
+def _graph_module():
+    """docs/architecture_graph.py: the import graph, which also draws the diagram in
+    docs/architecture.md (one computation for the rule and the picture)."""
+    path = ROOT / "docs" / "architecture_graph.py"
+    spec = importlib.util.spec_from_file_location("architecture_graph", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """psring modules ``name`` imports, anywhere in it (function bodies included)."""
-    is_pkg = path.name == "__init__.py"
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod
-                       for a in node.names]
-        else:
-            continue
-        for t in targets:
-            while t and t not in known:
-                t = t.rpartition(".")[0]
-            if t and t != name:
-                out.add(t)
-    return out
+GRAPH = _graph_module()
+modules = GRAPH.modules
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -86,9 +62,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles():
-    known = modules()
-    assert "psring.workers.loop" in known and "psring.predict.simulate" in known
-    graph = {name: imports(name, path, known) & known.keys() for name, path in known.items()}
+    graph = GRAPH.import_graph()
+    assert "psring.workers.loop" in graph and "psring.predict.simulate" in graph
     assert "psring.cluster.spec" in graph["psring.config"]  # the graph sees real imports
     assert cycles(graph) == []
 

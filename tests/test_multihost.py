@@ -1,7 +1,7 @@
 """The multi-host path as users run it: torchrun on each of two emulated hosts (their
 own network namespaces, host names that resolve nowhere, nothing set in the
-environment), the README's command, a standalone signed parameter server on a third
-host; then `psring merge` and `psring report` on the hosts' run directories. And the
+environment), docs/multihost.md's command, a standalone signed parameter server on a
+third host; then `psring merge` and `psring report` on the hosts' run directories. And the
 faults: a worker that fails at start, a host that never arrives, a worker that never
 starts, a link cut mid-run: every host ends within its deadline, saying why, and nothing
 is left behind (multihost.emulated_hosts asserts the namespaces and links are gone).
@@ -180,9 +180,8 @@ def test_a_link_cut_mid_run_ends_every_host_within_the_deadline(tmp_path):
     assert_no_processes(tmp_path)
 
 
-def test_the_readme_shows_the_command_these_tests_run():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Several hosts"):]
+def test_the_docs_show_the_command_these_tests_run():
+    section = (Path(__file__).resolve().parents[1] / "docs" / "multihost.md").read_text()
     for flag in ("torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1",
                  "--rdzv-conf timeout=", "-m psring.workers", "psring merge",
                  "psring server --bind", "--secret-file"):
