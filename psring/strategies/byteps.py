@@ -133,42 +133,10 @@ class BytePS(ParameterServer):
         cap, first = bucket_caps(cfg.bucket_mb)
         self.buckets = GradientBuckets(params, cap, first, scale=1.0 / ctx.world,
                                        launch=self._launch, stats_of=lambda: self.stats)
-        bks = self.buckets.buckets
-        order = [p for b in bks for p in b.params]
-        total = sum(p.numel() for p in order)
-        # the parameters in bucket order (views of one flat vector, as for ps)
-        self.host_flat = self.dev_flat = torch.empty(total, dtype=torch.float32,
-                                                     device=ctx.device)
-        self.bucket_start, off = [], 0
-        for b in bks:
-            self.bucket_start.append(off)
-            off += b.numel
-        off = 0
-        for p in order:
-            self.host_flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.host_flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
-        # part l of bucket b: its elements [l*c, min((l+1)*c, n)), c = ceil(n / G); the
-        # reduce-scatter needs G equal parts, so a bucket of n not divisible by G is
-        # reduced in a padded copy
-        dev = ctx.device
-        self.chunk = [-(-b.numel // g) for b in bks]
-        self.padded = [None if b.numel % g == 0 else torch.zeros(c * g, device=dev)
-                       for b, c in zip(bks, self.chunk)]
-        self.shards = [torch.zeros(c, device=dev) for c in self.chunk]
-        # the servers' order: local rank 0's parts of every bucket, then local rank 1's...
-        self.server_off = [[0] * len(bks) for _ in range(g)]
-        self.columns, off = [], 0
-        for lr in range(g):
-            start = off
-            for i in range(len(bks)):
-                self.server_off[lr][i] = off
-                off += self._valid(i, lr)
-            self.columns.append((start, off))
-        lo, hi = self.columns[self.local]
-        self.column = torch.empty(hi - lo, device=dev)  # this worker's parts, as pulled
+        total = self._flatten()
+        self._lay_out_parts(g)
         self.ranges = even_split(total, len(cfg.server_addr_list))
-        self.parts = [_Part() for _ in bks]
+        self.parts = [_Part() for _ in self.buckets.buckets]
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
         self.wire_dtype = torch.float32
@@ -180,26 +148,72 @@ class BytePS(ParameterServer):
         self.gathered = True  # the parameters hold the pulled values
         if ctx.rank == 0:
             self._initialize_servers(None)
-        # Start together (the servers hold the first pulls until all have asked): every
-        # worker pulls every shard whole once, which with updates on the servers also
-        # gives it the initial parameters; a summing server's answer is ignored.
+        self._first_pull()
+        self.pull = None
+        self.pull_keys: list = []  # this step's pulls, one per part and server
+        self._start_pusher()
+        return model
+
+    def _flatten(self) -> int:
+        """The parameters in bucket order, as views of one flat vector (as for ps);
+        returns its length."""
+        bks = self.buckets.buckets
+        order = [p for b in bks for p in b.params]
+        total = sum(p.numel() for p in order)
+        self.host_flat = self.dev_flat = torch.empty(total, dtype=torch.float32,
+                                                     device=self.ctx.device)
+        self.bucket_start, off = [], 0
+        for b in bks:
+            self.bucket_start.append(off)
+            off += b.numel
+        off = 0
+        for p in order:
+            self.host_flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.host_flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        return total
+
+    def _lay_out_parts(self, g: int) -> None:
+        """Part l of bucket b: its elements [l*c, min((l+1)*c, n)), c = ceil(n / G); the
+        reduce-scatter needs G equal parts, so a bucket of n not divisible by G is
+        reduced in a padded copy. The servers hold them in columns: local rank 0's parts
+        of every bucket, then local rank 1's..."""
+        bks, dev = self.buckets.buckets, self.ctx.device
+        self.chunk = [-(-b.numel // g) for b in bks]
+        self.padded = [None if b.numel % g == 0 else torch.zeros(c * g, device=dev)
+                       for b, c in zip(bks, self.chunk)]
+        self.shards = [torch.zeros(c, device=dev) for c in self.chunk]
+        self.server_off = [[0] * len(bks) for _ in range(g)]
+        self.columns, off = [], 0
+        for lr in range(g):
+            start = off
+            for i in range(len(bks)):
+                self.server_off[lr][i] = off
+                off += self._valid(i, lr)
+            self.columns.append((start, off))
+        lo, hi = self.columns[self.local]
+        self.column = torch.empty(hi - lo, device=dev)  # this worker's parts, as pulled
+
+    def _first_pull(self) -> None:
+        """Start together (the servers hold the first pulls until all have asked): every
+        worker pulls every shard whole once, which with updates on the servers also
+        gives it the initial parameters; a summing server's answer is ignored."""
         recv = self.client.bytes_recv
         keys = [self.client.pull(k, 0, hi - lo, self._initial_piece)
                 for k, (lo, hi) in enumerate(self.ranges)]
         Replies(self.client, keys, "a pull of parameters").wait()
         self._early_recv = self.client.bytes_recv - recv
-        self.pull = None
-        self.pull_keys: list = []  # this step's pulls, one per part and server
-        # The pusher: pushes each bucket's part as soon as the host's reduce-scatter of it
-        # is done, while backward goes on (the loop's thread is inside backward between
-        # gradient hooks, and would push it only at the next hook). It sends on the
-        # client, under its lock; replies are read by the loop's thread once a step's
-        # parts are all sent.
+
+    def _start_pusher(self) -> None:
+        """The pusher: pushes each bucket's part as soon as the host's reduce-scatter of
+        it is done, while backward goes on (the loop's thread is inside backward between
+        gradient hooks, and would push it only at the next hook). It sends on the
+        client, under its lock; replies are read by the loop's thread once a step's
+        parts are all sent."""
         self._pushq: queue.SimpleQueue = queue.SimpleQueue()
         self._pusher = threading.Thread(target=self._push_loop, name="psring-pusher",
                                         daemon=True)
         self._pusher.start()
-        return model
 
     # -- layout -----------------------------------------------------------------------
     def _valid(self, i: int, local: int) -> int:
