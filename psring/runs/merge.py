@@ -51,50 +51,15 @@ def _launches(d: Path) -> list[str]:
 
 def merge(dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
     """Write the merged run to ``out``; return its manifest."""
-    paths: list[Path] = []
-    for p in map(Path, dirs):
-        if not p.is_dir():
-            raise ConfigError(f"{p} is not a directory: pass each host's --out of one "
-                              f"torchrun launch.")
-        if p.resolve() not in {q.resolve() for q in paths}:
-            paths.append(p)
+    paths = _distinct_dirs(dirs)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} already exists and is not empty: give --out a new "
                           f"directory.")
-    runs = {}
-    for p in paths:
-        ids = _launches(p)
-        if not ids:
-            raise ConfigError(f"{p} has no {WORKERS}: it is not the run directory of a "
-                              f"psring worker (or its workers never started).")
-        runs[p] = ids[-1]  # a directory resumed into holds its last launch's steps
-    if len(set(runs.values())) > 1:
-        listing = "; ".join(f"{p}: run {r}" for p, r in runs.items())
-        raise ConfigError(f"these directories are of different launches ({listing}); "
-                          f"merge the directories of one launch only: every host of a "
-                          f"torchrun launch logs the same run id in {WORKERS}.")
-    run = next(iter(runs.values()))
-    heads = [p for p in paths if (p / MANIFEST).exists()
-             and read_manifest(p).get("launch", {}).get("run_id") == run]
-    if not heads:
-        raise ConfigError(f"none of {', '.join(map(str, paths))} holds the manifest of run "
-                          f"{run}: add the directory of node 0's host (rank 0 writes it).")
-    head = heads[0]
+    run = _one_launch(paths)
+    head = _head(paths, run)
     manifest = read_manifest(head)
-    world = manifest["config"]["workers"]
-    workers = {}
-    for p in paths:
-        for w in read_steps(p, WORKERS):
-            if w.get("run") == run:
-                workers[w["rank"]] = w
-    missing = sorted(set(range(world)) - set(workers))
-    if missing:
-        known = {w["rank"]: w.get("host") for w in manifest.get("launch", {}).get("workers", [])}
-        names = ", ".join(f"{r} ({known.get(r, '?')})" for r in missing)
-        raise ConfigError(f"run {run} had {world} workers, but no directory given holds "
-                          f"the steps of rank{'s' if len(missing) > 1 else ''} {names}: add "
-                          f"the --out of {'their hosts' if len(missing) > 1 else 'its host'}.")
+    workers = _workers(paths, run, manifest)
     steps: dict[tuple[int, int], dict] = {}
     for p in paths:
         # a directory's steps of this run: those of the ranks that logged it here
@@ -117,6 +82,63 @@ def merge(dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
         {w["rank"] for w in read_steps(p, WORKERS) if w.get("run") == run})} for p in paths]
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
+
+
+def _distinct_dirs(dirs: list[str | Path]) -> list[Path]:
+    """The directories given, each once, refusing one that is not a directory."""
+    paths: list[Path] = []
+    for p in map(Path, dirs):
+        if not p.is_dir():
+            raise ConfigError(f"{p} is not a directory: pass each host's --out of one "
+                              f"torchrun launch.")
+        if p.resolve() not in {q.resolve() for q in paths}:
+            paths.append(p)
+    return paths
+
+
+def _one_launch(paths: list[Path]) -> str:
+    """The run id every directory's last launch shares, or a refusal naming them."""
+    runs = {}
+    for p in paths:
+        ids = _launches(p)
+        if not ids:
+            raise ConfigError(f"{p} has no {WORKERS}: it is not the run directory of a "
+                              f"psring worker (or its workers never started).")
+        runs[p] = ids[-1]  # a directory resumed into holds its last launch's steps
+    if len(set(runs.values())) > 1:
+        listing = "; ".join(f"{p}: run {r}" for p, r in runs.items())
+        raise ConfigError(f"these directories are of different launches ({listing}); "
+                          f"merge the directories of one launch only: every host of a "
+                          f"torchrun launch logs the same run id in {WORKERS}.")
+    return next(iter(runs.values()))
+
+
+def _head(paths: list[Path], run: str) -> Path:
+    """The directory holding run ``run``'s manifest (node 0's host: rank 0 writes it)."""
+    heads = [p for p in paths if (p / MANIFEST).exists()
+             and read_manifest(p).get("launch", {}).get("run_id") == run]
+    if not heads:
+        raise ConfigError(f"none of {', '.join(map(str, paths))} holds the manifest of run "
+                          f"{run}: add the directory of node 0's host (rank 0 writes it).")
+    return heads[0]
+
+
+def _workers(paths: list[Path], run: str, manifest: dict) -> dict[int, dict]:
+    """Every rank's worker record of the run, by rank; refuses a run missing ranks."""
+    world = manifest["config"]["workers"]
+    workers = {}
+    for p in paths:
+        for w in read_steps(p, WORKERS):
+            if w.get("run") == run:
+                workers[w["rank"]] = w
+    missing = sorted(set(range(world)) - set(workers))
+    if missing:
+        known = {w["rank"]: w.get("host") for w in manifest.get("launch", {}).get("workers", [])}
+        names = ", ".join(f"{r} ({known.get(r, '?')})" for r in missing)
+        raise ConfigError(f"run {run} had {world} workers, but no directory given holds "
+                          f"the steps of rank{'s' if len(missing) > 1 else ''} {names}: add "
+                          f"the --out of {'their hosts' if len(missing) > 1 else 'its host'}.")
+    return workers
 
 
 def _write_lines(path: Path, records: list[dict]) -> None:

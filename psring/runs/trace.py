@@ -54,69 +54,88 @@ def build_trace(run_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"{run_dir}: no traced steps in steps.jsonl; run with "
                           f"`psring run ... --trace` to record spans.")
     t_base = min(r["start"] for r in records)
-    us = lambda t: round((t - t_base) * 1e6, 1)  # noqa: E731 - µs on the shared clock
-    events: list[dict] = []
+    clock = _Clock(t_base)
     workers = sorted({r["worker"] for r in records})
-    for w in workers:
-        events.append({"ph": "M", "name": "process_name", "pid": w,
-                       "args": {"name": f"worker {w}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": w,
-                       "args": {"sort_index": w}})
-        events.append({"ph": "M", "name": "thread_name", "pid": w, "tid": 0,
-                       "args": {"name": "step"}})
-    buckets_named: set[tuple[int, int]] = set()
+    events = [e for w in workers for e in _process(w, f"worker {w}", ["step"])]
+    named: set[tuple[int, int]] = set()
     for r in records:
-        w, s0 = r["worker"], r["start"]
-        for name, a, b in r["spans"]:
-            events.append({"ph": "X", "name": name, "cat": "phase", "pid": w, "tid": 0,
-                           "ts": us(s0 + a), "dur": round((b - a) * 1e6, 1),
-                           "args": {"step": r["step"]}})
-        for k, (a, b) in enumerate(zip(r.get("bucket_launch_s", []), r.get("bucket_done_s", []))):
-            if b <= 0 or b < a:  # not completed in this step (e.g. no_sync)
-                continue
-            if (w, k) not in buckets_named:
-                buckets_named.add((w, k))
-                events.append({"ph": "M", "name": "thread_name", "pid": w, "tid": 1 + k,
-                               "args": {"name": f"bucket {k}"}})
-            events.append({"ph": "X", "name": f"bucket {k}", "cat": "bucket", "pid": w,
-                           "tid": 1 + k, "ts": us(s0 + a), "dur": round((b - a) * 1e6, 1),
-                           "args": {"step": r["step"]}})
+        events += _step_events(r, clock, named)
     t_end = max(r["start"] + r["step_s"] for r in records)
     server_log = [s for s in _read_jsonl(run_dir / SERVERS) if isinstance(s, dict)]
     servers = sorted({s["server"] for s in server_log if "server" in s})
-    first_pid = max(workers) + 1
-    pid_of = {name: first_pid + i for i, name in enumerate(servers)}
+    pid_of = {name: max(workers) + 1 + i for i, name in enumerate(servers)}
     for name, pid in pid_of.items():
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid,
-                       "args": {"sort_index": pid}})
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0,
-                       "args": {"name": "apply"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1,
-                       "args": {"name": "held pulls"}})
+        events += _process(pid, name, ["apply", "held pulls"])
     for s in server_log:
         pid = pid_of.get(s.get("server"))
         end = s.get("time")
         if pid is None or not isinstance(end, (int, float)) or not t_base <= end <= t_end + 1:
             continue
-        apply_s, wait_s = float(s.get("apply_s", 0)), float(s.get("wait_s", 0))
-        if s.get("op") == "push":
-            events.append({"ph": "X", "name": f"apply w{s.get('worker')}", "cat": "apply",
-                           "pid": pid, "tid": 0, "ts": us(end - apply_s),
-                           "dur": round(apply_s * 1e6, 1),
-                           "args": {"worker": s.get("worker"), "step": s.get("step"),
-                                    "bytes": s.get("bytes_in")}})
-        elif s.get("op") == "pull" and wait_s > 0 and end - apply_s > t_base:
-            # A pull may have been held since before the first traced step (the
-            # parameters a worker evaluates at step 0): show the part inside the trace.
-            held_from = max(end - apply_s - wait_s, t_base)
-            events.append({"ph": "X", "name": f"held w{s.get('worker')}", "cat": "held",
-                           "pid": pid, "tid": 1, "ts": us(held_from),
-                           "dur": round((end - apply_s - held_from) * 1e6, 1),
-                           "args": {"worker": s.get("worker"), "version": s.get("version")}})
+        events += _server_events(s, pid, end, clock)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"clock": "time.time() in µs since the first traced step began",
                           "t0_unix_s": t_base, "run_dir": str(run_dir)}}
+
+
+class _Clock:
+    """A trace's time stamps: µs since the first traced step began (the shared clock)."""
+
+    def __init__(self, t_base: float):
+        self.t_base = t_base
+
+    def us(self, t: float) -> float:
+        return round((t - self.t_base) * 1e6, 1)
+
+
+def _process(pid: int, name: str, threads: list[str]) -> list[dict]:
+    """The metadata events naming a process (a worker or a server) and its threads."""
+    return [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid,
+             "args": {"sort_index": pid}},
+            *({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+               "args": {"name": thread}} for tid, thread in enumerate(threads))]
+
+
+def _step_events(r: dict, clock: _Clock, named: set[tuple[int, int]]) -> list[dict]:
+    """A step's phases on its worker's thread 0, and each completed bucket on a thread
+    of its own (named the first time it appears: ``named``)."""
+    w, s0, events = r["worker"], r["start"], []
+    for name, a, b in r["spans"]:
+        events.append({"ph": "X", "name": name, "cat": "phase", "pid": w, "tid": 0,
+                       "ts": clock.us(s0 + a), "dur": round((b - a) * 1e6, 1),
+                       "args": {"step": r["step"]}})
+    spans = zip(r.get("bucket_launch_s", []), r.get("bucket_done_s", []))
+    for k, (a, b) in enumerate(spans):
+        if b <= 0 or b < a:  # not completed in this step (e.g. no_sync)
+            continue
+        if (w, k) not in named:
+            named.add((w, k))
+            events.append({"ph": "M", "name": "thread_name", "pid": w, "tid": 1 + k,
+                           "args": {"name": f"bucket {k}"}})
+        events.append({"ph": "X", "name": f"bucket {k}", "cat": "bucket", "pid": w,
+                       "tid": 1 + k, "ts": clock.us(s0 + a), "dur": round((b - a) * 1e6, 1),
+                       "args": {"step": r["step"]}})
+    return events
+
+
+def _server_events(s: dict, pid: int, end: float, clock: _Clock) -> list[dict]:
+    """A server's log line: a push applied (thread 0), or a pull held (thread 1)."""
+    apply_s, wait_s = float(s.get("apply_s", 0)), float(s.get("wait_s", 0))
+    if s.get("op") == "push":
+        return [{"ph": "X", "name": f"apply w{s.get('worker')}", "cat": "apply",
+                 "pid": pid, "tid": 0, "ts": clock.us(end - apply_s),
+                 "dur": round(apply_s * 1e6, 1),
+                 "args": {"worker": s.get("worker"), "step": s.get("step"),
+                          "bytes": s.get("bytes_in")}}]
+    if s.get("op") == "pull" and wait_s > 0 and end - apply_s > clock.t_base:
+        # A pull may have been held since before the first traced step (the
+        # parameters a worker evaluates at step 0): show the part inside the trace.
+        held_from = max(end - apply_s - wait_s, clock.t_base)
+        return [{"ph": "X", "name": f"held w{s.get('worker')}", "cat": "held",
+                 "pid": pid, "tid": 1, "ts": clock.us(held_from),
+                 "dur": round((end - apply_s - held_from) * 1e6, 1),
+                 "args": {"worker": s.get("worker"), "version": s.get("version")}}]
+    return []
 
 
 def write_trace(run_dir: Path) -> Path:
