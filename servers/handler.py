@@ -293,6 +293,36 @@ class Handler:
 
     def _push(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
         st = self._current(msg)
+        start = self._check_push(st, msg)
+        h, grad = msg.header, msg.tensors[0]
+        w = h["worker"]
+        got = st.received.get(w, 0) + grad.numel()
+        if got > st.store.numel:
+            raise RequestError(f"worker {w} pushed more than one step's gradient for step "
+                               f"{h['step']}")
+        # workers push only after their first pull was answered: a push means the run
+        # has started, even for a client that never asked for parameters
+        st.started = True
+        staleness = 0
+        if st.mode == "sync":
+            self._push_sync(st, h, grad, start, got)
+        else:
+            st.store.apply(grad, start)
+            st.received[w] = got
+            staleness = st.version - st.base.get(w, st.version)
+            if got == st.store.numel:
+                st.received[w] = 0
+                st.version += 1
+                st.in_flight.discard(w)
+                self._maybe_snapshot(st)
+        ack = self._reply(peer, msg, "ack", {"version": st.version, "staleness": staleness},
+                          t0=t0, staleness=staleness)
+        self._remember(st, h, grad.numel(), ack.frames)
+        return [ack]
+
+    def _check_push(self, st: _Run, msg: Message) -> int:
+        """A push's tensor, range and seq, checked before use; returns its offset in the
+        shard."""
         h = msg.header
         if len(msg.tensors) != 1 or msg.tensors[0].dim() != 1 \
                 or msg.tensors[0].dtype != st.wire_dtype:
@@ -310,48 +340,29 @@ class Handler:
                 f"push seq {h['seq']} of worker {w} is not above its last acknowledged "
                 f"push (seq {st.acked_seq[w]}): a retry older than the acks the server "
                 f"keeps (this step's and the last), or a client reusing sequence numbers")
-        got = st.received.get(w, 0) + grad.numel()
-        if got > st.store.numel:
-            raise RequestError(f"worker {w} pushed more than one step's gradient for step "
-                               f"{h['step']}")
-        # workers push only after their first pull was answered: a push means the run
-        # has started, even for a client that never asked for parameters
-        st.started = True
-        staleness = 0
-        if st.mode == "sync":
-            if h["step"] != st.version:
-                raise RequestError(f"push for step {h['step']} but the server is at step "
-                                   f"{st.version} (synchronous mode)")
-            pushed = self._accumulate(st, start, grad, w)  # may refuse: count after it
-            st.received[w] = got
-            if pushed == st.pushers:
-                # Every worker's share of this range is in and it is updated: it can be
-                # sent while the rest of the gradients may still be arriving
-                # (per-element SGD, so range by range is the same as all at once).
-                n = grad.numel()
-                st.applied += n
-                st.done.append((start, n))
-            if st.applied == st.store.numel:
-                st.covered.clear()
-                st.received.clear()
-                st.applied = 0
-                st.last_ranges, st.done = st.done, []
-                st.version += 1
-                st.store.new_step(st.version)
-                self._maybe_snapshot(st)
-        else:
-            st.store.apply(grad, start)
-            st.received[w] = got
-            staleness = st.version - st.base.get(w, st.version)
-            if got == st.store.numel:
-                st.received[w] = 0
-                st.version += 1
-                st.in_flight.discard(w)
-                self._maybe_snapshot(st)
-        ack = self._reply(peer, msg, "ack", {"version": st.version, "staleness": staleness},
-                          t0=t0, staleness=staleness)
-        self._remember(st, h, grad.numel(), ack.frames)
-        return [ack]
+        return start
+
+    def _push_sync(self, st: _Run, h: dict, grad, start: int, got: int) -> None:
+        """Add a synchronous push; a range every worker has pushed is updated and can be
+        sent while the rest of the gradients may still be arriving (per-element SGD, so
+        range by range is the same as all at once); the last one ends the step."""
+        if h["step"] != st.version:
+            raise RequestError(f"push for step {h['step']} but the server is at step "
+                               f"{st.version} (synchronous mode)")
+        pushed = self._accumulate(st, start, grad, h["worker"])  # may refuse: count after
+        st.received[h["worker"]] = got
+        if pushed == st.pushers:
+            n = grad.numel()
+            st.applied += n
+            st.done.append((start, n))
+        if st.applied == st.store.numel:
+            st.covered.clear()
+            st.received.clear()
+            st.applied = 0
+            st.last_ranges, st.done = st.done, []
+            st.version += 1
+            st.store.new_step(st.version)
+            self._maybe_snapshot(st)
 
     def _pull(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
         if len(msg.tensors) != 0:

@@ -83,34 +83,9 @@ class ParameterServer(Strategy):
         cap, first = bucket_caps(cfg.bucket_mb)
         self.buckets = GradientBuckets(params, cap, first, scale=1.0 / ctx.world,
                                        launch=self._push, stats_of=lambda: self.stats)
-        order = [p for b in self.buckets.buckets for p in b.params]
-        total = sum(p.numel() for p in order)
-        cuda = ctx.device.type == "cuda"
-        # The flat vector in bucket order: bucket i is one contiguous range of it. On a
-        # GPU it is a pinned host mirror copied to the device after each pull; on the CPU
-        # pulled pieces become the parameters' storage directly (see _apply_piece).
-        self.host_flat = torch.empty(total, dtype=torch.float32, pin_memory=cuda)
-        self.dev_flat = torch.empty(total, dtype=torch.float32, device=ctx.device) \
-            if cuda else self.host_flat
-        off = 0
-        self.param_spans: list[tuple[int, int, nn.Parameter]] = []
         resume = ctx.resume.tensors if ctx.resume is not None else None
-        if resume is not None and resume["ps/params"].numel() != total:
-            raise PsringError(f"the checkpoint holds {resume['ps/params'].numel()} parameters, "
-                              f"this model {total}: resume with the run's own settings")
-        for p in order:
-            n = p.numel()
-            src = resume["ps/params"][off:off + n] if resume is not None else p.detach().reshape(-1)
-            self.host_flat[off:off + n].copy_(src)
-            self.dev_flat[off:off + n].copy_(src)
-            p.data = self.dev_flat[off:off + n].view_as(p)
-            self.param_spans.append((off, off + n, p))
-            off += n
-        self.span_starts = [a for a, _, _ in self.param_spans]
-        self.bucket_start, start = [], 0
-        for b in self.buckets.buckets:
-            self.bucket_start.append(start)
-            start += b.numel
+        total = self._flatten(resume)
+        cuda = ctx.device.type == "cuda"
         self.host_buckets = [torch.empty(b.numel, pin_memory=True) if cuda else None
                              for b in self.buckets.buckets]
         # --compress: pushes and pulls travel in the wire dtype, one cast buffer per
@@ -139,6 +114,38 @@ class ParameterServer(Strategy):
         self.pull.wait()
         self._early_recv = self.client.bytes_recv - recv
         return model
+
+    def _flatten(self, resume: dict[str, torch.Tensor] | None) -> int:
+        """The flat vector in bucket order: bucket i is one contiguous range of it. On a
+        GPU it is a pinned host mirror copied to the device after each pull; on the CPU
+        pulled pieces become the parameters' storage directly (see _apply_piece). Filled
+        from the model, or from the checkpoint resumed; returns its length."""
+        order = [p for b in self.buckets.buckets for p in b.params]
+        total = sum(p.numel() for p in order)
+        device = self.ctx.device
+        cuda = device.type == "cuda"
+        self.host_flat = torch.empty(total, dtype=torch.float32, pin_memory=cuda)
+        self.dev_flat = torch.empty(total, dtype=torch.float32, device=device) \
+            if cuda else self.host_flat
+        if resume is not None and resume["ps/params"].numel() != total:
+            raise PsringError(f"the checkpoint holds {resume['ps/params'].numel()} parameters, "
+                              f"this model {total}: resume with the run's own settings")
+        off = 0
+        self.param_spans: list[tuple[int, int, nn.Parameter]] = []
+        for p in order:
+            n = p.numel()
+            src = resume["ps/params"][off:off + n] if resume is not None else p.detach().reshape(-1)
+            self.host_flat[off:off + n].copy_(src)
+            self.dev_flat[off:off + n].copy_(src)
+            p.data = self.dev_flat[off:off + n].view_as(p)
+            self.param_spans.append((off, off + n, p))
+            off += n
+        self.span_starts = [a for a, _, _ in self.param_spans]
+        self.bucket_start, start = [], 0
+        for b in self.buckets.buckets:
+            self.bucket_start.append(start)
+            start += b.numel
+        return total
 
     # -- servers ------------------------------------------------------------------
     def _initialize_servers(self, resume: dict[str, torch.Tensor] | None) -> None:
