@@ -234,76 +234,127 @@ def _model_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ("model", *MODEL_KEYS, "seed")}
 
 
-def advise_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from psring.train.models import ModelSettings, meta_build
-
-    cluster, n = _cluster(args)
+def _check_device_flags(args: argparse.Namespace) -> None:
+    """--device-speed and --verify-steps, or a ConfigError that names the fix."""
     if not (args.device_speed > 0 and args.device_speed != float("inf")):
         raise ConfigError(f"--device-speed must be a positive number, the devices' speed "
                           f"relative to the profile's (got {args.device_speed}).")
     if args.verify_steps < 5:
         raise ConfigError(f"--verify-steps {args.verify_steps}: give at least 5 (the first "
                           f"steps are warm-up, left out of the measured step time).")
-    out = Path(args.out or os.path.join("runs", f"advise-{time.strftime('%Y%m%d-%H%M%S')}"))
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // n) if args.verify else 0
+
+
+def _load_profile(args: argparse.Namespace, n: int,
+                  model: dict[str, Any]) -> tuple[Profile, dict[str, Any]]:
+    """--profile's profile, and the model --verify runs: the profiled one, at its
+    per-worker batch (``args.batch_size`` becomes that batch times ``n`` workers)."""
+    prof = Profile.load(args.profile)
+    src = prof.source
+    if args.verify and not src.get("model"):
+        raise ConfigError(f"--verify runs the profiled model, but the profile "
+                          f"{args.profile} does not say which model it is (a profile "
+                          f"on paper): profile it with `psring profile`, or drop "
+                          f"--verify.")
+    model = {**model, **{k: src[k] for k in ("model", *MODEL_KEYS)
+                         if src.get(k) is not None}}
+    if not prof.batch_size:
+        raise ConfigError(f"the profile {args.profile} has no batch size; profile the "
+                          f"model with `psring profile`.")
+    args.batch_size = prof.batch_size * n
+    return prof, model
+
+
+def _profile_now(args: argparse.Namespace, n: int, out: Path) -> Profile:
+    """A short traced single run of the flags' model at the per-worker batch."""
+    from psring.train.models import ModelSettings, meta_build
+
+    threads = max(1, (os.cpu_count() or 1) // n) if args.verify else 0
+    cfg = profile_config(**_model_flags(args), batch_size=args.batch_size // n,
+                         threads=threads, out=str(out / "profile"))
+    meta_build(cfg.model, ModelSettings.from_config(cfg))  # a bad model: exit 2 now
+    print(f"psring: profiling {cfg.model} at batch {cfg.batch_size} per worker "
+          f"({cfg.steps} steps of single, traced)", flush=True)
+    return take_profile(cfg)
+
+
+def _profile(args: argparse.Namespace, n: int, out: Path) -> tuple[Profile, dict[str, Any]]:
+    """The profile to rank by (at --device-speed) and the model --verify runs."""
     model = _model_flags(args)
     if args.profile:
-        prof = Profile.load(args.profile)
-        # verify runs what was profiled: its model and its per-worker batch
-        src = prof.source
-        if args.verify and not src.get("model"):
-            raise ConfigError(f"--verify runs the profiled model, but the profile "
-                              f"{args.profile} does not say which model it is (a profile "
-                              f"on paper): profile it with `psring profile`, or drop "
-                              f"--verify.")
-        model = {**model, **{k: src[k] for k in ("model", *MODEL_KEYS)
-                             if src.get(k) is not None}}
-        if not prof.batch_size:
-            raise ConfigError(f"the profile {args.profile} has no batch size; profile the "
-                              f"model with `psring profile`.")
-        args.batch_size = prof.batch_size * n
+        prof, model = _load_profile(args, n, model)
     else:
-        cfg = profile_config(**_model_flags(args), batch_size=args.batch_size // n,
-                             threads=threads, out=str(out / "profile"))
-        meta_build(cfg.model, ModelSettings.from_config(cfg))  # a bad model: exit 2 now
-        print(f"psring: profiling {cfg.model} at batch {cfg.batch_size} per worker "
-              f"({cfg.steps} steps of single, traced)", flush=True)
-        prof = take_profile(cfg)
+        prof = _profile_now(args, n, out)
     if args.device_speed != 1.0:
         prof = prof.scaled(args.device_speed)
+    return prof, model
+
+
+def _print_ranking(title: str, rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title, show_lines=True)
+    for h in HEADER:
+        t.add_column(h, justify="right" if h in ("step ms", "compute ms", "comm ms (exposed)",
+                                                 "samples/s", "efficiency", "#") else "left")
+    for r in rows:
+        t.add_row(*r)
+    Console(width=160).print(t)
+
+
+def _print_verification(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Print --verify's predicted vs measured and whether the recommendation holds;
+    return advise.json's "verify"."""
+    from rich.console import Console
+    from rich.table import Table
+
+    vt = Table(title="predicted vs measured (this machine's emulation of the cluster, "
+                     "a device per worker: --compute device)")
+    for h in ("strategy", "setting", "predicted ms", "measured ms", "error"):
+        vt.add_column(h)
+    for r in results:
+        vt.add_row(r["strategy"], r["setting"], f"{r['predicted_ms']:.1f}",
+                   f"{r['measured_ms']:.1f}", f"{r['error']:+.0%}")
+    Console(width=160).print(vt)
+    fastest = min(results, key=lambda r: r["measured_ms"])
+    rec = results[0]
+    ok = rec["measured_ms"] <= 1.05 * fastest["measured_ms"]
+    print(f"Recommended {rec['strategy']}: measured {rec['measured_ms']:.1f} ms; the "
+          f"measured fastest is {fastest['strategy']} ({fastest['measured_ms']:.1f} ms): "
+          + ("the recommendation holds." if ok else "the recommendation is off by "
+             f"{rec['measured_ms'] / fastest['measured_ms'] - 1:.0%}."))
+    return {"results": results, "recommended_is_fastest_within_5pct": ok,
+            "median_abs_error": statistics.median(abs(r["error"]) for r in results)}
+
+
+def advise_command(args: argparse.Namespace) -> int:
+    """psring advise (the module docstring): profile, rank, print, write advise.json
+    and advise.png, and with --verify measure the top candidates."""
+    cluster, n = _cluster(args)
+    _check_device_flags(args)
+    out = Path(args.out or os.path.join("runs", f"advise-{time.strftime('%Y%m%d-%H%M%S')}"))
+    prof, model = _profile(args, n, out)
     out.mkdir(parents=True, exist_ok=True)
     # what --verify's device-mode workers take their times from: the profile ranked
     device_profile = prof.save(out / "device-profile")
     cal = _calibration(args, out)
-    # --verify runs device-mode workers (their compute is off the cores): the cluster's
-    # own prediction, with no sharing of this machine's cores
-    shared = None
     classes = strategy_classes(n, cluster.hosts)
-    # --verify: only settings this machine can run (workers and servers <= the limit)
     link = parse_rate(args.link) if args.link else None
     delay = parse_delay(args.delay) if args.delay else 0.0
+    # --verify runs device-mode workers (their compute is off the cores): the cluster's
+    # own prediction, with no sharing of this machine's cores (cores=None); and only
+    # settings this machine can run (workers and servers <= the limit)
     cands = candidates(prof, cluster, cal, classes,
                        max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8,
-                       cores=shared, link_bits=link, delay_s=delay)
+                       cores=None, link_bits=link, delay_s=delay)
     ranking = rank(cands)
     where = _where(cluster.hosts, n // cluster.hosts, link, delay) + (
         ", verified on emulated hosts, a device per worker" if args.verify else "")
     title = (f"psring advise: {prof.source.get('model', 'profiled model')}, "
              f"{prof.total_bytes / 1e6:.2f} MB of gradients, batch {args.batch_size} "
              f"({prof.batch_size} per worker), {n} workers on {where}")
-    t = Table(title=title, show_lines=True)
-    for h in HEADER:
-        t.add_column(h, justify="right" if h in ("step ms", "compute ms", "comm ms (exposed)",
-                                                 "samples/s", "efficiency", "#") else "left")
     rows = table(ranking, classes)
-    for r in rows:
-        t.add_row(*r)
-    console = Console(width=160)
-    console.print(t)
+    _print_ranking(title, rows)
     recs = recommendations(cands, ranking, classes)
     opts = options(cands, ranking, classes)
     for line in recs + opts:
@@ -312,33 +363,16 @@ def advise_command(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "title": title, "profile": {**prof.source, "summary": prof.describe()},
         "cluster": {"hosts": cluster.hosts, "workers_per_host": n // cluster.hosts,
-                    "link_bits": link, "delay_s": delay,
-                    "cores": shared}, "workers": n, "calibration_host": cal.host,
+                    "link_bits": link, "delay_s": delay, "cores": None},
+        "workers": n, "calibration_host": cal.host,
         "ranking": [dict(zip(HEADER, r)) for r in rows],
         "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
         "recommendations": recs, "options": opts}
     atomic_write_json(out / "advise.json", report)  # the prediction, before any run
     if args.verify:
-        top = verify_candidates(ranking, classes)
-        results = verify(top, classes, args, model, args.batch_size, n, out, device_profile)
-        vt = Table(title="predicted vs measured (this machine's emulation of the cluster, "
-                         "a device per worker: --compute device)")
-        for h in ("strategy", "setting", "predicted ms", "measured ms", "error"):
-            vt.add_column(h)
-        for r in results:
-            vt.add_row(r["strategy"], r["setting"], f"{r['predicted_ms']:.1f}",
-                       f"{r['measured_ms']:.1f}", f"{r['error']:+.0%}")
-        console.print(vt)
-        fastest = min(results, key=lambda r: r["measured_ms"])
-        rec = results[0]
-        ok = rec["measured_ms"] <= 1.05 * fastest["measured_ms"]
-        print(f"Recommended {rec['strategy']}: measured {rec['measured_ms']:.1f} ms; the "
-              f"measured fastest is {fastest['strategy']} ({fastest['measured_ms']:.1f} ms): "
-              + ("the recommendation holds." if ok else "the recommendation is off by "
-                 f"{rec['measured_ms'] / fastest['measured_ms'] - 1:.0%}."))
-        report["verify"] = {"results": results, "recommended_is_fastest_within_5pct": ok,
-                            "median_abs_error": statistics.median(abs(r["error"])
-                                                                  for r in results)}
+        results = verify(verify_candidates(ranking, classes), classes, args, model,
+                         args.batch_size, n, out, device_profile)
+        report["verify"] = _print_verification(results)
     atomic_write_json(out / "advise.json", report)
     print(f"advise: {out / 'advise.json'}, {png}")
     return 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import statistics as st
+from dataclasses import dataclass
 from pathlib import Path
 
 from psring.errors import ConfigError
@@ -89,8 +90,10 @@ def _tta_text(s: Setting) -> str:
                                       f" [{s.tta_reached}/{s.repeats} reached]")
 
 
-def _crossover_section(along: str, plot: Path, found: list[dict]) -> list[str]:
+def _crossover_section(along: str, plot: Path | None, found: list[dict]) -> list[str]:
     """report.md's section for a plot of throughput along intensity or model size."""
+    if plot is None:
+        return []
     md = [f"## Throughput vs {along}", "", f"![{plot.stem}]({plot.name})", ""]
     if not found:
         return md + [f"No measured crossover along {along}: in each group the same "
@@ -107,9 +110,39 @@ def _crossover_section(along: str, plot: Path, found: list[dict]) -> list[str]:
          for c in found]), ""]
 
 
-def write_report(sweep_dir: Path) -> tuple[Path, str]:
-    """Write report.md and the plots into the sweep directory; return (path, key table)."""
-    sweep_dir = Path(sweep_dir)
+@dataclass
+class _Sweep:
+    """A sweep read back from its logs and aggregated per setting: what every plot and
+    section of the report draws on."""
+
+    dir: Path
+    #: the sweep's definition (sweep.json)
+    spec: dict
+    #: the finished points, one row each (psring.report.points.load_point)
+    rows: list[dict]
+    #: the points that failed or did not run
+    problems: list[dict]
+    cal_path: Path | None
+    cal: Calibration | None
+    settings: list[Setting]
+    target: float | None
+    #: measured crossovers along intensity and along model size, and the cost model's
+    found: list[dict]
+    found_size: list[dict]
+    predicted: list[dict]
+
+    @property
+    def emulated(self) -> bool:
+        return any(s.cluster != "this machine" for s in self.settings)
+
+    @property
+    def evaluated(self) -> list[Setting]:
+        return [s for s in self.settings if s.has_evals]
+
+
+def _read_sweep(sweep_dir: Path) -> _Sweep:
+    """The sweep's finished points aggregated per setting, labelled, with time to the
+    target accuracy and the crossovers; a ConfigError when nothing finished."""
     spec, rows, problems = collect(sweep_dir)
     if not rows:
         raise ConfigError(f"{sweep_dir}: no finished points to report on "
@@ -123,165 +156,253 @@ def write_report(sweep_dir: Path) -> tuple[Path, str]:
     mixed = len({s.cluster for s in settings}) > 1
     for s in settings:
         s.label = make_label(s, with_cluster=mixed)
-    found = crossovers(settings)
-    found_size = crossovers(settings, "size")
-    predicted = predicted_crossovers(settings, cal)
+    return _Sweep(sweep_dir, spec, rows, problems, cal_path, cal, settings, target,
+                  found=crossovers(settings), found_size=crossovers(settings, "size"),
+                  predicted=predicted_crossovers(settings, cal))
 
+
+def _draw_plots(sw: _Sweep) -> dict[str, Path]:
+    """The PNG plots the sweep has data for, by name; breakdown and loss always."""
+    settings, d = sw.settings, sw.dir
     plots: dict[str, Path] = {}
-    plots["breakdown"] = plot_breakdown(settings, sweep_dir / "breakdown.png")
+    plots["breakdown"] = plot_breakdown(settings, d / "breakdown.png")
     if len({s.workers for s in settings}) > 1:
-        plots["scaling"] = plot_scaling(settings, sweep_dir / "scaling.png")
+        plots["scaling"] = plot_scaling(settings, d / "scaling.png")
     if len({round(s.intensity or 0, 6) for s in settings}) > 1:
-        plots["intensity"] = plot_along(settings, found, sweep_dir / "intensity.png")
+        plots["intensity"] = plot_along(settings, sw.found, d / "intensity.png")
     distributed = [s for s in settings if s.strategy != "single"]
     if len({s.gradient_bytes for s in distributed}) > 1:
-        plots["size"] = plot_along(settings, found_size, sweep_dir / "size.png", "size")
-    plots["loss"] = plot_loss(settings, sweep_dir / "loss.png")
-    evaluated = [s for s in settings if s.has_evals]
-    if evaluated:
-        plots["accuracy"] = plot_accuracy(settings, target, sweep_dir / "accuracy.png")
+        plots["size"] = plot_along(settings, sw.found_size, d / "size.png", "size")
+    plots["loss"] = plot_loss(settings, d / "loss.png")
+    if sw.evaluated:
+        plots["accuracy"] = plot_accuracy(settings, sw.target, d / "accuracy.png")
     if any(s.staleness for s in settings):
-        plots["staleness"] = plot_staleness(settings, sweep_dir / "staleness.png")
+        plots["staleness"] = plot_staleness(settings, d / "staleness.png")
     if any(s.predicted_comm_ms is not None for s in settings):
-        plots["costmodel"] = plot_costmodel(settings, sweep_dir / "costmodel.png")
+        plots["costmodel"] = plot_costmodel(settings, d / "costmodel.png")
+    return plots
 
-    emulated = any(s.cluster != "this machine" for s in settings)
-    key_header = ["setting", *(["cluster"] if emulated else []), "samples/s", "step ms",
-                  "comm ms", "predicted step ms", "error", "speedup vs single",
-                  "final acc", "time to target s"]
-    key_rows = []
-    for s in settings:
-        key_rows.append([
-            make_label(s, with_cluster=False), *([s.cluster] if emulated else []),
-            _fmt(s.samples_per_s), _fmt(s.step_ms, digits=1),
-            _fmt(s.comm_ms, digits=1),
-            f"{s.predicted_step_ms:.1f}" if s.predicted_step_ms is not None else "-",
-            f"{s.step_error:+.0%}" if s.step_error is not None else "-",
-            f"{s.speedup:.2f}x" if s.speedup is not None else "-",
-            "timing only" if _timing_only(s) else _fmt(s.accuracy_final, digits=3),
-            _tta_text(s) if target is not None else "-",
-        ])
-    md = [f"# Sweep report: {spec.get('name', sweep_dir.name)}", ""]
+
+def _key_table(sw: _Sweep) -> tuple[list[str], list[list[str]]]:
+    """The key table's header and rows: report.md's and the terminal's."""
+    emulated = sw.emulated
+    header = ["setting", *(["cluster"] if emulated else []), "samples/s", "step ms",
+              "comm ms", "predicted step ms", "error", "speedup vs single",
+              "final acc", "time to target s"]
+    rows = [[
+        make_label(s, with_cluster=False), *([s.cluster] if emulated else []),
+        _fmt(s.samples_per_s), _fmt(s.step_ms, digits=1),
+        _fmt(s.comm_ms, digits=1),
+        f"{s.predicted_step_ms:.1f}" if s.predicted_step_ms is not None else "-",
+        f"{s.step_error:+.0%}" if s.step_error is not None else "-",
+        f"{s.speedup:.2f}x" if s.speedup is not None else "-",
+        "timing only" if _timing_only(s) else _fmt(s.accuracy_final, digits=3),
+        _tta_text(s) if sw.target is not None else "-",
+    ] for s in sw.settings]
+    return header, rows
+
+
+def _intro(sw: _Sweep) -> list[str]:
+    """The title, what the sweep is and what to look at, and where and how it ran."""
+    spec = sw.spec
+    md = [f"# Sweep report: {spec.get('name', sw.dir.name)}", ""]
     if spec.get("description"):
         md += [spec["description"].strip(), ""]
     if spec.get("look_at"):
         md += ["**What to look at:** " + spec["look_at"].strip(), ""]
-    host = read_manifest(Path(rows[0]["run"])).get("host", {})
-    if emulated:
-        clusters = sorted({s.cluster for s in settings})
+    host = read_manifest(Path(sw.rows[0]["run"])).get("host", {})
+    if sw.emulated:
+        clusters = sorted({s.cluster for s in sw.settings})
         md += ["**Where the points ran:** " + "; ".join(clusters) + " (emulated hosts: "
                "network namespaces joined by tbf-shaped links on this one machine, "
                "sharing its cores; see docs/emulation.md).", ""]
-    md += [f"Directory `{sweep_dir}`; {len(rows)} finished point(s) in {len(settings)} "
+    md += [f"Directory `{sw.dir}`; {len(sw.rows)} finished point(s) in {len(sw.settings)} "
            f"setting(s), {spec.get('repeats', 1)} repeat(s) each; host "
            f"{host.get('hostname', '?')} ({host.get('cores', '?')} cores). Values are "
            f"medians over repeats with the min–max range in brackets; steps exclude warm-up.",
            ""]
-    if problems:
-        md += ["## Points that did not finish", "",
-               _md_table(["point", "status", "error"],
-                         [[p["id"], p["status"], p["error"].replace("\n", " ")[:300]]
-                          for p in problems]), ""]
-    md += ["## Key table", "", _md_table(key_header, key_rows), "",
-           f"Communication time = blocked + hidden under backward, less waiting for a slower "
-           f"peer (see docs/cost-model.md). "
-           f"Time to target: training seconds until the first held-out evaluation at "
-           f"accuracy {target:g} or above (evaluation time excluded)." if target is not None
-           else "No target accuracy set (`--target-accuracy`, or `[report] target_accuracy` "
-           "in the definition): no time to target.", ""]
-    if cal is None:
-        md += ["No calibration found, so no predictions: run `psring calibrate` (or put a "
-               "calibration.json in the sweep directory) and report again.", ""]
+    return md
+
+
+def _unfinished_section(problems: list[dict]) -> list[str]:
+    if not problems:
+        return []
+    return ["## Points that did not finish", "",
+            _md_table(["point", "status", "error"],
+                      [[p["id"], p["status"], p["error"].replace("\n", " ")[:300]]
+                       for p in problems]), ""]
+
+
+def _key_section(sw: _Sweep, header: list[str], rows: list[list[str]]) -> list[str]:
+    """The key table, what its columns mean, and where its predictions come from."""
+    if sw.target is None:
+        # without a target the note on communication time is left out too, as report.md
+        # has always read
+        note = ("No target accuracy set (`--target-accuracy`, or `[report] target_accuracy` "
+                "in the definition): no time to target.")
     else:
-        md += [f"Cost model calibration: `{cal_path}`.", ""]
-    md += ["## Step-time breakdown", "", f"![breakdown]({plots['breakdown'].name})", "",
-           _md_table(["setting", *[p[:-2] + " ms" for p in PHASES], "step ms"],
-                     [[setting_label(s), *[f"{s.phase_ms[p]:.2f}" for p in PHASES],
-                       _fmt(s.step_ms, digits=1)] for s in settings]), ""]
-    if "scaling" in plots:
-        md += ["## Scaling with workers", "", f"![scaling]({plots['scaling'].name})", "",
-               _md_table(["setting", "workers", "samples/s", "efficiency"],
-                         [[setting_label(s), str(s.workers), _fmt(s.samples_per_s),
-                           f"{s.efficiency:.2f}" if s.efficiency is not None else "-"]
-                          for s in settings]), ""]
-    if "intensity" in plots:
-        md += _crossover_section("arithmetic intensity", plots["intensity"], found)
-    if "size" in plots:
-        md += _crossover_section("model size", plots["size"], found_size)
-    if predicted:
-        md += ["## Cost model: predicted crossovers", "",
-               _md_table(["strategies", "model", "workers", "cluster", "gradient MB measured",
-                          "comm-time crossover (gradient size)", "faster comm, largest size"],
-                         [[f"{p['a']} / {p['b']}", p["model"], str(p["workers"]), p["cluster"],
-                           "–".join(f"{b / 1e6:.3g}" for b in (p["bytes"][0], p["bytes"][-1])
-                                    [:1 if len(p["bytes"]) == 1 else 2]),
-                           f"{p['crossover_bytes'] / 1e6:.3g} MB" if p["crossover_bytes"]
-                           else "never (one is faster at every size)", p["faster_comm"]]
-                          for p in predicted]),
-               "", "Below the crossover size the strategy with the smaller fixed cost (α) is "
-               "predicted faster, above it the one with the smaller cost per byte. Along "
-               "intensity at a fixed size the model predicts no crossover: the strategy "
-               "with the cheaper communication stays ahead, by less as compute grows.", ""]
+        note = (f"Communication time = blocked + hidden under backward, less waiting for a "
+                f"slower peer (see docs/cost-model.md). "
+                f"Time to target: training seconds until the first held-out evaluation at "
+                f"accuracy {sw.target:g} or above (evaluation time excluded).")
+    md = ["## Key table", "", _md_table(header, rows), "", note, ""]
+    if sw.cal is None:
+        return md + ["No calibration found, so no predictions: run `psring calibrate` (or "
+                     "put a calibration.json in the sweep directory) and report again.", ""]
+    return md + [f"Cost model calibration: `{sw.cal_path}`.", ""]
+
+
+def _breakdown_section(settings: list[Setting], plot: Path) -> list[str]:
+    return ["## Step-time breakdown", "", f"![breakdown]({plot.name})", "",
+            _md_table(["setting", *[p[:-2] + " ms" for p in PHASES], "step ms"],
+                      [[setting_label(s), *[f"{s.phase_ms[p]:.2f}" for p in PHASES],
+                        _fmt(s.step_ms, digits=1)] for s in settings]), ""]
+
+
+def _scaling_section(settings: list[Setting], plot: Path | None) -> list[str]:
+    if plot is None:
+        return []
+    return ["## Scaling with workers", "", f"![scaling]({plot.name})", "",
+            _md_table(["setting", "workers", "samples/s", "efficiency"],
+                      [[setting_label(s), str(s.workers), _fmt(s.samples_per_s),
+                        f"{s.efficiency:.2f}" if s.efficiency is not None else "-"]
+                       for s in settings]), ""]
+
+
+def _predicted_crossovers_section(predicted: list[dict]) -> list[str]:
+    """Where the cost model puts each pair's crossover along gradient size."""
+    if not predicted:
+        return []
+    return ["## Cost model: predicted crossovers", "",
+            _md_table(["strategies", "model", "workers", "cluster", "gradient MB measured",
+                       "comm-time crossover (gradient size)", "faster comm, largest size"],
+                      [[f"{p['a']} / {p['b']}", p["model"], str(p["workers"]), p["cluster"],
+                        "–".join(f"{b / 1e6:.3g}" for b in (p["bytes"][0], p["bytes"][-1])
+                                 [:1 if len(p["bytes"]) == 1 else 2]),
+                        f"{p['crossover_bytes'] / 1e6:.3g} MB" if p["crossover_bytes"]
+                        else "never (one is faster at every size)", p["faster_comm"]]
+                       for p in predicted]),
+            "", "Below the crossover size the strategy with the smaller fixed cost (α) is "
+            "predicted faster, above it the one with the smaller cost per byte. Along "
+            "intensity at a fixed size the model predicts no crossover: the strategy "
+            "with the cheaper communication stays ahead, by less as compute grows.", ""]
+
+
+def _prediction_section(settings: list[Setting]) -> list[str]:
+    """The simulator's step time beside the measured one, and whether it picks the
+    fastest strategy."""
     check = prediction_check(settings)
-    if check["n"]:
-        md += ["## Step-time prediction", "",
-               "The simulator (psring.predict.simulate, docs/prediction.md) replays each run: its "
-               "own forward, backward and update times and when its buckets were "
-               "launched, with its cluster's communication played out on the calibrated "
-               f"α-β-γ costs. Over {check['n']} distributed setting(s): median absolute "
-               f"error {check['median_abs_error']:.0%}, largest "
-               f"{check['max_abs_error']:.0%}."
-               + (f" Predicted fastest = measured fastest (or within 5% of it) in "
-                  f"{sum(w['right'] for w in check['winners'])} of "
-                  f"{len(check['winners'])} comparison(s)." if check["winners"] else ""), "",
-               _md_table(["setting", "measured step ms", "predicted step ms", "error",
-                          "predicted bound"],
-                         [[setting_label(s), _fmt(s.step_ms, digits=1),
-                           f"{s.predicted_step_ms:.1f}", f"{s.step_error:+.0%}",
-                           s.predicted_bound or "-"]
-                          for s in settings if s.step_error is not None]), ""]
-        if check["winners"]:
-            md += [_md_table(["measured fastest", "predicted fastest", "right"],
-                             [[w["measured"], w["predicted"], "yes" if w["right"] else "no"]
-                              for w in check["winners"]]), ""]
-    if "costmodel" in plots:
-        errs = [s for s in settings if s.comm_error is not None]
-        md += ["## Cost model vs measurement", "", f"![costmodel]({plots['costmodel'].name})",
-               "", _md_table(["setting", "gradient MB", "measured comm ms", "predicted ms",
-                              "relative error"],
-                             [[setting_label(s), f"{s.gradient_bytes / 1e6:.2f}",
-                               _fmt(s.comm_ms, digits=2), f"{s.predicted_comm_ms:.2f}",
-                               f"{s.comm_error:+.0%}"] for s in errs]), ""]
-    if "accuracy" in plots:
-        md += ["## Time to accuracy", "", f"![accuracy]({plots['accuracy'].name})", "",
-               "Time to target = steps to target (statistical efficiency) x time per step "
-               "(hardware efficiency), roughly: an asynchronous or compressed strategy wins "
-               "only if its faster steps outweigh any extra steps it needs.", "",
-               _md_table(["setting", "time to target s", "steps to target", "step ms",
-                          "final accuracy", "runs reaching it"],
-                         [[setting_label(s), _tta_text(s) if target is not None else "-",
-                           _fmt(s.tta_steps) if s.tta_steps else "-",
-                           _fmt(s.step_ms, digits=1), _fmt(s.accuracy_final, digits=3),
-                           f"{s.tta_reached}/{s.repeats}" if target is not None else "-"]
-                          for s in evaluated]), ""]
-    md += ["## Training loss", "", f"![loss]({plots['loss'].name})", "",
-           _md_table(["setting", "final loss"],
-                     [[setting_label(s), "timing only" if _timing_only(s) else
-                       _fmt(s.loss_final, digits=3, style="g")] for s in settings]), ""]
-    if "staleness" in plots:
-        md += ["## Staleness", "", f"![staleness]({plots['staleness'].name})", "",
-               _md_table(["setting", "steps", "mean", "p50", "max"],
-                         [[setting_label(s), str(len(s.staleness)),
-                           f"{st.fmean(s.staleness):.2f}",
-                           f"{st.median(s.staleness):.0f}", str(max(s.staleness))]
-                          for s in settings if s.staleness]), ""]
-    md += ["## Points", "", _md_table(["point", "run directory"],
-                                      [[r["id"], f"`{r['run']}`"] for r in rows]), ""]
-    path = sweep_dir / REPORT
-    atomic_write_bytes(path, "\n".join(md).encode())
-    atomic_write_bytes(sweep_dir / "report.json", json.dumps(
-        [s.to_dict() for s in settings], indent=2, default=str).encode())
-    return path, render_key_table(key_header, key_rows, spec.get("name", ""))
+    if not check["n"]:
+        return []
+    winners = check["winners"]
+    md = ["## Step-time prediction", "",
+          "The simulator (psring.predict.simulate, docs/prediction.md) replays each run: its "
+          "own forward, backward and update times and when its buckets were "
+          "launched, with its cluster's communication played out on the calibrated "
+          f"α-β-γ costs. Over {check['n']} distributed setting(s): median absolute "
+          f"error {check['median_abs_error']:.0%}, largest "
+          f"{check['max_abs_error']:.0%}."
+          + (f" Predicted fastest = measured fastest (or within 5% of it) in "
+             f"{sum(w['right'] for w in winners)} of "
+             f"{len(winners)} comparison(s)." if winners else ""), "",
+          _md_table(["setting", "measured step ms", "predicted step ms", "error",
+                     "predicted bound"],
+                    [[setting_label(s), _fmt(s.step_ms, digits=1),
+                      f"{s.predicted_step_ms:.1f}", f"{s.step_error:+.0%}",
+                      s.predicted_bound or "-"]
+                     for s in settings if s.step_error is not None]), ""]
+    if winners:
+        md += [_md_table(["measured fastest", "predicted fastest", "right"],
+                         [[w["measured"], w["predicted"], "yes" if w["right"] else "no"]
+                          for w in winners]), ""]
+    return md
+
+
+def _costmodel_section(settings: list[Setting], plot: Path | None) -> list[str]:
+    if plot is None:
+        return []
+    errs = [s for s in settings if s.comm_error is not None]
+    return ["## Cost model vs measurement", "", f"![costmodel]({plot.name})",
+            "", _md_table(["setting", "gradient MB", "measured comm ms", "predicted ms",
+                           "relative error"],
+                          [[setting_label(s), f"{s.gradient_bytes / 1e6:.2f}",
+                            _fmt(s.comm_ms, digits=2), f"{s.predicted_comm_ms:.2f}",
+                            f"{s.comm_error:+.0%}"] for s in errs]), ""]
+
+
+def _accuracy_section(sw: _Sweep, plot: Path | None) -> list[str]:
+    """Time to accuracy, split into steps to it and time per step."""
+    if plot is None:
+        return []
+    targeted = sw.target is not None
+    return ["## Time to accuracy", "", f"![accuracy]({plot.name})", "",
+            "Time to target = steps to target (statistical efficiency) x time per step "
+            "(hardware efficiency), roughly: an asynchronous or compressed strategy wins "
+            "only if its faster steps outweigh any extra steps it needs.", "",
+            _md_table(["setting", "time to target s", "steps to target", "step ms",
+                       "final accuracy", "runs reaching it"],
+                      [[setting_label(s), _tta_text(s) if targeted else "-",
+                        _fmt(s.tta_steps) if s.tta_steps else "-",
+                        _fmt(s.step_ms, digits=1), _fmt(s.accuracy_final, digits=3),
+                        f"{s.tta_reached}/{s.repeats}" if targeted else "-"]
+                       for s in sw.evaluated]), ""]
+
+
+def _loss_section(settings: list[Setting], plot: Path) -> list[str]:
+    return ["## Training loss", "", f"![loss]({plot.name})", "",
+            _md_table(["setting", "final loss"],
+                      [[setting_label(s), "timing only" if _timing_only(s) else
+                        _fmt(s.loss_final, digits=3, style="g")] for s in settings]), ""]
+
+
+def _staleness_section(settings: list[Setting], plot: Path | None) -> list[str]:
+    if plot is None:
+        return []
+    return ["## Staleness", "", f"![staleness]({plot.name})", "",
+            _md_table(["setting", "steps", "mean", "p50", "max"],
+                      [[setting_label(s), str(len(s.staleness)),
+                        f"{st.fmean(s.staleness):.2f}",
+                        f"{st.median(s.staleness):.0f}", str(max(s.staleness))]
+                       for s in settings if s.staleness]), ""]
+
+
+def _points_section(rows: list[dict]) -> list[str]:
+    return ["## Points", "", _md_table(["point", "run directory"],
+                                       [[r["id"], f"`{r['run']}`"] for r in rows]), ""]
+
+
+def _markdown(sw: _Sweep, plots: dict[str, Path], key_header: list[str],
+              key_rows: list[list[str]]) -> str:
+    """report.md, section by section; a section without data or plot is left out."""
+    settings = sw.settings
+    return "\n".join([
+        *_intro(sw),
+        *_unfinished_section(sw.problems),
+        *_key_section(sw, key_header, key_rows),
+        *_breakdown_section(settings, plots["breakdown"]),
+        *_scaling_section(settings, plots.get("scaling")),
+        *_crossover_section("arithmetic intensity", plots.get("intensity"), sw.found),
+        *_crossover_section("model size", plots.get("size"), sw.found_size),
+        *_predicted_crossovers_section(sw.predicted),
+        *_prediction_section(settings),
+        *_costmodel_section(settings, plots.get("costmodel")),
+        *_accuracy_section(sw, plots.get("accuracy")),
+        *_loss_section(settings, plots["loss"]),
+        *_staleness_section(settings, plots.get("staleness")),
+        *_points_section(sw.rows),
+    ])
+
+
+def write_report(sweep_dir: Path) -> tuple[Path, str]:
+    """Write report.md and the plots into the sweep directory; return (path, key table)."""
+    sw = _read_sweep(Path(sweep_dir))
+    plots = _draw_plots(sw)
+    key_header, key_rows = _key_table(sw)
+    path = sw.dir / REPORT
+    atomic_write_bytes(path, _markdown(sw, plots, key_header, key_rows).encode())
+    atomic_write_bytes(sw.dir / "report.json", json.dumps(
+        [s.to_dict() for s in sw.settings], indent=2, default=str).encode())
+    return path, render_key_table(key_header, key_rows, sw.spec.get("name", ""))
 
 
 def render_key_table(header: list[str], rows: list[list[str]], title: str) -> str:

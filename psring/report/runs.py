@@ -41,9 +41,9 @@ def percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def summarize(run_dir: Path) -> dict[str, Any]:
-    manifest = read_manifest(run_dir)
-    cfg = manifest["config"]
+def _steps_of(run_dir: Path, manifest: dict[str, Any]) -> list[dict]:
+    """The run's step records, or a ConfigError when there are none or when some of
+    its ranks logged on other hosts (a torchrun launch not merged yet)."""
     records = read_steps(run_dir)
     if not records:
         raise ConfigError(f"{run_dir}: no step records in steps.jsonl (the run did not get "
@@ -55,8 +55,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
             f"{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} of this torchrun "
             f"launch logged on other hosts. Copy their --out directories here and join "
             f"them: psring merge {run_dir} OTHER_DIRS... --out MERGED, then report MERGED.")
-    skip = warmup_steps(cfg["steps"])
-    kept = [r for r in records if r["step"] >= skip] or records
+    return records
+
+
+def _speed(kept: list[dict], cfg: dict[str, Any]) -> tuple[list[float], float]:
+    """(each step's time, samples per second) over the steps after warm-up."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     by_worker: dict[int, list[dict]] = defaultdict(list)
     for r in kept:
@@ -69,19 +72,34 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     samples_per_s = sum(shares[w] * cfg["accumulate"] /
                         statistics.median(r["step_s"] for r in rs)
                         for w, rs in by_worker.items())
+    return step_times, samples_per_s
+
+
+def _losses(records: list[dict], last_step: int,
+            timing_only: bool) -> tuple[list[float], list[float]]:
+    """The workers' losses at the first step and at the last; none when timing only."""
+    if timing_only:  # --compute device: its losses are of made-up gradients
+        return [], []
+    return ([r["loss"] for r in records if r["step"] == 0],
+            [r["loss"] for r in records if r["step"] == last_step])
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """One run's figures (the module docstring's), read from its logs."""
+    manifest = read_manifest(run_dir)
+    cfg = manifest["config"]
+    records = _steps_of(run_dir, manifest)
+    skip = warmup_steps(cfg["steps"])
+    kept = [r for r in records if r["step"] >= skip] or records
+    step_times, samples_per_s = _speed(kept, cfg)
     total = sum(r["step_s"] for r in kept)
     phase_share = {p: sum(r[p] for r in kept) / total for p in PHASES}
     evals = read_evals(run_dir)
     target = cfg.get("target_accuracy") or 0
-    if target and evals:
-        tta_s, tta_step = time_to_accuracy(evals, target)
-    else:
-        tta_s = tta_step = None
+    tta_s, tta_step = time_to_accuracy(evals, target) if target and evals else (None, None)
     last_step = max(r["step"] for r in records)
-    # --compute device: timing only, its losses are of made-up gradients
     timing_only = bool(manifest.get("timing_only"))
-    final = [] if timing_only else [r["loss"] for r in records if r["step"] == last_step]
-    first = [] if timing_only else [r["loss"] for r in records if r["step"] == 0]
+    first, final = _losses(records, last_step, timing_only)
     return {
         "run": str(run_dir),
         "strategy": cfg["strategy"],
