@@ -21,17 +21,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from psring.train import checkpoint
 from psring.train.checkpoint import Checkpoint
 from psring.train.data import Split, worker_batch
 from psring.errors import PsringError
-from psring.train.evaluate import evaluate, is_due
+from psring.train.evaluate import is_due
 from psring.train.models import loss_of
 from psring.train.optim import SGD
 from psring.runs.runlog import EVALS, PHASES, StepLog
 from psring.strategies.base import Strategy, WorkerContext
-
-now = time.perf_counter
+from psring.workers.periodic import checkpoint_due, evaluation, save_checkpoint
+from psring.workers.timing import TrainingClock, now
 
 
 def make_optimizer(model: nn.Module, cfg) -> SGD:
@@ -73,54 +72,6 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
     finally:
         if evals is not None:
             evals.close()
-
-
-class TrainingClock:
-    """Rank 0's training time: wall-clock since its first step began, less what is not
-    training (evaluations, checkpoints); a resumed run continues its checkpoint's."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-        self.excluded = 0.0
-        self.resumed = 0.0
-
-    def begin(self, already: float = 0.0) -> None:
-        """The first step begins (``already`` seconds ago: a wait charged to it)."""
-        if self.start is None:
-            self.start = now() - already
-            self.excluded = 0.0  # (the evaluation of the initial model came before)
-
-    def elapsed(self) -> float:
-        return self.resumed + (now() - self.start - self.excluded if self.start else 0.0)
-
-    @contextlib.contextmanager
-    def paused(self):
-        t = now()
-        try:
-            yield
-        finally:
-            self.excluded += now() - t
-
-
-def _evaluate(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
-              done: int, clock: TrainingClock, evals: StepLog | None) -> float:
-    """Every worker evaluates at the same steps (so synchronous workers stay in step,
-    and asynchronous ones pause alike); rank 0 records. Outside the step timing, except
-    the wait in eval_model for the parameters (a PS pull): the next step would have
-    waited for them, so that time is returned, to be charged to the next step's
-    communication, and the training clock keeps running through it."""
-    t = now()
-    target = strategy.eval_model(model)
-    fetch = now() - t
-    train_s = clock.elapsed()
-    with clock.paused():
-        t = now()
-        loss, accuracy = evaluate(target, data.held_out, ctx.device)
-        if evals is not None:
-            evals.write({"step": done, "train_s": round(train_s, 6),
-                         "loss": loss, "accuracy": accuracy, "eval_s": round(now() - t, 6),
-                         "time": time.time(), "samples": len(data.held_out)})
-    return fetch
 
 
 def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.Module,
@@ -172,7 +123,7 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
 
     carried = 0.0  # communication an evaluation waited for on this step's behalf
     if first_step == 0 and is_due(0, cfg.steps, every):
-        carried = _evaluate(ctx, strategy, model, split, 0, clock, evals)  # the start
+        carried = evaluation(ctx, strategy, model, split, 0, clock, evals)  # the start
     for step in range(first_step, cfg.steps):
         clock.begin(carried)
         ph = dict.fromkeys(PHASES, 0.0)
@@ -272,13 +223,6 @@ def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.
             on_step(record)
         done = step + 1
         if is_due(done, cfg.steps, every):
-            carried = _evaluate(ctx, strategy, model, split, done, clock, evals)
-        if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            # outside the step's timing: a checkpoint is not part of training's cost
-            train_s = clock.elapsed()
-            with clock.paused():
-                state = strategy.checkpoint_state(model, optimizer)
-                if ctx.rank == 0:
-                    checkpoint.save(ctx.run_dir, done, state,
-                                    {"strategy": cfg.strategy, "workers": ctx.world,
-                                     "train_s": train_s})
+            carried = evaluation(ctx, strategy, model, split, done, clock, evals)
+        if checkpoint_due(cfg, done):
+            save_checkpoint(ctx, strategy, model, optimizer, done, clock)
