@@ -69,16 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     log = logging.getLogger("psring.worker")
     try:
-        cfg = config_from_args(args, **({"workers": world} if world else {}))
-        if cfg.cluster.emulated and not os.environ.get("PSRING_HOST"):
-            raise ConfigError("--hosts, --link and --server-placement own-hosts ask for an "
-                              "emulated cluster, which `psring run` builds; this worker was "
-                              "started outside one (torchrun runs on real hosts): drop them.")
-        if not cfg.out:
-            raise ConfigError("a worker needs a run directory: pass --out DIR (psring run "
-                              "does this for you; under torchrun each host writes its own "
-                              "workers' steps there, and `psring merge` joins the hosts' "
-                              "directories).")
+        cfg = worker_config(args, world)
         run_worker(cfg, rank, cfg.workers, local_rank, local_world, log, prefix)
     except PsringError as e:
         message = " ".join(filter(None, [str(e), rendezvous.current().explain()]))
@@ -96,6 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         rendezvous.current().close()
     return 0
+
+
+def worker_config(args: argparse.Namespace, world: int) -> RunConfig:
+    """The run's RunConfig from this worker's flags (under torchrun, WORLD_SIZE is the
+    number of workers), and what a worker process needs besides a valid config."""
+    cfg = config_from_args(args, **({"workers": world} if world else {}))
+    if cfg.cluster.emulated and not os.environ.get("PSRING_HOST"):
+        raise ConfigError("--hosts, --link and --server-placement own-hosts ask for an "
+                          "emulated cluster, which `psring run` builds; this worker was "
+                          "started outside one (torchrun runs on real hosts): drop them.")
+    if not cfg.out:
+        raise ConfigError("a worker needs a run directory: pass --out DIR (psring run "
+                          "does this for you; under torchrun each host writes its own "
+                          "workers' steps there, and `psring merge` joins the hosts' "
+                          "directories).")
+    return cfg
 
 
 def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
