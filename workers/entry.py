@@ -18,6 +18,7 @@ torchrun's store (psring.runtime.rendezvous) and choose their network interface
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -27,6 +28,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from psring.train import device as psring_device
 from psring.cluster import netif
@@ -36,8 +38,15 @@ from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
 from psring.runtime.process import die_with_parent, set_process_name, worker_threads
 
+if TYPE_CHECKING:  # (imported where used: they import torch)
+    from torch import nn
 
-#: objects kept alive until the process exits (see the end of run_worker)
+    from psring.runs.runlog import StepLog
+    from psring.strategies import Strategy, WorkerContext
+    from psring.train.workload import Workload
+
+
+#: objects kept alive until the process exits (see _teardown)
 _RETAINED: list = []
 
 
@@ -69,16 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     log = logging.getLogger("psring.worker")
     try:
-        cfg = config_from_args(args, **({"workers": world} if world else {}))
-        if cfg.cluster.emulated and not os.environ.get("PSRING_HOST"):
-            raise ConfigError("--hosts, --link and --server-placement own-hosts ask for an "
-                              "emulated cluster, which `psring run` builds; this worker was "
-                              "started outside one (torchrun runs on real hosts): drop them.")
-        if not cfg.out:
-            raise ConfigError("a worker needs a run directory: pass --out DIR (psring run "
-                              "does this for you; under torchrun each host writes its own "
-                              "workers' steps there, and `psring merge` joins the hosts' "
-                              "directories).")
+        cfg = worker_config(args, world)
         run_worker(cfg, rank, cfg.workers, local_rank, local_world, log, prefix)
     except PsringError as e:
         message = " ".join(filter(None, [str(e), rendezvous.current().explain()]))
@@ -96,6 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         rendezvous.current().close()
     return 0
+
+
+def worker_config(args: argparse.Namespace, world: int) -> RunConfig:
+    """The run's RunConfig from this worker's flags (under torchrun, WORLD_SIZE is the
+    number of workers), and what a worker process needs besides a valid config."""
+    cfg = config_from_args(args, **({"workers": world} if world else {}))
+    if cfg.cluster.emulated and not os.environ.get("PSRING_HOST"):
+        raise ConfigError("--hosts, --link and --server-placement own-hosts ask for an "
+                          "emulated cluster, which `psring run` builds; this worker was "
+                          "started outside one (torchrun runs on real hosts): drop them.")
+    if not cfg.out:
+        raise ConfigError("a worker needs a run directory: pass --out DIR (psring run "
+                          "does this for you; under torchrun each host writes its own "
+                          "workers' steps there, and `psring merge` joins the hosts' "
+                          "directories).")
+    return cfg
 
 
 def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
@@ -122,16 +138,50 @@ def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
 
 def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world: int,
                log: logging.Logger, prefix: str = "") -> None:
-    import torch
-    import torch.distributed as dist
-
+    """One worker, from its config to its logs, in the order docs/architecture.md
+    gives ("From the command line to the logs"): the data and the model (the
+    workload), manifest.json (rank 0), the process group if the strategy's caps ask for
+    one, loop.train, model.pt (rank 0), a barrier, and always the teardown."""
+    from psring.runs.runlog import StepLog
+    from psring.strategies import STRATEGIES
     from psring.train.workload import build_workload
-    from psring.runs.runlog import (MODEL, WORKERS, StepLog, append_record, host_name,
-                               save_state_dict)
-    from psring.strategies import STRATEGIES, WorkerContext
-
-    from psring.workers.loop import train
     from psring.workers.manifest import write_manifest
+
+    ctx, threads = _context(cfg, rank, world, local_rank, local_world, log)
+    strategy_cls = STRATEGIES.get(cfg.strategy)
+    launch, net = _join(ctx, prefix)
+    launch.stage("building the model", waiting=False)  # (a data download has no deadline)
+    work = build_workload(cfg)
+    if rank == 0:
+        write_manifest(ctx.run_dir, cfg, work, strategy_cls, threads,
+                       launch={**launch.describe(), "network": net.describe()},
+                       per_host=local_world)
+    _place_model(ctx, work, strategy_cls)
+
+    strategy = None
+    steps = StepLog(ctx.run_dir)
+    try:
+        if strategy_cls.caps.uses_process_group:
+            _process_group(ctx, launch, net)
+        launch.stage(f"setting up {cfg.strategy}")
+        strategy = strategy_cls(ctx)
+        log.info("training %s on %s, %d steps, %d threads", cfg.strategy, ctx.device,
+                 cfg.steps, threads)
+        _train_and_save(ctx, strategy, work, steps, launch)
+        launch.done()
+        log.info("done")
+    finally:
+        _teardown(steps, strategy, work.model)
+
+
+def _context(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world: int,
+             log: logging.Logger) -> tuple[WorkerContext, int]:
+    """This worker's WorkerContext (its device, the run directory, the checkpoint it
+    resumes from) and its number of threads, already set for torch."""
+    import torch
+
+    from psring.runs.runlog import host_name
+    from psring.strategies import WorkerContext
 
     threads = worker_threads(cfg, local_world)
     torch.set_num_threads(threads)
@@ -141,99 +191,124 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         torch.cuda.set_device(device)
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
-
-    strategy_cls = STRATEGIES.get(cfg.strategy)
-    resume = None
-    if cfg.resume:
-        from psring.train import checkpoint
-
-        resume = checkpoint.latest(run_dir, log=log.warning)
-        if resume is None:
-            raise ConfigError(f"--resume {cfg.resume}: no checkpoint in "
-                              f"{run_dir / checkpoint.CHECKPOINTS}.")
-        log.info("resuming from %s (step %d)", resume.path, resume.step)
     ctx = WorkerContext(cfg=cfg, rank=rank, world=world, local_rank=local_rank,
                         local_world=local_world, device=device, run_dir=run_dir, log=log,
-                        resume=resume, host=host_name())
+                        resume=_checkpoint_to_resume(cfg, run_dir, log), host=host_name())
+    return ctx, threads
+
+
+def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, log: logging.Logger):
+    """--resume: the run directory's latest complete checkpoint (else None)."""
+    if not cfg.resume:
+        return None
+    from psring.train import checkpoint
+
+    resume = checkpoint.latest(run_dir, log=log.warning)
+    if resume is None:
+        raise ConfigError(f"--resume {cfg.resume}: no checkpoint in "
+                          f"{run_dir / checkpoint.CHECKPOINTS}.")
+    log.info("resuming from %s (step %d)", resume.path, resume.step)
+    return resume
+
+
+def _join(ctx: WorkerContext, prefix: str) -> tuple[rendezvous.Launch, netif.Choice]:
+    """Choose the network interface and join the run (psring.runtime.rendezvous); this
+    worker's line goes into the run directory's workers.jsonl."""
+    from psring.runs.runlog import WORKERS, append_record
+
+    cuda = ctx.device.type == "cuda"
     # which interface gloo (NCCL) advertises to the other hosts, before anything dials
-    net = netif.choose(os.environ, cuda=device.type == "cuda")
+    net = netif.choose(os.environ, cuda=cuda)
     os.environ.update(net.env)
     record = {"host": ctx.host, "address": net.address, "interface": net.interface,
-              "node": _env_int("GROUP_RANK", 0), "local_rank": local_rank,
-              "pid": os.getpid(), "out": str(run_dir.resolve())}
-    launch = rendezvous.join(rank, world, cfg.timeout, record, log, prefix)
+              "node": _env_int("GROUP_RANK", 0), "local_rank": ctx.local_rank,
+              "pid": os.getpid(), "out": str(ctx.run_dir.resolve())}
+    launch = rendezvous.join(ctx.rank, ctx.world, ctx.cfg.timeout, record, ctx.log, prefix)
     # node 0 with MASTER_ADDR loopback learns its interface from its peers' addresses
-    net = netif.after_join(net, launch.peers, ctx.host, cuda=device.type == "cuda")
+    net = netif.after_join(net, launch.peers, ctx.host, cuda=cuda)
     os.environ.update(net.env)
     record.update(address=net.address, interface=net.interface)
     for p in launch.peers:
-        if p.get("rank") == rank:
+        if p.get("rank") == ctx.rank:
             p.update(record)
     if launch.kind == "torchrun" and net.interface:
-        log.info("collectives on %s", net.message())
-    append_record(run_dir / WORKERS, {"run": launch.run_id, "world": world, "rank": rank,
-                                      **record, "time": time.time()})
-    launch.stage("building the model", waiting=False)  # (a data download has no deadline)
-    work = build_workload(cfg)
-    model, ds = work.model, work.data.train
-    if rank == 0:
-        write_manifest(run_dir, cfg, work, strategy_cls, threads,
-                       launch={**launch.describe(), "network": net.describe()},
-                       per_host=local_world)
-    model.to(device)
-    # --compute device: the device's times stand in for forward, backward and the
-    # optimizer step (psring.train.device); its warm-up would time nothing
-    ctx.stand_in = stand_in = psring_device.for_worker(cfg, rank, work.inputs)
-    if stand_in is not None:
-        psring_device.check(cfg, strategy_cls, model)
-        stand_in.install(model)
-    else:
-        warm_up(model, ds, cfg, rank, world, device)
+        ctx.log.info("collectives on %s", net.message())
+    append_record(ctx.run_dir / WORKERS, {"run": launch.run_id, "world": ctx.world,
+                                          "rank": ctx.rank, **record, "time": time.time()})
+    return launch, net
 
-    strategy = None
-    steps = StepLog(run_dir)
-    try:
-        if strategy_cls.caps.uses_process_group:
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            launch.stage(f"creating the {backend} process group")
-            log.info("joining process group (%s, %s:%s)", backend,
-                     os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
-            _init_process_group(backend, rank, world, cfg.timeout, launch, net)
-        launch.stage(f"setting up {cfg.strategy}")
-        strategy = strategy_cls(ctx)
-        log.info("training %s on %s, %d steps, %d threads", cfg.strategy, device,
-                 cfg.steps, threads)
-        try:
-            train(ctx, strategy, model, work.data, steps, resume=resume,
-                  on_step=lambda r: launch.stage("training", r["step"]))
-            if rank == 0:
-                launch.stage("saving the model", waiting=False)
-                save_state_dict(run_dir / MODEL, strategy.final_state(model))
-            if dist.is_initialized():
-                # Rank 0 hosts the rendezvous store: no rank may tear down while another
-                # still talks to it (that aborts the process in C++).
-                launch.stage("waiting for the others to finish")
-                dist.barrier()
-        except RuntimeError as e:
-            if not _broken_connection(e):
-                raise
-            raise PsringError(
-                f"worker {rank}: the connection to another worker broke "
-                f"({str(e).strip().splitlines()[0][:200]}): one of them stopped, or its host "
-                f"went away; see its output.") from None
-        launch.done()
-        log.info("done")
-    finally:
-        steps.close()
-        if strategy is not None:
-            strategy.close()
+
+def _place_model(ctx: WorkerContext, work: Workload, strategy_cls: type[Strategy]) -> None:
+    """The model onto the worker's device, and its first pass paid before timing: with
+    --compute device the device's times stand in for forward, backward and the
+    optimizer step (psring.train.device), and a warm-up would time nothing."""
+    work.model.to(ctx.device)
+    ctx.stand_in = stand_in = psring_device.for_worker(ctx.cfg, ctx.rank, work.inputs)
+    if stand_in is not None:
+        psring_device.check(ctx.cfg, strategy_cls, work.model)
+        stand_in.install(work.model)
+    else:
+        warm_up(work.model, work.data.train, ctx.cfg, ctx.rank, ctx.world, ctx.device)
+
+
+def _process_group(ctx: WorkerContext, launch: rendezvous.Launch, net: netif.Choice) -> None:
+    """torch.distributed's process group: NCCL among GPUs, else gloo."""
+    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    launch.stage(f"creating the {backend} process group")
+    ctx.log.info("joining process group (%s, %s:%s)", backend,
+                 os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    _init_process_group(backend, ctx.rank, ctx.world, ctx.cfg.timeout, launch, net)
+
+
+def _train_and_save(ctx: WorkerContext, strategy: Strategy, work: Workload, steps: StepLog,
+                    launch: rendezvous.Launch) -> None:
+    """loop.train, then rank 0 saves model.pt, then every rank waits for the others."""
+    import torch.distributed as dist
+
+    from psring.runs.runlog import MODEL, save_state_dict
+    from psring.workers.loop import train
+
+    with _broken_connections_named(ctx.rank):
+        train(ctx, strategy, work.model, work.data, steps, resume=ctx.resume,
+              on_step=lambda r: launch.stage("training", r["step"]))
+        if ctx.rank == 0:
+            launch.stage("saving the model", waiting=False)
+            save_state_dict(ctx.run_dir / MODEL, strategy.final_state(work.model))
         if dist.is_initialized():
-            dist.destroy_process_group()
-        # Never destroyed: the process leaves with os._exit (psring.workers.__main__).
-        # Freeing DDP's reducer when this frame ends dropped the last reference to the
-        # gloo process group, whose C++ destructor then waited forever for its threads
-        # in about 1 run in 10 (seen with `kill -USR1`: no Python frame below main).
-        _RETAINED.append((strategy, model))
+            # Rank 0 hosts the rendezvous store: no rank may tear down while another
+            # still talks to it (that aborts the process in C++).
+            launch.stage("waiting for the others to finish")
+            dist.barrier()
+
+
+def _teardown(steps: StepLog, strategy: Strategy | None, model: nn.Module) -> None:
+    """Close the step log and the strategy, and leave the process group."""
+    import torch.distributed as dist
+
+    steps.close()
+    if strategy is not None:
+        strategy.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Never destroyed: the process leaves with os._exit (psring.workers.__main__).
+    # Freeing DDP's reducer when run_worker's frame ended dropped the last reference to
+    # the gloo process group, whose C++ destructor then waited forever for its threads
+    # in about 1 run in 10 (seen with `kill -USR1`: no Python frame below main).
+    _RETAINED.append((strategy, model))
+
+
+@contextlib.contextmanager
+def _broken_connections_named(rank: int):
+    """A collective that failed because a peer went says so, in one paragraph."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not _broken_connection(e):
+            raise
+        raise PsringError(
+            f"worker {rank}: the connection to another worker broke "
+            f"({str(e).strip().splitlines()[0][:200]}): one of them stopped, or its host "
+            f"went away; see its output.") from None
 
 
 def _broken_connection(e: BaseException) -> bool:

@@ -1,10 +1,28 @@
 """The one worker training loop every strategy runs in.
 
+    psring run --strategy ddp --workers 2 --steps 20 --out runs/ddp   # runs/ddp/steps.jsonl
+
 It knows phases, not strategies: it calls the strategy's hooks (see
-``psring.strategies.base``) and reads its capability flags, and times each segment of
-the step into exactly one of five phases, so ``data_s + forward_s + backward_s +
-comm_s + update_s == step_s`` (up to clock reads). ``comm_s`` is time spent *blocked*
-on communication; communication that overlaps backward is inside ``backward_s``.
+``psring.strategies.base``) and reads its capabilities (``strategy.caps``). One
+optimizer step (:meth:`StepRunner.step`), each segment timed into one phase:
+
+    model.zero_grad(set_to_none=True)                   update_s
+    strategy.begin_step(step).wait()                    comm_s
+    for each of --accumulate micro-batches:
+        x, y = this worker's slice of the global batch  data_s
+        with strategy.no_sync() unless it is the last one:
+            loss = loss_fn(module(x), y) / accumulate   forward_s
+            loss.backward()  (hooks may start comm)     backward_s
+    handle = strategy.finish_backward()                 backward_s
+    handle.wait()                                       comm_s
+    strategy.update(optimizer)                          update_s
+    -> one steps.jsonl record
+
+Between steps, outside their timing: evaluation and checkpoints
+(psring.workers.periodic). The phases are laps of one clock
+(psring.workers.timing.PhaseTimer), so ``data_s + forward_s + backward_s + comm_s +
+update_s == step_s`` (up to clock reads). ``comm_s`` is time spent *blocked* on
+communication; communication that overlaps backward is inside ``backward_s``.
 
 With ``--trace`` each record also carries ``start`` (wall-clock time of the step's
 start, the clock all processes of a host share) and ``spans``: the phases in the
@@ -21,17 +39,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from psring.train import checkpoint
-from psring.train.checkpoint import Checkpoint
-from psring.train.data import Split, worker_batch
 from psring.errors import PsringError
-from psring.train.evaluate import evaluate, is_due
+from psring.runs.runlog import EVALS, StepLog
+from psring.strategies.base import Strategy, WorkerContext
+from psring.train.checkpoint import Checkpoint
+from psring.train.data import Dataset, Split, worker_batch
+from psring.train.evaluate import is_due
 from psring.train.models import loss_of
 from psring.train.optim import SGD
-from psring.runs.runlog import EVALS, PHASES, StepLog
-from psring.strategies.base import Strategy, WorkerContext
-
-now = time.perf_counter
+from psring.workers.periodic import checkpoint_due, evaluation, save_checkpoint
+from psring.workers.timing import GradientClock, PhaseTimer, TrainingClock, now
 
 
 def make_optimizer(model: nn.Module, cfg) -> SGD:
@@ -42,6 +59,8 @@ def make_optimizer(model: nn.Module, cfg) -> SGD:
 def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
           log: StepLog | None, on_step: Callable[[dict], None] | None = None,
           resume: Checkpoint | None = None) -> None:
+    """Train ``model`` for --steps optimizer steps (from ``resume``'s step on), one
+    ``log`` record (and ``on_step`` call) each."""
     cfg = ctx.cfg
     module = strategy.setup(model)
     optimizer = None
@@ -56,229 +75,176 @@ def train(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
         strategy.restore_checkpoint(model, optimizer, resume.tensors)
         first_step = resume.step
         clock.resumed = float(resume.meta.get("train_s", 0.0))
+    run = StepRunner(ctx, strategy, model, module, optimizer, data.train)
     evals = StepLog(ctx.run_dir, EVALS) if ctx.rank == 0 and log is not None else None
     try:
-        _steps(ctx, strategy, model, module, optimizer, data, log, on_step, first_step,
-               clock, evals)
-    except RuntimeError as e:
-        # torch.distributed's timeouts (gloo, NCCL) say only "timed out"; name what was
-        # waited for and the knob, as the parameter-server client does for its servers
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-            raise
-        raise PsringError(
-            f"worker {ctx.rank}: no progress within --timeout {cfg.timeout:g} s while "
-            f"waiting for {strategy.caps.waits_for}; see the other workers' logs for which one "
-            f"stopped (or raise --timeout if a step can legitimately take that long). "
-            f"({str(e).splitlines()[0][:200]})") from e
+        with _timeouts_named(ctx, strategy):
+            _steps(run, data, log, on_step, first_step, clock, evals)
     finally:
         if evals is not None:
             evals.close()
 
 
-class TrainingClock:
-    """Rank 0's training time: wall-clock since its first step began, less what is not
-    training (evaluations, checkpoints); a resumed run continues its checkpoint's."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-        self.excluded = 0.0
-        self.resumed = 0.0
-
-    def begin(self, already: float = 0.0) -> None:
-        """The first step begins (``already`` seconds ago: a wait charged to it)."""
-        if self.start is None:
-            self.start = now() - already
-            self.excluded = 0.0  # (the evaluation of the initial model came before)
-
-    def elapsed(self) -> float:
-        return self.resumed + (now() - self.start - self.excluded if self.start else 0.0)
-
-    @contextlib.contextmanager
-    def paused(self):
-        t = now()
-        try:
-            yield
-        finally:
-            self.excluded += now() - t
+@contextlib.contextmanager
+def _timeouts_named(ctx: WorkerContext, strategy: Strategy):
+    """torch.distributed's timeouts (gloo, NCCL) say only "timed out": name what was
+    waited for and the knob, as the parameter-server client does for its servers."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise PsringError(
+            f"worker {ctx.rank}: no progress within --timeout {ctx.cfg.timeout:g} s while "
+            f"waiting for {strategy.caps.waits_for}; see the other workers' logs for which one "
+            f"stopped (or raise --timeout if a step can legitimately take that long). "
+            f"({str(e).splitlines()[0][:200]})") from e
 
 
-def _evaluate(ctx: WorkerContext, strategy: Strategy, model: nn.Module, data: Split,
-              done: int, clock: TrainingClock, evals: StepLog | None) -> float:
-    """Every worker evaluates at the same steps (so synchronous workers stay in step,
-    and asynchronous ones pause alike); rank 0 records. Outside the step timing, except
-    the wait in eval_model for the parameters (a PS pull): the next step would have
-    waited for them, so that time is returned, to be charged to the next step's
-    communication, and the training clock keeps running through it."""
-    t = now()
-    target = strategy.eval_model(model)
-    fetch = now() - t
-    train_s = clock.elapsed()
-    with clock.paused():
-        t = now()
-        loss, accuracy = evaluate(target, data.held_out, ctx.device)
-        if evals is not None:
-            evals.write({"step": done, "train_s": round(train_s, 6),
-                         "loss": loss, "accuracy": accuracy, "eval_s": round(now() - t, 6),
-                         "time": time.time(), "samples": len(data.held_out)})
-    return fetch
-
-
-def _steps(ctx: WorkerContext, strategy: Strategy, model: nn.Module, module: nn.Module,
-           optimizer: SGD | None, split: Split, log: StepLog | None,
+def _steps(run: StepRunner, split: Split, log: StepLog | None,
            on_step: Callable[[dict], None] | None, first_step: int, clock: TrainingClock,
            evals: StepLog | None) -> None:
-    cfg = ctx.cfg
-    device = ctx.device
-    data = split.train
+    """The steps from ``first_step`` on, with evaluations and checkpoints between them."""
+    ctx, strategy, model, cfg = run.ctx, run.strategy, run.model, run.cfg
     every = cfg.eval_interval
-    micro = cfg.accumulate
-    # On CUDA, kernels run asynchronously: synchronize at phase boundaries so time lands
-    # in the phase that caused it. On CPU this is a no-op.
-    sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    slow_rank, slow_factor = cfg.slow
-    slowed = slow_rank == ctx.rank and slow_factor > 1
-    # --time-scale S (device mode) runs the cluster S times slower than the one it stands
-    # for: every duration is recorded on that cluster's clock, divided by S
-    per = 1.0 / ctx.stand_in.time_scale if ctx.stand_in is not None else 1.0
-    # a device's loss is part of its forward: the stand-in's costs the host nothing
-    loss_fn = ctx.stand_in.loss if ctx.stand_in is not None else loss_of
-    # --worker-batch: this worker's mean loss over its n samples, weighed by n / (B / N):
-    # every synchronous strategy averages N workers' gradients, so the average is then
-    # the global batch's mean gradient, what single computes
-    sizes = cfg.worker_batches
-    uneven = bool(cfg.worker_batch)
-    weight = ctx.world * sizes[ctx.rank] / cfg.batch_size
-
-    last_compute = 0.0
-    # When each parameter's gradient became final (one hook per parameter): the last
-    # one marks the end of backward's compute for a strategy that waits for
-    # communication inside backward(); with --trace all of them are logged, for
-    # psring.predict.profile (the simulator rebuckets a profile at any bucket size).
-    last_grad = [0.0]
-    grad_ready: list[float] | None = None
-    if strategy.caps.syncs_inside_backward or cfg.trace:
-        params = [p for p in model.parameters() if p.requires_grad]
-        ready_at = [0.0] * len(params)
-        grad_ready = ready_at if cfg.trace else None
-
-        def ready(i: int) -> Callable[[torch.Tensor], None]:
-            def hook(_: torch.Tensor) -> None:
-                last_grad[0] = ready_at[i] = now()
-            return hook
-
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(ready(i))
-
-    carried = 0.0  # communication an evaluation waited for on this step's behalf
+    carried = 0.0  # communication an evaluation waited for on the next step's behalf
     if first_step == 0 and is_due(0, cfg.steps, every):
-        carried = _evaluate(ctx, strategy, model, split, 0, clock, evals)  # the start
+        carried = evaluation(ctx, strategy, model, split, 0, clock, evals)  # the start
     for step in range(first_step, cfg.steps):
         clock.begin(carried)
-        ph = dict.fromkeys(PHASES, 0.0)
-        mark = now()
-        t0 = mark - carried  # the step began with that wait
-        ph["comm_s"] = carried
-        start = time.time() - carried
-        spans: list[list] | None = [] if cfg.trace else None
-        if spans is not None and carried:
-            spans.append(["comm", 0.0, round(carried, 7)])
+        record = run.step(step, carried)
         carried = 0.0
-
-        def lap(phase: str) -> None:
-            nonlocal mark
-            sync()
-            t = now()
-            ph[phase] += t - mark
-            if spans is not None and t > mark:
-                spans.append([phase[:-2], round(mark - t0, 7), round(t - t0, 7)])
-            mark = t
-
-        model.zero_grad(set_to_none=True)
-        lap("update_s")
-        strategy.begin_step(step).wait()
-        lap("comm_s")
-
-        loss_sum = torch.zeros((), device=device)
-        backward_end = 0.0
-        for m in range(micro):
-            x, y = worker_batch(data, cfg.batch_size, step * micro + m, ctx.rank, ctx.world,
-                                sizes)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            lap("data_s")
-            last = m == micro - 1
-            compute_start = mark
-            with contextlib.nullcontext() if last else strategy.no_sync():
-                loss = loss_fn(module(x), y) / micro
-                # (the record keeps this worker's own mean loss, not the weighed one)
-                weighed = loss * weight if uneven else loss
-                if slowed:
-                    # --slow-worker: a straggler's gradients come late, so stretch the
-                    # compute before backward, by the previous micro-batch's compute time
-                    # (3x this forward for the first one).
-                    time.sleep((slow_factor - 1) * (last_compute or 3 * (now() - compute_start)))
-                lap("forward_s")
-                backward_start = mark
-                last_grad[0] = 0.0
-                weighed.backward()
-                lap("backward_s")
-                last_compute = (mark - compute_start) / (slow_factor if slowed else 1)
-                backward_end = mark
-            if last and strategy.caps.syncs_inside_backward and last_grad[0] > backward_start:
-                blocked = backward_end - last_grad[0]
-                ph["backward_s"] -= blocked
-                ph["comm_s"] += blocked
-                backward_end = last_grad[0]
-                if spans and spans[-1][0] == "backward":
-                    spans[-1][2] = round(backward_end - t0, 7)
-                    spans.append(["comm", spans[-1][2], round(mark - t0, 7)])
-            loss_sum += loss.detach()
-
-        handle = strategy.finish_backward()
-        lap("backward_s")
-        handle.wait()
-        lap("comm_s")
-        strategy.update(optimizer)
-        lap("update_s")
-
-        stats = strategy.take_stats()
-        record = {
-            "strategy": cfg.strategy, "worker": ctx.rank, "host": ctx.host, "step": step,
-            "time": time.time(),
-            **{k: round(v * per, 7) for k, v in ph.items()},
-            "step_s": round((mark - t0) * per, 7),
-            "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv,
-            "loss": float(loss_sum),
-            "backward_end_s": round((backward_end - t0) * per, 7),
-        }
-        if spans is not None:
-            record["start"] = start
-            record["spans"] = spans if per == 1.0 else \
-                [[name, round(a * per, 7), round(b * per, 7)] for name, a, b in spans]
-        if grad_ready is not None:
-            # offsets from the last micro-batch's backward start, in parameter order
-            record["grad_ready_s"] = [round(max(0.0, t - backward_start) * per, 7)
-                                      for t in grad_ready]
-        if stats.bucket_launch:
-            record["bucket_launch_s"] = [round((t - t0) * per, 7) for t in stats.bucket_launch]
-            record["bucket_done_s"] = [round((t - t0) * per, 7) for t in stats.bucket_done]
-        record.update({k: round(v * per, 7) if k.endswith("_s") else v
-                       for k, v in stats.extra.items()})
-        if ctx.stand_in is not None:
-            record.update(ctx.stand_in.record())
         if log is not None:
             log.write(record)
         if on_step is not None:
             on_step(record)
         done = step + 1
         if is_due(done, cfg.steps, every):
-            carried = _evaluate(ctx, strategy, model, split, done, clock, evals)
-        if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            # outside the step's timing: a checkpoint is not part of training's cost
-            train_s = clock.elapsed()
-            with clock.paused():
-                state = strategy.checkpoint_state(model, optimizer)
-                if ctx.rank == 0:
-                    checkpoint.save(ctx.run_dir, done, state,
-                                    {"strategy": cfg.strategy, "workers": ctx.world,
-                                     "train_s": train_s})
+            carried = evaluation(ctx, strategy, model, split, done, clock, evals)
+        if checkpoint_due(cfg, done):
+            save_checkpoint(ctx, strategy, model, run.optimizer, done, clock)
+
+
+class Straggler:
+    """--slow-worker I:FACTOR: worker I's gradients come late. Its compute before
+    backward is stretched by the previous micro-batch's compute time (3x this forward
+    for the first one), so it computes FACTOR times as long."""
+
+    def __init__(self, cfg, rank: int):
+        slow_rank, factor = cfg.slow
+        self.factor = factor if slow_rank == rank and factor > 1 else 1
+        self.last_compute = 0.0
+
+    def delay(self, compute_start: float) -> None:
+        if self.factor > 1:
+            time.sleep((self.factor - 1)
+                       * (self.last_compute or 3 * (now() - compute_start)))
+
+    def computed(self, seconds: float) -> None:
+        """One micro-batch's forward and backward took ``seconds``, delay included."""
+        self.last_compute = seconds / self.factor
+
+
+class StepRunner:
+    """One worker's optimizer steps: what stays the same from step to step (set up
+    once, hooks included), and :meth:`step`."""
+
+    def __init__(self, ctx: WorkerContext, strategy: Strategy, model: nn.Module,
+                 module: nn.Module, optimizer: SGD | None, data: Dataset):
+        self.ctx, self.cfg, self.strategy = ctx, ctx.cfg, strategy
+        self.model, self.module, self.optimizer, self.data = model, module, optimizer, data
+        cfg, stand_in = ctx.cfg, ctx.stand_in
+        # On CUDA, kernels run asynchronously: synchronize at phase boundaries so time
+        # lands in the phase that caused it. On CPU this is a no-op.
+        self.sync: Callable[[], None] = (torch.cuda.synchronize if ctx.device.type == "cuda"
+                                         else (lambda: None))
+        # --time-scale S (device mode) runs the cluster S times slower than the one it
+        # stands for: every duration is recorded on that cluster's clock, divided by S
+        self.scale = 1.0 / stand_in.time_scale if stand_in is not None else 1.0
+        # a device's loss is part of its forward: the stand-in's costs the host nothing
+        self.loss_fn = stand_in.loss if stand_in is not None else loss_of
+        self.sizes = cfg.worker_batches
+        # --worker-batch: this worker's mean loss over its n samples, weighed by
+        # n / (B / N): every synchronous strategy averages N workers' gradients, so the
+        # average is then the global batch's mean gradient, what single computes
+        self.weight = (ctx.world * self.sizes[ctx.rank] / cfg.batch_size
+                       if cfg.worker_batch else None)
+        self.straggler = Straggler(cfg, ctx.rank)
+        # the last gradient's time splits backward from the wait inside it; --trace
+        # records every gradient's
+        self.grads = (GradientClock(model)
+                      if strategy.caps.syncs_inside_backward or cfg.trace else None)
+
+    def step(self, step: int, carried: float = 0.0) -> dict:
+        """One optimizer step, timed phase by phase; returns its steps.jsonl record.
+        ``carried``: communication already waited for on its behalf (comm_s)."""
+        strategy, micro = self.strategy, self.cfg.accumulate
+        timer = PhaseTimer(self.sync, self.cfg.trace, carried, self.scale)
+        self.model.zero_grad(set_to_none=True)
+        timer.lap("update_s")
+        strategy.begin_step(step).wait()
+        timer.lap("comm_s")
+
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for m in range(micro):
+            x, y = self._batch(step * micro + m)
+            timer.lap("data_s")
+            with contextlib.nullcontext() if m == micro - 1 else strategy.no_sync():
+                loss = self._forward_backward(x, y, timer)
+            loss_sum += loss
+        if strategy.caps.syncs_inside_backward:
+            timer.blocked_since(self.grads.last)
+
+        handle = strategy.finish_backward()
+        timer.lap("backward_s")
+        handle.wait()
+        timer.lap("comm_s")
+        strategy.update(self.optimizer)
+        timer.lap("update_s")
+        return self._record(step, timer, loss_sum)
+
+    def _batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's rows of global (micro-)batch ``index``, on its device."""
+        ctx, device = self.ctx, self.ctx.device
+        x, y = worker_batch(self.data, self.cfg.batch_size, index, ctx.rank, ctx.world,
+                            self.sizes)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor,
+                          timer: PhaseTimer) -> torch.Tensor:
+        """One micro-batch's forward (forward_s) and backward (backward_s); its loss."""
+        compute_start = timer.mark
+        loss = self.loss_fn(self.module(x), y) / self.cfg.accumulate
+        # (the record keeps this worker's own mean loss, not the weighed one)
+        weighed = loss * self.weight if self.weight is not None else loss
+        self.straggler.delay(compute_start)
+        timer.lap("forward_s")
+        if self.grads is not None:
+            self.grads.last = 0.0
+        timer.backward(weighed.backward)
+        self.straggler.computed(timer.mark - compute_start)
+        return loss.detach()
+
+    def _record(self, step: int, timer: PhaseTimer, loss_sum: torch.Tensor) -> dict:
+        """The step's steps.jsonl line: the phases, the strategy's stats (byte counts,
+        bucket times, its own fields), and under --trace the spans and gradient times."""
+        cfg, ctx = self.cfg, self.ctx
+        stats = self.strategy.take_stats()
+        record = {
+            "strategy": cfg.strategy, "worker": ctx.rank, "host": ctx.host, "step": step,
+            "time": time.time(), **timer.phases(),
+            "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv,
+            "loss": float(loss_sum), "backward_end_s": timer.offset(timer.backward_end),
+            **timer.trace(),
+        }
+        if cfg.trace and self.grads is not None:
+            # offsets from the last micro-batch's backward start, in parameter order
+            record["grad_ready_s"] = timer.since_backward(self.grads.ready_at)
+        if stats.bucket_launch:
+            record["bucket_launch_s"] = [timer.offset(t) for t in stats.bucket_launch]
+            record["bucket_done_s"] = [timer.offset(t) for t in stats.bucket_done]
+        record.update({k: round(v * timer.scale, 7) if k.endswith("_s") else v
+                       for k, v in stats.extra.items()})
+        if ctx.stand_in is not None:
+            record.update(ctx.stand_in.record())
+        return record
