@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import SMALL, assert_no_processes, psring_together
+from tests.helpers import SMALL, assert_no_processes, psring, psring_together
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -35,3 +36,16 @@ def small_runs(tmp_path_factory) -> dict[str, Path]:
                        "--out", out] for s, out in runs.items()))
     assert_no_processes(root)
     return runs
+
+
+@pytest.fixture(scope="session")
+def compare_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``psring compare --repeats 1`` (every strategy on experiments/compare.toml's
+    workload, ~1 min here), run once per session: its report is checked in
+    tests/multiproc/test_report.py and its single point, which is the default task's
+    single run, in tests/multiproc/test_learning.py. (Its directory and the command's
+    output.)"""
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    proc = psring("compare", "--out", out, "--repeats", 1, timeout=280)
+    assert_no_processes(out)
+    return out, proc

@@ -43,9 +43,8 @@ def test_report_reads_values_from_the_logs(small_runs):
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
-def test_compare_runs_every_strategy_and_reports(tmp_path):
-    out = tmp_path / "cmp"
-    proc = psring("compare", "--out", out, "--repeats", 1, timeout=280)
+def test_compare_runs_every_strategy_and_reports(compare_run):
+    out, proc = compare_run
     from psring.strategies import STRATEGIES
 
     report = (out / "report.md").read_text()
