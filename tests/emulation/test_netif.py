@@ -47,7 +47,7 @@ def test_a_master_addr_that_does_not_resolve_is_named():
 
 _PROBE = """
 import json, sys
-from psring import netif
+from psring.cluster import netif
 from psring.errors import ConfigError
 try:
     c = netif.choose({"MASTER_ADDR": sys.argv[1]}, cuda=sys.argv[2] == "cuda")

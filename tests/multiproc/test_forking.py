@@ -14,7 +14,7 @@ from tests.helpers import assert_no_processes
 SCRIPT = r"""
 import os, sys, threading, time
 from pathlib import Path
-from psring import forking
+from psring.runtime import forking
 from psring.runtime.process import ProcessSpec, Supervisor
 
 w = [sys.executable, "-m", "psring.workers", "--help"]
@@ -58,7 +58,7 @@ def test_the_launcher_forks_only_when_it_is_safe_and_children_behave_as_started_
 
 @pytest.mark.timeout(120)
 def test_psring_fork_0_starts_every_process_anew(tmp_path):
-    code = ("import sys; from psring import forking; forking.allow(); "
+    code = ("import sys; from psring.runtime import forking; forking.allow(); "
             "print(forking.target([sys.executable, '-m', 'psring.workers']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=100, env={**os.environ, "PSRING_FORK": "0"})
@@ -69,7 +69,7 @@ def test_psring_fork_0_starts_every_process_anew(tmp_path):
 def test_no_fork_once_torch_came_first(tmp_path):
     """Whatever ran after torch was imported but before allow() may have started its
     thread pools (a model module computing at import): a fork could inherit a lock."""
-    code = ("import sys, torch; torch.ones(10**6).mul_(2); from psring import forking; "
+    code = ("import sys, torch; torch.ones(10**6).mul_(2); from psring.runtime import forking; "
             "forking.allow(); print(forking.target([sys.executable, '-m', 'psring.workers']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=100)
@@ -79,7 +79,7 @@ def test_no_fork_once_torch_came_first(tmp_path):
 CLOSED = r"""
 import os, signal, sys
 from pathlib import Path
-from psring import forking
+from psring.runtime import forking
 from psring.runtime.process import ProcessSpec, Supervisor
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as some parents leave it
 forking.allow()

@@ -27,7 +27,7 @@ def test_each_attempt_of_a_launch_has_keys_of_its_own():
 
 _WATCHED = """
 import logging, os, sys, time
-from psring import rendezvous
+from psring.runtime import rendezvous
 rendezvous.GRACE_S = 0.5
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], WORLD_SIZE="1", RANK="0")
 launch = rendezvous.join(0, 1, 1.0, {"host": "here"}, logging.getLogger(), "[worker 0/1]")
