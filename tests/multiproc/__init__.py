@@ -1,0 +1,1 @@
+"""Tests that start psring processes: CLI runs, servers, the launcher, forking, sweeps."""

@@ -1,0 +1,99 @@
+"""psring.runtime.forking: when the launcher forks a run's processes, and that a forked child
+behaves as a new ``python -m MODULE`` would (its own log, exit status, environment).
+Each check runs in a fresh interpreter: forking from pytest's own process is what the
+module refuses to do."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import assert_no_processes
+
+SCRIPT = r"""
+import os, sys, threading, time
+from pathlib import Path
+from psring.runtime import forking
+from psring.runtime.process import ProcessSpec, Supervisor
+
+w = [sys.executable, "-m", "psring.workers", "--help"]
+print("before allow:", forking.target(w))
+forking.allow()
+print("after allow:", forking.target(w))
+print("other module:", forking.target([sys.executable, "-m", "json.tool"]))
+log = Path(sys.argv[1])
+sup = Supervisor(log)
+bad = sup.start(ProcessSpec("server-0", [sys.executable, "-m", "psring.servers", "--bind",
+                                         "nonsense"], env={"PSRING_MARK": "x"}))
+ok = sup.start(ProcessSpec("worker-0", w))
+for c in (bad, ok):
+    c.proc.wait(timeout=60)
+print("forked:", type(bad.proc).__name__, "codes:", bad.proc.returncode, ok.proc.returncode)
+print("log:", "not a ZeroMQ endpoint" in (log / "server-0.log").read_text(),
+      "usage:" in (log / "worker-0.log").read_text())
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)
+t.start()
+print("with a thread:", forking.target(w))
+stop.set(); t.join()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_forks_only_when_it_is_safe_and_children_behave_as_started_anew(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "before allow: None" in out
+    assert "after allow: ('psring.workers', ['--help'])" in out
+    assert "other module: None" in out
+    # a server refusing its --bind exits 2 (a ConfigError), --help exits 0
+    assert "forked: ForkedProcess codes: 2 0" in out
+    assert "log: True True" in out
+    assert "with a thread: None" in out
+    assert_no_processes(str(tmp_path))  # the forked children carry its command line
+
+
+@pytest.mark.timeout(120)
+def test_psring_fork_0_starts_every_process_anew(tmp_path):
+    code = ("import sys; from psring.runtime import forking; forking.allow(); "
+            "print(forking.target([sys.executable, '-m', 'psring.workers']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100, env={**os.environ, "PSRING_FORK": "0"})
+    assert proc.stdout.strip() == "None", proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_no_fork_once_torch_came_first(tmp_path):
+    """Whatever ran after torch was imported but before allow() may have started its
+    thread pools (a model module computing at import): a fork could inherit a lock."""
+    code = ("import sys, torch; torch.ones(10**6).mul_(2); from psring.runtime import forking; "
+            "forking.allow(); print(forking.target([sys.executable, '-m', 'psring.workers']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100)
+    assert proc.stdout.strip() == "None", proc.stderr
+
+
+CLOSED = r"""
+import os, signal, sys
+from pathlib import Path
+from psring.runtime import forking
+from psring.runtime.process import ProcessSpec, Supervisor
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as some parents leave it
+forking.allow()
+os.close(0)  # the launcher's stdin closed: its first log file opens as fd 0
+sup = Supervisor(Path(sys.argv[1]))
+c = sup.start(ProcessSpec("worker-0", [sys.executable, "-m", "psring.workers", "--help"]))
+print(type(c.proc).__name__, c.proc.wait(timeout=60))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_logs_and_reports_its_exit_whatever_the_launcher_inherited(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", CLOSED, str(tmp_path)], capture_output=True,
+                          text=True, timeout=100)
+    assert proc.stdout.strip() == "ForkedProcess 0", proc.stderr
+    assert "usage:" in (tmp_path / "worker-0.log").read_text()
+    assert_no_processes(str(tmp_path))

@@ -1,0 +1,1 @@
+"""Tests in one process: no psring process started."""
