@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from psring.train import data
 from psring.config import RunConfig
-from psring.train.models import ModelSettings, build_model
 from psring.strategies import STRATEGIES, WorkerContext
 from psring.strategies.base import StepStats
 from psring.strategies.buckets import GradientBuckets, bucket_caps
-from psring.workers.loop import make_optimizer, train
+from psring.train import data
+from psring.train.models import ModelSettings, build_model
 from psring.train.workload import build_workload
+from psring.workers.loop import make_optimizer, train
 
 # eval_samples=0: these time steps, and the loop would otherwise also evaluate
 MODEL = dict(model="mlp", width=1024, depth=3, features=256, batch_size=64, eval_samples=0)

@@ -176,7 +176,8 @@ def run_ps(numel: int, servers: int, rounds: int) -> float:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         run = f"bench-{time.time_ns()}"
-        ws = [ctx.Process(target=ps_worker, args=(r, addrs, numel, rounds, run, q)) for r in range(N)]
+        ws = [ctx.Process(target=ps_worker, args=(r, addrs, numel, rounds, run, q))
+              for r in range(N)]
         for w in ws:
             w.start()
         res = dict(q.get(timeout=600) for _ in ws)

@@ -14,9 +14,10 @@ share one process's allocator and caches between contenders, which hid the slow
 backward these runs found.)
 
 ``ps`` runs as users get it: servers on Unix sockets on one Linux host ("ps ipc / tcp"
-compares the transports). Workload: psring's default ``mlp`` (1024x3, 9.5 MB of gradients) on its synthetic
-task, 2 workers, global batch 64, 60 steps, seed 3. Comparisons with ``@1gbit`` run on
-2 emulated hosts joined by 1 Gbit/s links (docs/emulation.md: root or user namespaces).
+compares the transports). Workload: psring's default ``mlp`` (1024x3, 9.5 MB of
+gradients) on its synthetic task, 2 workers, global batch 64, 60 steps, seed 3.
+Comparisons with ``@1gbit`` run on 2 emulated hosts joined by 1 Gbit/s links
+(docs/emulation.md: root or user namespaces).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_ps  # noqa: E402
+import bench_ps
 
 NOOP = ("import sys; from psring.servers.store import ShardStore as S; "
         "S.begin = S.add = S.finish = lambda self, g, start=0: None; "

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package
 
-from tests.helpers.multihost import emulated_hosts, next_port, wait_all  # noqa: E402
+from tests.helpers.multihost import emulated_hosts, next_port, wait_all
 
 SMALL = ["--model", "mlp", "--steps", "5", "--batch-size", "32", "--threads", "1"]
 CASES = ("interface", "fails-at-start", "cut", "run-id", "never-arrives", "wrong-ifname")

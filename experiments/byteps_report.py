@@ -34,7 +34,7 @@ def link_bytes(rows: list[dict], run_of) -> list[str]:
     lines = ["| strategy | worker host | out per step | in per step | out / M | in / M |",
              "|---|---|---|---|---|---|"]
     ratio = {}
-    for (strategy, update), runs in sorted(by.items()):
+    for (strategy, _update), runs in sorted(by.items()):
         if len(runs) < 2:
             continue
         lo, hi = sorted(runs)[0], sorted(runs)[-1]

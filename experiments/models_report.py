@@ -27,7 +27,8 @@ def main(sweep_dir: str) -> int:
     settings = json.loads((root / "report.json").read_text())
     by = defaultdict(dict)  # (cluster, model) -> strategy -> samples/s
     for s in settings:
-        cluster = "1 host" if s["varied"].get("hosts", 1) == 1 else s["cluster"].split(",")[0] + ", 1 Gbit/s"
+        cluster = ("1 host" if s["varied"].get("hosts", 1) == 1
+                   else s["cluster"].split(",")[0] + ", 1 Gbit/s")
         by[(cluster, s["varied"]["model"])][s["strategy"]] = s["samples_per_s"]["median"]
     clusters = list(dict.fromkeys(c for c, _ in by))
     models = list(dict.fromkeys(m for _, m in by))

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import sys
 
+from psring.cluster.spec import Cluster
 from psring.predict.costmodel import Calibration
 from psring.predict.profile import Profile
-from psring.cluster.spec import Cluster
 from psring.predict.simulate import simulate
 
 # -- the hardware, on paper ------------------------------------------------------------

@@ -40,8 +40,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from psring.runtime.allocator import keep_freed_memory
     from psring.comm.protocol import load_secret
+    from psring.runtime.allocator import keep_freed_memory
 
     keep_freed_memory()  # received frames are freed and allocated again every round
     from psring.servers.server import Server

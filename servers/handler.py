@@ -10,9 +10,10 @@ sync   pushes for step ``s`` are summed (into the momentum buffer, as they arriv
        see psring.servers.store); each range is updated (SGD) as soon as all N
        workers' pushes of it are in (with init's ``group`` G, N / G pushes: byteps's
        workers push one host's sum each, a range from one worker per host), and when
-       every element is updated the version becomes ``s + 1``. A pull for ``min_version = s + 1`` is answered range by range:
-       each range is sent as soon as it is updated (so replies overlap the summing of
-       the rest), the pull is complete when the whole shard has been sent.
+       every element is updated the version becomes ``s + 1``. A pull for
+       ``min_version = s + 1`` is answered range by range: each range is sent as soon
+       as it is updated (so replies overlap the summing of the rest), the pull is
+       complete when the whole shard has been sent.
 async  every push is applied as it arrives (Downpour). When a worker's push for a step
        covers the whole shard, the version goes up by one and its staleness is the
        number of updates applied since the version it pulled. With ``max_staleness S``
@@ -39,7 +40,6 @@ from typing import Any
 import torch
 
 from psring.comm.protocol import DTYPE_NAMES, DTYPES, MODES, UPDATES, Message, encode, error_frames
-
 from psring.servers.store import ShardStore
 
 #: pulls held back at once, beyond which new ones are refused (bounded memory)

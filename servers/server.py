@@ -23,14 +23,21 @@ from urllib.parse import urlparse
 
 import zmq
 
-from psring.cluster.spec import in_network
 from psring.cluster.netns import inside_cluster
+from psring.cluster.spec import in_network
+from psring.comm.protocol import (
+    HOW_TO_SET_A_SECRET,
+    MAX_HEADER_BYTES,
+    REQUESTS,
+    SIGNATURE_BYTES,
+    AuthenticationError,
+    ProtocolError,
+    decode,
+    error_frames,
+    is_local,
+)
 from psring.errors import ConfigError
 from psring.runs.runlog import host_name
-from psring.comm.protocol import (HOW_TO_SET_A_SECRET, MAX_HEADER_BYTES, REQUESTS, SIGNATURE_BYTES,
-                             AuthenticationError, ProtocolError, decode, error_frames,
-                             is_local)
-
 from psring.servers.handler import Handler
 
 POLL_MS = 100

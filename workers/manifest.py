@@ -6,11 +6,11 @@ import os
 import sys
 from pathlib import Path
 
-from psring.train import device as psring_device
 from psring.comm.compress import wire_bytes
 from psring.config import RunConfig
-from psring.train.models import flops_per_sample, parameter_bytes
 from psring.runs.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
+from psring.train import device as psring_device
+from psring.train.models import flops_per_sample, parameter_bytes
 
 
 def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,

@@ -47,8 +47,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from psring.cluster.spec import NETWORK, Cluster
-from psring.errors import PsringError
 from psring.cluster.netns import (
     CLONE_NEWNET,
     CLONE_NEWUSER,
@@ -61,6 +59,9 @@ from psring.cluster.netns import (
     port_bytes,
     setns_fd,
 )
+from psring.cluster.spec import NETWORK, Cluster
+from psring.errors import PsringError
+from psring.runs.runlog import atomic_write_json
 from psring.runtime.process import (
     POLL_S,
     ProcessSpec,
@@ -69,7 +70,6 @@ from psring.runtime.process import (
     kill_with_parent,
     tail,
 )
-from psring.runs.runlog import atomic_write_json
 
 #: the switch's bridge (its ports are named after the hosts)
 BRIDGE = "psr-br"
@@ -430,7 +430,8 @@ def enter_host(state_path: str | Path, host_name: str) -> None:
 def _enter_main(argv: list[str]) -> int:
     # python -m psring.cluster.emulate enter STATE HOST -- COMMAND...
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: python -m psring.cluster.emulate enter STATE HOST -- COMMAND...", file=sys.stderr)
+        print("usage: python -m psring.cluster.emulate enter STATE HOST -- COMMAND...",
+              file=sys.stderr)
         return 2
     state_path, host_name, _, *command = argv
     try:
@@ -586,8 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         return _enter_main(argv[1:])
     if argv[:1] == ["agent"] and len(argv) == 3:
         return agent_main(argv[1], argv[2])
-    print("usage: python -m psring.cluster.emulate enter STATE HOST -- COMMAND... | agent PLAN STATE "
-          "(started by psring run; see docs/emulation.md)", file=sys.stderr)
+    print("usage: python -m psring.cluster.emulate enter STATE HOST -- COMMAND... "
+          "| agent PLAN STATE (started by psring run; see docs/emulation.md)", file=sys.stderr)
     return 2
 
 

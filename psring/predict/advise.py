@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psring.cluster.spec import Cluster
 from psring.predict.costmodel import ps_link_load
 from psring.predict.profile import Profile
-from psring.cluster.spec import Cluster
 from psring.predict.simulate import Prediction, simulate
 
 BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
@@ -226,7 +226,8 @@ def recommendations(cands: list[Candidate], ranking: list[Candidate],
                     classes: dict[str, Any]) -> list[str]:
     win = ranking[0]
     cls = classes[win.strategy]
-    lines = [f"Fastest: {win.strategy} ({win.setting(cls.caps.uses_servers, cls.caps.supports_compression)}), "
+    setting = win.setting(cls.caps.uses_servers, cls.caps.supports_compression)
+    lines = [f"Fastest: {win.strategy} ({setting}), "
              f"{win.prediction.step_s * 1e3:.1f} ms per step, scaling efficiency "
              f"{win.prediction.efficiency:.0%}."]
     if cls.caps.cost_model is not None:
@@ -243,8 +244,9 @@ def recommendations(cands: list[Candidate], ranking: list[Candidate],
     if ps:
         best = min(ps, key=preference)
         one = min((c for c in ps if c.cluster.servers == 1), key=preference)
-        lines.append(f"Parameter servers: {best.cluster.servers} "
-                     f"{'on hosts of their own' if best.cluster.placement == 'own-hosts' else 'colocated with the workers'}"
+        where = ("on hosts of their own" if best.cluster.placement == "own-hosts"
+                 else "colocated with the workers")
+        lines.append(f"Parameter servers: {best.cluster.servers} {where}"
                      f" ({best.prediction.step_s * 1e3:.1f} ms per step; one colocated or not: "
                      f"{one.prediction.step_s * 1e3:.1f} ms).")
     return lines
@@ -254,7 +256,8 @@ def table(ranking: list[Candidate], classes: dict[str, Any]) -> list[list[str]]:
     rows = []
     for i, c in enumerate(ranking, 1):
         p, cls = c.prediction, classes[c.strategy]
-        rows.append([str(i), c.strategy, c.setting(cls.caps.uses_servers, cls.caps.supports_compression),
+        rows.append([str(i), c.strategy,
+                     c.setting(cls.caps.uses_servers, cls.caps.supports_compression),
                      f"{p.step_s * 1e3:.1f}",
                      f"{(p.step_s - p.phases['comm_s']) * 1e3:.1f}",
                      f"{p.phases['comm_s'] * 1e3:.1f}", f"{p.samples_per_s:.0f}",

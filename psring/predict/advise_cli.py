@@ -42,7 +42,6 @@ from typing import Any
 
 from psring.cluster.spec import Cluster, parse_delay, parse_rate
 from psring.errors import ConfigError
-from psring.runs.runlog import atomic_write_json
 from psring.predict.advise import (
     HEADER,
     Candidate,
@@ -55,9 +54,10 @@ from psring.predict.advise import (
     verify_candidates,
 )
 from psring.predict.costmodel import Calibration, find_calibration
-from psring.predict.simulate import is_costed
 from psring.predict.profile import MODEL_KEYS, Profile
 from psring.predict.profiling import profile_config, take_profile
+from psring.predict.simulate import is_costed
+from psring.runs.runlog import atomic_write_json
 
 # Imported inside the functions that use them, as before this command had a module of
 # its own: psring.train.models, the strategy registry, calibrate and the run report (each
@@ -172,9 +172,9 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
     the smallest --time-scale at which this machine emulates it faithfully
     (psring.train.device.required_time_scale)."""
     from psring.config import RunConfig
-    from psring.train.device import required_time_scale
-    from psring.runtime.launch import launch
     from psring.report import summarize
+    from psring.runtime.launch import launch
+    from psring.train.device import required_time_scale
 
     results = []
     for c in top:
@@ -193,7 +193,8 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
         if cls.caps.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
             flags["link"] = args.link
         scale = required_time_scale(RunConfig(**flags))
-        print(f"psring: verifying {c.strategy} ({c.setting(cls.caps.uses_servers, cls.caps.supports_compression)})"
+        setting = c.setting(cls.caps.uses_servers, cls.caps.supports_compression)
+        print(f"psring: verifying {c.strategy} ({setting})"
               f"{f', --time-scale {scale}' if scale > 1 else ''}", flush=True)
         run_dir = launch(RunConfig(**flags, time_scale=scale))
         measured = summarize(run_dir)["step_p50_s"]

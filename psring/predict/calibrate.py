@@ -48,10 +48,10 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from psring.errors import PsringError
-from psring.runtime.process import die_with_parent, free_port
 from psring.comm.protocol import ABSTRACT_IPC, abstract_ipc_endpoint
+from psring.errors import PsringError
 from psring.predict.costmodel import Calibration
+from psring.runtime.process import die_with_parent, free_port
 
 KB, MB = 1024, 1024 * 1024
 #: message sizes of the ping-pongs: from latency-bound to bandwidth-bound. They stop at
@@ -483,8 +483,8 @@ def calibrate_link(link: str, delay: str = "", quick: bool = False,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """α and β of ZeroMQ and gloo between two emulated hosts joined by ``link``
     (psring.cluster.emulate): the entry ``Calibration.links[rate]``."""
-    from psring.cluster.spec import parse_rate
     from psring.cluster.emulate import standalone
+    from psring.cluster.spec import parse_rate
 
     say = log or (lambda _msg: None)
     bits = parse_rate(link)

@@ -21,8 +21,9 @@ one α, β pair for ZeroMQ (what the parameter-server strategies use) and one fo
 torch.distributed's gloo (what ring all-reduce and DDP use), and one γ.
 
 Which formula a strategy follows is its ``comm_model`` class attribute
-(``psring.strategies.base.Strategy``): ``"ring"``, ``"ps"``, ``"ps-async"``, ``"byteps"``, ``"hring"`` (hallreduce), or ``None``
-when it sends no messages (single, hogwild).
+(``psring.strategies.base.Strategy``): ``"ring"``, ``"ps"``, ``"ps-async"``,
+``"byteps"``, ``"hring"`` (hallreduce), or ``None`` when it sends no messages (single,
+hogwild).
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ class Calibration:
         alpha, beta = self.link(comm_model)
         if link_bits is None:
             return alpha, beta, "loopback"
-        
+
         key = "dist" if comm_model in ("ring", "hring") else "zmq"
         # a calibration of this rate and delay; else of this rate, without the delay
         for name, extra in ((link_key(link_bits, delay_s), 0.0),

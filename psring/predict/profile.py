@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from psring.errors import ConfigError
 from psring.comm.partition import bucket_assignment, bucket_caps
+from psring.errors import ConfigError
 from psring.runs.runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
 from psring.train.shares import shares_of
 

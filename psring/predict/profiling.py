@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 from psring.config import RunConfig
-from psring.runtime.launch import launch
 from psring.predict.profile import MODEL_KEYS, Profile
+from psring.runtime.launch import launch
 
 
 def profile_config(**run_flags: Any):

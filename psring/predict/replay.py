@@ -16,11 +16,11 @@ from typing import Any
 
 from psring.config import cluster_of
 from psring.errors import PsringError
-from psring.runs.runlog import read_manifest
-from psring.strategies import STRATEGIES
 from psring.predict.costmodel import Calibration
 from psring.predict.profile import Profile
 from psring.predict.simulate import Prediction, is_costed, simulate
+from psring.runs.runlog import read_manifest
+from psring.strategies import STRATEGIES
 
 
 def replay(run_dir: Any, cal: Calibration,

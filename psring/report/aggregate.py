@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from psring.config import cluster_of
-from psring.train.evaluate import time_to_accuracy
 from psring.predict.costmodel import Calibration, crossover_bytes
-from psring.predict.simulate import comm_seconds, is_costed
 from psring.predict.replay import replay
-from psring.runs.runlog import PHASES
-from psring.strategies import STRATEGIES
+from psring.predict.simulate import comm_seconds, is_costed
 from psring.report.cluster import CLUSTER_KEYS, cluster_text, network_text
 from psring.report.runs import WORKLOAD_KEYS
-
+from psring.runs.runlog import PHASES
+from psring.strategies import STRATEGIES
+from psring.train.evaluate import time_to_accuracy
 
 #: keys that define the model and data (not the batch): the scaling baseline's match
 MODEL_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",

@@ -30,7 +30,6 @@ from pathlib import Path
 
 from psring.errors import ConfigError
 from psring.predict.costmodel import Calibration, find_calibration
-from psring.runs.runlog import PHASES, atomic_write_bytes, read_manifest
 from psring.report.aggregate import (
     Setting,
     Spread,
@@ -53,7 +52,7 @@ from psring.report.plots import (
     plot_staleness,
 )
 from psring.report.points import collect
-
+from psring.runs.runlog import PHASES, atomic_write_bytes, read_manifest
 
 REPORT = "report.md"
 

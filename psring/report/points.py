@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from psring.errors import ConfigError
-from psring.runs.runlog import PHASES, read_evals, read_manifest, read_steps, warmup_steps
-from psring.strategies import STRATEGIES
-from psring.runs.sweep import SWEEP_FILE, point_status
 from psring.report.runs import summarize
+from psring.runs.runlog import PHASES, read_evals, read_manifest, read_steps, warmup_steps
+from psring.runs.sweep import SWEEP_FILE, point_status
+from psring.strategies import STRATEGIES
 
 
 def peer_waits(records: list[dict]) -> dict[tuple[int, int], float]:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from psring.errors import ConfigError
-from psring.train.evaluate import time_to_accuracy
 from psring.runs.merge import missing_ranks
 from psring.runs.runlog import (
     PHASES,
@@ -26,8 +25,9 @@ from psring.runs.runlog import (
     read_steps,
     warmup_steps,
 )
-from psring.train.shares import shares_of
 from psring.strategies import STRATEGIES
+from psring.train.evaluate import time_to_accuracy
+from psring.train.shares import shares_of
 
 #: config keys that define "the same workload" for speedups
 WORKLOAD_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",

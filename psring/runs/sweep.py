@@ -343,8 +343,14 @@ def run_sweep(sweep: Sweep, out: Path,
 def run_sweep_with_progress(sweep: Sweep, out: Path) -> SweepResult:
     """run_sweep with a progress bar and ETA on stderr (plain lines when not a terminal)."""
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

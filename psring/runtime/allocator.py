@@ -41,7 +41,9 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc's; musl has a mallopt that does nothing
+        # looked up only to raise AttributeError off glibc: musl has a mallopt that
+        # does nothing
+        _ = libc.gnu_get_libc_version
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

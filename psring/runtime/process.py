@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from psring.runtime import forking
 from psring.errors import ConfigError, RunFailed
+from psring.runtime import forking
 
 GRACE_S = 5.0
 #: how often the supervisor looks at its children: a run ends at most this late
@@ -41,11 +41,11 @@ POLL_S = 0.02
 
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when the launcher dies (even by SIGKILL),
-    so a killed ``psring run`` (or torchrun agent) leaves no orphans. SIGKILL, not SIGTERM: a worker blocked
-    in a collective (C++, waiting for a peer that died with the launcher) would run its
-    Python SIGTERM handler only when the collective times out, minutes later. Nothing
-    is lost that a crash would not lose: checkpoints and run files are written
-    atomically. Linux only; elsewhere a no-op."""
+    so a killed ``psring run`` (or torchrun agent) leaves no orphans. SIGKILL, not
+    SIGTERM: a worker blocked in a collective (C++, waiting for a peer that died with the
+    launcher) would run its Python SIGTERM handler only when the collective times out,
+    minutes later. Nothing is lost that a crash would not lose: checkpoints and run files
+    are written atomically. Linux only; elsewhere a no-op."""
     parent = os.environ.get("PSRING_PARENT_PID")
     if not parent:
         # under torchrun the parent is its agent, which a SIGKILL (or a lost terminal)

@@ -6,9 +6,15 @@ is a module named in ``PSRING_PLUGINS`` (comma-separated, importable); it is imp
 here, in the launcher and in every worker alike. See docs/architecture.md.
 """
 
-from psring.strategies.base import STRATEGIES, Capabilities, Strategy, StepStats, WorkerContext
-from psring.strategies import single, allreduce, ddp, ps, hogwild, hallreduce, byteps
 from psring.plugins import load_plugins
+from psring.strategies.base import STRATEGIES, Capabilities, StepStats, Strategy, WorkerContext
+
+# the registry lists the strategies in the order they are imported here (kept, not sorted)
+# isort: off
+from psring.strategies import (  # noqa: F401 - imported to register the built-in strategies
+    single, allreduce, ddp, ps, hogwild, hallreduce, byteps,
+)
+# isort: on
 
 load_plugins()
 

@@ -30,8 +30,8 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterable, Protocol
 import torch
 from torch import nn
 
-from psring.train.optim import SGD
 from psring.registry import Registry
+from psring.train.optim import SGD
 
 STRATEGIES: Registry = Registry("strategy")
 

@@ -25,9 +25,11 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from psring.comm.partition import DEFAULT_BUCKET_MB, bucket_assignment, bucket_caps
+# DEFAULT_BUCKET_MB and bucket_caps are re-exported: the strategies import them from here
+from psring.comm.partition import DEFAULT_BUCKET_MB as DEFAULT_BUCKET_MB
+from psring.comm.partition import bucket_assignment
+from psring.comm.partition import bucket_caps as bucket_caps
 from psring.strategies.base import Handle, StepStats
-
 
 
 class Bucket:
@@ -154,7 +156,7 @@ class GradientBuckets:
         """Launch what backward left incomplete (unused parameters count as zero
         gradients, in order) and return every handle of this step."""
         for b in self.buckets[self._next:]:
-            for i, p in enumerate(b.params):
+            for i, _p in enumerate(b.params):
                 if not b.ready[i]:
                     b.views[i].zero_()
                     b.ready[i] = True

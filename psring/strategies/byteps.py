@@ -31,23 +31,22 @@ contiguous range per server it overlaps (docs/protocol.md: ``lo``, ``hi``).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from psring.errors import PsringError
 from psring.comm.interconnect import host_comm, host_layout
 from psring.comm.partition import even_split, overlaps
 from psring.comm.protocol import Message, load_secret
+from psring.comm.psclient import PSClient, Replies
+from psring.errors import PsringError
 from psring.runs.runlog import run_id
 from psring.strategies.base import DONE, STRATEGIES, Handle
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
-from psring.comm.psclient import PSClient, Replies
 from psring.strategies.ps import ParameterServer
 
 #: the largest push (BytePS's BYTEPS_PARTITION_BYTES default, 4096000 bytes): a part is

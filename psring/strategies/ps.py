@@ -31,22 +31,22 @@ every reply must carry a valid signature (docs/protocol.md).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import bisect
+from dataclasses import replace
 from typing import ClassVar, ContextManager
 
 import torch
 from torch import nn
 
-from psring.errors import PsringError
-from psring.runs.runlog import run_id
-from psring.comm.partition import even_split, overlaps
 from psring.comm.compress import wire_dtype
+from psring.comm.partition import even_split, overlaps
 from psring.comm.protocol import DTYPE_NAMES, Message, load_secret
 from psring.comm.psclient import PSClient, Replies
+from psring.errors import PsringError
+from psring.runs.runlog import run_id
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
+
 
 def server_frame_limit(cfg) -> int | None:
     """The largest frame a server of this run receives — worker 0's ``init`` carries a
@@ -56,7 +56,6 @@ def server_frame_limit(cfg) -> int | None:
     data is loaded (digits, .npz) or the model can't be built on the meta device: the
     servers then keep their default bound."""
     from psring.servers.server import FRAME_SLACK
-
     from psring.train.workload import meta_model
 
     if cfg.data != "synthetic":

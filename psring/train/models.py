@@ -38,9 +38,12 @@ import torch
 from torch import nn
 
 from psring.errors import ConfigError
+
 # the model vocabulary lives with the models; re-exported here, where user factories
 # import it from (examples/my_model.py)
-from psring.zoo import KINDS, MODELS, Factory, Inputs, ModelSettings
+from psring.zoo import KINDS as KINDS
+from psring.zoo import MODELS, Factory, Inputs, ModelSettings
+
 
 def model_factory(name: str) -> Factory:
     """A built-in model's factory, or ``package.module:function`` imported."""

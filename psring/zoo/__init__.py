@@ -11,4 +11,10 @@ their parameter counts equal torchvision's (tests/test_models.py checks).
 """
 
 from psring.zoo.base import KINDS, MODELS, Factory, Inputs, ModelSettings
-from psring.zoo import simple, vision, text
+
+# MODELS lists the models in the order they are imported here (kept, not sorted)
+# isort: off
+from psring.zoo import simple, vision, text  # noqa: F401 - imported to register the models
+# isort: on
+
+__all__ = ["KINDS", "MODELS", "Factory", "Inputs", "ModelSettings"]

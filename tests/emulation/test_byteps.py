@@ -9,9 +9,17 @@ import json
 
 import pytest
 
-from tests.helpers import (SMALL, assert_cluster_gone, assert_no_processes, cli_here,
-                           load_model, max_rel_diff, needs_emulation, psring_together,
-                           read_steps)
+from tests.helpers import (
+    SMALL,
+    assert_cluster_gone,
+    assert_no_processes,
+    cli_here,
+    load_model,
+    max_rel_diff,
+    needs_emulation,
+    psring_together,
+    read_steps,
+)
 
 
 @needs_emulation

@@ -14,13 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (SMALL, assert_cluster_gone, assert_no_processes, cli_here,
-                           needs_emulation, psring, read_steps)
-from psring.train import device
 from psring.config import RunConfig
 from psring.errors import ConfigError
 from psring.predict.profile import Profile
+from psring.train import device
 from psring.train.workload import meta_model
+from tests.helpers import (
+    SMALL,
+    assert_cluster_gone,
+    assert_no_processes,
+    cli_here,
+    needs_emulation,
+    psring,
+    read_steps,
+)
 
 FLAGS = dict(model="mlp", width=256, depth=2, features=64, batch_size=32)
 

@@ -22,12 +22,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (PSRING, SMALL, assert_cluster_gone, assert_no_processes, cli_here,
-                           cluster_state, cut_link, interruptible, load_model, max_rel_diff,
-                           needs_emulation, netem_available, process_named, psring, read_steps)
-from psring.cluster import spec as clusters, emulate, netns
+from psring.cluster import emulate, netns
+from psring.cluster import spec as clusters
 from psring.config import RunConfig
 from psring.errors import ConfigError
+from tests.helpers import (
+    PSRING,
+    SMALL,
+    assert_cluster_gone,
+    assert_no_processes,
+    cli_here,
+    cluster_state,
+    cut_link,
+    interruptible,
+    load_model,
+    max_rel_diff,
+    needs_emulation,
+    netem_available,
+    process_named,
+    psring,
+    read_steps,
+)
 
 # -- the flags ---------------------------------------------------------------------------
 

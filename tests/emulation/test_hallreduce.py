@@ -9,10 +9,19 @@ import json
 
 import pytest
 
-from tests.helpers import (SMALL, assert_cluster_gone, assert_no_processes, cli_here,
-                           load_model, max_rel_diff, needs_emulation, psring_together,
-                           read_steps, trained_by_the_tree)
 from psring.strategies.hallreduce import hierarchy_bytes
+from tests.helpers import (
+    SMALL,
+    assert_cluster_gone,
+    assert_no_processes,
+    cli_here,
+    load_model,
+    max_rel_diff,
+    needs_emulation,
+    psring_together,
+    read_steps,
+    trained_by_the_tree,
+)
 
 
 def test_hierarchy_bytes():

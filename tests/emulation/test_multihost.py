@@ -15,10 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (SMALL, assert_no_processes, cli_here, emulated_hosts, load_model,
-                           max_rel_diff, needs_emulation, next_port, psring)
-from psring.runtime.rendezvous import GRACE_S
 from psring.runs.runlog import read_manifest, read_steps
+from psring.runtime.rendezvous import GRACE_S
+from tests.helpers import (
+    SMALL,
+    assert_no_processes,
+    cli_here,
+    emulated_hosts,
+    load_model,
+    max_rel_diff,
+    needs_emulation,
+    next_port,
+    psring,
+)
 
 pytestmark = [needs_emulation, pytest.mark.slow]
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from tests.helpers import needs_emulation
 from psring.cluster import netif
 from psring.errors import ConfigError
+from tests.helpers import needs_emulation
 
 
 def test_one_host_needs_no_choice():
@@ -60,9 +60,10 @@ except ConfigError as e:
 @needs_emulation
 @pytest.mark.timeout(60)
 def test_the_route_to_master_addr_picks_the_interface_or_its_absence_is_explained(tmp_path):
-    """In a namespace of our own: an interface (one end of a veth pair) with 198.18.7.2/24 routes to .1; a
-    network with no route fails with the variable to set."""
-    script = (f"ip link add psr-t0 type veth peer name psr-t1 && ip addr add 198.18.7.2/24 dev psr-t0 && "
+    """In a namespace of our own: an interface (one end of a veth pair) with
+    198.18.7.2/24 routes to .1; a network with no route fails with the variable to set."""
+    script = (f"ip link add psr-t0 type veth peer name psr-t1 && "
+              f"ip addr add 198.18.7.2/24 dev psr-t0 && "
               f"ip link set psr-t0 up && {sys.executable} -c '{_PROBE}' 198.18.7.1 cpu && "
               f"{sys.executable} -c '{_PROBE}' 198.19.9.9 cuda")
     unshare = ["unshare", "--net"] if os.geteuid() == 0 else \

@@ -17,8 +17,8 @@ except ImportError:
     sys.exit("atheris is not installed: pip install atheris (Linux x86_64, Python 3.11-3.13)")
 
 # imported before instrumentation: only psring.comm.protocol is instrumented, not torch
-import msgpack  # noqa: E402
-import torch  # noqa: E402
+import msgpack
+import torch
 
 with atheris.instrument_imports(include=["psring.comm.protocol"]):
     from psring.comm import protocol

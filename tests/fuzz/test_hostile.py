@@ -18,10 +18,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import (LiveServer, RawClient, assert_no_processes, rss_kib,
-                           start_server_process)
 from psring.comm import protocol
 from psring.comm.protocol import AuthenticationError, ProtocolError, decode, encode
+from tests.helpers import LiveServer, RawClient, assert_no_processes, rss_kib, start_server_process
 
 KEY = b"k" * 32
 HERE = Path(__file__).resolve().parent
@@ -132,7 +131,7 @@ def test_fuzz_mutated_valid_messages(which, key, data):
 
 
 def test_msgpack_limits_bound_what_a_header_expands_into():
-    for name, blob in {"array32 of 2**32": b"\xdd\xff\xff\xff\xff",
+    for _name, blob in {"array32 of 2**32": b"\xdd\xff\xff\xff\xff",
                        "map32 of 2**32": b"\xdf\xff\xff\xff\xff",
                        "str32 of 4 GiB": b"\xdb\xff\xff\xff\xff",
                        "bin32 of 4 GiB": b"\xc6\xff\xff\xff\xff",

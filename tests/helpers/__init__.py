@@ -17,16 +17,36 @@ imports from any test file, wherever pytest is started.
 """
 
 from tests.helpers.adasumref import trained_by_the_tree
-from tests.helpers.emulation import (assert_cluster_gone, cluster_state, cut_link,
-                                     emulation_unavailable, leftovers, needs_emulation,
-                                     netem_available)
+from tests.helpers.emulation import (
+    assert_cluster_gone,
+    cluster_state,
+    cut_link,
+    emulation_unavailable,
+    leftovers,
+    needs_emulation,
+    netem_available,
+)
 from tests.helpers.multihost import Hosts, Node, emulated_hosts, next_port, user_env, wait_all
-from tests.helpers.runs import (PSRING, SMALL, TESTS, assert_evals, assert_no_processes,
-                                cli_here, env_with_plugins, interruptible, load_model,
-                                max_rel_diff, pid_alive, process_named, processes_mentioning,
-                                psring, psring_together, read_evals, read_steps)
-from tests.helpers.servers import (LiveServer, RawClient, ops, req, rss_kib,
-                                   start_server_process)
+from tests.helpers.runs import (
+    PSRING,
+    SMALL,
+    TESTS,
+    assert_evals,
+    assert_no_processes,
+    cli_here,
+    env_with_plugins,
+    interruptible,
+    load_model,
+    max_rel_diff,
+    pid_alive,
+    process_named,
+    processes_mentioning,
+    psring,
+    psring_together,
+    read_evals,
+    read_steps,
+)
+from tests.helpers.servers import LiveServer, RawClient, ops, req, rss_kib, start_server_process
 
 __all__ = [
     "PSRING", "SMALL", "TESTS", "Hosts", "LiveServer", "Node", "RawClient",

@@ -10,9 +10,17 @@ import threading
 import pytest
 import torch
 
-from tests.helpers import (SMALL, assert_no_processes, cli_here, load_model, max_rel_diff,
-                           psring, read_steps, trained_by_the_tree)
 from psring.comm import adasum
+from tests.helpers import (
+    SMALL,
+    assert_no_processes,
+    cli_here,
+    load_model,
+    max_rel_diff,
+    psring,
+    read_steps,
+    trained_by_the_tree,
+)
 
 
 class ThreadComm:
@@ -139,8 +147,8 @@ def test_adasum_across_hosts_of_host_averages_equals_the_tree(hosts, g):
     grads = [[torch.randn(n, generator=gen) for _ in range(g)] for _ in range(hosts)]
     grads[1][0][:37] = grads[0][0][:37] * 0.7  # nearly parallel somewhere: coefficients matter
     means = [sum(w) / g for w in grads]
-    shared = {"q": {((a, l), (b, l)): queue.Queue() for a in range(hosts)
-                    for b in range(hosts) for l in range(g)}, "blocks": {}}
+    shared = {"q": {((a, lr), (b, lr)): queue.Queue() for a in range(hosts)
+                    for b in range(hosts) for lr in range(g)}, "blocks": {}}
     level = 1
     while level < hosts:
         for block in range(hosts // (2 * level)):

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from tests.helpers import assert_no_processes, cli_here, psring
 from psring.predict.costmodel import Calibration
 from psring.predict.profile import Profile
 from psring.strategies.buckets import GradientBuckets, bucket_caps
+from tests.helpers import assert_no_processes, cli_here, psring
 
 KB = 1024
 

@@ -13,11 +13,20 @@ import pytest
 import torch
 import zmq
 
-from tests.helpers import (LiveServer, RawClient, SMALL, assert_no_processes, load_model,
-                           max_rel_diff, psring, read_steps, start_server_process)
 from psring.comm import protocol
-from psring.errors import ConfigError, PsringError
 from psring.comm.protocol import AuthenticationError, ProtocolError, decode, encode, load_secret
+from psring.errors import ConfigError, PsringError
+from tests.helpers import (
+    SMALL,
+    LiveServer,
+    RawClient,
+    assert_no_processes,
+    load_model,
+    max_rel_diff,
+    psring,
+    read_steps,
+    start_server_process,
+)
 
 KEY = b"k" * 32
 OTHER = b"o" * 32
@@ -147,7 +156,7 @@ def test_signed_messages_round_trip_and_any_change_breaks_the_signature():
         "signature truncated": ([frames[0], frames[1][:16], *frames[2:]], KEY),
         "signature too long": ([frames[0], frames[1] + b"\0", *frames[2:]], KEY),
     }
-    for name, (msg, key) in tampered.items():
+    for _name, (msg, key) in tampered.items():
         with pytest.raises(AuthenticationError):
             decode(msg, key=key)
     # a side without a secret refuses a signed message (it can't check it)

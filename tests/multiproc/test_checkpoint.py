@@ -10,10 +10,20 @@ import time
 import pytest
 import torch
 
-from tests.helpers import (PSRING, SMALL, assert_no_processes, cli_here, interruptible,
-                           load_model, max_rel_diff, psring, read_evals, read_steps)
-from psring.train import checkpoint
 from psring.errors import ConfigError
+from psring.train import checkpoint
+from tests.helpers import (
+    PSRING,
+    SMALL,
+    assert_no_processes,
+    cli_here,
+    interruptible,
+    load_model,
+    max_rel_diff,
+    psring,
+    read_evals,
+    read_steps,
+)
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:

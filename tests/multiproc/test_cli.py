@@ -7,15 +7,21 @@ import time
 import pytest
 import torch
 
-from tests.helpers import (SMALL, assert_no_processes, cli_here, env_with_plugins,
-                           interruptible, psring)
+from tests.helpers import (
+    SMALL,
+    assert_no_processes,
+    cli_here,
+    env_with_plugins,
+    interruptible,
+    psring,
+)
 
 
 def assert_clean_error(proc, needle):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     assert needle in proc.stderr, proc.stderr
-    err_lines = [l for l in proc.stderr.splitlines() if l.startswith("psring: error:")]
+    err_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("psring: error:")]
     assert len(err_lines) == 1, proc.stderr
 
 
@@ -27,7 +33,8 @@ def assert_clean_error(proc, needle):
     (["--model", "vgg16", "--image-size", "16"], "--image-size must be at least 32"),
     (["--target-accuracy", "90"], "fraction of the held-out rows"),
     (["--strategy", "allreduce", "--workers", "0"], "--workers must be at least 1"),
-    (["--strategy", "allreduce", "--workers", "3", "--batch-size", "32"], "multiple of --workers 3"),
+    (["--strategy", "allreduce", "--workers", "3", "--batch-size", "32"],
+     "multiple of --workers 3"),
     (["--model", "cnn", "--features", "50"], "perfect square"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, args, needle):

@@ -8,12 +8,18 @@ import json
 import pytest
 import torch
 
-from tests.helpers import (SMALL, assert_no_processes, load_model, psring, psring_together,
-                           read_steps)
+from psring.comm.protocol import decode, encode
 from psring.config import RunConfig
 from psring.errors import ConfigError
-from psring.comm.protocol import decode, encode
 from psring.servers.handler import Handler
+from tests.helpers import (
+    SMALL,
+    assert_no_processes,
+    load_model,
+    psring,
+    psring_together,
+    read_steps,
+)
 
 #: unit roundoff of each wire dtype: the largest relative error of one cast
 EPS = {"fp16": 2.0**-11, "bf16": 2.0**-8}

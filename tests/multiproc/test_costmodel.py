@@ -20,7 +20,6 @@ from psring.predict.calibrate import fit, run_pair
 from psring.predict.calibrate_cli import main as calibrate_main
 from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.strategies import STRATEGIES
-
 from tests.helpers import assert_no_processes
 
 # The worked example: n = 4 workers, M = 1e6 bytes, α = 1e-5 s, β = 1e-9 s/B, γ = 2e-10 s/B.

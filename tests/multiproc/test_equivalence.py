@@ -4,9 +4,15 @@ parameters `single` ends with, on the same seed and global batch."""
 import pytest
 
 from psring.train.models import ModelSettings, build_model
-
-from tests.helpers import (SMALL, assert_evals, assert_no_processes, load_model, max_rel_diff,
-                           psring_together, read_steps)
+from tests.helpers import (
+    SMALL,
+    assert_evals,
+    assert_no_processes,
+    load_model,
+    max_rel_diff,
+    psring_together,
+    read_steps,
+)
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_s", "update_s")
 
@@ -18,7 +24,8 @@ def test_same_parameters_as_single(small_runs, strategy):
     got = load_model(small_runs[strategy])
     assert max_rel_diff(got, ref) < 1e-4
     # and training moved the parameters: the match is not between two initializations
-    init = build_model("mlp", ModelSettings(features=64, width=256, depth=2), seed=0)[0].state_dict()
+    init = build_model("mlp", ModelSettings(features=64, width=256, depth=2),
+                       seed=0)[0].state_dict()
     assert max_rel_diff(got, init) > 1e-3
 
 

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from tests.helpers import assert_no_processes, psring, read_steps
 from psring.comm import interconnect
 from psring.config import RunConfig
 from psring.errors import ConfigError
 from psring.predict.profile import Profile
 from psring.train.workload import meta_model
+from tests.helpers import assert_no_processes, psring, read_steps
 
 FLAGS = dict(model="mlp", width=1024, depth=3, features=64, batch_size=32)
 

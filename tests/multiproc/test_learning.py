@@ -5,7 +5,6 @@ import json
 import pytest
 
 from psring.train.evaluate import is_due, time_to_accuracy
-
 from tests.helpers import assert_no_processes, read_evals
 
 

@@ -7,10 +7,21 @@ import pytest
 import torch
 
 from psring.errors import ConfigError
-from psring.train.models import MODELS, ModelSettings, build_model, flops_per_sample, parameter_count
-
-from tests.helpers import (assert_no_processes, load_model, max_rel_diff, psring,
-                           psring_together, read_evals)
+from psring.train.models import (
+    MODELS,
+    ModelSettings,
+    build_model,
+    flops_per_sample,
+    parameter_count,
+)
+from tests.helpers import (
+    assert_no_processes,
+    load_model,
+    max_rel_diff,
+    psring,
+    psring_together,
+    read_evals,
+)
 
 #: torchvision's counts at 1000 classes (and 224x224, which the count does not depend on)
 TORCHVISION = {"resnet18": 11_689_512, "resnet50": 25_557_032, "resnet101": 44_549_160,
@@ -138,7 +149,7 @@ def test_a_user_factory_runs_under_every_kind_of_strategy(tmp_path):
 def test_psring_models_shows_torchvisions_counts():
     out = psring("models", "--classes", "1000", "--image-size", "224", timeout=120).stdout
     for name, count in TORCHVISION.items():
-        line = next(l for l in out.splitlines() if f" {name} " in l)
+        line = next(ln for ln in out.splitlines() if f" {name} " in ln)
         assert f"{count:,}" in line, line
     assert "mlstm" in out and "gpt" in out
 
@@ -156,7 +167,8 @@ def test_a_broken_user_factory_is_refused_before_any_process_starts(tmp_path, mo
         "    m.weight[0, 0].item()\n"
         "    return m, Inputs.vector(s.features, s.classes)\n"
         "def wrong_shape(s):\n"
-        "    return torch.nn.Linear(s.features + 1, s.classes), Inputs.vector(s.features, s.classes)\n"
+        "    return torch.nn.Linear(s.features + 1, s.classes), "
+        "Inputs.vector(s.features, s.classes)\n"
         "def fine(s):\n"
         "    return torch.nn.Linear(s.features, s.classes), Inputs.vector(s.features, s.classes)\n")
     monkeypatch.chdir(tmp_path)  # a factory is imported from the directory psring runs in

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tests.helpers import SMALL, assert_no_processes, env_with_plugins, psring
 from psring.predict.costmodel import Calibration
+from tests.helpers import SMALL, assert_no_processes, env_with_plugins, psring
 
 NAP_S = 0.05  # tests/plugins/sleepy.py's
 

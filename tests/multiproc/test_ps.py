@@ -10,9 +10,15 @@ import time
 import pytest
 
 from psring.comm.protocol import ABSTRACT_IPC
-
-from tests.helpers import (SMALL, assert_evals, assert_no_processes, load_model, max_rel_diff,
-                           psring, read_steps)
+from tests.helpers import (
+    SMALL,
+    assert_evals,
+    assert_no_processes,
+    load_model,
+    max_rel_diff,
+    psring,
+    read_steps,
+)
 
 
 @pytest.mark.timeout(300)
@@ -85,7 +91,8 @@ def test_server_addrs_pointing_at_nothing_fails_fast(tmp_path):
                   "--server-addrs", f"tcp://127.0.0.1:{free_port()}", "--out", out,
                   check=False)
     assert proc.returncode == 1
-    assert "no answer to" in proc.stderr and "from parameter server(s) tcp://127.0.0.1" in proc.stderr
+    assert "no answer to" in proc.stderr
+    assert "from parameter server(s) tcp://127.0.0.1" in proc.stderr
     assert time.monotonic() - t0 < 40
     assert_no_processes(out)
 

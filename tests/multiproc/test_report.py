@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from tests.helpers import assert_no_processes, psring, read_steps
 from psring.predict.simulate import is_costed
 from psring.report.runs import percentile
 from psring.runs.runlog import warmup_steps
+from tests.helpers import assert_no_processes, psring, read_steps
 
 
 def test_percentile_and_warmup():

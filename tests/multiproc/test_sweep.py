@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PSRING, assert_no_processes, env_with_plugins, interruptible, psring
 from psring.errors import ConfigError
 from psring.report import summarize
 from psring.runs.sweep import Sweep
+from tests.helpers import PSRING, assert_no_processes, env_with_plugins, interruptible, psring
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = {"model": "mlp", "width": 32, "depth": 1, "features": 16, "samples": 512,

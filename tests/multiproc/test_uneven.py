@@ -9,9 +9,16 @@ import statistics
 import pytest
 import torch
 
-from tests.helpers import (SMALL, assert_no_processes, cli_here, load_model, max_rel_diff,
-                           psring_together, read_steps)
 from psring.train.data import Dataset, worker_batch
+from tests.helpers import (
+    SMALL,
+    assert_no_processes,
+    cli_here,
+    load_model,
+    max_rel_diff,
+    psring_together,
+    read_steps,
+)
 
 
 def test_uneven_shares_cover_single_batch_rows_once():

@@ -8,7 +8,6 @@ import torch
 
 from psring.comm.protocol import decode
 from psring.servers.handler import Handler
-
 from tests.helpers import ops, req
 
 
@@ -111,7 +110,8 @@ def test_bad_groups_updates_and_parts_are_refused():
 
 
 def test_partitions_cut_at_servers_and_at_the_partition_size():
-    from psring.strategies.byteps import PARTITION_ELEMENTS as P, partitions
+    from psring.strategies.byteps import PARTITION_ELEMENTS as P
+    from psring.strategies.byteps import partitions
 
     ranges = [(0, 3 * P), (3 * P, 5 * P)]
     got = partitions(P // 2, 4 * P, ranges)

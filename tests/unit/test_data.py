@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from psring.train import data
 from psring.errors import ConfigError
+from psring.train import data
 from psring.train.models import Inputs
 
 KINDS = [Inputs.vector(16, 5), Inputs.image(3, 8, 5), Inputs.tokens(12, 5)]
@@ -52,7 +52,8 @@ def test_npz_loading_splitting_and_rejection(tmp_path):
     # a model taking flat vectors gets the rows flattened; a fifth at most is held out
     split = data.split_file(ds, 1000, Inputs.vector(4, 3), "good.npz", seed=0)
     assert split.train.x.shape == (80, 4) and len(split.held_out) == 20
-    rows = {tuple(r.tolist()) for r in split.train.x} | {tuple(r.tolist()) for r in split.held_out.x}
+    rows = ({tuple(r.tolist()) for r in split.train.x}
+            | {tuple(r.tolist()) for r in split.held_out.x})
     assert len(rows) == 100  # every row is in exactly one part
     with pytest.raises(ConfigError, match="do not fit the model"):
         data.split_file(ds, 10, Inputs.image(3, 2, 3), "good.npz", seed=0)

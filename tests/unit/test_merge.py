@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from psring.runs import merge as merge_mod
 from psring.errors import ConfigError
 from psring.report.runs import summarize
+from psring.runs import merge as merge_mod
 from psring.runs.runlog import read_manifest, read_steps
 
 

@@ -19,7 +19,7 @@ def test_sgd_is_torch_sgd_bit_for_bit(momentum, weight_decay):
     ref = [p.clone().requires_grad_() for p in p0]
     opt = SGD(ours, lr=0.1, momentum=momentum, weight_decay=weight_decay)
     ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=momentum, weight_decay=weight_decay)
-    for step in range(4):
+    for _step in range(4):
         grads = [torch.randn_like(p) for p in p0]
         for a, b, g in zip(ours, ref, grads):
             a.grad, b.grad = g.clone(), g.clone()

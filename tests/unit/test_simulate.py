@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from psring.predict.costmodel import Calibration, ring_allreduce
-from psring.predict.profile import Profile
 from psring.cluster.spec import Cluster
 from psring.errors import ConfigError
+from psring.predict.costmodel import Calibration, ring_allreduce
+from psring.predict.profile import Profile
 from psring.predict.simulate import ring_steps, simulate
 
 A, BETA, GAMMA = 1e-3, 1e-9, 1e-10
@@ -52,13 +52,15 @@ def test_two_buckets_overlap_backward():
     # 2α + Mβ + Mγ/2 = 3.101 ms) ends at 18.1 ms, under backward; the other is ready when
     # backward ends (30 ms) and ends at 33.1 ms. Only the second is waited for.
     T = 2 * A + MiB * BETA + MiB / 2 * GAMMA
-    p = simulate(profile([MiB, MiB], [B, 0.005]), Cluster.of(hosts=1, workers_per_host=2), "ring", CAL, bucket_mb=1.0)
+    p = simulate(profile([MiB, MiB], [B, 0.005]), Cluster.of(hosts=1, workers_per_host=2),
+                 "ring", CAL, bucket_mb=1.0)
     assert p.buckets == [pytest.approx((0.015, 0.015 + T)), pytest.approx((0.030, 0.030 + T))]
     assert p.step_s == pytest.approx(F + B + T + U)
     assert p.phases["comm_s"] == pytest.approx(T)
     # ready 1 ms before backward ends instead: the first all-reduce is still running
     # when the second is launched, which queues behind it
-    p = simulate(profile([MiB, MiB], [B, B - 0.001]), Cluster.of(hosts=1, workers_per_host=2), "ring", CAL, bucket_mb=1.0)
+    p = simulate(profile([MiB, MiB], [B, B - 0.001]), Cluster.of(hosts=1, workers_per_host=2),
+                 "ring", CAL, bucket_mb=1.0)
     first_done = F + B - 0.001 + T
     assert p.buckets[1] == pytest.approx((F + B, first_done + T))
     assert p.step_s == pytest.approx(first_done + T + U)
@@ -143,14 +145,16 @@ def test_shared_cores_cap_a_step_at_its_cpu_work():
     assert p.step_s == pytest.approx(work / 2)
     assert p.bound == "cores (shared)"
     # the same cluster with a core per worker: no floor, the timeline's step
-    free = simulate(profile([M], [B], update=1e-6), Cluster.of(hosts=1, workers_per_host=8), "ps", CAL)
+    free = simulate(profile([M], [B], update=1e-6), Cluster.of(hosts=1, workers_per_host=8),
+                    "ps", CAL)
     assert free.step_s < p.step_s and free.bound != "cores (shared)"
 
 
 def test_compression_halves_the_bytes_on_the_link():
     M = 1_000_000
     full = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", CAL)
-    half = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", CAL, compress="fp16")
+    half = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", CAL,
+                    compress="fp16")
     # T = 2α + (M/2)·β_link + (M/4)·2γ (the same adds, on half the bytes' worth of
     # elements) + 2·M·cast (to 16 bits before, back after; a calibration without a cast
     # figure takes γ per byte, one pass over them)
@@ -159,7 +163,8 @@ def test_compression_halves_the_bytes_on_the_link():
     assert half.step_s < full.step_s
     # a measured cast cost replaces the estimate
     slow = dataclasses.replace(CAL, cast=1e-8)
-    p = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", slow, compress="fp16")
+    p = simulate(profile([M], [B]), Cluster.of(hosts=2, link_bits=1e9), "ring", slow,
+                 compress="fp16")
     assert p.phases["comm_s"] == pytest.approx(
         2 * A_LINK + M / 2 * B_LINK + M / 2 * GAMMA + 2 * M * 1e-8)
     assert p.step_s > full.step_s  # a cast that slow does not pay
@@ -193,7 +198,8 @@ def test_more_servers_than_elements_and_odd_sizes_still_play_out(mode):
     # would; buckets whose bytes are not whole elements; a model with no gradient bytes
     one = simulate(profile([4], [B]), Cluster.of(hosts=2, link_bits=1e9, servers=2), mode, CAL)
     assert one.step_s > F + B
-    odd = simulate(profile([MiB + 2, MiB + 2], [B, 0.005]), Cluster.of(hosts=2, link_bits=1e9, servers=3), mode, CAL, bucket_mb=1.0)
+    odd = simulate(profile([MiB + 2, MiB + 2], [B, 0.005]),
+                   Cluster.of(hosts=2, link_bits=1e9, servers=3), mode, CAL, bucket_mb=1.0)
     assert odd.step_s > F + B
     empty = simulate(profile([0], [B]), Cluster.of(hosts=2, link_bits=1e9), mode, CAL)
     assert empty.step_s == pytest.approx(F + B + U)
