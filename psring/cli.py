@@ -207,7 +207,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
              and v is not None}
     if args.out:
         flags["out"] = args.out
-    cfg = profile_config(**flags)
+    from psring.config import validate
+
+    cfg = validate(profile_config(**flags))
     if args.on_paper:
         prof = paper_profile(cfg, **paper)
         path = prof.save(cfg.out)
