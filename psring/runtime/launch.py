@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from psring.config import RunConfig
+from psring.config import RunConfig, validate
 from psring.cluster.emulate import network_for
 from psring.errors import ConfigError, RunFailed
 from psring.runtime.process import (
@@ -92,7 +92,7 @@ def resume_config(resume_dir: str, given: dict) -> RunConfig:
     values = {k: v for k, v in base.items() if k in known}
     values.update(given)
     values.update(out=str(d), resume=str(d))
-    return RunConfig(**values)
+    return validate(RunConfig(**values))
 
 
 def _truncate_steps(path: Path, before: int) -> None:
@@ -220,6 +220,7 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[Pr
 
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
     """Run ``cfg`` to completion; return its run directory. Raises RunFailed."""
+    cfg = validate(cfg)  # (once per config: psring run has validated it already)
     cluster = cfg.cluster
     if cluster.emulated and cfg.server_addrs:
         raise ConfigError("--server-addrs names servers outside the emulated cluster, "
@@ -244,7 +245,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
     # A new id for every launch, inherited by the run's processes (psring.runs.runlog.run_id)
     os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
     net = network_for(cluster, run_dir)
-    # what the launcher decides, filled in at once (one more validation, not one each)
+    # what the launcher decides, filled in at once (its values checked once, not one each)
     decided: dict = {"out": out, "master_port": port}
     if cluster.emulated:
         # Emulated hosts share this machine's cores: threads are the machine's cores
