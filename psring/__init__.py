@@ -32,6 +32,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "RunConfig": "config", "validate": "config", "ConfigError": "errors", "PsringError": "errors",
     "launch": "runtime.launch", "Cluster": "cluster.spec",
     "Strategy": "strategies", "STRATEGIES": "strategies", "StepStats": "strategies",
-    "WorkerContext": "strategies", "MODELS": "train.models", "build_model": "train.models",
+    "WorkerContext": "strategies", "Capabilities": "strategies",
+    "COST_MODELS": "predict.costs", "CostModel": "predict.costs", "MODELS": "train.models", "build_model": "train.models",
     "summarize_all": "report", "write_report": "report",
 })
