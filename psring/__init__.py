@@ -33,6 +33,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "launch": "runtime.launch", "Cluster": "cluster.spec",
     "Strategy": "strategies", "STRATEGIES": "strategies", "StepStats": "strategies",
     "WorkerContext": "strategies", "Capabilities": "strategies",
-    "COST_MODELS": "predict.costs", "CostModel": "predict.costs", "MODELS": "train.models", "build_model": "train.models",
+    "COST_MODELS": "predict.simulate", "CostModel": "predict.costs", "MODELS": "train.models", "build_model": "train.models",
     "summarize_all": "report", "write_report": "report",
 })
