@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.psring-installed
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test compare bench clean
+.PHONY: setup test lint compare bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+# ruff's rules are in pyproject.toml ([tool.ruff]); .ci/run runs this before the tests
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 compare: $(STAMP)
 	$(BIN)/psring compare

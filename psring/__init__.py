@@ -8,7 +8,7 @@ From Python (a notebook)::
 
     import psring
     cfg = psring.RunConfig(strategy="ps", workers=2, steps=20)
-    run_dir = psring.launch(cfg)
+    run_dir = psring.launch(cfg)        # validates cfg first (psring.validate)
 
 The packages, each with one job (its ``__init__`` says which):
 
@@ -29,9 +29,10 @@ from psring._lazy import lazy_exports
 __version__ = "0.1.0"
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "RunConfig": "config", "ConfigError": "errors", "PsringError": "errors",
+    "RunConfig": "config", "validate": "config", "ConfigError": "errors", "PsringError": "errors",
     "launch": "runtime.launch", "Cluster": "cluster.spec",
     "Strategy": "strategies", "STRATEGIES": "strategies", "StepStats": "strategies",
-    "WorkerContext": "strategies", "MODELS": "train.models", "build_model": "train.models",
+    "WorkerContext": "strategies", "Capabilities": "strategies",
+    "COST_MODELS": "predict.simulate", "CostModel": "predict.costs", "MODELS": "train.models", "build_model": "train.models",
     "summarize_all": "report", "write_report": "report",
 })

@@ -207,7 +207,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
              and v is not None}
     if args.out:
         flags["out"] = args.out
-    cfg = profile_config(**flags)
+    from psring.config import validate
+
+    cfg = validate(profile_config(**flags))
     if args.on_paper:
         prof = paper_profile(cfg, **paper)
         path = prof.save(cfg.out)
@@ -237,18 +239,15 @@ def _cmd_strategies(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_run(sub) -> None:
     from psring.config import add_config_flags
-
-    parser = argparse.ArgumentParser(
-        prog="psring", description="Compare data-parallel training strategies: parameter "
-        "server vs ring all-reduce, step by step.")
-    sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train with one strategy; logs to a run directory")
     add_config_flags(run)
     run.set_defaults(func=_cmd_run)
 
+
+def _add_report(sub) -> None:
     rep = sub.add_parser("report", help="summarize run directories")
     rep.add_argument("dirs", nargs="+", metavar="DIR",
                      help="run directories, or directories containing them; a sweep "
@@ -256,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rep.set_defaults(func=_cmd_report)
 
+
+def _add_merge(sub) -> None:
     mg = sub.add_parser("merge", help="join the run directories of one torchrun launch "
                         "from several hosts into one run directory")
     mg.add_argument("dirs", nargs="+", metavar="DIR", help="each host's --out, copied "
@@ -263,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--out", required=True, help="the merged run directory (new)")
     mg.set_defaults(func=_cmd_merge)
 
+
+def _add_sweep(sub) -> None:
     sw = sub.add_parser("sweep", help="run a sweep definition (experiments/*.toml), "
                         "resumably, then report on it")
     sw.add_argument("spec", metavar="SPEC", help="a sweep definition, e.g. "
@@ -275,10 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the report when the sweep is done (default: yes)")
     sw.set_defaults(func=_cmd_sweep)
 
+
+def _add_calibrate(sub) -> None:
     from psring.predict.calibrate_cli import add_calibrate_parser
 
     add_calibrate_parser(sub)
 
+
+def _add_compare(sub) -> None:
     cmp_ = sub.add_parser("compare", help="every strategy on a small default workload: "
                           "a sweep (experiments/compare.toml) and its report")
     cmp_.add_argument("--out", default=None, help="sweep directory (default "
@@ -288,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: experiments/compare.toml's)")
     cmp_.set_defaults(func=_cmd_compare)
 
+
+def _add_trace(sub) -> None:
     tr = sub.add_parser("trace", help="build a traced run's trace.json and render it as a PNG")
     tr.add_argument("dir", metavar="DIR", help="a run directory of `psring run --trace`")
     tr.add_argument("--png", default=None, help="where to write the picture (default "
@@ -297,12 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rebuild", action="store_true", help="rebuild trace.json from the logs")
     tr.set_defaults(func=_cmd_trace)
 
-    srv = sub.add_parser("server", help="run one parameter server (for --server-addrs)")
+
+def _add_server(sub) -> None:
     from psring.servers.entry import add_server_flags
 
+    srv = sub.add_parser("server", help="run one parameter server (for --server-addrs)")
     add_server_flags(srv)
     srv.set_defaults(func=_cmd_server)
 
+
+def _add_models(sub) -> None:
     md = sub.add_parser("models", help="list the models with their parameters, "
                         "gradient MB, FLOPs per sample and arithmetic intensity")
     md.add_argument("model", nargs="*", help="models to describe (default: every "
@@ -316,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("--batch-size", 64, "batch for the arithmetic intensity")):
         md.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
     md.set_defaults(func=_cmd_models)
+
+
+def _add_profile(sub) -> None:
+    from psring.config import add_config_flags
 
     pr = sub.add_parser("profile", help="profile a model for the simulator: one short "
                         "traced single run -> DIR/profile.json (psring.predict.profile)")
@@ -338,12 +355,31 @@ def build_parser() -> argparse.ArgumentParser:
                     "(kept in the profile)")
     pr.set_defaults(func=_cmd_profile)
 
+
+def _add_advise(sub) -> None:
     from psring.predict.advise_cli import add_advise_parser
 
     add_advise_parser(sub)
 
+
+def _add_strategies(sub) -> None:
     st = sub.add_parser("strategies", help="list the registered strategies")
     st.set_defaults(func=_cmd_strategies)
+
+
+#: the subcommands, in the order --help lists them
+SUBCOMMANDS = (_add_run, _add_report, _add_merge, _add_sweep, _add_calibrate, _add_compare,
+               _add_trace, _add_server, _add_models, _add_profile, _add_advise,
+               _add_strategies)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psring", description="Compare data-parallel training strategies: parameter "
+        "server vs ring all-reduce, step by step.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
 
 

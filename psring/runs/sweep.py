@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from psring.cluster.spec import derived_hosts
-from psring.config import RunConfig
+from psring.config import RunConfig, validate
 from psring.errors import ConfigError, PsringError, RunFailed
 from psring.runs.runlog import atomic_write_json
 
@@ -233,7 +233,7 @@ class Sweep:
                 if pid in seen:
                     continue  # normalized into a point already listed
                 try:
-                    cfg = RunConfig(**{**values, "out": str(out / pid)})
+                    cfg = validate(RunConfig(**{**values, "out": str(out / pid)}))
                 except ConfigError as e:
                     raise ConfigError(f"sweep {self.name!r}: point {pid} is not a valid "
                                       f"run: {e}") from None

@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from psring.config import RunConfig
+from psring.config import RunConfig, validate
 from psring.cluster.emulate import network_for
 from psring.errors import ConfigError, RunFailed
 from psring.runtime.process import (
@@ -92,7 +92,7 @@ def resume_config(resume_dir: str, given: dict) -> RunConfig:
     values = {k: v for k, v in base.items() if k in known}
     values.update(given)
     values.update(out=str(d), resume=str(d))
-    return RunConfig(**values)
+    return validate(RunConfig(**values))
 
 
 def _truncate_steps(path: Path, before: int) -> None:
@@ -220,15 +220,8 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[Pr
 
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
     """Run ``cfg`` to completion; return its run directory. Raises RunFailed."""
-    cluster = cfg.cluster
-    if cluster.emulated and cfg.server_addrs:
-        raise ConfigError("--server-addrs names servers outside the emulated cluster, "
-                          "which its hosts cannot reach; with --hosts or own-hosts "
-                          "placement psring starts the servers inside it: drop "
-                          "--server-addrs.")
-    if cluster.emulated and cfg.master_addr != DEFAULT_MASTER_ADDR:
-        raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
-                          "host); drop it.")
+    cfg = validate(cfg)  # (once per config: psring run has validated it already)
+    _check_emulated(cfg)
     # (imported here: psring.train.device imports torch, and psring --help reaches this module)
     from psring.train.device import capacity
 
@@ -243,32 +236,68 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
         atomic_write_json(run_dir / LAUNCH, {"config": {**cfg.to_dict(), "out": out}})
     # A new id for every launch, inherited by the run's processes (psring.runs.runlog.run_id)
     os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
-    net = network_for(cluster, run_dir)
-    # what the launcher decides, filled in at once (one more validation, not one each)
+    net = network_for(cfg.cluster, run_dir)
+    # what the launcher decides, filled in at once (its values checked once, not one each)
     decided: dict = {"out": out, "master_port": port}
-    if cluster.emulated:
+    if cfg.cluster.emulated:
         # Emulated hosts share this machine's cores: threads are the machine's cores
         # shared by all the run's workers, not by a host's.
-        decided.update(master_addr=cluster.master_addr, threads=worker_threads(cfg, cfg.workers))
+        decided.update(master_addr=cfg.cluster.master_addr,
+                       threads=worker_threads(cfg, cfg.workers))
     placed = cfg.replace(**decided)
     reach, services = server_specs(placed, run_dir)
     cfg = placed.replace(**reach) if reach else placed
+    ticker = _Progress(progress, run_dir / STEPS, cfg.steps * cfg.workers)
+    _supervise(cfg, run_dir, net, services, ticker)
+    ticker.report()
+    if cfg.trace:
+        from psring.runs.trace import write_trace
+
+        write_trace(run_dir)
+    return run_dir
+
+
+def _check_emulated(cfg: RunConfig) -> None:
+    """What an emulated cluster decides itself, refused when given."""
+    if cfg.cluster.emulated and cfg.server_addrs:
+        raise ConfigError("--server-addrs names servers outside the emulated cluster, "
+                          "which its hosts cannot reach; with --hosts or own-hosts "
+                          "placement psring starts the servers inside it: drop "
+                          "--server-addrs.")
+    if cfg.cluster.emulated and cfg.master_addr != DEFAULT_MASTER_ADDR:
+        raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
+                          "host); drop it.")
+
+
+class _Progress:
+    """Steps logged so far, out of the run's total, for a progress callback (at most
+    five times a second while the run goes on, and once at its end)."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, steps: Path, total: int):
+        self.progress, self.steps, self.total = progress, steps, total
+        self.last = 0.0
+
+    def tick(self) -> None:
+        if self.progress is not None and time.monotonic() - self.last > 0.2:
+            self.last = time.monotonic()
+            self.report()
+
+    def report(self) -> None:
+        if self.progress is not None:
+            self.progress(min(count_lines(self.steps), self.total), self.total)
+
+
+def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Progress) -> None:
+    """Start the cluster, the services and the workers under one supervisor and wait for
+    them: fail-stop on the first failure, every process stopped whatever happens, the
+    strategy's leftovers (shared memory) cleaned up."""
     sup = Supervisor(run_dir / "logs")
-    total = cfg.steps * cfg.workers
-    steps_path = run_dir / STEPS
-    last_report = [0.0]
-
-    def tick() -> None:
-        if progress is not None and time.monotonic() - last_report[0] > 0.2:
-            last_report[0] = time.monotonic()
-            progress(min(count_lines(steps_path), total), total)
-
     with _signals_raise():
         try:
             net.start(sup)
             for spec in services + worker_specs(cfg):
                 sup.start(net.place(spec))
-            sup.wait(tick)
+            sup.wait(ticker.tick)
         except RunFailed as e:
             why = net.explain()
             raise RunFailed(f"{e}\n{why}" if why else str(e), e.exit_code) from None
@@ -285,10 +314,3 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
             from psring.strategies import STRATEGIES
 
             STRATEGIES.get(cfg.strategy).cleanup_run(cfg)
-    if progress is not None:
-        progress(min(count_lines(steps_path), total), total)
-    if cfg.trace:
-        from psring.runs.trace import write_trace
-
-        write_trace(run_dir)
-    return run_dir

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from psring.config import RunConfig
+from psring.config import RunConfig, validate
 from psring.errors import ConfigError
 from psring.predict.profile import Profile
 from psring.train import device
@@ -49,7 +49,7 @@ def profile(tmp_path_factory) -> Path:
 def test_bad_device_settings_are_refused_with_the_fix(profile, tmp_path):
     def refused(match: str, **kw) -> None:
         with pytest.raises(ConfigError, match=match):
-            RunConfig(**{**FLAGS, "strategy": "allreduce", "workers": 2, **kw})
+            validate(RunConfig(**{**FLAGS, "strategy": "allreduce", "workers": 2, **kw}))
 
     refused("needs the device's times: --device-profile", compute="device")
     refused("no profile at", compute="device", device_profile=str(tmp_path / "none.json"))
@@ -68,10 +68,10 @@ def test_bad_device_settings_are_refused_with_the_fix(profile, tmp_path):
     refused("timing only.*drop --target-accuracy", compute="device",
             device_profile=str(profile), target_accuracy=0.5)
     with pytest.raises(ConfigError, match="nothing to emulate for 'hogwild'"):
-        RunConfig(**FLAGS, strategy="hogwild", workers=2, compute="device",
-                  device_profile=str(profile))
-    cfg = RunConfig(**FLAGS, strategy="allreduce", workers=2, compute="device",
-                    device_profile=str(profile), device_speed=2)
+        validate(RunConfig(**FLAGS, strategy="hogwild", workers=2, compute="device",
+                           device_profile=str(profile)))
+    cfg = validate(RunConfig(**FLAGS, strategy="allreduce", workers=2, compute="device",
+                             device_profile=str(profile), device_speed=2))
     assert cfg.eval_samples == 0  # nothing learnt, nothing to evaluate
 
 
@@ -207,8 +207,8 @@ def test_a_profile_on_paper_fits_its_model_and_states_its_rule(tmp_path):
     assert (prof.forward_s, prof.backward_s) == pytest.approx((0.030, 0.060))
     assert prof.source["cited"] == "a paper, table 2" and prof.batch_size == 16
     # usable as it is by a device-mode run of that model
-    RunConfig(**FLAGS, strategy="allreduce", workers=2, compute="device",
-              device_profile=str(out))
+    validate(RunConfig(**FLAGS, strategy="allreduce", workers=2, compute="device",
+                       device_profile=str(out)))
     for bad, match in ((["--step-ms", "90", "--forward-ms", "1"], "not both"),
                        ([], "needs the device's times"),
                        (["--forward-ms", "-1", "--backward-ms", "2"], "--forward-ms must be")):

@@ -24,7 +24,7 @@ import pytest
 
 from psring.cluster import emulate, netns
 from psring.cluster import spec as clusters
-from psring.config import RunConfig
+from psring.config import RunConfig, validate
 from psring.errors import ConfigError
 from tests.helpers import (
     PSRING,
@@ -103,7 +103,7 @@ def test_servers_on_own_hosts_get_hosts_of_their_own():
 
 
 def test_workers_per_host_fills_hosts_in_rank_order_and_derives_their_number():
-    cfg = RunConfig(strategy="allreduce", workers=4, workers_per_host=1, link="1gbit")
+    cfg = validate(RunConfig(strategy="allreduce", workers=4, workers_per_host=1, link="1gbit"))
     assert cfg.hosts == 4
     p = plan(strategy="allreduce", workers=5, hosts=2, workers_per_host=3, batch_size=60)
     assert p.worker_host == (0, 0, 0, 1, 1)
@@ -129,7 +129,7 @@ def test_workers_per_host_fills_hosts_in_rank_order_and_derives_their_number():
 ])
 def test_cluster_flags_are_validated(kw, needle):
     with pytest.raises(ConfigError, match=needle):
-        RunConfig(**kw)
+        validate(RunConfig(**kw))
 
 
 def test_sweeps_drop_cluster_settings_that_cannot_apply(tmp_path):

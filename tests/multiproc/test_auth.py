@@ -114,17 +114,17 @@ def test_psring_server_beyond_loopback_without_secret_exits_2(tmp_path):
 
 
 def test_run_config_refuses_remote_server_addrs_without_secret(monkeypatch, tmp_path):
-    from psring.config import RunConfig
+    from psring.config import RunConfig, validate
 
     monkeypatch.delenv(protocol.SECRET_ENV, raising=False)
     with pytest.raises(ConfigError, match="beyond loopback.*--secret-file"):
-        RunConfig(strategy="ps", workers=2, server_addrs="tcp://10.0.0.5:5555")
+        validate(RunConfig(strategy="ps", workers=2, server_addrs="tcp://10.0.0.5:5555"))
     with pytest.raises(ConfigError, match="--secret-file"):
-        RunConfig(strategy="ps", workers=2, secret_file=str(tmp_path / "missing"))
+        validate(RunConfig(strategy="ps", workers=2, secret_file=str(tmp_path / "missing")))
     f = tmp_path / "secret"
     f.write_text("s" * 32)
-    cfg = RunConfig(strategy="ps", workers=2, server_addrs="tcp://10.0.0.5:5555",
-                    secret_file=str(f))
+    cfg = validate(RunConfig(strategy="ps", workers=2, server_addrs="tcp://10.0.0.5:5555",
+                             secret_file=str(f)))
     assert "--secret-file" in cfg.to_argv()
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from psring.comm.protocol import decode, encode
-from psring.config import RunConfig
+from psring.config import RunConfig, validate
 from psring.errors import ConfigError
 from psring.servers.handler import Handler
 from tests.helpers import (
@@ -33,7 +33,7 @@ def norm_rel(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("strategy", ["single", "hogwild"])
 def test_compression_is_refused_where_nothing_is_sent(strategy):
     with pytest.raises(ConfigError, match="sends nothing to compress"):
-        RunConfig(strategy=strategy, workers=1, compress="fp16")
+        validate(RunConfig(strategy=strategy, workers=1, compress="fp16"))
 
 
 def test_an_unknown_compression_is_refused():

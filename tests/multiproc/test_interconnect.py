@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from psring.comm import interconnect
-from psring.config import RunConfig
+from psring.config import RunConfig, validate
 from psring.errors import ConfigError
 from psring.predict.profile import Profile
 from psring.train.workload import meta_model
@@ -104,7 +104,7 @@ def test_bad_device_link_settings_are_refused_with_the_fix(tmp_path):
 
     def refused(match: str, **kw) -> None:
         with pytest.raises(ConfigError, match=match):
-            RunConfig(**{**FLAGS, "workers": 2, **kw})
+            validate(RunConfig(**{**FLAGS, "workers": 2, **kw}))
 
     refused("only a timing-only run may do .* add --compute device", strategy="byteps",
             device_link="nvlink")
@@ -114,8 +114,8 @@ def test_bad_device_link_settings_are_refused_with_the_fix(tmp_path):
             device_link="fast", **device)
     refused("leave one a host: nothing to time", strategy="byteps", hosts=2,
             device_link="nvlink", **device)
-    assert RunConfig(**{**FLAGS, "workers": 2, "strategy": "hallreduce",
-                        "device_link": "1200gbit", **device}).device_link == "1200gbit"
+    assert validate(RunConfig(**{**FLAGS, "workers": 2, "strategy": "hallreduce",
+                                 "device_link": "1200gbit", **device})).device_link == "1200gbit"
 
 
 @pytest.mark.timeout(120)

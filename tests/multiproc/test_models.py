@@ -157,7 +157,7 @@ def test_psring_models_shows_torchvisions_counts():
 def test_a_broken_user_factory_is_refused_before_any_process_starts(tmp_path, monkeypatch):
     """Config validation builds the model on the meta device and runs one forward pass
     on meta inputs of the declared shape: no memory, no compute, a clear error."""
-    from psring.config import RunConfig
+    from psring.config import RunConfig, validate
 
     (tmp_path / "usermodels.py").write_text(
         "import torch\n"
@@ -173,7 +173,7 @@ def test_a_broken_user_factory_is_refused_before_any_process_starts(tmp_path, mo
         "    return torch.nn.Linear(s.features, s.classes), Inputs.vector(s.features, s.classes)\n")
     monkeypatch.chdir(tmp_path)  # a factory is imported from the directory psring runs in
     with pytest.raises(ConfigError, match="without reading tensor values"):
-        RunConfig(model="usermodels:reads_values")
+        validate(RunConfig(model="usermodels:reads_values"))
     with pytest.raises(ConfigError, match="does not take the inputs its factory declares"):
-        RunConfig(model="usermodels:wrong_shape")
-    assert RunConfig(model="usermodels:fine").model == "usermodels:fine"
+        validate(RunConfig(model="usermodels:wrong_shape"))
+    assert validate(RunConfig(model="usermodels:fine")).model == "usermodels:fine"

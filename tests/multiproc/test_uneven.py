@@ -80,7 +80,7 @@ def test_proportional_shares_follow_the_measured_speeds(tmp_path):
     config (and so the manifest) holds."""
     import json
 
-    from psring.config import RunConfig
+    from psring.config import RunConfig, validate
     from psring.train.shares import proportional_shares
 
     run = tmp_path / "even"
@@ -93,8 +93,8 @@ def test_proportional_shares_follow_the_measured_speeds(tmp_path):
     assert proportional_shares(str(run), 64, 2) == [48, 16]
     assert proportional_shares(str(run), 7, 2) == [5, 2]  # 5.25 and 1.75: by remainder
     assert proportional_shares(str(run), 2, 2) == [1, 1]  # at least one each
-    cfg = RunConfig(strategy="allreduce", workers=2, batch_size=64,
-                    worker_batch=f"proportional:{run}")
+    cfg = validate(RunConfig(strategy="allreduce", workers=2, batch_size=64,
+                             worker_batch=f"proportional:{run}"))
     assert cfg.worker_batch == "48,16" and cfg.worker_batches == (48, 16)
     proc = cli_here("run", "--strategy", "allreduce", "--workers", 3, "--batch-size", 63,
                     "--worker-batch", f"proportional:{run}", "--out", tmp_path / "r")

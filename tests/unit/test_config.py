@@ -1,8 +1,11 @@
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from psring.config import RunConfig, add_config_flags, config_from_args
+from psring.config import RunConfig, add_config_flags, config_from_args, validate
 from psring.errors import ConfigError
 from psring.registry import Registry
 
@@ -48,9 +51,90 @@ def test_boolean_flags_take_no_value():
     ({"strategy": "ps", "workers": 2, "transport": "udp"}, "auto, tcp or ipc"),
 ])
 def test_bad_config_names_the_fix(kwargs, needle):
+    # each refused by RunConfig(...) (values) or else by validate (registries, files)
     with pytest.raises(ConfigError) as e:
-        RunConfig(**kwargs)
+        validate(RunConfig(**kwargs))
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"workers": 0}, "--workers must be at least 1"),
+    ({"momentum": 1.5}, "--momentum"),
+    ({"data": "imagenet"}, "synthetic, digits or a path"),
+    ({"strategy": "ps", "workers": 2, "transport": "udp"}, "auto, tcp or ipc"),
+    ({"strategy": "byteps", "workers": 2, "update_on": "gpu"}, "must be server or worker"),
+    ({"compute": "device", "target_accuracy": 0.9}, "timing only"),
+])
+def test_values_are_refused_on_construction(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        RunConfig(**kwargs)
+
+
+def test_construction_needs_no_torch_and_validate_refuses_what_needs_it():
+    # a fresh interpreter: this one imported torch long ago
+    code = ("import sys\n"
+            "from psring.config import RunConfig, validate\n"
+            "cfg = RunConfig(model='resnet9000', data='nothing.npz', strategy='nope')\n"
+            "assert 'torch' not in sys.modules, 'RunConfig imported torch'\n"
+            "try:\n"
+            "    validate(cfg)\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("ConfigError") and "valid strategy names are" in out
+    with pytest.raises(ConfigError, match="valid model names are"):
+        validate(RunConfig(model="resnet9000"))
+    with pytest.raises(ConfigError, match="no such file"):
+        validate(RunConfig(data="nothing.npz"))
+
+
+#: the order manifests have recorded a config's keys in since these flags exist
+MANIFEST_ORDER = [
+    "strategy", "workers", "model", "width", "depth", "data", "samples", "features",
+    "classes", "image_size", "seq_len", "eval_samples", "eval_every", "target_accuracy",
+    "batch_size", "steps", "accumulate", "lr", "momentum", "weight_decay", "seed", "device",
+    "bucket_mb", "servers", "server_addrs", "transport", "secret_file", "max_staleness",
+    "compress", "worker_batch", "reduce", "update_on", "hosts", "workers_per_host", "link",
+    "delay", "server_placement", "slow_worker", "out", "timeout", "master_addr",
+    "master_port", "threads", "checkpoint_every", "resume", "compute", "device_profile",
+    "device_speed", "time_scale", "device_link", "trace"]
+
+
+def test_derived_values_come_from_derived_and_reach_the_manifest():
+    cfg = RunConfig(strategy="ps", workers=4, workers_per_host=2,
+                    server_addrs="tcp://127.0.0.1:5555,tcp://127.0.0.1:5556",
+                    compute="device", device_profile="p")
+    # the fields keep what was given; what they decide is derived, never written back
+    assert (cfg.hosts, cfg.servers, cfg.eval_samples) == (1, 1, 1024)
+    assert cfg.derived() == {"hosts": 2, "servers": 2, "eval_samples": 0}
+    recorded = cfg.to_dict()
+    assert (recorded["hosts"], recorded["servers"], recorded["eval_samples"]) == (2, 2, 0)
+    assert list(recorded) == MANIFEST_ORDER
+    assert cfg.eval_interval == 0 and cfg.cluster.hosts == 2
+    assert ["--hosts", "2"] == cfg.to_argv()[cfg.to_argv().index("--hosts"):][:2]
+    valid = validate(RunConfig(strategy="allreduce", workers=4, workers_per_host=2))
+    assert valid.hosts == 2 and validate(valid) is valid
+
+
+def test_no_config_module_writes_into_the_frozen_dataclass():
+    for path in Path("psring/config").glob("*.py"):
+        assert "__setattr__" not in path.read_text(), path
+
+
+def test_run_help_groups_the_flags_by_section(capsys):
+    from psring.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--help"])
+    text = capsys.readouterr().out
+    titles = [line[:-1] for line in text.splitlines() if line.endswith(":")
+              and not line.startswith(" ")]
+    assert titles == ["options", "strategy", "model", "data", "evaluation", "optimization",
+                      "device", "gradients", "servers", "cluster", "run"]
+    device = text[text.index("\ndevice:"):text.index("\ngradients:")]
+    assert "--compute" in device and "--device-link" in device and "--lr" not in device
+    assert "--trace" in text[text.index("\nrun:"):]
 
 
 def test_cuda_without_cuda_is_refused():
@@ -58,8 +142,9 @@ def test_cuda_without_cuda_is_refused():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA, so --device cuda is valid here")
+    cfg = RunConfig(device="cuda")  # a value: valid; CUDA is validate's to see
     with pytest.raises(ConfigError, match="no CUDA device"):
-        RunConfig(device="cuda")
+        validate(cfg)
 
 
 def test_auto_device_resolves_to_what_torch_sees():

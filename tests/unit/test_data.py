@@ -84,9 +84,9 @@ def test_digits_is_scikit_learns_bundled_set():
     ds = data.load_file("digits")
     assert ds.x.shape == (1797, 64) and ds.classes == 10
     assert 0.0 <= float(ds.x.min()) and float(ds.x.max()) <= 1.0
-    from psring.config import RunConfig
+    from psring.config import RunConfig, validate
 
-    assert RunConfig(data="digits", model="cnn").data == "digits"
+    assert validate(RunConfig(data="digits", model="cnn")).data == "digits"
 
 
 @pytest.mark.parametrize("shape, n", [((3, 32, 32), 2100), ((3, 75, 75), 300), ((1, 7, 9), 50)])
