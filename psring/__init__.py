@@ -29,10 +29,11 @@ from psring._lazy import lazy_exports
 __version__ = "0.1.0"
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "RunConfig": "config", "validate": "config", "ConfigError": "errors", "PsringError": "errors",
-    "launch": "runtime.launch", "Cluster": "cluster.spec",
+    "RunConfig": "config", "validate": "config", "ConfigError": "errors",
+    "PsringError": "errors", "launch": "runtime.launch", "Cluster": "cluster.spec",
     "Strategy": "strategies", "STRATEGIES": "strategies", "StepStats": "strategies",
     "WorkerContext": "strategies", "Capabilities": "strategies",
-    "COST_MODELS": "predict.simulate", "CostModel": "predict.costs", "MODELS": "train.models", "build_model": "train.models",
+    "COST_MODELS": "predict.simulate", "CostModel": "predict.costs",
+    "MODELS": "train.models", "build_model": "train.models",
     "summarize_all": "report", "write_report": "report",
 })

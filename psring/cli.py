@@ -26,8 +26,8 @@ import logging
 import os
 import sys
 
-from psring.runtime import forking
 from psring.errors import ConfigError, run_guarded
+from psring.runtime import forking
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -35,8 +35,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # and its children are forked from it (psring.runtime.forking)
     forking.allow()
     from psring.config import config_from_args
-    from psring.runtime.launch import launch
     from psring.report import render_table, summarize_all
+    from psring.runtime.launch import launch
 
     if args.resume:
         from psring.config import given_fields
@@ -123,8 +123,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     # first (see _cmd_run); a calibration that computes in this process leaves threads
     # behind, and its runs' processes then start anew
     forking.allow()
-    from psring.runs.compare import run_compare
     from psring.report import write_report
+    from psring.runs.compare import run_compare
     from psring.runs.sweep import format_summary
 
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)

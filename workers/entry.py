@@ -30,13 +30,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from psring.train import device as psring_device
 from psring.cluster import netif
-from psring.runtime import rendezvous
-from psring.runtime.allocator import keep_freed_memory
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
+from psring.runtime import rendezvous
+from psring.runtime.allocator import keep_freed_memory
 from psring.runtime.process import die_with_parent, set_process_name, worker_threads
+from psring.train import device as psring_device
 
 if TYPE_CHECKING:  # (imported where used: they import torch)
     from torch import nn
@@ -117,10 +117,10 @@ def worker_config(args: argparse.Namespace, world: int) -> RunConfig:
 def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
     """One forward and backward, discarded, before anything is timed or shared. The
     first pass pays one-time costs (allocator, thread pools, kernel selection, lazy
-    imports: ~0.6 s on a CPU). Rank 0 already paid them counting FLOPs for the manifest; without this every
-    other rank would pay them in its first step, and workers that do not wait for each
-    other (async-ps, hogwild) would start a whole short run apart. No gradient hook is
-    registered yet, and the gradients are dropped, so training is unchanged."""
+    imports). Rank 0 already paid them counting FLOPs for the manifest; without this
+    every other rank would pay them in its first step, and workers that do not wait for
+    each other (async-ps, hogwild) would start a whole short run apart. No gradient hook
+    is registered yet, and the gradients are dropped, so training is unchanged."""
     import torch
 
     from psring.train.data import worker_batch

@@ -20,9 +20,9 @@ value raises :class:`psring.errors.ConfigError` with a message that names the fi
 - ``flags``: the flags, in one ``--help`` group per section
 """
 
+from psring.config.flags import add_config_flags, config_from_args, given_fields
 from psring.config.run import RunConfig, cluster_of
 from psring.config.validate import validate
-from psring.config.flags import add_config_flags, config_from_args, given_fields
 
 __all__ = ["RunConfig", "add_config_flags", "cluster_of", "config_from_args", "given_fields",
            "validate"]

@@ -62,7 +62,8 @@ class Data:
 
     title: ClassVar[str] = "data"
     data: str = field(default="synthetic", metadata=_flag(
-        "data set: synthetic, digits (needs the [digits] extra) or a path to an .npz with arrays x and y"))
+        "data set: synthetic, digits (needs the [digits] extra) or a path to an .npz with "
+        "arrays x and y"))
     samples: int = field(default=4096, metadata=_flag("rows in the synthetic data set"))
     features: int = field(default=256, metadata=_flag(
         "input features of the synthetic data set (a perfect square for cnn)"))
@@ -131,14 +132,15 @@ class Servers:
 
     title: ClassVar[str] = "servers"
     servers: int = field(default=1, metadata=_flag(
-        "parameter servers the launcher starts for ps/async-ps/byteps (parameters sharded across them)"))
+        "parameter servers the launcher starts for ps/async-ps/byteps (parameters sharded "
+        "across them)"))
     server_addrs: str = field(default="", metadata=_flag(
         "comma-separated addresses of running parameter servers (psring server) to use "
         "instead of starting them, e.g. tcp://10.0.0.5:5555,tcp://10.0.0.6:5555"))
     transport: Literal["auto", "tcp", "ipc"] = field(default="auto", metadata=_flag(
-        "ps/async-ps/byteps: how workers reach the servers psring starts: ipc (Unix domain sockets, "
-        "one host; less kernel work per message than TCP), tcp (loopback TCP, as across hosts), auto = ipc "
-        "on Linux without emulated hosts, else tcp"))
+        "ps/async-ps/byteps: how workers reach the servers psring starts: ipc (Unix domain "
+        "sockets, one host; less kernel work per message than TCP), tcp (loopback TCP, as "
+        "across hosts), auto = ipc on Linux without emulated hosts, else tcp"))
     secret_file: str = field(default="", metadata=_flag(
         "ps/async-ps/byteps: file holding the servers' shared secret; every message is then signed "
         "(HMAC-SHA256). Default: the environment variable PSRING_SECRET, else none. Needed "
@@ -163,8 +165,8 @@ class Gradients:
         "strategy still trains what single trains on the global batch. Default: equal "
         "shares"))
     reduce: Literal["sum", "adasum"] = field(default="sum", metadata=_flag(
-        "allreduce, hallreduce: how the workers' gradients combine: sum (their average, what single "
-        "computes on the global batch) or adasum (Maleki et al.'s adaptive sum, as in "
+        "allreduce, hallreduce: how the workers' gradients combine: sum (their average, what "
+        "single computes on the global batch) or adasum (Maleki et al.'s adaptive sum, as in "
         "Horovod: orthogonal gradients add, equal ones average; a power-of-two --workers; "
         "psring.comm.adasum); with hallreduce, Adasum across a power-of-two number of hosts of "
         "each host's average"))

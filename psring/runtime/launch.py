@@ -20,13 +20,13 @@ import sys
 import threading
 import time
 import uuid
-
 from pathlib import Path
 from typing import Callable, Iterator
 
-from psring.config import RunConfig, validate
 from psring.cluster.emulate import network_for
+from psring.config import RunConfig, validate
 from psring.errors import ConfigError, RunFailed
+from psring.runs.runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
 from psring.runtime.process import (
     ProcessSpec,
     Supervisor,
@@ -35,7 +35,6 @@ from psring.runtime.process import (
     server_threads,
     worker_threads,
 )
-from psring.runs.runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
 
 #: RunConfig's default rendezvous address
 DEFAULT_MASTER_ADDR = "127.0.0.1"
