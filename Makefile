@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e '.[test]'
 	touch $(STAMP)
 
+# Two pytest runs: every test but the emulated clusters' two at a time (most of a
+# test's time is one core's: an interpreter starting, torch importing, a run waiting
+# out a deadline), then those that time what crosses emulated links, one at a time
+# (tests/conftest.py: SERIAL_FOLDERS). Plain `pytest` runs them all one at a time.
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadgroup -m "not serial"
+	$(BIN)/pytest -m serial
 
 # ruff's rules are in pyproject.toml ([tool.ruff]); .ci/run runs this before the tests
 lint: $(STAMP)

@@ -49,3 +49,21 @@ def compare_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     proc = psring("compare", "--out", out, "--repeats", 1, timeout=280)
     assert_no_processes(out)
     return out, proc
+
+
+#: folders whose tests run one at a time, after the others (``make test``'s second
+#: pytest): emulated clusters build network namespaces and shape links, and time what
+#: crosses them; a test running beside them on the 2 cores would skew what they measure
+SERIAL_FOLDERS = ("emulation",)
+#: session fixtures whose users go to one xdist worker (``--dist loadgroup``), so the
+#: run behind each is made once, not once per worker
+SHARED_RUNS = ("compare_run",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).parent.name in SERIAL_FOLDERS:
+            item.add_marker(pytest.mark.serial)
+        for name in SHARED_RUNS:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(name))
