@@ -4,7 +4,7 @@ workers/ and servers/ live at the top of the repository (the design card's layou
 are installed as psring.workers and psring.servers, so they cannot clash with a user's
 own top-level `workers` or `servers` module (docs/architecture.md). Packages are
 discovered, never listed by hand: a hand-written list once left psring.zoo out of the
-wheel, which tests/test_wheel.py now builds and installs to catch.
+wheel, which tests/package/test_wheel.py now builds and installs to catch.
 """
 from setuptools import find_packages, setup
 

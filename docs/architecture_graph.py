@@ -3,14 +3,14 @@ torch): every module of psring, psring.workers and psring.servers, and the psrin
 modules each one imports anywhere in it, function bodies included.
 
 It draws docs/architecture.md's diagram of the packages, each module on the line of its
-longest import chain, and tests/test_layout.py checks the same graph for cycles, so the
+longest import chain, and tests/package/test_layout.py checks the same graph for cycles, so the
 picture and the rule are one computation::
 
     python docs/architecture_graph.py           # print the diagram
     python docs/architecture_graph.py --write   # put it into docs/architecture.md
     python docs/architecture_graph.py --check   # exit 1 if docs/architecture.md differs
 
-tests/test_architecture_doc.py runs the check.
+tests/package/test_architecture_doc.py runs the check.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def levels(graph: dict[str, set[str]]) -> dict[str, int]:
     """Each module's longest chain of imports down to a module that imports none (0).
-    Defined only without cycles, which tests/test_layout.py rules out."""
+    Defined only without cycles, which tests/package/test_layout.py rules out."""
     done: dict[str, int] = {}
     visiting: set[str] = set()
 

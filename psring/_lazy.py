@@ -3,7 +3,7 @@
 A package re-exports its public API at its top (``from psring.cluster import Cluster``)
 without importing its modules until a name is used: ``psring --help``, the servers and
 the pure prediction modules stay without torch, and a package's ``__init__`` adds no
-import edge (tests/test_layout.py checks the edges for cycles).
+import edge (tests/package/test_layout.py checks the edges for cycles).
 """
 
 from __future__ import annotations

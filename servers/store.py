@@ -4,7 +4,7 @@ The update is the workers' own SGD (psring.train.optim.sgd_update: ``torch.optim
 arithmetic; lr, momentum, weight decay; no dampening, no Nesterov) in its fused form:
 one pass over parameters, gradient and momentum instead of three (what
 ``SGD(fused=True)`` calls), so a synchronous parameter server trains the model
-``allreduce`` trains (tests/test_server.py compares with ``torch.optim.SGD``).
+``allreduce`` trains (tests/unit/test_server.py compares with ``torch.optim.SGD``).
 
 Synchronous steps with N > 1 workers sum the N pushes of a range straight into the
 momentum buffer instead of into a separate sum (``begin``/``add``/``finish``): the

@@ -22,7 +22,7 @@ the reverse order). Every rank sends 2 (N - 1) / N of the buffer, as in a ring.
     psring run --strategy allreduce --reduce adasum --workers 4 --lr 0.1
 
 The communicator is an interface (:class:`Comm`): torch.distributed here
-(:class:`TorchComm`), threads with queues in tests (tests/test_adasum.py), which check
+(:class:`TorchComm`), threads with queues in tests (tests/multiproc/test_adasum.py), which check
 the result against :func:`reference`, the tree applied to whole tensors in one process.
 """
 

@@ -6,7 +6,7 @@ for the model (psring.train.models.Inputs):
 
 - ``vector``: Gaussian classes in ``--features`` dimensions, their centres far enough
   apart that the default MLP goes from chance to over 90% held-out accuracy within
-  ``psring compare``'s 30 steps (tests/test_learning.py checks).
+  ``psring compare``'s 30 steps (tests/multiproc/test_learning.py checks).
 - ``image``: every class a smooth random colour pattern (4x4 upsampled to the image
   size) under per-pixel noise.
 - ``tokens``: sequences from a Markov chain in which each token is followed by its own

@@ -108,7 +108,7 @@ def _skip_dynamo(mode_cls: Any) -> None:
     counts FLOPs in every run, so that import sat on every run's start-up. The wrapper
     calls a cached ``__dynamo_disable`` when the function has one: the function itself
     here. Where torch changes the wrapping, nothing is done and the import happens
-    (tests/test_optim.py notices)."""
+    (tests/unit/test_optim.py notices)."""
     dispatch = getattr(mode_cls, "__torch_dispatch__", None)
     fn = getattr(dispatch, "__wrapped__", None)
     if fn is not None and getattr(fn, "__dynamo_disable", None) is None:

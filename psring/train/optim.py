@@ -11,7 +11,7 @@ short run's training. psring never compiles its loop, so the wrapping buys nothi
     loss.backward(); opt.step()
 
 The update is the same tensor ops as ``torch.optim.SGD``'s CPU path, so results are
-bit-identical (tests/test_optim.py checks ``torch.equal``); the parameter servers use
+bit-identical (tests/unit/test_optim.py checks ``torch.equal``); the parameter servers use
 the same function in its fused form (:func:`sgd_update`).
 """
 

@@ -3,7 +3,7 @@
 
 torchvision cannot be installed beside torch 2.13's CPU build here, so ResNet, VGG and
 Inception V3 are re-built to torchvision's exact layer shapes: at ``--classes 1000``
-their parameter counts equal torchvision's (tests/test_models.py checks).
+their parameter counts equal torchvision's (tests/multiproc/test_models.py checks).
 ``--width`` scales every layer's channels (64 = the paper's) so they fit a CPU.
 
     psring models                                  # every model at this run's sizes

@@ -78,3 +78,20 @@ def test_the_block_is_replaced_between_its_markers_only():
     assert G.replace_block(text, "NEW") == "before\nNEW\nafter\n"
     with pytest.raises(ValueError, match="lacks"):
         G.replace_block("no markers here", "NEW")
+
+
+def test_the_layout_table_names_every_module_in_its_packages_row():
+    """Each row of the Layout table (| `dir/` | ...) names every module file of that
+    directory: a module added without a word in the doc fails here."""
+    rows = {}
+    for line in G.DOC.read_text().splitlines():
+        if line.startswith("| `") and "/` |" in line:
+            rows[line.split("`")[1]] = line
+    missing = []
+    for folder in ("psring", "workers", "servers"):
+        for package in sorted({p.parent for p in (ROOT / folder).rglob("*.py")}):
+            key = f"{package.relative_to(ROOT)}/"
+            assert key in rows, f"docs/architecture.md's Layout table has no row {key}"
+            missing += [f"{key}{p.name}" for p in sorted(package.glob("*.py"))
+                        if p.name != "__init__.py" and f"`{p.name}`" not in rows[key]]
+    assert missing == [], f"say in docs/architecture.md's Layout table what these hold: {missing}"
