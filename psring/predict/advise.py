@@ -203,6 +203,8 @@ def why(c: Candidate, cls: Any) -> str:
     if cls.caps.cost_model == "ring":
         return (f"bound by the {p.bound}: each worker sends and receives 2(n−1)/n·M = "
                 f"{mb(2 * (n - 1) / n * M)} per step ({comm})")
+    if cls.caps.cost_model not in ("ps", "ps-async", "byteps"):  # a plugin's cost model
+        return (f"bound by the {p.bound} (cost model {cls.caps.cost_model}; {comm})")
     tail = "; no worker waits for another (staleness: see the option)" \
         if cls.caps.cost_model == "ps-async" else ""
     if "link" in p.bound:

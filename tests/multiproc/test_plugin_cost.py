@@ -72,5 +72,6 @@ def test_advise_ranks_the_plugin_by_its_cost_model(tmp_path):
            env=plugin_env())
     rows = {r["strategy"]: r for r in json.loads((out / "advise.json").read_text())["ranking"]}
     assert "sleepy-ring" in rows
+    assert "cost model sleepy-ring" in rows["sleepy-ring"]["why"]
     assert float(rows["sleepy-ring"]["step ms"]) == \
         pytest.approx(float(rows["allreduce"]["step ms"]) + NAP_S * 1e3, abs=0.15)

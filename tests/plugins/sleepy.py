@@ -24,6 +24,7 @@ def sleepy_timeline(sim: Sim) -> Prediction:
     pred.step_s += NAP_S
     pred.phases["comm_s"] += NAP_S
     pred.samples_per_s = sim.cluster.workers * sim.profile.batch_size / pred.step_s
+    pred.efficiency = min(1.0, sim.profile.compute_s / pred.step_s)
     return pred
 
 
