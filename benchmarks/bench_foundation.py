@@ -65,7 +65,7 @@ def bench_loop_overhead(rounds: int, steps: int) -> dict:
         return times
 
     def psring_loop(log_dir: str) -> list[float]:
-        from psring.runs.runlog import StepLog
+        from psring.records.runlog import StepLog
 
         model = build_model("mlp", ModelSettings.from_config(cfg), 0)[0]
         recs: list[dict] = []

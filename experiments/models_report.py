@@ -58,7 +58,7 @@ def main(sweep_dir: str) -> int:
 def plot_accuracy(root: Path, models: list[str], strategies: list[str], plt) -> Path:
     """Held-out accuracy vs step, one panel per model: a colour per strategy, solid on
     one host, dashed on the emulated cluster."""
-    from psring.runs.runlog import read_evals, read_manifest
+    from psring.records.runlog import read_evals, read_manifest
 
     fig, axes = plt.subplots(2, (len(models) + 1) // 2, figsize=(4 * ((len(models) + 1) // 2), 6),
                              sharex=True, sharey=True)

@@ -18,7 +18,7 @@ The packages, each with one job (its ``__init__`` says which):
 - ``runtime``: the launcher and the processes it supervises;
 - ``train``: models, data, the update, evaluation, checkpoints, device mode;
 - ``zoo``: the built-in models;
-- ``runs``: run logs, traces, merges, sweeps;
+- ``records``: run logs, traces, merges, sweeps;
 - ``report``: tables, plots, report.md; ``predict``: cost model, simulator, advise.
 
 Names used here are imported on first use, so ``import psring`` imports no torch.

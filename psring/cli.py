@@ -69,8 +69,8 @@ def _progress_printer(total: int):
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from psring.records.sweep import is_sweep_dir
     from psring.report import render_table, summarize_all, write_report
-    from psring.runs.sweep import is_sweep_dir
 
     if len(args.dirs) == 1 and is_sweep_dir(args.dirs[0]) and not args.json:
         path, table = write_report(args.dirs[0])
@@ -86,7 +86,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from psring.runs.merge import merge
+    from psring.records.merge import merge
 
     manifest = merge(args.dirs, args.out)
     parts = manifest["merged_from"]
@@ -101,7 +101,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     forking.allow()  # first: its runs' processes are forked from it (see _cmd_run)
     from pathlib import Path
 
-    from psring.runs.sweep import Sweep, default_out, format_summary, run_sweep_with_progress
+    from psring.records.sweep import Sweep, default_out, format_summary, run_sweep_with_progress
 
     sweep = Sweep.load(args.spec)
     if args.repeats is not None:
@@ -123,9 +123,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     # first (see _cmd_run); a calibration that computes in this process leaves threads
     # behind, and its runs' processes then start anew
     forking.allow()
+    from psring.records.compare import run_compare
+    from psring.records.sweep import format_summary
     from psring.report import write_report
-    from psring.runs.compare import run_compare
-    from psring.runs.sweep import format_summary
 
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
     print(format_summary(res), file=sys.stderr)
@@ -138,7 +138,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from psring.runs.trace import TRACE, load_trace, render_png, write_trace
+    from psring.records.trace import TRACE, load_trace, render_png, write_trace
 
     run_dir = Path(args.dir)
     path = run_dir / TRACE

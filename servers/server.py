@@ -37,7 +37,7 @@ from psring.comm.protocol import (
     is_local,
 )
 from psring.errors import ConfigError
-from psring.runs.runlog import host_name
+from psring.records.runlog import host_name
 from psring.servers.handler import Handler
 
 POLL_MS = 100

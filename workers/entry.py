@@ -41,7 +41,7 @@ from psring.train import device as psring_device
 if TYPE_CHECKING:  # (imported where used: they import torch)
     from torch import nn
 
-    from psring.runs.runlog import StepLog
+    from psring.records.runlog import StepLog
     from psring.strategies import Strategy, WorkerContext
     from psring.train.workload import Workload
 
@@ -142,7 +142,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     gives ("From the command line to the logs"): the data and the model (the
     workload), manifest.json (rank 0), the process group if the strategy's caps ask for
     one, loop.train, model.pt (rank 0), a barrier, and always the teardown."""
-    from psring.runs.runlog import StepLog
+    from psring.records.runlog import StepLog
     from psring.strategies import STRATEGIES
     from psring.train.workload import build_workload
     from psring.workers.manifest import write_manifest
@@ -180,7 +180,7 @@ def _context(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world
     resumes from) and its number of threads, already set for torch."""
     import torch
 
-    from psring.runs.runlog import host_name
+    from psring.records.runlog import host_name
     from psring.strategies import WorkerContext
 
     threads = worker_threads(cfg, local_world)
@@ -214,7 +214,7 @@ def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, log: logging.Logger):
 def _join(ctx: WorkerContext, prefix: str) -> tuple[rendezvous.Launch, netif.Choice]:
     """Choose the network interface and join the run (psring.runtime.rendezvous); this
     worker's line goes into the run directory's workers.jsonl."""
-    from psring.runs.runlog import WORKERS, append_record
+    from psring.records.runlog import WORKERS, append_record
 
     cuda = ctx.device.type == "cuda"
     # which interface gloo (NCCL) advertises to the other hosts, before anything dials
@@ -265,7 +265,7 @@ def _train_and_save(ctx: WorkerContext, strategy: Strategy, work: Workload, step
     """loop.train, then rank 0 saves model.pt, then every rank waits for the others."""
     import torch.distributed as dist
 
-    from psring.runs.runlog import MODEL, save_state_dict
+    from psring.records.runlog import MODEL, save_state_dict
     from psring.workers.loop import train
 
     with _broken_connections_named(ctx.rank):

@@ -27,7 +27,7 @@ communication; communication that overlaps backward is inside ``backward_s``.
 With ``--trace`` each record also carries ``start`` (wall-clock time of the step's
 start, the clock all processes of a host share) and ``spans``: the phases in the
 order they happened, as ``[phase, start_s, end_s]`` relative to ``start``
-(psring.runs.trace turns them into a timeline).
+(psring.records.trace turns them into a timeline).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from psring.errors import PsringError
-from psring.runs.runlog import EVALS, StepLog
+from psring.records.runlog import EVALS, StepLog
 from psring.strategies.base import Strategy, WorkerContext
 from psring.train.checkpoint import Checkpoint
 from psring.train.data import Dataset, Split, worker_batch

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from psring.comm.compress import wire_bytes
 from psring.config import RunConfig
-from psring.runs.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
+from psring.records.runlog import MANIFEST, atomic_write_json, git_commit, host_facts, versions
 from psring.train import device as psring_device
 from psring.train.models import flops_per_sample, parameter_bytes
 

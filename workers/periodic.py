@@ -14,7 +14,7 @@ import time
 
 from torch import nn
 
-from psring.runs.runlog import StepLog
+from psring.records.runlog import StepLog
 from psring.strategies.base import Strategy, WorkerContext
 from psring.train import checkpoint
 from psring.train.data import Split

@@ -9,7 +9,7 @@
 
 Every lap reads the same clock and charges the time since the previous lap to exactly
 one phase, so the phases add up to ``step_s`` (up to rounding). Used by
-psring.workers.loop; psring.runs.trace turns the spans into a timeline.
+psring.workers.loop; psring.records.trace turns the spans into a timeline.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from psring.runs.runlog import PHASES
+from psring.records.runlog import PHASES
 
 now = time.perf_counter
 

@@ -61,7 +61,7 @@ from psring.cluster.netns import (
 )
 from psring.cluster.spec import NETWORK, Cluster
 from psring.errors import PsringError
-from psring.runs.runlog import atomic_write_json
+from psring.records.runlog import atomic_write_json
 from psring.runtime.process import (
     POLL_S,
     ProcessSpec,

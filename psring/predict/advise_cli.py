@@ -57,7 +57,7 @@ from psring.predict.costmodel import Calibration, find_calibration
 from psring.predict.profile import MODEL_KEYS, Profile
 from psring.predict.profiling import profile_config, take_profile
 from psring.predict.simulate import is_costed
-from psring.runs.runlog import atomic_write_json
+from psring.records.runlog import atomic_write_json
 
 # Imported inside the functions that use them, as before this command had a module of
 # its own: psring.train.models, the strategy registry, calibrate and the run report (each

@@ -37,7 +37,7 @@ from typing import Any
 
 from psring.cluster.spec import Cluster, link_key, payload_beta
 from psring.errors import ConfigError
-from psring.runs.runlog import atomic_write_json
+from psring.records.runlog import atomic_write_json
 
 #: the values a strategy's ``comm_model`` may take: which α-β-γ formula predicts its
 #: communication; None: it sends nothing (single) or shares memory (hogwild)

@@ -33,7 +33,7 @@ from typing import Any
 
 from psring.comm.partition import bucket_assignment, bucket_caps
 from psring.errors import ConfigError
-from psring.runs.runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
+from psring.records.runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
 from psring.train.shares import shares_of
 
 # Taking a profile (a run: psring.config, psring.runtime.launch) is psring.predict.profiling;

@@ -19,7 +19,7 @@ from psring.errors import PsringError
 from psring.predict.costmodel import Calibration
 from psring.predict.profile import Profile
 from psring.predict.simulate import Prediction, is_costed, simulate
-from psring.runs.runlog import read_manifest
+from psring.records.runlog import read_manifest
 from psring.strategies import STRATEGIES
 
 

@@ -25,9 +25,9 @@ from psring.config import cluster_of
 from psring.predict.costmodel import Calibration, crossover_bytes
 from psring.predict.replay import replay
 from psring.predict.simulate import comm_seconds, is_costed
+from psring.records.runlog import PHASES
 from psring.report.cluster import CLUSTER_KEYS, cluster_text, network_text
 from psring.report.runs import WORKLOAD_KEYS
-from psring.runs.runlog import PHASES
 from psring.strategies import STRATEGIES
 from psring.train.evaluate import time_to_accuracy
 

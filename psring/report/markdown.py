@@ -30,6 +30,7 @@ from pathlib import Path
 
 from psring.errors import ConfigError
 from psring.predict.costmodel import Calibration, find_calibration
+from psring.records.runlog import PHASES, atomic_write_bytes, read_manifest
 from psring.report.aggregate import (
     Setting,
     Spread,
@@ -52,7 +53,6 @@ from psring.report.plots import (
     plot_staleness,
 )
 from psring.report.points import collect
-from psring.runs.runlog import PHASES, atomic_write_bytes, read_manifest
 
 REPORT = "report.md"
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from psring.records.runlog import PHASES
+from psring.records.trace import PHASE_COLORS
 from psring.report.aggregate import Setting, make_label, setting_label
 from psring.report.cluster import CLUSTER_KEYS
-from psring.runs.runlog import PHASES
-from psring.runs.trace import PHASE_COLORS
 
 
 def _plt():

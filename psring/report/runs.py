@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from psring.errors import ConfigError
-from psring.runs.merge import missing_ranks
-from psring.runs.runlog import (
+from psring.records.merge import missing_ranks
+from psring.records.runlog import (
     PHASES,
     iter_run_dirs,
     read_evals,

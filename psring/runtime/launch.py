@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from psring.cluster.emulate import network_for
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError, RunFailed
-from psring.runs.runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
+from psring.records.runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
 from psring.runtime.process import (
     ProcessSpec,
     Supervisor,
@@ -71,7 +71,7 @@ LAUNCH = "launch.json"
 def resume_config(resume_dir: str, given: dict) -> RunConfig:
     """The config to continue the run in ``resume_dir``: the run's own settings (as its
     launch recorded them, else from its manifest), with the flags given now on top."""
-    from psring.runs.runlog import read_manifest
+    from psring.records.runlog import read_manifest
 
     d = Path(resume_dir)
     try:
@@ -233,7 +233,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
         # the settings as given (ports and server addresses not yet filled in): what
         # --resume starts from
         atomic_write_json(run_dir / LAUNCH, {"config": {**cfg.to_dict(), "out": out}})
-    # A new id for every launch, inherited by the run's processes (psring.runs.runlog.run_id)
+    # A new id for every launch, inherited by the run's processes (psring.records.runlog.run_id)
     os.environ["PSRING_RUN_ID"] = uuid.uuid4().hex
     net = network_for(cfg.cluster, run_dir)
     # what the launcher decides, filled in at once (its values checked once, not one each)
@@ -250,7 +250,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
     _supervise(cfg, run_dir, net, services, ticker)
     ticker.report()
     if cfg.trace:
-        from psring.runs.trace import write_trace
+        from psring.records.trace import write_trace
 
         write_trace(run_dir)
     return run_dir

@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from psring.errors import PsringError
-from psring.runs.runlog import host_name
+from psring.records.runlog import host_name
 
 RUN_ENV = "PSRING_RUN_ID"
 #: seconds past --timeout before the watchdog ends a worker that made no progress; and
@@ -170,7 +170,7 @@ class Rendezvous(Launch):
             time.sleep(0.05)
         self.run_id = s.get(self.key("run")).decode()
         self.peers = [json.loads(v) for v in s.multi_get(keys)]
-        os.environ[RUN_ENV] = self.run_id  # psring.runs.runlog.run_id: servers, shared memory
+        os.environ[RUN_ENV] = self.run_id  # psring.records.runlog.run_id: servers, shared memory
         self.stage("joined")
 
     def _missing(self, keys: list[str]) -> str:

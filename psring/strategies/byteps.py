@@ -44,7 +44,7 @@ from psring.comm.partition import even_split, overlaps
 from psring.comm.protocol import Message, load_secret
 from psring.comm.psclient import PSClient, Replies
 from psring.errors import PsringError
-from psring.runs.runlog import run_id
+from psring.records.runlog import run_id
 from psring.strategies.base import DONE, STRATEGIES, Handle
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 from psring.strategies.ps import ParameterServer

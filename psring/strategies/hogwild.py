@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from psring.errors import ConfigError, PsringError
-from psring.runs.runlog import run_id
+from psring.records.runlog import run_id
 from psring.strategies.base import STRATEGIES, Capabilities, Strategy
 
 

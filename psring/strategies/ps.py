@@ -43,7 +43,7 @@ from psring.comm.partition import even_split, overlaps
 from psring.comm.protocol import DTYPE_NAMES, Message, load_secret
 from psring.comm.psclient import PSClient, Replies
 from psring.errors import PsringError
-from psring.runs.runlog import run_id
+from psring.records.runlog import run_id
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from psring.errors import ConfigError
-from psring.runs.runlog import atomic_write_bytes, atomic_write_json
+from psring.records.runlog import atomic_write_bytes, atomic_write_json
 
 CHECKPOINTS = "checkpoints"
 STATE = "state.pt"

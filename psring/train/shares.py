@@ -26,7 +26,7 @@ def proportional_shares(run_dir: str, batch_size: int, workers: int) -> list[int
     """Shares of ``batch_size`` in proportion to each worker's speed in the run in
     ``run_dir``: samples per second, its share there over its median forward + backward
     time a step (warm-up left out), rounded by largest remainder, at least 1 each."""
-    from psring.runs.runlog import read_manifest, read_steps, warmup_steps
+    from psring.records.runlog import read_manifest, read_steps, warmup_steps
 
     records = read_steps(Path(run_dir))
     if not records:

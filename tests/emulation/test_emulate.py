@@ -133,7 +133,7 @@ def test_cluster_flags_are_validated(kw, needle):
 
 
 def test_sweeps_drop_cluster_settings_that_cannot_apply(tmp_path):
-    from psring.runs.sweep import Sweep
+    from psring.records.sweep import Sweep
 
     sweep = Sweep(name="t", base={"steps": 2, "link": "1gbit", "hosts": 2,
                                   "server_placement": "own-hosts", "batch_size": 64},

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from psring.runs.runlog import read_manifest, read_steps
+from psring.records.runlog import read_manifest, read_steps
 from psring.runtime.rendezvous import GRACE_S
 from tests.helpers import (
     SMALL,

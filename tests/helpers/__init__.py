@@ -9,7 +9,8 @@
 - :mod:`tests.helpers.emulation`: can this machine build emulated clusters, and is a
   run's cluster gone afterwards;
 - :mod:`tests.helpers.multihost`: torchrun on emulated hosts, as on real machines;
-- :mod:`tests.helpers.adasumref`: the model an Adasum run should end with.
+- :mod:`tests.helpers.adasumref`: the model an Adasum run should end with;
+- :mod:`tests.helpers.layout`: docs/architecture_graph.py, the import graph, as a module.
 
 Fixtures and hooks stay in tests/conftest.py. The test folders are packages under
 ``tests``, so pytest puts the repository root on ``sys.path`` and ``tests.helpers``

@@ -42,7 +42,7 @@ def test_a_plugin_run_is_replayed_with_its_own_cost_model(tmp_path):
         "from psring.predict.profile import Profile\n"
         "from psring.predict.replay import replay\n"
         "from psring.predict.simulate import simulate\n"
-        "from psring.runs.runlog import read_manifest\n"
+        "from psring.records.runlog import read_manifest\n"
         "run, cal = sys.argv[1], Calibration.load(sys.argv[2])\n"
         "p = replay(run, cal)\n"
         "cfg = read_manifest(run)['config']\n"

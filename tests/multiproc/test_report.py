@@ -5,8 +5,8 @@ import json
 import pytest
 
 from psring.predict.simulate import is_costed
+from psring.records.runlog import warmup_steps
 from psring.report.runs import percentile
-from psring.runs.runlog import warmup_steps
 from tests.helpers import assert_no_processes, psring, read_steps
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from psring.errors import ConfigError
+from psring.records.sweep import Sweep
 from psring.report import summarize
-from psring.runs.sweep import Sweep
 from tests.helpers import PSRING, assert_no_processes, env_with_plugins, interruptible, psring
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -84,7 +84,7 @@ def test_profiles_on_paper_are_built_once_and_named_by_the_points_that_use_them(
     points = sweep.points(out)
     assert {p.config.device_profile for p in points} == {str(out / "profiles" / "small")}
     launched = []
-    from psring.runs.sweep import run_sweep
+    from psring.records.sweep import run_sweep
     run_sweep(sweep, out, launch=lambda cfg: launched.append(
         Profile.load(cfg.device_profile)))
     assert len(launched) == 2

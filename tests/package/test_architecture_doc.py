@@ -8,24 +8,17 @@ moved or given a new import fails here until the doc is rewritten:
 from __future__ import annotations
 
 import difflib
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.layout import architecture_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = "python docs/architecture_graph.py --write"
 
 
-def _graph_module():
-    path = ROOT / "docs" / "architecture_graph.py"
-    spec = importlib.util.spec_from_file_location("architecture_graph", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-G = _graph_module()
+G = architecture_graph()
 
 
 def test_the_diagram_in_the_doc_is_the_codes():

@@ -5,8 +5,9 @@ here, for at most two of them."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
+
+from tests.helpers.layout import architecture_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 #: functions allowed past LIMIT lines ("module.qualname"), each with the one concern
@@ -15,17 +16,7 @@ LONG: dict[str, str] = {}
 LIMIT = 80
 
 
-def _graph_module():
-    """docs/architecture_graph.py: the import graph, which also draws the diagram in
-    docs/architecture.md (one computation for the rule and the picture)."""
-    path = ROOT / "docs" / "architecture_graph.py"
-    spec = importlib.util.spec_from_file_location("architecture_graph", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GRAPH = _graph_module()
+GRAPH = architecture_graph()
 modules = GRAPH.modules
 
 

@@ -164,7 +164,7 @@ def test_registry_rejects_duplicates_and_lists_names():
 
 
 def test_run_id_is_shared_within_a_launch_and_new_across_launches(monkeypatch):
-    from psring.runs.runlog import run_id
+    from psring.records.runlog import run_id
 
     cfg = RunConfig(out="runs/x")
     monkeypatch.setenv("PSRING_RUN_ID", "launch-1")

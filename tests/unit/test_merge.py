@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from psring.errors import ConfigError
+from psring.records import merge as merge_mod
+from psring.records.runlog import read_manifest, read_steps
 from psring.report.runs import summarize
-from psring.runs import merge as merge_mod
-from psring.runs.runlog import read_manifest, read_steps
 
 
 def _host_dir(d: Path, run: str, ranks: list[int], world: int = 2, steps: int = 3,

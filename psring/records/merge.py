@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from psring.errors import ConfigError
-from psring.runs.runlog import (
+from psring.records.runlog import (
     EVALS,
     MANIFEST,
     MODEL,

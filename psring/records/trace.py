@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from psring.errors import ConfigError
-from psring.runs.runlog import atomic_write_json, read_steps
+from psring.records.runlog import atomic_write_json, read_steps
 
 TRACE = "trace.json"
 SERVERS = "servers.jsonl"

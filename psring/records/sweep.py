@@ -63,7 +63,7 @@ from typing import Any, Callable
 from psring.cluster.spec import derived_hosts
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError, PsringError, RunFailed
-from psring.runs.runlog import atomic_write_json
+from psring.records.runlog import atomic_write_json
 
 SWEEP_FILE = "sweep.json"
 POINT_FILE = "point.json"
