@@ -118,6 +118,8 @@ OPTIONAL: dict[str, dict[str, Any]] = {
 }
 
 REQUESTS = ("init", "push", "pull", "leave", "snapshot")
+#: the ops a worker accepts in reply (psring.comm.psclient)
+REPLIES = ("ack", "params", "ok", "error", "state")
 MODES = ("sync", "async")
 #: what a server does with the summed gradients (init's `update`)
 UPDATES = ("sgd", "sum")

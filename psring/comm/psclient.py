@@ -17,6 +17,7 @@ from typing import Callable
 import zmq
 
 from psring.comm.protocol import (
+    REPLIES,
     AuthenticationError,
     Message,
     ProtocolError,
@@ -24,9 +25,6 @@ from psring.comm.protocol import (
     encode,
 )
 from psring.errors import PsringError
-
-#: replies a worker accepts
-_REPLIES = ("ack", "params", "ok", "error", "state")
 
 
 class PSClient:
@@ -110,7 +108,7 @@ class PSClient:
         frames = sock.recv_multipart(copy=False)
         shard = self.index[sock]
         try:
-            msg = decode(frames, expect=_REPLIES, key=self.key)
+            msg = decode(frames, expect=REPLIES, key=self.key)
         except AuthenticationError as e:
             raise PsringError(f"worker {self.worker}: a reply from parameter server "
                               f"{self.addrs[shard]} failed authentication ({e}); the server "

@@ -10,8 +10,8 @@ share a ``title``: one group of ``psring run --help`` each title.
     >>> [s.__name__ for s in SECTIONS][:3]
     ['Parallelism', 'Model', 'Data']
     >>> [s.__name__ for s in SECTIONS if s.title == "device"]
-    ['Compute', 'Device']
-    >>> own_fields(Device)
+    ['TorchDevice', 'DeviceMode']
+    >>> own_fields(DeviceMode)
     ['compute', 'device_profile', 'device_speed', 'time_scale', 'device_link']
 
 ``Literal`` fields list their choices: ``RunConfig`` refuses other values, and argparse
@@ -109,7 +109,7 @@ class Optimization:
 
 
 @dataclass(frozen=True)
-class Compute:
+class TorchDevice:
     """The torch device each worker computes on."""
 
     title: ClassVar[str] = "device"
@@ -178,7 +178,7 @@ class Gradients:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ClusterFlags:
     """The hosts the workers are spread over (emulated on this machine) and their links."""
 
     title: ClassVar[str] = "cluster"
@@ -228,7 +228,7 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Device:
+class DeviceMode:
     """A timing-only run of an accelerator cluster: the device's times replace the compute."""
 
     title: ClassVar[str] = "device"
@@ -263,8 +263,8 @@ class Tracing:
 
 
 #: the sections in the order of their fields (RunConfig's, the manifests')
-SECTIONS: tuple[type, ...] = (Parallelism, Model, Data, Evaluation, Optimization, Compute,
-                              Buckets, Servers, Gradients, Cluster, Run, Device, Tracing)
+SECTIONS: tuple[type, ...] = (Parallelism, Model, Data, Evaluation, Optimization, TorchDevice,
+                              Buckets, Servers, Gradients, ClusterFlags, Run, DeviceMode, Tracing)
 
 
 def own_fields(section: type) -> list[str]:

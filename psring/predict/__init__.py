@@ -3,10 +3,13 @@
 - ``costmodel``: the α-β-γ formulas, the measured :class:`Calibration` and the
   predicted communication time per step (docs/cost-model.md);
 - ``calibrate``: measures α, β and γ on this machine (``psring calibrate``);
-- ``profile``: a model's step on its own device, from one short traced run
-  (``psring profile``);
+- ``profile``: a model's step on its own device, from one short traced run, or on
+  paper (``profiling`` takes one: ``psring profile``);
 - ``simulate``: the step-time simulator, pure Python: a profile and a cluster in, a
-  predicted step out (docs/prediction.md);
+  predicted step out (docs/prediction.md), on the event engine ``engine``; its cost
+  models by name in ``costs`` (``COST_MODELS``: what a strategy's ``caps.cost_model``
+  names; a plugin registers its own), the ring's in ``ring``, the parameter servers'
+  in ``psround``;
 - ``replay``: the simulator on a measured run, its own compute and its cluster
   (what ``psring report`` puts beside each measured step);
 - ``advise``: ranks the strategies on a cluster by their simulated steps;

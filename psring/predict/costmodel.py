@@ -20,10 +20,10 @@ numbers measured on this machine by ``psring calibrate`` (``psring.predict.calib
 one α, β pair for ZeroMQ (what the parameter-server strategies use) and one for
 torch.distributed's gloo (what ring all-reduce and DDP use), and one γ.
 
-Which formula a strategy follows is its ``comm_model`` class attribute
-(``psring.strategies.base.Strategy``): ``"ring"``, ``"ps"``, ``"ps-async"``,
+Which formula a strategy follows is its cost model, ``caps.cost_model``
+(``psring.strategies.base.Capabilities``): ``"ring"``, ``"ps"``, ``"ps-async"``,
 ``"byteps"``, ``"hring"`` (hallreduce), or ``None`` when it sends no messages (single,
-hogwild).
+hogwild); psring.predict.costs.COST_MODELS holds each one's formula and timeline.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from psring.cluster.spec import Cluster, link_key, payload_beta
 from psring.errors import ConfigError
 from psring.records.runlog import atomic_write_json
 
-#: the values a strategy's ``comm_model`` may take: which α-β-γ formula predicts its
+#: the built-in cost models' names (``caps.cost_model``): which α-β-γ formula predicts its
 #: communication; None: it sends nothing (single) or shares memory (hogwild)
 COMM_MODELS = (None, "ring", "hring", "ps", "ps-async", "byteps")
 
@@ -220,10 +220,12 @@ class Calibration:
                 check_positive(f"links[{rate!r}].{name}", (numbers or {}).get(name))
 
     def link(self, comm_model: str) -> tuple[float, float]:
-        """(α, β) of the transport ``comm_model`` runs over, inside one host (loopback)."""
-        if comm_model in ("ring", "hring"):
+        """(α, β) of the transport ``comm_model`` runs over, inside one host (loopback):
+        a built-in cost model's name, or a transport's, "dist" (torch.distributed) or
+        "zmq" (the PS protocol), as a plugin's CostModel.transport says."""
+        if comm_model in ("ring", "hring", "dist"):
             return self.dist_alpha, self.dist_beta
-        if comm_model in ("ps", "ps-async", "byteps"):
+        if comm_model in ("ps", "ps-async", "byteps", "zmq"):
             return self.zmq_alpha, self.zmq_beta
         raise ValueError(f"unknown comm_model {comm_model!r}; known: "
                          f"{', '.join(m for m in COMM_MODELS if m)}")
@@ -242,7 +244,7 @@ class Calibration:
         if link_bits is None:
             return alpha, beta, "loopback"
 
-        key = "dist" if comm_model in ("ring", "hring") else "zmq"
+        key = "dist" if comm_model in ("ring", "hring", "dist") else "zmq"
         # a calibration of this rate and delay; else of this rate, without the delay
         for name, extra in ((link_key(link_bits, delay_s), 0.0),
                             (link_key(link_bits), 2 * delay_s)):

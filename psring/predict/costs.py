@@ -5,7 +5,7 @@ psring.strategies.base); the simulator (psring.predict.simulate), the replay of 
 measured run, reports and ``psring advise`` all find it in :data:`COST_MODELS`. The
 built-in ones (``ring``, ``hring``: psring.predict.ring; ``ps``, ``ps-async``,
 ``byteps``: psring.predict.psround) register themselves when the simulator is imported;
-a plugin strategy brings its own the same way (tests/plugins/costed.py)::
+a plugin strategy brings its own the same way (tests/plugins/sleepy.py)::
 
     from psring.predict.costs import COST_MODELS, CostModel, Sim, finish
 

@@ -43,8 +43,10 @@ def paper_profile_from(settings: dict[str, Any], out: str | os.PathLike) -> Prof
     paper = {k: settings.get(k) for k in PAPER_FLAGS}
     paper["update_ms"] = paper["update_ms"] or 0.0
     paper["source"] = paper["source"] or ""
-    cfg = profile_config(**{k: v for k, v in settings.items() if k not in PAPER_FLAGS},
-                         out=str(out))
+    from psring.config import validate
+
+    cfg = validate(profile_config(**{k: v for k, v in settings.items()
+                                     if k not in PAPER_FLAGS}, out=str(out)))
     prof = paper_profile(cfg, **paper)
     prof.save(out)
     return prof

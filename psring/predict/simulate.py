@@ -83,7 +83,9 @@ from __future__ import annotations
 from typing import Any
 
 from psring.cluster.spec import Cluster
-from psring.predict import psround, ring
+
+# (importing them registers the built-in cost models)
+from psring.predict import psround, ring  # noqa: F401 - ring: registration only
 from psring.predict.costmodel import Calibration
 from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim, finish
 
@@ -95,16 +97,8 @@ from psring.predict.engine import column_pieces, ring_steps  # noqa: F401 - re-e
 #: psring.comm.compress.wire_bytes)
 WIRE = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
 PARTITION_BYTES = psround.PARTITION_BYTES
-#: the built-in cost models (a plugin may register more in COST_MODELS)
-BUILT_IN = (ring.__name__, psround.__name__)
-
 __all__ = ["COST_MODELS", "CostModel", "Prediction", "WIRE", "PARTITION_BYTES",
-           "cost_model", "is_costed", "comm_seconds", "simulate"]
-
-
-def cost_model(name: str) -> CostModel:
-    """The cost model a strategy's ``caps.cost_model`` names (ConfigError if none)."""
-    return COST_MODELS.get(name)
+           "is_costed", "comm_seconds", "simulate"]
 
 
 def is_costed(name: str | None) -> bool:
@@ -143,6 +137,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
         pred = finish(sim, comm_model, sum(sim.compute))
     else:
         pred = model.timeline(sim)
+        pred.comm_model = comm_model  # (the name it was found by, whatever it says)
         if cores and model.cpu_work is not None:
             _cores_floor(pred, sim, cores, model.cpu_work(sim))
     pred.settings = {"compress": compress, "bucket_mb": bucket_mb, "cores": cores}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar, ContextManager, Iterable, Protocol
 
@@ -69,8 +69,8 @@ class WaitAll:
 class WorkerContext:
     """What a strategy may know about the process it runs in."""
 
-    #: the run's psring.config.RunConfig (not imported here: the config validates
-    #: itself against this registry, so the import goes that way only)
+    #: the run's psring.config.RunConfig, validated (not imported here: psring.config's
+    #: validate() checks it against this registry, so the import goes that way only)
     cfg: Any
     rank: int
     world: int
@@ -169,6 +169,18 @@ class Strategy:
     name: ClassVar[str] = ""
     #: what the strategy can do (see Capabilities)
     caps: ClassVar[Capabilities] = Capabilities()
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        # A strategy written for the flags Capabilities replaced (uses_servers = True,
+        # comm_model = "ring", ...) would silently get the defaults: refuse it by name.
+        super().__init_subclass__(**kw)
+        stale = sorted(({f.name for f in fields(Capabilities)}
+                        | {"comm_model", "local_optimizer", "costed"}) & set(vars(cls)))
+        if stale:
+            raise TypeError(
+                f"strategy {cls.__name__} sets {', '.join(stale)} on the class; what a "
+                f"strategy can do is declared once, in caps = Capabilities(...) (or "
+                f"dataclasses.replace(Parent.caps, ...)); comm_model is caps.cost_model.")
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx

@@ -20,7 +20,6 @@ NAP_S = 0.05
 
 def sleepy_timeline(sim: Sim) -> Prediction:
     pred = ring_timeline(sim)
-    pred.comm_model = "sleepy-ring"
     pred.step_s += NAP_S
     pred.phases["comm_s"] += NAP_S
     pred.samples_per_s = sim.cluster.workers * sim.profile.batch_size / pred.step_s
