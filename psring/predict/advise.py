@@ -240,7 +240,9 @@ def recommendations(cands: list[Candidate], ranking: list[Candidate],
         same = [c for c in cands if c.strategy == win.strategy
                 and c.cluster.servers == win.cluster.servers
                 and c.cluster.placement == win.cluster.placement
-                and c.compress == win.compress]
+                and c.compress == win.compress
+                and c.prediction.settings.get("update_on")
+                == win.prediction.settings.get("update_on")]  # (byteps: one line a size)
         by_mb = sorted(same, key=lambda c: c.bucket_mb)
         lines.append("Bucket size: " + f"{win.bucket_mb:g} MB (" + ", ".join(
             f"{c.bucket_mb:g} MB {c.prediction.step_s * 1e3:.1f} ms" for c in by_mb)

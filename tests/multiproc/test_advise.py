@@ -2,6 +2,7 @@
 tiny profile, and bad input refused in one paragraph with exit 2."""
 
 import json
+import re
 
 import pytest
 
@@ -183,6 +184,11 @@ def test_device_link_prices_the_collectives_inside_a_host(big, tmp_path):
     assert "device link nvlink inside each host" in reports["nvlink"]["title"]
     assert "device_link" not in reports["loopback"]["cluster"]
     assert "device link" not in reports["loopback"]["title"]
+    # the winner's bucket sizes, each once (byteps: at its own update site only)
+    for rep in reports.values():
+        line = next(r for r in rep["recommendations"] if r.startswith("Bucket size:"))
+        sizes = re.findall(r"[(,] ([\d.]+) MB", line)
+        assert sizes and len(sizes) == len(set(sizes)), line
 
 
 @pytest.mark.parametrize("args,words", [
