@@ -85,10 +85,14 @@ def check(cfg: Any, strategy_cls: Any) -> None:
                           f"or drop --device-link.")
     from psring.cluster.spec import derived_hosts
 
-    hosts = derived_hosts(cfg.workers, cfg.hosts, cfg.workers_per_host)
-    if cfg.workers <= hosts:
+    check_hosts(cfg.workers, derived_hosts(cfg.workers, cfg.hosts, cfg.workers_per_host))
+
+
+def check_hosts(workers: int, hosts: int) -> None:
+    """--device-link needs a host of several workers (psring run's and psring advise's)."""
+    if workers <= hosts:
         raise ConfigError(f"--device-link times the collectives among the workers of one "
-                          f"host, and {cfg.workers} worker(s) on {hosts} host(s) leave one a "
+                          f"host, and {workers} worker(s) on {hosts} host(s) leave one a "
                           f"host: nothing to time. Put several workers on a host "
                           f"(--workers-per-host), or drop --device-link.")
 

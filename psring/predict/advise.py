@@ -68,13 +68,15 @@ class Candidate:
 
 def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any],
                max_servers: int = 8, cores: int | None = None,
-               link_bits: float | None = None, delay_s: float | None = None
-               ) -> list[Candidate]:
+               link_bits: float | None = None, delay_s: float | None = None,
+               inside: tuple[float, float] | None = None) -> list[Candidate]:
     """Every setting of every strategy the cluster can run, simulated: servers up to
     ``max_servers`` (and twice the hosts); ``cores``: shared by every process (the
     cluster emulated on one machine), as psring.predict.simulate takes them.
     ``link_bits``, ``delay_s``: the link a server on a host of its own is reached over
-    (default: the base cluster's; one host's base cluster has none, as nothing crosses)."""
+    (default: the base cluster's; one host's base cluster has none, as nothing crosses).
+    ``inside``: (α, β) of each host's own interconnect (--device-link), for the
+    collectives among a host's workers (byteps, hallreduce); None: loopback's gloo."""
     link = base.link_bits if link_bits is None else link_bits
     delay = base.delay_s if delay_s is None else delay_s
     out = []
@@ -85,7 +87,8 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
     max_k = max(1, min(max_servers, 2 * base.hosts))
     for name, cls in classes.items():
         if cls.caps.cost_model is None:
-            out.append(Candidate(name, simulate(profile, base, None, cal, cores=cores)))
+            out.append(Candidate(name, simulate(profile, base, None, cal, cores=cores,
+                                                inside=inside)))
             continue
         if cls.caps.needs_equal_hosts and base.workers // base.hosts < 2:
             continue  # per-host aggregation with one worker a host: its flat twin's setting
@@ -105,7 +108,8 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
                                         placement=place)
                         out.append(Candidate(name, simulate(profile, cl, cls.caps.cost_model, cal,
                                                             compress=comp, bucket_mb=mb,
-                                                            cores=cores, update_on=up)))
+                                                            cores=cores, update_on=up,
+                                                            inside=inside)))
     return out
 
 
@@ -236,7 +240,9 @@ def recommendations(cands: list[Candidate], ranking: list[Candidate],
         same = [c for c in cands if c.strategy == win.strategy
                 and c.cluster.servers == win.cluster.servers
                 and c.cluster.placement == win.cluster.placement
-                and c.compress == win.compress]
+                and c.compress == win.compress
+                and c.prediction.settings.get("update_on")
+                == win.prediction.settings.get("update_on")]  # (byteps: one line a size)
         by_mb = sorted(same, key=lambda c: c.bucket_mb)
         lines.append("Bucket size: " + f"{win.bucket_mb:g} MB (" + ", ".join(
             f"{c.bucket_mb:g} MB {c.prediction.step_s * 1e3:.1f} ms" for c in by_mb)

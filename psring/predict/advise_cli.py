@@ -16,7 +16,11 @@ time, each with the one sentence that says what bounds it; asynchronous and comp
 settings follow as options, with their gain and what they change. It prints the table,
 writes ``advise.png`` and ``advise.json`` into ``--out``, and recommends a bucket size
 and the servers. ``--device-speed X`` asks about devices X times as fast as the
-profile's (a GPU cluster, from a laptop's profile).
+profile's (a GPU cluster, from a laptop's profile). ``--device-link nvlink`` (or a rate,
+as ``psring run`` takes it; psring.comm.interconnect) gives each host's own interconnect:
+the collectives among a host's workers (byteps's and hallreduce's reduce-scatter and
+all-gather) are priced at its time instead of this machine's loopback gloo, and
+``--verify`` runs those strategies with it.
 
 This module is the command: its flags, the profile and calibration it needs, the
 printing, and ``--verify``; the ranking itself is psring.predict.advise.
@@ -94,6 +98,12 @@ def add_advise_parser(sub: Any) -> None:
     p.add_argument("--device-speed", type=float, default=1.0, help="the workers' devices are "
                    "this many times as fast as the profile's (ask about a GPU cluster from "
                    "a laptop's profile; or give a GPU's profile with --profile)")
+    p.add_argument("--device-link", default="", help="each host's own interconnect among "
+                   "its workers: nvlink (150 GB/s, V100's NVLink 2.0) or a rate such as "
+                   "1200gbit. byteps's and hallreduce's collectives inside a host are "
+                   "priced at its time (and --verify runs them with it) instead of this "
+                   "machine's loopback gloo; needs several workers per host. Default: "
+                   "loopback")
     p.add_argument("--verify", action="store_true", help="run the top candidates on this "
                    "machine's emulation of the cluster and print predicted vs measured")
     p.add_argument("--verify-steps", type=int, default=20, help="steps per verifying run")
@@ -162,6 +172,31 @@ def _calibration(args: argparse.Namespace, out: Path):
     return cal
 
 
+def verify_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[str, Any],
+                 batch: int, n: int, out: Path, device_profile: Path) -> dict[str, Any]:
+    """The RunConfig fields of candidate ``c``'s verifying run (strategy class ``cls``):
+    a device-mode run of the profiled ``model`` at global batch ``batch`` on the
+    cluster, with only the flags its strategy takes (psring.config refuses the others);
+    --device-link where the strategy runs collectives inside a host of several workers."""
+    flags = {**model, **c.run_flags(), "workers": n,
+             "hosts": args.hosts, "workers_per_host": c.cluster.workers_per_host,
+             "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
+             else "", "delay": args.delay, "batch_size": batch,
+             "steps": args.verify_steps, "compute": "device",
+             "device_profile": str(device_profile),
+             "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
+    if not cls.caps.uses_servers:
+        flags.pop("servers"), flags.pop("server_placement")
+    if not cls.caps.supports_compression:
+        flags.pop("compress")
+    if cls.caps.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
+        flags["link"] = args.link
+    if args.device_link and cls.caps.host_collectives \
+            and c.cluster.workers_per_host > 1:  # (psring.comm.interconnect.check's)
+        flags["device_link"] = args.device_link
+    return flags
+
+
 def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespace,
            model: dict[str, Any], batch: int, n: int, out: Path,
            device_profile: Path) -> list[dict[str, Any]]:
@@ -178,20 +213,8 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
 
     results = []
     for c in top:
-        flags = {**model, **c.run_flags(), "workers": n,
-                 "hosts": args.hosts, "workers_per_host": c.cluster.workers_per_host,
-                 "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
-                 else "", "delay": args.delay, "batch_size": batch,
-                 "steps": args.verify_steps, "compute": "device",
-                 "device_profile": str(device_profile),
-                 "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
         cls = classes[c.strategy]
-        if not cls.caps.uses_servers:
-            flags.pop("servers"), flags.pop("server_placement")
-        if not cls.caps.supports_compression:
-            flags.pop("compress")
-        if cls.caps.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
-            flags["link"] = args.link
+        flags = verify_flags(c, cls, args, model, batch, n, out, device_profile)
         scale = required_time_scale(RunConfig(**flags))
         setting = c.setting(cls.caps.uses_servers, cls.caps.supports_compression)
         print(f"psring: verifying {c.strategy} ({setting})"
@@ -199,8 +222,7 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
         run_dir = launch(RunConfig(**flags, time_scale=scale))
         measured = summarize(run_dir)["step_p50_s"]
         predicted = c.prediction.step_s
-        results.append({"strategy": c.strategy, "setting":
-                        c.setting(cls.caps.uses_servers, cls.caps.supports_compression),
+        results.append({"strategy": c.strategy, "setting": setting,
                         "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
                         "error": (predicted - measured) / measured, "time_scale": scale,
                         "run": str(run_dir)})
@@ -243,6 +265,21 @@ def _check_device_flags(args: argparse.Namespace) -> None:
     if args.verify_steps < 5:
         raise ConfigError(f"--verify-steps {args.verify_steps}: give at least 5 (the first "
                           f"steps are warm-up, left out of the measured step time).")
+
+
+def _device_link(args: argparse.Namespace, cluster: Cluster
+                 ) -> tuple[dict[str, Any] | None, tuple[float, float] | None]:
+    """--device-link as advise.json records it (its name, α and rate) and as the
+    simulator takes it (``inside``: α, β), or (None, None) without it; a ConfigError
+    that names the fix for a bad name or rate, or for one worker per host."""
+    from psring.comm.interconnect import alpha_beta, check_hosts, parse
+
+    link = parse(args.device_link)  # (a bad name or rate raises, naming the flag)
+    if link is None:
+        return None, None
+    check_hosts(cluster.workers, cluster.hosts)
+    return ({"name": args.device_link, "alpha_s": link[0], "bytes_per_s": link[1]},
+            alpha_beta(link))
 
 
 def _load_profile(args: argparse.Namespace, n: int,
@@ -333,6 +370,7 @@ def advise_command(args: argparse.Namespace) -> int:
     and advise.png, and with --verify measure the top candidates."""
     cluster, n = _cluster(args)
     _check_device_flags(args)
+    device_link, inside = _device_link(args, cluster)
     out = Path(args.out or os.path.join("runs", f"advise-{time.strftime('%Y%m%d-%H%M%S')}"))
     prof, model = _profile(args, n, out)
     out.mkdir(parents=True, exist_ok=True)
@@ -347,9 +385,11 @@ def advise_command(args: argparse.Namespace) -> int:
     # settings this machine can run (workers and servers <= the limit)
     cands = candidates(prof, cluster, cal, classes,
                        max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8,
-                       cores=None, link_bits=link, delay_s=delay)
+                       cores=None, link_bits=link, delay_s=delay, inside=inside)
     ranking = rank(cands)
     where = _where(cluster.hosts, n // cluster.hosts, link, delay) + (
+        f", device link {args.device_link} inside each host "
+        f"({device_link['bytes_per_s'] / 1e9:g} GB/s)" if device_link else "") + (
         ", verified on emulated hosts, a device per worker" if args.verify else "")
     title = (f"psring advise: {prof.source.get('model', 'profiled model')}, "
              f"{prof.total_bytes / 1e6:.2f} MB of gradients, batch {args.batch_size} "
@@ -369,6 +409,8 @@ def advise_command(args: argparse.Namespace) -> int:
         "ranking": [dict(zip(HEADER, r)) for r in rows],
         "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
         "recommendations": recs, "options": opts}
+    if device_link:
+        report["cluster"]["device_link"] = device_link
     atomic_write_json(out / "advise.json", report)  # the prediction, before any run
     if args.verify:
         results = verify(verify_candidates(ranking, classes), classes, args, model,

@@ -2,6 +2,7 @@
 tiny profile, and bad input refused in one paragraph with exit 2."""
 
 import json
+import re
 
 import pytest
 
@@ -146,3 +147,97 @@ def test_device_speed_asks_about_faster_devices(tiny, tmp_path):
         assert rows["4"][name] == pytest.approx(ms / 4, rel=0.05, abs=0.05)
     bad = cli_here("advise", *common, "--device-speed", "0", "--out", tmp_path / "b")
     assert bad.returncode == 2 and "--device-speed must be a positive number" in bad.stderr
+
+
+@pytest.fixture
+def big(tmp_path):
+    """A profile on paper of a model whose gradients the links feel (400 MB, 300 ms a
+    step at batch 64), and the tiny test's calibration (loopback gloo: 1.7 GB/s)."""
+    prof = Profile.on_paper([100_000_000, 4 * KB] * 4, forward_s=0.1, backward_s=0.2,
+                            batch_size=64, source={"model": "big"})
+    cal = Calibration(zmq_alpha=1e-4, zmq_beta=6e-10, dist_alpha=1.5e-4, dist_beta=6e-10,
+                      gamma=1e-10)
+    return prof.save(tmp_path / "big"), cal.save(tmp_path / "cal.json")
+
+
+def test_device_link_prices_the_collectives_inside_a_host(big, tmp_path):
+    prof, cal = big
+    common = ["--profile", prof, "--calibration", cal, "--hosts", 2, "--workers-per-host", 4,
+              "--link", "20gbit"]
+    reports = {}
+    for name, extra in (("loopback", []), ("nvlink", ["--device-link", "nvlink"])):
+        out = tmp_path / name
+        res = psring("advise", *common, *extra, "--out", out, timeout=120)
+        reports[name] = json.loads((out / "advise.json").read_text())
+        printed = " ".join(res.stdout.split())  # (the table's title wraps)
+        assert ("device link nvlink inside each host (150 GB/s)" in printed) == bool(extra)
+    step = {k: {r["strategy"]: float(r["step ms"]) for r in rep["ranking"]}
+            for k, rep in reports.items()}
+    # byteps's and hallreduce's reduce-scatter and all-gather run at NVLink's 150 GB/s
+    for name in ("byteps", "hallreduce"):
+        assert step["nvlink"][name] < step["loopback"][name], (name, step)
+    # a flat ring and the parameter server run no collective inside a host
+    for name in ("allreduce", "ddp", "ps"):
+        assert step["nvlink"][name] == step["loopback"][name], (name, step)
+    link = reports["nvlink"]["cluster"]["device_link"]
+    assert link == {"name": "nvlink", "alpha_s": 10e-6, "bytes_per_s": 150e9}
+    assert "device link nvlink inside each host" in reports["nvlink"]["title"]
+    assert "device_link" not in reports["loopback"]["cluster"]
+    assert "device link" not in reports["loopback"]["title"]
+    # the winner's bucket sizes, each once (byteps: at its own update site only)
+    for rep in reports.values():
+        line = next(r for r in rep["recommendations"] if r.startswith("Bucket size:"))
+        sizes = re.findall(r"[(,] ([\d.]+) MB", line)
+        assert sizes and len(sizes) == len(set(sizes)), line
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--workers-per-host", "4", "--device-link", "nvlinq"], "--device-link nvlink"),
+    (["--workers-per-host", "4", "--device-link", "12x"], "is not a rate"),
+    (["--workers-per-host", "4", "--device-link", "0gbit"], "--device-link nvlink"),
+    (["--device-link", "nvlink"], "Put several workers on a host (--workers-per-host)"),
+    (["--workers", "2", "--device-link", "1200gbit"], "or drop --device-link"),
+])
+def test_a_device_link_that_cannot_apply_is_refused(big, tmp_path, args, words):
+    prof, cal = big
+    out = tmp_path / "adv"
+    res = cli_here("advise", "--profile", prof, "--calibration", cal, "--hosts", "2",
+                   "--link", "20gbit", *args, "--out", out)
+    assert res.returncode == 2, res.stderr
+    err = res.stderr.strip()
+    assert err.startswith("psring: error:") and words in err, err
+    assert "\n\n" not in err and "Traceback" not in err
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_verify_runs_take_the_device_link_where_their_strategy_accepts_it(tmp_path):
+    """--verify's runs: --device-link for the strategies with collectives inside a host
+    (byteps, hallreduce), none for the others; psring.config accepts every one."""
+    import argparse
+
+    from psring.cluster.spec import Cluster
+    from psring.config import RunConfig, validate
+    from psring.predict.advise import candidates, rank
+    from psring.predict.advise_cli import strategy_classes, verify_flags
+    from psring.train.models import ModelSettings, build_model
+
+    model, _ = build_model("mlp", ModelSettings(), 0)
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    prof = Profile.on_paper(sizes, forward_s=0.01, backward_s=0.02, batch_size=8,
+                            source={"model": "mlp"})
+    path = prof.save(tmp_path / "prof")
+    cal = Calibration(zmq_alpha=1e-4, zmq_beta=6e-10, dist_alpha=1.5e-4, dist_beta=6e-10,
+                      gamma=1e-10)
+    classes = strategy_classes(4, 2)
+    cluster = Cluster.of(hosts=2, workers_per_host=2, link_bits=1e9)
+    ranking = rank(candidates(prof, cluster, cal, classes, inside=(10e-6, 1 / 150e9)))
+    assert {"byteps", "hallreduce", "allreduce", "ps"} <= {c.strategy for c in ranking}
+    for device_link in ("nvlink", ""):
+        args = argparse.Namespace(hosts=2, link="1gbit", delay="", verify_steps=5,
+                                  device_link=device_link)
+        for c in ranking:
+            cls = classes[c.strategy]
+            flags = verify_flags(c, cls, args, {"model": "mlp"}, 32, 4, tmp_path, path)
+            assert flags.get("device_link", "") == \
+                (device_link if cls.caps.host_collectives else ""), (c.strategy, flags)
+            validate(RunConfig(**flags))  # psring run would take it
