@@ -63,10 +63,9 @@ from psring.predict.profiling import profile_config, take_profile
 from psring.predict.simulate import is_costed
 from psring.records.runlog import atomic_write_json
 
-# Imported inside the functions that use them, as before this command had a module of
-# its own: psring.train.models, the strategy registry, calibrate and the run report (each
-# imports torch, which building this command's parser does not need), and
-# psring.config, emulate and launch (whose own import cycle is being untangled).
+# Imported inside the functions that use them: psring.train.models, the strategy
+# registry, calibrate, the launcher and the run report (each imports torch, which
+# building this command's parser does not need).
 
 #: the most worker and server processes --verify starts on this machine: its runs are
 #: device-mode (their compute off the cores, at the capacity rule's time scale), which
