@@ -45,21 +45,34 @@ from psring.errors import ConfigError
 DEVICE_ALPHA_S = 10e-6
 #: NVLink 2.0 on a V100 (6 links x 25 GB/s each way: 150 GB/s)
 NVLINK = (DEVICE_ALPHA_S, 150e9)
+#: named interconnects: bytes per second each way per device, the vendors' figures (what
+#: NCCL reaches is lower); ``nvlink`` is a V100's, the seeds' (BytePS, Horovod) hosts
+LINKS: dict[str, tuple[float, str]] = {
+    "nvlink": (150e9, "NVLink 2.0, V100 (DGX-1): 6 links x 25 GB/s"),
+    "nvlink2": (150e9, "NVLink 2.0, V100 (DGX-1): 6 links x 25 GB/s"),
+    "nvlink3": (300e9, "NVLink 3, A100 (DGX A100): 12 links x 25 GB/s"),
+    "nvlink4": (450e9, "NVLink 4, H100 SXM (HGX H100): 18 links x 25 GB/s"),
+    "pcie": (15.75e9, "PCIe 3.0 x16, an 8-GPU PCIe host of the V100 era"),
+    "pcie3": (15.75e9, "PCIe 3.0 x16"),
+    "pcie4": (31.5e9, "PCIe 4.0 x16"),
+    "pcie5": (63e9, "PCIe 5.0 x16"),
+}
 
 
 def parse(text: str) -> tuple[float, float] | None:
-    """(α seconds, bytes per second) of a --device-link value; None for ''."""
+    """(α seconds, bytes per second) of a --device-link value: a name in LINKS or a
+    rate such as 1200gbit; None for ''."""
     if not text:
         return None
-    if text.lower() == "nvlink":
-        return NVLINK
+    if text.lower() in LINKS:
+        return DEVICE_ALPHA_S, LINKS[text.lower()][0]
     from psring.cluster.spec import parse_rate
 
     try:
         rate = parse_rate(text, "--device-link")
     except ConfigError as e:
-        raise ConfigError(f"{e} Or name the interconnect: --device-link nvlink "
-                          f"(150 GB/s, V100's NVLink 2.0).") from None
+        names = ", ".join(f"{n} ({b / 1e9:g} GB/s)" for n, (b, _) in LINKS.items())
+        raise ConfigError(f"{e} Or name the interconnect: --device-link {names}.") from None
     return DEVICE_ALPHA_S, rate / 8
 
 

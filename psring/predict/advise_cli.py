@@ -98,8 +98,9 @@ def add_advise_parser(sub: Any) -> None:
                    "this many times as fast as the profile's (ask about a GPU cluster from "
                    "a laptop's profile; or give a GPU's profile with --profile)")
     p.add_argument("--device-link", default="", help="each host's own interconnect among "
-                   "its workers: nvlink (150 GB/s, V100's NVLink 2.0) or a rate such as "
-                   "1200gbit. byteps's and hallreduce's collectives inside a host are "
+                   "its workers: nvlink (150 GB/s, V100's NVLink 2.0), nvlink3, nvlink4, "
+                   "pcie, pcie4, pcie5, or a rate such as 1200gbit. byteps's and "
+                   "hallreduce's collectives inside a host are "
                    "priced at its time (and --verify runs them with it) instead of this "
                    "machine's loopback gloo; needs several workers per host. Default: "
                    "loopback")

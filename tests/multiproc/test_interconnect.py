@@ -40,6 +40,9 @@ def test_a_ring_collective_takes_g_minus_1_steps_of_a_gth():
     assert interconnect.collective_s(4, 8e6, 10e-6, 1e9) == pytest.approx(3 * (10e-6 + 2e-3))
     assert interconnect.collective_s(1, 8e6, 10e-6, 1e9) == 0.0
     assert interconnect.parse("nvlink") == interconnect.NVLINK
+    # named hosts' interconnects, by generation, bytes per second each way
+    rates = [interconnect.parse(n)[1] for n in ("pcie", "pcie4", "nvlink", "nvlink3", "nvlink4")]
+    assert rates == sorted(rates) and interconnect.parse("NVLink4")[1] == 450e9
     assert interconnect.parse("8gbit") == (interconnect.DEVICE_ALPHA_S, 1e9)
     assert interconnect.parse("") is None
 
