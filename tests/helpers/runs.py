@@ -101,20 +101,27 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def processes_mentioning(text: str) -> list[tuple[int, str]]:
-    """Live processes whose command line contains ``text`` (e.g. a test's run directory)."""
+def live_processes() -> list[tuple[int, list[str], str]]:
+    """Every live (not zombie) process but this one, from /proc: (pid, the fields of its
+    stat after the command's name — state, ppid, pgrp, session, ... —, its command
+    line with spaces for NULs)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            stat = (entry / "stat").read_text().split(") ", 1)[1].split()
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().split(") ", 1)[1][0]
         except OSError:
             continue
-        if text in cmd and state != "Z":
-            found.append((int(entry.name), cmd))
+        if stat[0] != "Z":
+            found.append((int(entry.name), stat, cmd))
     return found
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """Live processes whose command line contains ``text`` (e.g. a test's run directory)."""
+    return [(pid, cmd) for pid, _, cmd in live_processes() if text in cmd]
 
 
 def process_named(run_dir, name: str) -> int | None:

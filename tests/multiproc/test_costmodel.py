@@ -20,7 +20,7 @@ from psring.predict.calibrate import fit, run_pair
 from psring.predict.calibrate_cli import main as calibrate_main
 from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.strategies import STRATEGIES
-from tests.helpers import assert_no_processes
+from tests.helpers import assert_no_processes, live_processes
 
 # The worked example: n = 4 workers, M = 1e6 bytes, α = 1e-5 s, β = 1e-9 s/B, γ = 2e-10 s/B.
 N, M, A, B, G = 4, 1e6, 1e-5, 1e-9, 2e-10
@@ -259,18 +259,8 @@ def _hang(rank: int) -> None:
 
 def _spawned_children() -> list[int]:
     """Live multiprocessing children of this process."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().split(") ", 1)[1].split()
-            cmd = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if stat[0] != "Z" and int(stat[1]) == os.getpid() and b"spawn_main" in cmd:
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, stat, cmd in live_processes()
+            if int(stat[1]) == os.getpid() and "spawn_main" in cmd]
 
 
 @pytest.mark.timeout(60)
@@ -295,18 +285,8 @@ def test_out_must_not_be_a_directory(tmp_path, capsys):
 
 
 def _in_session(sid: int) -> list[tuple[int, str]]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().split(") ", 1)[1].split()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if stat[0] != "Z" and int(stat[3]) == sid:  # fields after ")": state ppid pgrp session
-            found.append((int(entry.name), cmd))
-    return found
+    # (the fields after the command's name: state ppid pgrp session)
+    return [(pid, cmd) for pid, stat, cmd in live_processes() if int(stat[3]) == sid]
 
 
 @pytest.mark.timeout(90)
