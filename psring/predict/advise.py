@@ -23,7 +23,7 @@ from typing import Any
 from psring.cluster.spec import Cluster
 from psring.predict.costmodel import ps_link_load
 from psring.predict.profile import Profile
-from psring.predict.simulate import Prediction, simulate
+from psring.predict.simulate import COST_MODELS, Prediction, simulate
 
 BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
 
@@ -130,8 +130,9 @@ def changes_training(c: Candidate) -> str:
 def preference(c: Candidate) -> float:
     """The predicted step, handicapped by 0.5% per server beyond the first (processes,
     and machines, that must pay for themselves)."""
+    name = c.prediction.comm_model
     k = 1 + 0.005 * (c.cluster.servers - 1) \
-        if c.prediction.comm_model in ("ps", "ps-async", "byteps") else 1.0
+        if name is not None and COST_MODELS.get(name).servers else 1.0
     return c.prediction.step_s * k
 
 
