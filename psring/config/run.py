@@ -37,7 +37,13 @@ def _either(choices: tuple[str, ...]) -> str:
 # listed last first so that the fields keep the manifests' order.
 @dataclasses.dataclass(frozen=True)
 class RunConfig(*reversed(SECTIONS)):
-    """One run's settings; every field is a flag of ``psring run``."""
+    """One run's settings; every field is a flag of ``psring run``.
+
+    Fields hold what was given. Values derived from others (``hosts`` from
+    --workers-per-host, ``servers`` from --server-addrs, ``eval_samples`` in device mode)
+    are :meth:`derived`'s, and filled in by :func:`psring.config.validate`, which
+    ``psring run`` and :func:`psring.runtime.launch.launch` call: read them from a
+    validated config (or from ``cfg.cluster`` and ``to_dict()``, which derive them)."""
 
     def __post_init__(self) -> None:
         self._check_counts()
