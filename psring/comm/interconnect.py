@@ -25,9 +25,8 @@ time as well:
   is learnt in device mode, and what crosses the emulated links (the pushes, the pulls,
   the rings across hosts) keeps its real size.
 
-What is not timed this way: a flat ring's hops between two workers of one host
-(``allreduce``, ``ddp``): gloo runs the ring as one collective, so those hops stay
-loopback (docs/emulation.md).
+A flat ring (``allreduce``, ``ddp``) has no collective inside a host: its hops between
+two workers of one host are timed by psring.comm.hostring, on the same link.
 """
 
 from __future__ import annotations
@@ -91,11 +90,16 @@ def check(cfg: Any, strategy_cls: Any) -> None:
                           "interconnect's, which only a timing-only run may do (the "
                           "gradients are not reduced): add --compute device, or drop "
                           "--device-link.")
-    if not strategy_cls.caps.host_collectives:
-        raise ConfigError(f"--device-link times the collectives a strategy runs among the "
-                          f"workers of one host; {cfg.strategy!r} has none (a flat ring's "
-                          f"hops inside a host stay loopback). Use byteps or hallreduce, "
-                          f"or drop --device-link.")
+    inside = strategy_cls.caps.inside_host
+    if not inside:
+        raise ConfigError(f"--device-link times a strategy's traffic among the workers of "
+                          f"one host; {cfg.strategy!r} has none it can time. Use allreduce, "
+                          f"ddp, byteps or hallreduce, or drop --device-link.")
+    if inside == "ring-hops" and cfg.reduce == "adasum":
+        raise ConfigError("--device-link times a flat ring's hops, and --reduce adasum "
+                          "swaps halves between workers instead (those stay loopback): use "
+                          "--strategy hallreduce --reduce adasum (Adasum across hosts, the "
+                          "host's collectives timed), or drop one of the flags.")
     from psring.cluster.spec import derived_hosts
 
     check_hosts(cfg.workers, derived_hosts(cfg.workers, cfg.hosts, cfg.workers_per_host))
@@ -155,6 +159,49 @@ class _Timed:
         return True
 
 
+class DeviceStream:
+    """A device's communication stream: jobs run one after another on one thread, in
+    the order they were submitted (as collectives on a CUDA stream), each completing
+    its handle; ``then(error)``, if given, is called once a job is done."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def check_open(self) -> None:
+        if self._closed:  # (a reduction still on a communication thread after close)
+            raise RuntimeError("the host's timed interconnect was closed")
+
+    def submit(self, job, then=None) -> _Timed:
+        self.check_open()
+        handle = _Timed()
+        self._queue.put((job, handle, then))
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, handle, then = item
+            if self._closed:  # queued when the worker closed: never run
+                handle.error = RuntimeError("the host's timed interconnect was closed")
+            else:
+                try:
+                    job()
+                except BaseException as e:  # noqa: BLE001 -- handed to whoever waits on it
+                    handle.error = e
+            handle.done.set()
+            if then is not None:
+                then(handle.error)
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+
+
 class TimedComm:
     """The host's collectives as a device interconnect's time (see the module's doc).
     ``enter`` starts the one-element collective that every worker of the host must join
@@ -170,12 +217,8 @@ class TimedComm:
             token = torch.zeros(1)
             enter = lambda: dist.all_reduce(token, group=group, async_op=True)  # noqa: E731
         self.enter = enter
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
         self._free_at = 0.0  # when the device's stream is free (perf_counter)
-        self._thread = threading.Thread(target=self._run, name="psring-device-link",
-                                        daemon=True)
-        self._thread.start()
+        self.stream = DeviceStream("psring-device-link")
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> _Timed:
         n = out.numel()
@@ -188,38 +231,22 @@ class TimedComm:
         return self._submit(out.numel() * out.element_size(), lambda: part.copy_(inp))
 
     def _submit(self, nbytes: int, move) -> _Timed:
-        if self._closed:  # (a reduction still on a communication thread after close)
-            raise RuntimeError("the host's timed interconnect was closed")
-        handle = _Timed()
+        self.stream.check_open()
         # entered here, on the caller's thread: the host's workers issue the one-element
         # collectives in the order they issue the real ones, as torch requires
-        self._queue.put((self.enter(), nbytes, move, handle))
-        return handle
+        work = self.enter()
+        return self.stream.submit(lambda: self._take_time(work, nbytes, move))
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            work, nbytes, move, handle = item
-            if self._closed:  # queued when the worker closed: never run
-                handle.error = RuntimeError("the host's timed interconnect was closed")
-                handle.done.set()
-                continue
-            try:
-                work.wait()
-                start = max(time.perf_counter(), self._free_at)
-                self._free_at = start + self.time_scale * collective_s(
-                    self.workers, nbytes, self.alpha, self.rate)
-                move()
-                time.sleep(max(0.0, self._free_at - time.perf_counter()))
-            except BaseException as e:  # noqa: BLE001 -- handed to whoever waits on it
-                handle.error = e
-            handle.done.set()
+    def _take_time(self, work: Any, nbytes: int, move) -> None:
+        work.wait()
+        start = max(time.perf_counter(), self._free_at)
+        self._free_at = start + self.time_scale * collective_s(
+            self.workers, nbytes, self.alpha, self.rate)
+        move()
+        time.sleep(max(0.0, self._free_at - time.perf_counter()))
 
     def close(self) -> None:
-        self._closed = True
-        self._queue.put(None)
+        self.stream.close()
 
 
 def host_layout(ctx: Any, who: str) -> tuple[int, int, int, int]:

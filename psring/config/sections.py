@@ -246,11 +246,12 @@ class DeviceMode:
         "times x S and every emulated link's rate / S, for links faster than this machine "
         "can carry; step times are recorded divided by S (docs/emulation.md)"))
     device_link: str = field(default="", metadata=_flag(
-        "--compute device, byteps and hallreduce: the hosts' own interconnect (nvlink, "
-        "nvlink3, nvlink4, pcie, pcie4, pcie5: psring.comm.interconnect.LINKS; or a rate "
-        "such as 1200gbit): the collectives among a host's workers take its time, "
-        "as on GPUs, instead of running over this machine's loopback and cores "
-        "(psring.comm.interconnect). Default: loopback"))
+        "--compute device, hosts of several workers: the hosts' own interconnect "
+        "(nvlink, nvlink3, nvlink4, pcie, pcie4, pcie5: psring.comm.interconnect.LINKS; "
+        "or a rate such as 1200gbit): the traffic among a host's workers (byteps's and "
+        "hallreduce's collectives, a flat ring's hops in allreduce and ddp) takes its "
+        "time, as on GPUs, instead of running over this machine's loopback and cores "
+        "(psring.comm.interconnect, psring.comm.hostring). Default: loopback"))
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
     ``link_bits``, ``delay_s``: the link a server on a host of its own is reached over
     (default: the base cluster's; one host's base cluster has none, as nothing crosses).
     ``inside``: (α, β) of each host's own interconnect (--device-link), for the
-    collectives among a host's workers (byteps, hallreduce); None: loopback's gloo."""
+    traffic among a host's workers (a flat ring's hops, byteps's and hallreduce's
+    collectives); None: loopback's gloo."""
     link = base.link_bits if link_bits is None else link_bits
     delay = base.delay_s if delay_s is None else delay_s
     out = []

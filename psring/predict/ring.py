@@ -2,7 +2,8 @@
 
 Collectives run one at a time in launch order; each is the ring's 2(n−1) steps, every
 step sending an M/n chunk over every edge at once, so a step lasts as long as its
-slowest edge (a host link where the ring crosses hosts, else loopback). ``hring``'s
+slowest edge (a host link where the ring crosses hosts, else loopback, or the device
+link of ``inside``, where the ring's sums run on the devices). ``hring``'s
 collective is three: a reduce-scatter among a host's G workers, G rings of H ranks
 across the hosts on a 1/G slice each, an all-gather in the host. With ``--reduce
 adasum`` the ring (or hring's rings across hosts) is Adasum's vector halving, distance
@@ -29,6 +30,8 @@ def ring_timeline(sim: Sim, hier: bool = False) -> Prediction:
     G = n // hosts if hier else 1
     across = hosts if hier else n  # the ranks of the ring (or rings) across hosts
     edge = "ring edges (loopback)"
+    if sim.inside and not hier:  # a flat ring's hops inside a host: the device link's
+        (alpha, beta), edge = sim.inside, "ring edges (device link)"
     if cluster.hosts > 1:
         a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
         # a step lasts as long as its slowest edge: the link the ring crosses hosts on
@@ -81,7 +84,10 @@ def _collective(sim: Sim, G: int, across: int, alpha: float, beta: float,
         d, la = adasum_steps(across, m * wire / G, alpha, beta * G, cal.gamma)
         dur, lat = dur + d, lat + la
     elif across > 1:
-        dur += sum(ring_steps(across, m * wire, alpha, beta, cal.gamma / wire / G))
+        # the flat ring's sums run on the devices with a device link (hostring adds
+        # nothing on the host); hring's rings across hosts are gloo's, on the host
+        gamma = 0.0 if sim.inside and G == 1 else cal.gamma / wire / G
+        dur += sum(ring_steps(across, m * wire, alpha, beta, gamma))
         lat += 2 * (across - 1) * alpha
     return dur, lat
 

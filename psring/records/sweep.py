@@ -211,7 +211,8 @@ class Sweep:
                 values["servers"] = 1
             if not strategy.caps.supports_staleness_bound:
                 values["max_staleness"] = -1
-            if not strategy.caps.host_collectives:
+            if not strategy.caps.inside_host or strategy.caps.inside_host == "ring-hops" \
+                    and values.get("reduce") == "adasum":
                 values["device_link"] = ""  # nothing runs inside a host to time
             slow = str(values.get("slow_worker") or "")
             if slow and int(slow.split(":")[0] or 0) >= values.get("workers", 1):

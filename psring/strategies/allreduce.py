@@ -6,6 +6,9 @@ average; each bucket's all-reduce starts from the gradient hooks while backward 
 still running, and the update waits on the handles. ``ddp`` is the reference
 implementation of the same algorithm.
 
+``--device-link`` (device mode): the ring runs as point-to-point sends whose hops
+inside a host take the device interconnect's time (psring.comm.hostring).
+
 ``--reduce adasum`` combines the buckets by Adasum instead (psring.comm.adasum: recursive
 vector halving over point-to-point swaps, each parameter's tensor on its own; no
 pre-division), on one communication thread per worker so that buckets still go out
@@ -26,6 +29,7 @@ from torch import nn
 
 from psring.comm import adasum
 from psring.comm.compress import CastBack, wire_dtype
+from psring.comm.hostring import flat_ring
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 
@@ -57,7 +61,7 @@ class AllReduce(Strategy):
     name = "allreduce"
     caps = Capabilities(
         uses_process_group=True, supports_compression=True, reductions=("sum", "adasum"),
-        cost_model="ring", waits_for=RING_WAITS_FOR)
+        cost_model="ring", waits_for=RING_WAITS_FOR, inside_host="ring-hops")
 
     def setup(self, model: nn.Module) -> nn.Module:
         cap, first = bucket_caps(self.ctx.cfg.bucket_mb)
@@ -65,6 +69,8 @@ class AllReduce(Strategy):
         if self.adasum:
             # collective (every rank builds the same groups here, in setup)
             self.comm = self._adasum_comm()
+        # --device-link: the ring's hops inside a host timed (collective, like the above)
+        self.ring = flat_ring(self.ctx) if self.caps.inside_host == "ring-hops" else None
         self.buckets = GradientBuckets(
             list(model.parameters()), cap, first, scale=self._scale(),
             launch=self._launch, stats_of=lambda: self.stats)
@@ -92,11 +98,16 @@ class AllReduce(Strategy):
             return self._on_thread(adasum.reduce, bucket.buffer, counts, self.comm)
         wire = self.wire[bucket.index]
         if wire is None:
-            return dist.all_reduce(bucket.buffer, async_op=True)
+            return self._all_reduce(bucket.buffer)
         # already scaled by 1/N in float32 (the hooks): summing N such values in the wire
         # dtype overflows no sooner than the gradients would
         wire.copy_(bucket.buffer)
-        return CastBack(dist.all_reduce(wire, async_op=True), wire, bucket.buffer)
+        return CastBack(self._all_reduce(wire), wire, bucket.buffer)
+
+    def _all_reduce(self, t: torch.Tensor) -> Handle:
+        if self.ring is not None:
+            return self.ring.all_reduce(t)
+        return dist.all_reduce(t, async_op=True)
 
     def _on_thread(self, fn, *args) -> Handle:
         """Run a reduction of several collectives on the worker's one communication
@@ -119,6 +130,8 @@ class AllReduce(Strategy):
             self.buckets.remove_hooks()
         if getattr(self, "pool", None) is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+        if getattr(self, "ring", None) is not None:
+            self.ring.close()
 
     @classmethod
     def bytes_per_step(cls, param_bytes: int, world: int,

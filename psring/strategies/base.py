@@ -25,7 +25,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager, Iterable, Protocol
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, Literal, Protocol
 
 import torch
 from torch import nn
@@ -149,9 +149,11 @@ class Capabilities:
     #: --compute device can stand in for each worker's accelerator (psring.train.device);
     #: False where the workers share memory on one host and have no device of their own
     emulates_device: bool = True
-    #: it runs collectives among the workers of one host (psring.comm.interconnect),
-    #: which --device-link can time as a device interconnect's
-    host_collectives: bool = False
+    #: what of its traffic inside a host of several workers --device-link can time as a
+    #: device interconnect's: "collectives" (a reduce-scatter and all-gather among the
+    #: host's workers: psring.comm.interconnect), "ring-hops" (a flat ring's hops between
+    #: two workers of one host: psring.comm.hostring), "" (none: the flag is refused)
+    inside_host: Literal["", "collectives", "ring-hops"] = ""
 
     def update_site(self, update_on: str) -> str:
         """Where the optimizer runs for a run's --update-on ("" = the default)."""

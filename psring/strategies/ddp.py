@@ -4,19 +4,46 @@ Same algorithm (bucketed ring all-reduce overlapped with backward, ``bucket_cap_
 from ``--bucket-mb``); DDP waits for its buckets inside ``backward()``, so this
 strategy sets ``syncs_inside_backward`` and the loop counts the time after the last
 gradient hook as communication.
+
+``--device-link`` (device mode): a comm hook sends the buckets round psring's ring,
+whose hops inside a host take the device interconnect's time (psring.comm.hostring).
 """
 
 from __future__ import annotations
 
-from typing import ContextManager
+from typing import Callable, ContextManager
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from psring.comm.compress import ddp_hook, wire_bytes
+from psring.comm.compress import ddp_hook, wire_bytes, wire_dtype
+from psring.comm.hostring import HostRing, flat_ring
 from psring.strategies.allreduce import RING_WAITS_FOR, ring_bytes
 from psring.strategies.base import STRATEGIES, Capabilities, Strategy
 from psring.strategies.buckets import DEFAULT_BUCKET_MB
+
+
+def ring_hook(ring: HostRing, compress: str) -> Callable:
+    """A DDP comm hook averaging each bucket on ``ring`` (cast to the wire dtype and
+    back under --compress): its Future completes on the ring's stream."""
+    dtype = None if compress == "none" else wire_dtype(compress)
+
+    def hook(_state, bucket):  # (DDP checks an annotation by value: none given)
+        grads = bucket.buffer().div_(ring.world)
+        wire = grads if dtype is None else grads.to(dtype)
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def then(error: BaseException | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(grads if wire is grads else grads.copy_(wire))
+
+        ring.all_reduce(wire, then)
+        return fut
+
+    return hook
 
 
 @STRATEGIES.register("ddp")
@@ -24,7 +51,7 @@ class DDP(Strategy):
     name = "ddp"
     caps = Capabilities(
         uses_process_group=True, syncs_inside_backward=True, supports_compression=True,
-        cost_model="ring", waits_for=RING_WAITS_FOR)
+        cost_model="ring", waits_for=RING_WAITS_FOR, inside_host="ring-hops")
 
     def setup(self, model: nn.Module) -> nn.Module:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
@@ -34,13 +61,21 @@ class DDP(Strategy):
         self.ddp = DistributedDataParallel(
             model, device_ids=device_ids,
             bucket_cap_mb=None if cap == DEFAULT_BUCKET_MB else cap)
-        hook = ddp_hook(self.ctx.cfg.compress)  # torch's own compression hooks
+        # --device-link: the buckets go round psring's timed ring (a comm hook, as
+        # OptiReduce's benchmarks plug into DDP); else torch's own compression hooks
+        self.ring = flat_ring(self.ctx)
+        hook = ddp_hook(self.ctx.cfg.compress) if self.ring is None else \
+            ring_hook(self.ring, self.ctx.cfg.compress)
         if hook is not None:
             self.ddp.register_comm_hook(None, hook)
         self._bytes = ring_bytes(wire_bytes(sum(p.numel() * p.element_size()
                                                 for p in model.parameters()),
                                             self.ctx.cfg.compress), self.ctx.world)
         return self.ddp
+
+    def close(self) -> None:
+        if getattr(self, "ring", None) is not None:
+            self.ring.close()
 
     def no_sync(self) -> ContextManager[None]:
         return self.ddp.no_sync()

@@ -239,5 +239,5 @@ def test_verify_runs_take_the_device_link_where_their_strategy_accepts_it(tmp_pa
             cls = classes[c.strategy]
             flags = verify_flags(c, cls, args, {"model": "mlp"}, 32, 4, tmp_path, path)
             assert flags.get("device_link", "") == \
-                (device_link if cls.caps.host_collectives else ""), (c.strategy, flags)
+                (device_link if cls.caps.inside_host else ""), (c.strategy, flags)
             validate(RunConfig(**flags))  # psring run would take it

@@ -1,8 +1,8 @@
 """psring.comm.interconnect: a host's collectives as a device link's time (--device-link).
 The time of a ring reduce-scatter or all-gather, the timed collectives' serial stream,
 what moves, failures handed to the waiter; bad settings refused; and through the CLI,
-byteps's and hallreduce's steps take at least the device link's time for their host
-collectives."""
+byteps's, hallreduce's, allreduce's and ddp's steps take at least the device link's
+time for their traffic inside a host."""
 
 from __future__ import annotations
 
@@ -111,8 +111,10 @@ def test_bad_device_link_settings_are_refused_with_the_fix(tmp_path):
 
     refused("only a timing-only run may do .* add --compute device", strategy="byteps",
             device_link="nvlink")
-    refused("'allreduce' has none .* Use byteps or hallreduce", strategy="allreduce",
-            device_link="nvlink", **device)
+    refused("'ps' has none it can time.* Use allreduce, ddp, byteps or hallreduce",
+            strategy="ps", device_link="nvlink", **device)
+    refused("--reduce adasum swaps halves.* --strategy hallreduce --reduce adasum",
+            strategy="allreduce", reduce="adasum", device_link="nvlink", **device)
     refused("'fast' is not a rate.* --device-link nvlink", strategy="byteps",
             device_link="fast", **device)
     refused("leave one a host: nothing to time", strategy="byteps", hosts=2,
@@ -122,11 +124,13 @@ def test_bad_device_link_settings_are_refused_with_the_fix(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["byteps", "hallreduce"])
-def test_the_host_collectives_take_the_device_links_time(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", ["byteps", "hallreduce", "allreduce", "ddp"])
+def test_the_traffic_inside_a_host_takes_the_device_links_time(tmp_path, strategy):
     """2 workers on one host, 8.7 MB of gradients, a 10 MB/s device link: a step's
-    reduce-scatter and all-gather take 2 x 4.35 MB / 10 MB/s = 0.87 s on the device's
-    stream, more than its 0.13 s of compute: no step can be shorter."""
+    reduce-scatter and all-gather (byteps, hallreduce), or a flat ring's two steps of
+    half the gradients (allreduce, ddp: psring.comm.hostring), take 2 x 4.35 MB / 10
+    MB/s = 0.87 s on the device's stream, more than its 0.13 s of compute: no step can
+    be shorter."""
     model, _ = meta_model(RunConfig(**FLAGS))
     sizes = [p.numel() * 4 for p in model.parameters()]
     Profile.on_paper(sizes, 0.040, 0.080, 0.010, batch_size=16,
