@@ -39,7 +39,7 @@ uses it:
 Settings that do not apply to a strategy are normalized, and points that become the
 same run are run once: ``single`` runs 1 worker, ``servers`` is 1 for strategies
 without servers, ``max_staleness`` is -1 where it does not apply, ``device_link`` is dropped for
-strategies without collectives inside a host, and a
+strategies without traffic inside a host it can time, and a
 ``slow_worker`` that names no worker of the point (``1:3`` for ``single``) is dropped.
 
 Each point runs in ``OUT/<point id>/`` and is done when its ``point.json`` says so
