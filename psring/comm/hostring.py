@@ -12,15 +12,16 @@ same 2 cores, and gloo's ring runs every hop over loopback, so in device mode th
 inside a host would be the one part of the devices' work done by this machine's cores.
 :class:`HostRing` runs the ring itself, rank r sending to r + 1 (ranks h*G .. h*G+G-1 on
 host h, the order NCCL's rings take through a node): 2(N - 1) steps of 1/N of the
-tensor each, the first N - 1 adding what arrives (the reduce-scatter), the rest copying
-it (the all-gather).
+tensor each (``tensor_split``'s chunks: the first ones one element larger where N does
+not divide it), the first N - 1 adding what arrives (the reduce-scatter), the rest
+copying it (the all-gather).
 
 - Without a link every hop is a real send (the values reduced: the sum, as
   ``dist.all_reduce``; tests check it against it).
 - With ``link`` (α seconds, bytes per second), a hop inside a host sends a one-element
   token holding when it left (one clock for a host's processes), and the receiver holds
-  the step until ``α + chunk / rate`` (x ``time_scale`` on the wall) after that, or
-  after the link is done with the chunk before (the link carries one at a time);
+  the step until ``α + chunk / rate`` (x ``time_scale`` on the wall) after the later of
+  when it left and when the link finished the chunk before (one chunk at a time);
   a hop between hosts sends the chunk's real bytes. Nothing is added (device mode learns
   nothing: psring.train.device), so no host CPU is spent where a device would sum.
 
@@ -61,12 +62,14 @@ class HostRing:
         self.token_out = torch.zeros(1, dtype=torch.float64)
         self.token_in = torch.zeros(1, dtype=torch.float64)
         self._link_free = 0.0  # when the link from the previous rank is free (timed)
-        self.stream = DeviceStream("psring-host-ring")
+        self._buf: torch.Tensor | None = None
+        self.stream = DeviceStream("psring-host-ring", stop_on_error=True)
 
     def all_reduce(self, tensor: torch.Tensor,
                    then: Callable[[BaseException | None], None] | None = None) -> _Timed:
-        """Sum ``tensor`` (contiguous, flat or not) over every rank, in place, on the
-        stream; the handle's ``wait()`` returns once it is done."""
+        """Sum ``tensor`` (contiguous) over every rank, in place, on the stream (with a
+        link: take the ring's time, the values left as they are); the handle's
+        ``wait()`` returns once it is done, and ``then(error)`` is called."""
         self.stream.check_open()
         return self.stream.submit(lambda: self._ring(tensor.view(-1)), then)
 
@@ -79,12 +82,21 @@ class HostRing:
         n = self.world
         if n == 1:
             return
-        chunks = flat.tensor_split(n)
-        buf = torch.empty_like(chunks[0])
+        chunks = flat.tensor_split(n)  # (the larger ones first: buf fits every one)
+        buf = self._buffer(chunks[0])
         for s in range(2 * (n - 1)):
             out = chunks[(self.rank - s) % n]
             into = chunks[(self.rank - s - 1) % n]
             self._step(out, into, buf[:into.numel()], add=s < n - 1)
+
+    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """Where a chunk from the previous rank lands (kept from ring to ring)."""
+        if self.timed_in:
+            return like[:0]  # (a token comes instead)
+        if self._buf is None or self._buf.numel() < like.numel() or \
+                self._buf.dtype != like.dtype:
+            self._buf = torch.empty_like(like)
+        return self._buf
 
     def _step(self, out: torch.Tensor, into: torch.Tensor, buf: torch.Tensor,
               add: bool) -> None:
@@ -112,7 +124,7 @@ class HostRing:
 def flat_ring(ctx: Any) -> HostRing | None:
     """The worker's timed flat ring under --device-link, else None (torch's own
     all-reduce). Collective: every rank creates the ring's process group here."""
-    from psring.comm.interconnect import host_layout, parse
+    from psring.comm.interconnect import group_timeout, host_layout, parse
 
     link = parse(getattr(ctx.cfg, "device_link", ""))
     if link is None:
@@ -120,5 +132,5 @@ def flat_ring(ctx: Any) -> HostRing | None:
     import torch.distributed as dist
 
     g, _, _, _ = host_layout(ctx, ctx.cfg.strategy)
-    group = dist.new_group(list(range(ctx.world)))
+    group = dist.new_group(list(range(ctx.world)), timeout=group_timeout(ctx))
     return HostRing(group, ctx.rank, ctx.world, g, link, time_scale=ctx.cfg.time_scale)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -162,11 +163,16 @@ class _Timed:
 class DeviceStream:
     """A device's communication stream: jobs run one after another on one thread, in
     the order they were submitted (as collectives on a CUDA stream), each completing
-    its handle; ``then(error)``, if given, is called once a job is done."""
+    its handle; ``then(error)``, if given, is called once a job is done.
+    ``stop_on_error``: after a job fails every later one fails with its error, unrun
+    (a ring whose ranks went out of step must not pair one step's messages with
+    another's)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, stop_on_error: bool = False) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._broken: BaseException | None = None
+        self._stop_on_error = stop_on_error
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -186,20 +192,34 @@ class DeviceStream:
             if item is None:
                 return
             job, handle, then = item
-            if self._closed:  # queued when the worker closed: never run
-                handle.error = RuntimeError("the host's timed interconnect was closed")
-            else:
-                try:
-                    job()
-                except BaseException as e:  # noqa: BLE001 -- handed to whoever waits on it
-                    handle.error = e
+            handle.error = self._do(job)
             handle.done.set()
             if then is not None:
-                then(handle.error)
+                try:
+                    then(handle.error)
+                except BaseException as e:  # noqa: BLE001 -- the stream must go on
+                    handle.error = handle.error or e
 
-    def close(self) -> None:
+    def _do(self, job) -> BaseException | None:
+        if self._closed:  # queued when the worker closed: never run
+            return RuntimeError("the host's timed interconnect was closed")
+        if self._broken is not None:
+            return self._broken
+        try:
+            job()
+        except BaseException as e:  # noqa: BLE001 -- handed to whoever waits on it
+            if self._stop_on_error:
+                self._broken = e
+            return e
+        return None
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """Stop taking jobs; fail the queued ones. Waits up to ``wait_s`` for one under
+        way (a ring blocked on a peer that is gone ends with the process: daemon)."""
         self._closed = True
         self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
 
 
 class TimedComm:
@@ -249,6 +269,12 @@ class TimedComm:
         self.stream.close()
 
 
+def group_timeout(ctx: Any) -> timedelta:
+    """A process group's timeout: the run's --timeout, as the default group's (torch's
+    new_group would wait its own 30 minutes)."""
+    return timedelta(seconds=float(getattr(ctx.cfg, "timeout", 300.0)))
+
+
 def host_layout(ctx: Any, who: str) -> tuple[int, int, int, int]:
     """(G workers per host, H hosts, this worker's host, its local rank), ranks h*G ..
     h*G+G-1 on host h (as torchrun and psring's launcher number them)."""
@@ -267,7 +293,7 @@ def host_comm(ctx: Any, who: str) -> GroupComm | TimedComm | None:
     g, hosts, host, local = host_layout(ctx, who)
     mine = None
     for h in range(hosts):
-        grp = dist.new_group(list(range(h * g, (h + 1) * g)))
+        grp = dist.new_group(list(range(h * g, (h + 1) * g)), timeout=group_timeout(ctx))
         if h == host:
             mine = grp
     if g == 1:

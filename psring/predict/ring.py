@@ -36,7 +36,8 @@ def ring_timeline(sim: Sim, hier: bool = False) -> Prediction:
         a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
         # a step lasts as long as its slowest edge: the link the ring crosses hosts on
         # (never faster than loopback: between_hosts keeps β at least loopback's)
-        alpha, beta, edge = max(a_link, alpha), b_link, "host links (ring)"
+        # (and never faster than a device link slower than the host link)
+        alpha, beta, edge = max(a_link, alpha), max(b_link, beta), "host links (ring)"
     collective = partial(_collective, sim, G, across, alpha, beta)
     stream = Resource(edge, beta)
     starts, bucket_times, latency_in, spans_bw = [0.0], [], 0.0, []

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from psring.comm import adasum
-from psring.comm.interconnect import host_comm, host_layout
+from psring.comm.interconnect import group_timeout, host_comm, host_layout
 from psring.strategies.allreduce import AllReduce, ring_bytes
 from psring.strategies.base import STRATEGIES, Handle
 from psring.strategies.buckets import Bucket
@@ -63,7 +63,8 @@ class HierarchicalAllReduce(AllReduce):
         self.inside = host_comm(self.ctx, "hallreduce")
         # every rank creates every group, in the same order (torch requires it)
         for lr in range(g):
-            grp = dist.new_group(list(range(lr, self.ctx.world, g)))
+            grp = dist.new_group(list(range(lr, self.ctx.world, g)),
+                                 timeout=group_timeout(self.ctx))
             if lr == local:
                 self.across = grp
         # the buckets, pre-scaled by 1/N: the sum is the average (by 1/G with Adasum:
