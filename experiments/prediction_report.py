@@ -8,8 +8,10 @@ Reads each sweep's report.json (``psring report DIR`` writes it, with the simula
 replay of every run: psring.predict.replay) and prints, for the runs on
 emulated links and for those on this machine's loopback separately: the median and
 largest absolute error of the predicted step time, and how often the predicted fastest
-strategy of a setting was the measured fastest (or within 5% of it). Then every point,
-as a Markdown table for docs/benchmarks.md.
+strategy of a setting was the measured fastest (or within 5% of it); each strategy's
+median error; per cluster whose measured fastest beats the runner-up by more than 10%,
+whether the predicted fastest is it. Then every point, as a Markdown table for
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -47,12 +49,56 @@ def main(dirs: list[str]) -> int:
         for w in wins:
             if not w["right"]:
                 print(f"  wrong winner: measured {w['measured']}, predicted {w['predicted']}")
+    _by_strategy(rows)
+    _winners_with_a_gap(dirs)
     print()
     print("| sweep | setting | cluster | measured ms | predicted ms | error | bound |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:+.0%} | {r[6]} |")
     return 0
+
+
+def _by_strategy(rows: list[tuple]) -> None:
+    """Each strategy's median and largest |error| (rows: as main builds them)."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(r[1].split(" ")[0].split(",")[0], []).append(abs(r[5]))
+    print("per strategy: " + "; ".join(
+        f"{k} median {statistics.median(v):.1%}, largest {max(v):.1%} ({len(v)})"
+        for k, v in sorted(by.items())))
+
+
+def _winners_with_a_gap(dirs: list[str], gap: float = 0.10) -> None:
+    """Per cluster (the settings that differ only in strategy and servers), whether the
+    predicted fastest is the measured fastest, counted where the measured fastest beats
+    the runner-up by more than ``gap``; and which kind of strategy won."""
+    from psring.report.aggregate import Setting
+    from psring.strategies import STRATEGIES
+
+    groups: dict[str, list] = {}
+    for d in dirs:
+        for s in (Setting.from_dict(x)
+                  for x in json.loads((Path(d) / "report.json").read_text())):
+            if s.step_error is None or s.strategy == "single":
+                continue
+            key = {k: v for k, v in s.varied.items()
+                   if k not in ("strategy", "servers", "server_placement")}
+            groups.setdefault(d + json.dumps(key, sort_keys=True, default=str), []).append(s)
+    right = counted = ps_wins = 0
+    for g in groups.values():
+        by_measured = sorted(g, key=lambda s: s.step_ms.median)
+        best, predicted = by_measured[0], min(g, key=lambda s: s.predicted_step_ms)
+        ps_wins += STRATEGIES.get(best.strategy).caps.uses_servers
+        if len(g) > 1 and by_measured[1].step_ms.median > (1 + gap) * best.step_ms.median:
+            counted += 1
+            right += predicted is best
+            print(f"  cluster {best.cluster} {best.config.get('model')}: measured fastest "
+                  f"{best.label or best.strategy}, predicted "
+                  f"{predicted.label or predicted.strategy}")
+    print(f"clusters: {len(groups)}; a parameter-server strategy measured fastest in "
+          f"{ps_wins}; where the measured gap exceeds {gap:.0%}: predicted fastest right "
+          f"in {right} of {counted}")
 
 
 if __name__ == "__main__":
