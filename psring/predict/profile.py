@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from psring.comm.partition import bucket_assignment, bucket_caps
-from psring.errors import ConfigError
+from psring.errors import ConfigError, PsringError
 from psring.records.runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
 from psring.train.shares import shares_of
 
@@ -150,7 +150,8 @@ class Profile:
         if traced:
             ready = [statistics.median(t[i] for t in traced) for i in range(len(sizes))]
         else:
-            ready = _ready_from_buckets(kept, sizes, cfg.get("bucket_mb", 25.0), backward)
+            ready = _ready_from_device(cfg, sizes, backward) or \
+                _ready_from_buckets(kept, sizes, cfg.get("bucket_mb", 25.0), backward)
         return cls(param_bytes=list(sizes), ready_s=[round(t, 7) for t in ready],
                    forward_s=med("forward_s"), backward_s=backward,
                    update_s=med("update_s"), data_s=med("data_s"),
@@ -248,6 +249,21 @@ def _spread(param_bytes: list[int], backward_s: float) -> list[float]:
         done += param_bytes[i]
         ready[i] = round(backward_s * done / total, 7)
     return ready
+
+
+def _ready_from_device(cfg: dict, sizes: list[int], backward_s: float) -> list[float] | None:
+    """A device-mode run's ready times: its device profile's, which the run replayed
+    (scaled to the run's backward); None for a real run or an unreadable profile. (A
+    strategy that records no bucket launches, ddp, is then still placed right.)"""
+    if cfg.get("compute") != "device" or not cfg.get("device_profile"):
+        return None
+    try:
+        prof = Profile.load(cfg["device_profile"])
+    except (OSError, ValueError, KeyError, PsringError):
+        return None
+    if len(prof.ready_s) != len(sizes) or not prof.backward_s:
+        return None
+    return [t * backward_s / prof.backward_s for t in prof.ready_s]
 
 
 def _ready_from_buckets(records: list[dict], sizes: list[int], bucket_mb: float,

@@ -329,3 +329,18 @@ def test_byteps_columns_send_each_local_ranks_part_to_the_servers_holding_it():
     got = column_pieces([(32, 0.0), (16, 0.0)], 2, 2)
     assert got == {(0, 0): [(0, 16.0)], (0, 1): [(0, 8.0)],
                    (1, 0): [(1, 16.0)], (1, 1): [(1, 8.0)]}
+
+
+def test_a_device_runs_gradients_are_ready_when_its_profile_said(tmp_path):
+    """A device-mode run that records no bucket launches (ddp) is replayed with its
+    device profile's ready times, scaled to the run's backward; a real run is not."""
+    from psring.predict.profile import Profile, _ready_from_device
+
+    Profile.on_paper([400, 100, 500], 0.1, 0.2, shares=[0.9, 0.5, 0.1]).save(tmp_path)
+    device = {"compute": "device", "device_profile": str(tmp_path)}
+    ready = _ready_from_device(device, [400, 100, 500], backward_s=0.4)
+    assert ready == pytest.approx([0.36, 0.2, 0.04])
+    assert _ready_from_device({"compute": "real"}, [400, 100, 500], 0.4) is None
+    assert _ready_from_device(device, [400, 100], 0.4) is None  # another model's profile
+    assert _ready_from_device({**device, "device_profile": str(tmp_path / "no")},
+                              [400, 100, 500], 0.4) is None
