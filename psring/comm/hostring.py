@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from psring.comm.interconnect import DeviceStream, _Timed
+from psring.comm.interconnect import DeviceStream, StreamHandle
 
 
 class HostRing:
@@ -66,7 +66,7 @@ class HostRing:
         self.stream = DeviceStream("psring-host-ring", stop_on_error=True)
 
     def all_reduce(self, tensor: torch.Tensor,
-                   then: Callable[[BaseException | None], None] | None = None) -> _Timed:
+                   then: Callable[[BaseException | None], None] | None = None) -> StreamHandle:
         """Sum ``tensor`` (contiguous) over every rank, in place, on the stream (with a
         link: take the ring's time, the values left as they are); the handle's
         ``wait()`` returns once it is done, and ``then(error)`` is called."""
@@ -113,8 +113,10 @@ class HostRing:
             sent.wait()
             time.sleep(max(0.0, self._link_free - time.perf_counter()))
             return
-        if self.link is None:  # a real reduction (no link: nothing is timed)
-            into.add_(buf) if add else into.copy_(buf)
+        if self.link is None and add:  # a real reduction (no link: nothing is timed)
+            into.add_(buf)
+        elif self.link is None:
+            into.copy_(buf)
         sent.wait()
 
     def close(self) -> None:

@@ -143,8 +143,9 @@ class GroupComm:
         pass
 
 
-class _Timed:
-    """A timed collective's handle: done when its time is up (or it failed)."""
+class StreamHandle:
+    """A job's handle on a DeviceStream (a timed collective, a ring): done when it has
+    run (or failed)."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
@@ -180,9 +181,9 @@ class DeviceStream:
         if self._closed:  # (a reduction still on a communication thread after close)
             raise RuntimeError("the host's timed interconnect was closed")
 
-    def submit(self, job, then=None) -> _Timed:
+    def submit(self, job, then=None) -> StreamHandle:
         self.check_open()
-        handle = _Timed()
+        handle = StreamHandle()
         self._queue.put((job, handle, then))
         return handle
 
@@ -240,17 +241,17 @@ class TimedComm:
         self._free_at = 0.0  # when the device's stream is free (perf_counter)
         self.stream = DeviceStream("psring-device-link")
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> _Timed:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> StreamHandle:
         n = out.numel()
         part = inp[self.local * n:(self.local + 1) * n]
         return self._submit(inp.numel() * inp.element_size(), lambda: out.copy_(part))
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Timed:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> StreamHandle:
         n = inp.numel()
         part = out[self.local * n:(self.local + 1) * n]
         return self._submit(out.numel() * out.element_size(), lambda: part.copy_(inp))
 
-    def _submit(self, nbytes: int, move) -> _Timed:
+    def _submit(self, nbytes: int, move) -> StreamHandle:
         self.stream.check_open()
         # entered here, on the caller's thread: the host's workers issue the one-element
         # collectives in the order they issue the real ones, as torch requires
