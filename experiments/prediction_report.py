@@ -102,8 +102,10 @@ def _winners_with_a_gap(dirs: list[str], gap: float = 0.10) -> None:
 
 
 def _name(s) -> str:
+    from psring.strategies import STRATEGIES
+
     placement = s.config.get("server_placement")
-    uses = s.strategy in ("ps", "async-ps", "byteps")
+    uses = STRATEGIES.get(s.strategy).caps.uses_servers
     return s.strategy + (f" ({placement})" if uses else "")
 
 

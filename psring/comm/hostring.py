@@ -70,7 +70,6 @@ class HostRing:
         """Sum ``tensor`` (contiguous) over every rank, in place, on the stream (with a
         link: take the ring's time, the values left as they are); the handle's
         ``wait()`` returns once it is done, and ``then(error)`` is called."""
-        self.stream.check_open()
         return self.stream.submit(lambda: self._ring(tensor.view(-1)), then)
 
     def hop_s(self, nbytes: int) -> float:

@@ -91,19 +91,28 @@ def check(cfg: Any, strategy_cls: Any) -> None:
                           "interconnect's, which only a timing-only run may do (the "
                           "gradients are not reduced): add --compute device, or drop "
                           "--device-link.")
-    inside = strategy_cls.caps.inside_host
-    if not inside:
+    why = not_timed(strategy_cls.caps, cfg.reduce)
+    if why:
         raise ConfigError(f"--device-link times a strategy's traffic among the workers of "
-                          f"one host; {cfg.strategy!r} has none it can time. Use allreduce, "
-                          f"ddp, byteps or hallreduce, or drop --device-link.")
-    if inside == "ring-hops" and cfg.reduce == "adasum":
-        raise ConfigError("--device-link times a flat ring's hops, and --reduce adasum "
-                          "swaps halves between workers instead (those stay loopback): use "
-                          "--strategy hallreduce --reduce adasum (Adasum across hosts, the "
-                          "host's collectives timed), or drop one of the flags.")
+                          f"one host; {cfg.strategy!r} {why}")
     from psring.cluster.spec import derived_hosts
 
     check_hosts(cfg.workers, derived_hosts(cfg.workers, cfg.hosts, cfg.workers_per_host))
+
+
+def not_timed(caps: Any, reduce: str = "sum") -> str:
+    """Why --device-link has nothing to time for a strategy of ``caps`` under --reduce
+    ``reduce`` (with the fix), or '' where it applies: the one rule psring run's check,
+    sweeps and advise --verify follow."""
+    if not caps.inside_host:
+        return ("has none it can time. Use allreduce, ddp, byteps or hallreduce, or drop "
+                "--device-link.")
+    if caps.inside_host == "ring-hops" and reduce == "adasum":
+        return ("runs a flat ring, whose hops it times, and --reduce adasum swaps halves "
+                "between workers instead (those stay loopback): use --strategy hallreduce "
+                "--reduce adasum (Adasum across hosts, the host's collectives timed), or "
+                "drop one of the flags.")
+    return ""
 
 
 def check_hosts(workers: int, hosts: int) -> None:

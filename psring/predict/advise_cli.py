@@ -191,8 +191,9 @@ def verify_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[s
         flags.pop("compress")
     if cls.caps.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
         flags["link"] = args.link
-    # (psring.comm.interconnect.check's rule)
-    if args.device_link and cls.caps.inside_host and c.cluster.workers_per_host > 1:
+    from psring.comm.interconnect import not_timed
+
+    if args.device_link and not not_timed(cls.caps) and c.cluster.workers_per_host > 1:
         flags["device_link"] = args.device_link
     return flags
 

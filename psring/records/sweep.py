@@ -193,6 +193,7 @@ class Sweep:
         """Every distinct run of the sweep, in a stable order (strategies together). The
         sweep's [profiles] are built first (once, in OUT/profiles): points are validated
         runs, and a run's --device-profile must exist."""
+        from psring.comm import interconnect
         from psring.strategies import STRATEGIES
 
         self.build_profiles(out)
@@ -211,8 +212,7 @@ class Sweep:
                 values["servers"] = 1
             if not strategy.caps.supports_staleness_bound:
                 values["max_staleness"] = -1
-            if not strategy.caps.inside_host or strategy.caps.inside_host == "ring-hops" \
-                    and values.get("reduce") == "adasum":
+            if interconnect.not_timed(strategy.caps, values.get("reduce", "sum")):
                 values["device_link"] = ""  # nothing runs inside a host to time
             slow = str(values.get("slow_worker") or "")
             if slow and int(slow.split(":")[0] or 0) >= values.get("workers", 1):

@@ -35,3 +35,18 @@ def test_where_the_optimizer_runs_follows_update_on():
 def test_a_strategy_setting_the_old_class_flags_is_refused(flag):
     with pytest.raises(TypeError, match=f"sets {flag} on the class.*Capabilities"):
         type("Old", (Strategy,), {flag: True})
+
+
+def test_device_link_applies_where_a_strategy_has_traffic_inside_a_host_to_time():
+    """One rule (psring.comm.interconnect.not_timed) for psring run's check, sweeps and
+    advise --verify: '' where --device-link applies, else why not, with the fix."""
+    from psring.comm.interconnect import not_timed
+    from psring.strategies import STRATEGIES
+
+    timed = {n for n, cls in STRATEGIES.items() if not not_timed(cls.caps)}
+    assert {"allreduce", "ddp", "byteps", "hallreduce"} <= timed
+    assert not timed & {"ps", "async-ps", "single", "hogwild"}
+    assert "Use allreduce, ddp" in not_timed(STRATEGIES.get("ps").caps)
+    assert "--strategy hallreduce --reduce adasum" in \
+        not_timed(STRATEGIES.get("allreduce").caps, "adasum")
+    assert not_timed(STRATEGIES.get("hallreduce").caps, "adasum") == ""
