@@ -132,21 +132,28 @@ def collective_s(workers: int, nbytes: float, alpha: float, rate: float) -> floa
     return (workers - 1) * (alpha + nbytes / workers / rate)
 
 
+def flat_collectives() -> tuple[Any, Any]:
+    """torch.distributed's (reduce-scatter, all-gather) of one flat tensor: the
+    ``*_single`` names where torch has them (2.13 deprecates ``reduce_scatter_tensor``
+    and ``all_gather_into_tensor`` for them, same arguments), else the older ones."""
+    import torch.distributed as dist
+
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
+            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
+
+
 class GroupComm:
     """The host's collectives as torch runs them, each returning its async Work."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
+        self._rs, self._ag = flat_collectives()
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
-        import torch.distributed as dist
-
-        return dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=True)
+        return self._rs(out, inp, group=self.group, async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        import torch.distributed as dist
-
-        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=True)
+        return self._ag(out, inp, group=self.group, async_op=True)
 
     def close(self) -> None:
         pass

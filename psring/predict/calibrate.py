@@ -14,8 +14,10 @@ would compete for the same cores):
   1 KB ... 16 MB. One-way time = median round trip / 2.
 - torch.distributed gloo: two processes (one torch thread each) ping-pong a tensor with
   send/recv over the same sizes; same one-way time. They then time gloo's own
-  all_reduce at those sizes, kept beside the fit (``measurements["dist_allreduce"]``)
-  to check the ring prediction against, not used by it.
+  all_reduce, reduce-scatter and all-gather at those sizes
+  (``measurements["dist_allreduce"]`` ...), fitted per ring step into
+  ``Calibration.collectives``: what the strategies' collectives on one host cost
+  (here gloo's all_reduce took 2-4x what the ping-pong's β and γ add up to).
 - γ: an in-place ``torch.add_`` of two float32 tensors of 64 MB (larger than the
   last-level cache), one thread; seconds per byte of one operand.
 
@@ -267,10 +269,11 @@ def measure_zmq(sizes: list[int], quick: bool, link: "Link | None" = None
 # -- torch.distributed (gloo) ---------------------------------------------------------------
 
 def _gloo_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
-                   timeout_s: float, host: str = "127.0.0.1", budget: int | None = None
-                   ) -> tuple[list[list[float]], list[list[float]]]:
-    """send/recv ping-pong between two gloo ranks; rank 0 times it. Then, as a check the
-    fit does not use, gloo's own all_reduce over the same sizes: [[bytes, median s]].
+                   timeout_s: float, host: str = "127.0.0.1", budget: int | None = None,
+                   collectives: bool = True) -> tuple[list[list[float]], dict]:
+    """send/recv ping-pong between two gloo ranks; rank 0 times it. Then gloo's own
+    collectives over the same sizes, {"dist_allreduce", and with ``collectives``
+    "dist_reduce_scatter", "dist_all_gather": [[bytes of the full tensor, median s]]}.
     Both ranks return the same shape; the parent keeps rank 0's."""
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
     import torch
@@ -296,32 +299,70 @@ def _gloo_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
 
         dist.barrier()
         out = ladder(sizes, quick, roundtrip, budget)
-        allreduce = []
-        for size in sizes:
-            times = []
-            for _ in range(WARMUP + max(5, _reps(size, quick, budget) // 8)):
-                dist.barrier()  # start together: time the collective, not the skew
-                t0 = time.perf_counter()
-                dist.all_reduce(bufs[size])
-                times.append(time.perf_counter() - t0)
-            allreduce.append([size, st.median(times[WARMUP:])])
+        ops = {"dist_allreduce": lambda size: dist.all_reduce(bufs[size])}
+        if collectives:  # what one host's strategies call besides all_reduce
+            from psring.comm.interconnect import flat_collectives
+
+            rs, ag = flat_collectives()  # (as psring.comm.interconnect calls them)
+            half = {size: torch.empty(size // 8, dtype=torch.float32) for size in sizes}
+            ops["dist_reduce_scatter"] = lambda size: rs(half[size], bufs[size])
+            ops["dist_all_gather"] = lambda size: ag(bufs[size], half[size])
+        timed = {name: [[size, _time_op(dist, op, size, WARMUP + max(
+                    5, _reps(size, quick, budget) // 8))] for size in sizes]
+                 for name, op in ops.items()}
         # rank 0 hosts the rendezvous store: nobody tears down while the other uses it
         dist.barrier()
-        return out, allreduce
+        return out, timed
     finally:
         dist.destroy_process_group()
 
 
 def measure_gloo(sizes: list[int], quick: bool, link: "Link | None" = None
                  ) -> tuple[list[list[float]], dict]:
-    """(ladder rows of the send/recv ping-pong, {"dist_allreduce": rows}), on loopback
-    or across ``link``."""
+    """(ladder rows of the send/recv ping-pong, the collectives' rows by name), on
+    loopback (all three collectives) or across ``link`` (all_reduce, as a check)."""
     timeout = QUICK_PAIR_TIMEOUT_S if quick else PAIR_TIMEOUT_S
     host, budget, where = link.args() if link else ("127.0.0.1", None, None)
-    (points, allreduce), _ = run_pair(
-        _gloo_pingpong, (free_port(), sizes, quick, timeout, host, budget), timeout, "gloo",
-        where)
-    return points, {"dist_allreduce": allreduce}
+    (points, timed), _ = run_pair(
+        _gloo_pingpong, (free_port(), sizes, quick, timeout, host, budget, link is None),
+        timeout, "gloo", where)
+    return points, timed
+
+
+def _time_op(dist: Any, op: Callable[[int], Any], size: int, reps: int) -> float:
+    """Median seconds of a collective over ``reps`` (the first WARMUP discarded), both
+    ranks starting together: time the collective, not the skew between them."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        op(size)
+        times.append(time.perf_counter() - t0)
+    return st.median(times[WARMUP:])
+
+
+#: how many ring steps, and on what share of the full tensor, each collective measured
+#: on 2 ranks takes: an all-reduce 2 steps on halves; a reduce-scatter or an all-gather
+#: 1 step on a half
+_STEPS = {"dist_allreduce": ("all_reduce", 2), "dist_reduce_scatter": ("reduce_scatter", 1),
+          "dist_all_gather": ("all_gather", 1)}
+
+
+def fit_collectives(timed: dict[str, list[list[float]]]) -> dict[str, list[float]]:
+    """One ring step's (α, β) of each collective timed on 2 ranks
+    (Calibration.collectives): a measured t(M) = s·(α + (M/2)·β) over s steps, fitted as
+    :func:`fit` does. A collective whose times do not fit a line is left out (the cost
+    model then prices it from the send/recv ping-pong)."""
+    out = {}
+    for name, (op, steps) in _STEPS.items():
+        if name not in timed:
+            continue
+        try:
+            a0, slope = fit(timed[name], op)
+        except (PsringError, ValueError):
+            continue
+        out[op] = [a0 / steps, 2 * slope / steps]
+    return out
 
 
 class Link:
@@ -476,7 +517,8 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
         cores=os.cpu_count(), versions=_versions(), sizes=list(sizes),
         gamma_bytes=gamma_bytes, quick=quick,
         measurements={"zmq": zmq_points, "dist": dist_points, **dist_extra,
-                      "gamma": [[gamma_bytes, gamma * gamma_bytes]]})
+                      "gamma": [[gamma_bytes, gamma * gamma_bytes]]},
+        collectives=fit_collectives(dist_extra))
 
 
 def calibrate_link(link: str, delay: str = "", quick: bool = False,
@@ -514,6 +556,7 @@ def describe(cal: Calibration) -> str:
         link("ZeroMQ (ipc)" if ABSTRACT_IPC else "ZeroMQ (tcp lo)",
              cal.zmq_alpha, cal.zmq_beta),
         link("gloo send/recv", cal.dist_alpha, cal.dist_beta),
+        *[link(f"gloo {op} step", a, b) for op, (a, b) in cal.collectives.items()],
         f"{'local add':<18} γ = {cal.gamma * 1e9:8.3f} ns/B  1/γ = {1 / cal.gamma / 1e9:6.2f} GB/s",
     ]
     if cal.cast:

@@ -121,37 +121,43 @@ def ps_async_placed(n: int, M: float, K: int, alpha: float, beta_link: float,
     return 2 * alpha + 2 * phase + M * gamma / K
 
 
+def host_reduce(G: int, M: float, rs: tuple[float, float], ag: tuple[float, float]) -> float:
+    """A host's reduce-scatter then all-gather of M bytes among its G workers, in seconds:
+    ``(G-1)·(α_rs + M/G·β_rs) + (G-1)·(α_ag + M/G·β_ag)``, a ring's G-1 steps each on an
+    M/G chunk; ``rs`` and ``ag`` are one step's (α, β), its adds included
+    (:meth:`Calibration.gloo_step` on loopback; a device link's own α and β, whose sums
+    run on the devices). One worker a host: 0."""
+    if G <= 1:
+        return 0.0
+    c = M / G
+    return (G - 1) * (rs[0] + c * rs[1]) + (G - 1) * (ag[0] + c * ag[1])
+
+
 def hring_allreduce(G: int, H: int, M: float, alpha: float, beta: float, gamma: float,
-                    alpha_in: float, beta_in: float) -> float:
+                    inside: float) -> float:
     """Hierarchical all-reduce (hallreduce) on H hosts of G workers, in seconds.
 
-    ``2(G-1)·α_in + 2(G-1)/G·M·β_in + (G-1)/G·M·γ`` (a ring reduce-scatter and
-    all-gather inside the host) ``+ 2(H-1)·α + 2(H-1)/H·M·β + (H-1)/H·M/G·γ``: G rings of
-    H ranks across the hosts, each on a 1/G slice, in parallel over each host link, which
-    carries their M/H a step (Horovod PR #411's scheme). Against the flat ring over N = GH
-    ranks numbered host by host, whose host links carry 2(N-1)/N·M each way, they carry
-    2(H-1)/H·M, in 2(H-1) latency terms instead of 2(N-1)."""
-    inside = 0.0 if G <= 1 else \
-        2 * (G - 1) * alpha_in + 2 * (G - 1) / G * M * beta_in + (G - 1) / G * M * gamma
+    ``inside`` (the host's reduce-scatter and all-gather: :func:`host_reduce`) ``+
+    2(H-1)·α + 2(H-1)/H·M·β + (H-1)/H·M/G·γ``: G rings of H ranks across the hosts, each
+    on a 1/G slice, in parallel over each host link, which carries their M/H a step
+    (Horovod PR #411's scheme). Against the flat ring over N = GH ranks numbered host by
+    host, whose host links carry 2(N-1)/N·M each way, they carry 2(H-1)/H·M, in 2(H-1)
+    latency terms instead of 2(N-1)."""
     across = 0.0 if H <= 1 else \
         2 * (H - 1) * alpha + 2 * (H - 1) / H * M * beta + (H - 1) / H * M / G * gamma
     return inside + across
 
 
-def byteps_sync(G: int, hosts: int, M: float, K: int, alpha: float, beta_link: float,
-                beta_local: float, gamma: float, cross: float, alpha_in: float,
-                beta_in: float) -> float:
-    """A synchronous BytePS round (per-host aggregation) on ``hosts`` hosts of G workers.
+def byteps_sync(hosts: int, M: float, K: int, alpha: float, beta_link: float,
+                beta_local: float, gamma: float, cross: float, inside: float) -> float:
+    """A synchronous BytePS round (per-host aggregation) on ``hosts`` hosts.
 
     ``inside + 2α + 2·max(cross·M·β_link, hosts·M·β_local/K) + (hosts-1)·M·γ/K``, with
-    ``inside = 2(G-1)·α_in + 2(G-1)/G·M·β_in + (G-1)/G·M·γ``: the host's reduce-scatter
-    and all-gather (a ring of G on the host's interconnect: α_in, β_in), then
+    ``inside`` the host's reduce-scatter and all-gather (:func:`host_reduce`), then
     :func:`ps_sync_placed` with one pusher per host — each host sends its gradients
     once (its G workers a 1/G part each), so ``cross`` is :func:`ps_link_load` of one
     worker per host, and the servers sum ``hosts`` pushes, not n (Jiang et al., OSDI
     2020, §3)."""
-    inside = 0.0 if G <= 1 else \
-        2 * (G - 1) * alpha_in + 2 * (G - 1) / G * M * beta_in + (G - 1) / G * M * gamma
     phase = max(cross * M * beta_link, hosts * M * beta_local / K)
     return inside + 2 * alpha + 2 * phase + (hosts - 1) * M * gamma / K
 
@@ -174,6 +180,8 @@ def ps_link_load(worker_host: list[int], server_host: list[int]) -> float:
 # -- measured parameters ------------------------------------------------------------------
 
 _NUMBERS = ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "gamma")
+#: the gloo collectives psring's strategies use on one host, each fitted per ring step
+GLOO_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 @dataclass
@@ -199,9 +207,15 @@ class Calibration:
     gamma_bytes: int | None = None
     quick: bool = False
     #: what the fit used: "zmq" and "dist" rows [bytes, median one-way s, 25th, 75th
-    #: percentile], "gamma" [[bytes, median seconds of one add]], and "dist_allreduce"
-    #: [[bytes, median s]] of gloo's all_reduce on 2 ranks (a check, not fitted)
+    #: percentile], "gamma" [[bytes, median seconds of one add]], and "dist_allreduce",
+    #: "dist_reduce_scatter", "dist_all_gather" [[bytes, median s]]: gloo's own
+    #: collectives on 2 ranks (``collectives`` is fitted to them)
     measurements: dict[str, Any] = field(default_factory=dict)
+    #: gloo's collectives on loopback, one ring step each: {"all_reduce" |
+    #: "reduce_scatter" | "all_gather": [α, β]}, a step on a chunk of c bytes costing
+    #: α + c·β, its sums included (see :meth:`gloo_step`); empty in calibrations made
+    #: before they were measured
+    collectives: dict[str, list[float]] = field(default_factory=dict)
     #: emulated links measured by ``psring calibrate --hosts 2 --link RATE [--delay D]``,
     #: by rate and delay (psring.cluster.spec.link_key: "1gbit", "1gbit+2000us"):
     #: {"zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "time", "measurements"}
@@ -215,6 +229,15 @@ class Calibration:
             check_positive("cast", self.cast)
         if not isinstance(self.links, dict):
             raise ValueError(f"links is {type(self.links).__name__}, not an object")
+        if not isinstance(self.collectives, dict):
+            raise ValueError(f"collectives is {type(self.collectives).__name__}, not an "
+                             f"object")
+        for op, ab in self.collectives.items():
+            if op not in GLOO_COLLECTIVES or not isinstance(ab, (list, tuple)) or len(ab) != 2:
+                raise ValueError(f"collectives[{op!r}] is {ab!r}: expected one of "
+                                 f"{', '.join(GLOO_COLLECTIVES)} with [alpha, beta]")
+            check_positive(f"collectives[{op!r}] alpha", ab[0])
+            check_positive(f"collectives[{op!r}] beta", ab[1])
         for rate, numbers in self.links.items():
             for name in ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta"):
                 check_positive(f"links[{rate!r}].{name}", (numbers or {}).get(name))
@@ -229,6 +252,22 @@ class Calibration:
             return self.zmq_alpha, self.zmq_beta
         raise ValueError(f"unknown comm_model {comm_model!r}; known: "
                          f"{', '.join(m for m in COMM_MODELS if m)}")
+
+    def gloo_step(self, op: str) -> tuple[float, float]:
+        """(α, β) of one ring step of gloo's collective ``op`` ("all_reduce",
+        "reduce_scatter", "all_gather") among processes of one host: a step moving (and,
+        reducing, adding) a chunk of c bytes costs α + c·β. Fitted to gloo's own
+        collectives where measured (``collectives``): on this project's machine they
+        cost 2-4x what a send/recv ping-pong plus γ predicts (their copies, their
+        chunking, their extra threads). Else the ping-pong's α and β, plus γ where the
+        step adds (half an all-reduce's steps do), as the ring formula has it."""
+        if op not in GLOO_COLLECTIVES:
+            raise ValueError(f"op {op!r}: one of {', '.join(GLOO_COLLECTIVES)}")
+        fitted = self.collectives.get(op)
+        if fitted:
+            return float(fitted[0]), float(fitted[1])
+        adds = {"all_reduce": 0.5, "reduce_scatter": 1.0, "all_gather": 0.0}[op]
+        return self.dist_alpha, self.dist_beta + adds * self.gamma
 
     def between_hosts(self, comm_model: str, link_bits: float | None,
                       delay_s: float = 0.0) -> tuple[float, float, str]:
@@ -263,7 +302,9 @@ class Calibration:
         if scale == 1:
             return self
         return replace(self, **{n: getattr(self, n) / scale for n in _NUMBERS},
-                       cast=self.cast / scale if self.cast is not None else None, links={})
+                       cast=self.cast / scale if self.cast is not None else None, links={},
+                       collectives={op: [a / scale, b / scale]
+                                    for op, (a, b) in self.collectives.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, **asdict(self)}
@@ -355,7 +396,8 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
     if comm_model == "ring":
         if topo is not None and len(set(topo.worker_host)) > 1:
             alpha, beta, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
-        return ring_allreduce(n, M, alpha, beta, cal.gamma)
+            return ring_allreduce(n, M, alpha, beta, cal.gamma)
+        return ring_allreduce(n, M, *cal.gloo_step("all_reduce"), 0.0)  # (adds in β)
     if K < 1:
         raise ValueError(f"K (servers) must be at least 1, not {K}")
     if comm_model == "hring":
@@ -363,7 +405,8 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
         a_link, b_link = alpha, beta
         if H > 1:
             a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
-        return hring_allreduce(max(1, n // H), H, M, a_link, b_link, cal.gamma, alpha, beta)
+        G = max(1, n // H)
+        return hring_allreduce(G, H, M, a_link, b_link, cal.gamma, _host_reduce(G, M, cal))
     if comm_model == "byteps":
         hosts = sorted(set(topo.worker_host)) if topo is not None else [0]
         G = max(1, n // len(hosts))
@@ -372,8 +415,8 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
             cross = ps_link_load(hosts, list(topo.server_host))
             a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
             a = a_link if cross > 0 else alpha
-        a_in, b_in = cal.link("ring")
-        return byteps_sync(G, len(hosts), M, K, a, b_link, beta, cal.gamma, cross, a_in, b_in)
+        return byteps_sync(len(hosts), M, K, a, b_link, beta, cal.gamma, cross,
+                           _host_reduce(G, M, cal))
     if topo is None or not topo.multi_host:
         if comm_model == "ps":
             return ps_sync(n, M, K, alpha, beta, cal.gamma)
@@ -382,6 +425,11 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
     a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
     formula = ps_sync_placed if comm_model == "ps" else ps_async_placed
     return formula(n, M, K, a_link if cross > 0 else alpha, b_link, beta, cal.gamma, cross)
+
+
+def _host_reduce(G: int, M: float, cal: Calibration) -> float:
+    """host_reduce with gloo's collectives on loopback (this machine's)."""
+    return host_reduce(G, M, cal.gloo_step("reduce_scatter"), cal.gloo_step("all_gather"))
 
 
 #: the size at which the linear coefficients are read off (see _linear)

@@ -142,3 +142,11 @@ def server_update_per_byte(profile: Any, cal: Any) -> float:
     optimizer time per byte, never below two adds' worth (a PS run's own profile has no
     optimizer time: its workers do not update)."""
     return max(profile.update_s / max(1, profile.total_bytes), 2 * cal.gamma)
+
+
+def host_steps(sim: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(α, β) of one step of a host's reduce-scatter and of its all-gather: the device
+    link's (``inside``: sums on the devices), else gloo's on loopback as measured."""
+    if sim.inside:
+        return sim.inside, sim.inside
+    return sim.cal.gloo_step("reduce_scatter"), sim.cal.gloo_step("all_gather")

@@ -18,13 +18,14 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-from psring.predict.costmodel import predict_comm
+from psring.predict.costmodel import host_reduce, predict_comm
 from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim, finish
 from psring.predict.engine import (
     Events,
     Resource,
     column_pieces,
     group_size,
+    host_steps,
     launches,
     send_together,
     server_update_per_byte,
@@ -64,9 +65,8 @@ class PSRound:
 
     def _links(self) -> None:
         cal, cluster, sim = self.cal, self.sim.cluster, self.sim
-        # the host's collectives (gloo on loopback here, unless given)
-        self.a_in, self.b_in, self.g_in = (*sim.inside, 0.0) if sim.inside else \
-            (*cal.link("ring"), cal.gamma)
+        # the host's collectives: a step of its reduce-scatter, of its all-gather
+        self.rs, self.ag = host_steps(sim)
         self.a_loc, self.b_loc = cal.link(self.mode)
         self.a_link, self.b_link = self.a_loc, self.b_loc
         if cluster.hosts > 1 or cluster.placement == "own-hosts":
@@ -75,11 +75,11 @@ class PSRound:
         # the α on a step's critical path: a push, then a pull
         crossing = any(h != hk for h in self.whost for hk in self.shost)
         self.latency = 2 * (self.a_link if crossing else self.a_loc) + \
-            2 * (self.G - 1) * self.a_in
+            (self.G - 1) * (self.rs[0] + self.ag[0])
 
     def _resources(self) -> None:
         n, K, b_loc = self.n, self.K, self.b_loc
-        self.inside = {h: Resource(f"host {h} inside (reduce-scatter, all-gather)", self.b_in)
+        self.inside = {h: Resource(f"host {h} inside (reduce-scatter, all-gather)", self.rs[1])
                        for h in sorted(set(self.whost))}
         self.w_io = [Resource(f"worker {w} transport", b_loc) for w in range(n)]
         self.s_io = [Resource(f"server {k} transport", b_loc) for k in range(K)]
@@ -158,7 +158,7 @@ class PSRound:
             if key not in self.rs_done:
                 c = sim.buckets[i][0] / G
                 self.rs_done[key] = self.inside[self.whost[w]].occupy(
-                    t, (G - 1) * (self.a_in + c * self.b_in + c * self.g_in))
+                    t, (G - 1) * (self.rs[0] + c * self.rs[1]))
             t = self.rs_done[key]
         if self.mode == "byteps":
             self.push_partitions(s, i, t)
@@ -259,7 +259,7 @@ class PSRound:
         t = max(self.pull_done[(x, s)] for x in ready)
         G = self.G
         t = self.inside[self.whost[w]].occupy(t, sum(
-            (G - 1) * (self.a_in + m / G * self.b_in) for m, _ in self.sim.buckets))
+            (G - 1) * (self.ag[0] + m / G * self.ag[1]) for m, _ in self.sim.buckets))
         for x in ready:
             self.next_step(x, s, max(t, self.bw_end[(x, s)]) + U)
 
@@ -357,7 +357,8 @@ def ps_timeline(sim: Sim, mode: str) -> Prediction:
 def ps_cpu_work(sim: Sim, mode: str) -> float:
     """A step's CPU work on shared cores: the workers' compute (less the update a server
     applies), their messages' α and loopback β — pushes and their acks, pulls and their
-    parameters, byteps's host collectives — and the servers' adds and updates."""
+    parameters — byteps's host collectives as gloo's cost on loopback, and the servers'
+    adds and updates."""
     cluster, cal, profile = sim.cluster, sim.cal, sim.profile
     n, K, total, wire, cast = cluster.workers, cluster.servers, sim.total, sim.wire, sim.cast
     alpha, beta = cal.link(mode)
@@ -368,10 +369,11 @@ def ps_cpu_work(sim: Sim, mode: str) -> float:
     msgs = 2 * sum(len(p) for p in pieces) + 2 * len(shards)
     sent = 2 * total * wire
     g = group_size(cluster) if mode == "byteps" else 1
+    inside = 0.0
     if g > 1:  # a 1/G part each, plus the host's reduce-scatters and all-gathers
-        a_r, b_r = cal.link("ring")
-        sent = sent / g + 2 * (g - 1) / g * total * b_r / beta  # (in loopback-zmq bytes)
-        msgs += 2 * (g - 1) * len(sim.buckets) * a_r / alpha
+        sent /= g
+        rs, ag = cal.gloo_step("reduce_scatter"), cal.gloo_step("all_gather")
+        inside = sum(host_reduce(g, m, rs, ag) for m, _ in sim.buckets)
     apply = server_update_per_byte(profile, cal)
     if mode == "ps-async":  # every push applied, and a cast for its pull
         server = n * total * (cal.gamma + apply + 2 * cast)
@@ -379,7 +381,8 @@ def ps_cpu_work(sim: Sim, mode: str) -> float:
         server = n // g * total * cal.gamma + (0.0 if on_workers else total * apply)
     else:  # every push added, one update and one cast per version
         server = n * total * (cal.gamma + cast) + total * (apply + cast)
-    return n * (compute * threads + msgs * alpha + sent * beta + 2 * total * cast) + server
+    return n * (compute * threads + msgs * alpha + sent * beta + inside
+                + 2 * total * cast) + server
 
 
 def _register(name: str, **kw) -> None:

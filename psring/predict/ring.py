@@ -14,31 +14,29 @@ from __future__ import annotations
 
 from functools import partial
 
-from psring.predict.costmodel import predict_comm
+from psring.predict.costmodel import host_reduce, predict_comm
 from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim, finish
-from psring.predict.engine import Resource, adasum_steps, group_size, launches, ring_steps
+from psring.predict.engine import (
+    Resource,
+    adasum_steps,
+    group_size,
+    host_steps,
+    launches,
+    ring_steps,
+)
 
 
 def ring_timeline(sim: Sim, hier: bool = False) -> Prediction:
     """Every rank runs the same timeline (they launch the same buckets at the same
     moments and each collective ends for all at once): play rank 0's."""
-    cluster, cal = sim.cluster, sim.cal
+    cluster = sim.cluster
     D, F, B, U = sim.compute
     n = cluster.workers
-    alpha, beta = cal.link("ring")
     hosts = len(set(cluster.worker_host))
     G = n // hosts if hier else 1
     across = hosts if hier else n  # the ranks of the ring (or rings) across hosts
-    edge = "ring edges (loopback)"
-    if sim.inside and not hier:  # a flat ring's hops inside a host: the device link's
-        (alpha, beta), edge = sim.inside, "ring edges (device link)"
-    if cluster.hosts > 1:
-        a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
-        # a step lasts as long as its slowest edge: the link the ring crosses hosts on
-        # (never faster than loopback: between_hosts keeps β at least loopback's)
-        # (and never faster than a device link slower than the host link)
-        alpha, beta, edge = max(a_link, alpha), max(b_link, beta), "host links (ring)"
-    collective = partial(_collective, sim, G, across, alpha, beta)
+    alpha, beta, gamma, edge = _ring_edge(sim, G)
+    collective = partial(_collective, sim, G, across, alpha, beta, gamma)
     stream = Resource(edge, beta)
     starts, bucket_times, latency_in, spans_bw = [0.0], [], 0.0, []
     t = 0.0
@@ -64,47 +62,63 @@ def ring_timeline(sim: Sim, hier: bool = False) -> Prediction:
                   latency=latency_in, bucket_times=bucket_times, starts=starts)
 
 
-def _collective(sim: Sim, G: int, across: int, alpha: float, beta: float,
+def _ring_edge(sim: Sim, G: int) -> tuple[float, float, float, str]:
+    """(α, β, γ, name) of one step of the flat ring (or of hring's rings across hosts):
+    as long as its slowest edge."""
+    cluster, cal = sim.cluster, sim.cal
+    if sim.inside and G == 1:  # a flat ring's hops inside a host: the device link's,
+        (alpha, beta), gamma, edge = sim.inside, 0.0, "ring edges (device link)"
+    elif cluster.hosts == 1 and sim.reduce == "sum":  # gloo's all_reduce as measured
+        (alpha, beta), gamma, edge = cal.gloo_step("all_reduce"), 0.0, "ring edges (loopback)"
+    else:  # send/recv figures, the adds apart (gloo's rings across hosts; Adasum's swaps)
+        (alpha, beta), gamma = cal.link("ring"), cal.gamma / sim.wire / G
+        edge = "ring edges (loopback)"
+    if cluster.hosts > 1:
+        # a step lasts as long as its slowest edge: the link the ring crosses hosts on
+        # (never faster than loopback: between_hosts keeps β at least loopback's)
+        # (and never faster than a device link slower than the host link)
+        a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
+        alpha, beta, edge = max(a_link, alpha), max(b_link, beta), "host links (ring)"
+    return alpha, beta, gamma, edge
+
+
+def _collective(sim: Sim, G: int, across: int, alpha: float, beta: float, gamma: float,
                 m: float) -> tuple[float, float]:
-    """(seconds, of which α) of one bucket's collective of ``m`` float32 bytes."""
+    """(seconds, of which α) of one bucket's collective of ``m`` float32 bytes; α, β, γ:
+    one step of the ring (or rings) across hosts."""
     cal, wire = sim.cal, sim.wire
-    # inside a host (hring's reduce-scatter and all-gather): loopback's gloo, with host
-    # sums (γ), or a device interconnect's, whose sums run on the devices
-    if sim.inside:
-        (a_in, b_in), g_in = sim.inside, 0.0
-    else:
-        (a_in, b_in), g_in = cal.link("ring"), cal.gamma
     dur, lat = 2 * m * sim.cast, 0.0  # to 16 bits before, back after
     if G > 1:  # hring: reduce-scatter and all-gather among the host's G workers
-        c = m / G
-        dur += (G - 1) * (2 * a_in + 2 * c * b_in + c * g_in)
-        lat += 2 * (G - 1) * a_in
+        rs, ag = host_steps(sim)
+        dur += host_reduce(G, m, rs, ag)
+        lat += (G - 1) * (rs[0] + ag[0])
     # across: the flat ring of n, or hring's G rings of H on 1/G each (a host link
     # carries all G of them: M/H a step)
     if sim.reduce == "adasum":
         d, la = adasum_steps(across, m * wire / G, alpha, beta * G, cal.gamma)
         dur, lat = dur + d, lat + la
     elif across > 1:
-        # the flat ring's sums run on the devices with a device link (hostring adds
-        # nothing on the host); hring's rings across hosts are gloo's, on the host
-        gamma = 0.0 if sim.inside and G == 1 else cal.gamma / wire / G
         dur += sum(ring_steps(across, m * wire, alpha, beta, gamma))
         lat += 2 * (across - 1) * alpha
     return dur, lat
 
 
+
 def ring_cpu_work(sim: Sim, hier: bool = False) -> float:
     """A step's CPU work on shared cores: every worker's compute (its own update too),
-    and its messages' α and loopback β (about the same bytes a rank)."""
-    cluster, cal, n = sim.cluster, sim.cal, sim.cluster.workers
-    alpha, beta = cal.link("ring")
+    and its collectives as they cost on loopback (gloo's measured collectives occupy
+    the cores of every rank for as long as they run; across emulated links only their
+    loopback share is CPU, the rest is waiting)."""
+    cluster, n = sim.cluster, sim.cluster.workers
     threads = max(1, sim.profile.threads or 1)
-    g = group_size(cluster) if hier else 1
-    hops = 2 * (g - 1) + 2 * (n // g - 1)  # sends per worker (each also received)
-    msgs = hops * len(sim.buckets)
-    sent = sum(2 * (n - 1) / n * m * sim.wire for m, _ in sim.buckets)
-    return n * (sim.profile.compute_s * threads + msgs * alpha + sent * beta
-                + 2 * sim.total * sim.cast)
+    G = group_size(cluster) if hier else 1
+    ar = sim.cal.gloo_step("all_reduce")
+    rs, ag = sim.cal.gloo_step("reduce_scatter"), sim.cal.gloo_step("all_gather")
+    comm = 0.0
+    for m, _ in sim.buckets:
+        comm += host_reduce(G, m, rs, ag) if G > 1 else 0.0
+        comm += sum(ring_steps(n // G, m * sim.wire / G, *ar, 0.0))  # (a 1/G slice)
+    return n * (sim.profile.compute_s * threads + comm + 2 * sim.total * sim.cast)
 
 
 COST_MODELS.register("ring")(CostModel(

@@ -25,7 +25,10 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     the ring's 2(n−1) steps, every step sending an M/n chunk over every edge at once,
     so a step lasts as long as its slowest edge (a host link where the ring crosses
     hosts, else loopback): α + (M/n)·β, plus (M/n)·γ to add it in the reduce-scatter's
-    n−1 steps (psring.predict.costmodel.ring_allreduce, step by step);
+    n−1 steps (psring.predict.costmodel.ring_allreduce, step by step). On one host a
+    step is gloo's all_reduce as ``psring calibrate`` measured it
+    (Calibration.gloo_step, its adds included), as are a host's reduce-scatters and
+    all-gathers (hring's, byteps's);
   - ``ps`` (synchronous): the bucket is pushed in pieces to the K servers whose ranges
     it overlaps. A message occupies every *resource* on its path at once (cut-through:
     each resource serves its messages first come first served), for bytes·β of that

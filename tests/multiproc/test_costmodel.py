@@ -10,13 +10,14 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from psring.errors import ConfigError, PsringError
 from psring.predict import costmodel as cm
-from psring.predict.calibrate import fit, run_pair
+from psring.predict.calibrate import fit, fit_collectives, run_pair
 from psring.predict.calibrate_cli import main as calibrate_main
 from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.strategies import STRATEGIES
@@ -59,10 +60,13 @@ def test_byteps_by_hand():
     # inside: 2·3·α + 2·(3/4)·M·β + (3/4)·M·γ = 6e-5 + 1.5e-3 + 1.5e-4 = 1.71e-3
     # each host pushes M once (cross = 1: M/2 to each of 2 servers on other hosts);
     # phase = max(1·M·8e-9, 2·M·β/2) = 8e-3; 2α + 2·phase + (2-1)·M·γ/2 = 1.601e-2 + 1e-4
-    t = cm.byteps_sync(4, 2, M, 2, A, 8e-9, B, G, 1.0, A, B)
+    inside = cm.host_reduce(4, M, (A, B + G), (A, B))
+    assert close(inside, 1.71e-3)
+    t = cm.byteps_sync(2, M, 2, A, 8e-9, B, G, 1.0, inside)
     assert close(t, 1.71e-3 + 2e-5 + 1.6e-2 + 1e-4)
     # one worker a host: nothing inside, it is ps_sync_placed with n = hosts
-    assert close(cm.byteps_sync(1, 2, M, 2, A, 8e-9, B, G, 1.0, A, B),
+    assert cm.host_reduce(1, M, (A, B + G), (A, B)) == 0.0
+    assert close(cm.byteps_sync(2, M, 2, A, 8e-9, B, G, 1.0, 0.0),
                  cm.ps_sync_placed(2, M, 2, A, 8e-9, B, G, 1.0))
     # through predict_comm, on that cluster: the same formula with the cluster's cross
     from psring.cluster.spec import Cluster
@@ -110,9 +114,37 @@ def test_a_time_scaled_runs_clock_divides_this_machines_costs():
     assert f.between_hosts("ring", 20e9)[1] < c.between_hosts("ring", 20e9)[1]
 
 
+def test_gloo_collectives_are_priced_as_measured_where_measured():
+    # without fitted collectives a ring step is the send/recv ping-pong's, plus γ where
+    # it adds: the ring formula exactly
+    c = cal(dist_beta=2e-9)
+    assert c.gloo_step("all_reduce") == (1e-4, 2e-9 + 1e-10)
+    assert c.gloo_step("reduce_scatter") == (1e-4, 2e-9 + 2e-10)
+    assert c.gloo_step("all_gather") == (1e-4, 2e-9)
+    # fitted (psring calibrate measures gloo's own collectives): those, sums included
+    f = replace(c, collectives={"all_reduce": [3e-4, 6e-9], "reduce_scatter": [2e-4, 9e-9],
+                                "all_gather": [1e-4, 5e-9]})
+    assert f.gloo_step("reduce_scatter") == (2e-4, 9e-9)
+    assert predict_comm("ring", N, 1, M, f) == \
+        pytest.approx(cm.ring_allreduce(N, M, 3e-4, 6e-9, 0.0))
+    assert predict_comm("ring", N, 1, M, f) > 2 * predict_comm("ring", N, 1, M, c)
+    # hallreduce on one host of 4: a reduce-scatter and an all-gather of M/4 chunks
+    assert predict_comm("hring", 4, 1, M, f) == \
+        pytest.approx(3 * (2e-4 + M / 4 * 9e-9) + 3 * (1e-4 + M / 4 * 5e-9))
+    # time-scaled runs see them 1/S as long, as every software cost
+    assert f.faster(10).gloo_step("all_gather") == pytest.approx((1e-5, 5e-10))
+    with pytest.raises(ValueError, match="collectives"):
+        replace(c, collectives={"broadcast": [1e-4, 1e-9]})
+    with pytest.raises(ValueError, match="alpha"):
+        replace(c, collectives={"all_reduce": [-1.0, 1e-9]})
+    with pytest.raises(ValueError, match="op 'gather'"):
+        c.gloo_step("gather")
+
+
 def test_predict_comm_picks_the_transport():
     c = cal(dist_beta=2e-9)
-    assert predict_comm("ring", N, 1, M, c) == cm.ring_allreduce(N, M, 1e-4, 2e-9, 2e-10)
+    assert predict_comm("ring", N, 1, M, c) == \
+        pytest.approx(cm.ring_allreduce(N, M, 1e-4, 2e-9, 2e-10))
     assert predict_comm("ps", N, 2, M, c) == cm.ps_sync(N, M, 2, 1e-5, 1e-9, 2e-10)
     assert predict_comm("ps-async", N, 2, M, c) == cm.ps_async(N, M, 2, 1e-5, 1e-9, 2e-10)
     assert predict_comm(None, N, 1, M, c) is None
@@ -244,6 +276,19 @@ def test_fit_recovers_a_line():
     assert math.isclose(alpha, 1e-5 + 1024 * 1e-10, rel_tol=1e-12)
     # ... and β the slope through it: off by about M_min / M_max
     assert math.isclose(beta, 1e-10, rel_tol=1e-3)
+
+
+def test_collectives_are_fitted_per_ring_step():
+    # on 2 ranks an all-reduce is 2 steps on halves, a reduce-scatter or an all-gather 1
+    sizes = [2**k for k in range(10, 25, 2)]
+    timed = {"dist_allreduce": [[m, 2 * (2e-4 + m / 2 * 7e-10)] for m in sizes],
+             "dist_reduce_scatter": [[m, 4e-4 + m / 2 * 2e-9] for m in sizes],
+             "dist_all_gather": [[m, 3e-4] for m in sizes]}  # (flat: no line to fit)
+    got = fit_collectives(timed)
+    assert set(got) == {"all_reduce", "reduce_scatter"}  # all_gather: from the ping-pong
+    assert got["all_reduce"] == pytest.approx([2e-4, 7e-10], rel=1e-2)
+    assert got["reduce_scatter"] == pytest.approx([4e-4, 2e-9], rel=1e-2)
+    assert fit_collectives({}) == {}
 
 
 def test_fit_refuses_times_that_do_not_grow():

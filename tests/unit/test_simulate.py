@@ -300,8 +300,10 @@ def test_hallreduce_is_three_collectives_and_its_links_carry_m_over_h():
     # 3 x (2 + 16) = 108.6 ms; its links carry 1.5 M each way, hring's M
     flat = simulate(profile([M], [B]), cl, "ring", CAL)
     assert flat.phases["comm_s"] == pytest.approx(0.1086)
-    from psring.predict.costmodel import hring_allreduce
-    assert hring_allreduce(2, 2, M, A_LINK, B_LINK, GAMMA, A, BETA) == pytest.approx(0.0786)
+    from psring.predict.costmodel import host_reduce, hring_allreduce
+    inside = host_reduce(2, M, (A, BETA + GAMMA), (A, BETA))
+    assert inside == pytest.approx(0.0104)
+    assert hring_allreduce(2, 2, M, A_LINK, B_LINK, GAMMA, inside) == pytest.approx(0.0786)
 
 
 def test_adasum_is_vector_halving_with_its_sums_and_passes():
