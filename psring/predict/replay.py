@@ -23,6 +23,19 @@ from psring.records.runlog import read_manifest
 from psring.strategies import STRATEGIES
 
 
+def shared_cores(manifest: dict[str, Any]) -> int | None:
+    """The cores a run's processes shared, where its compute and communication competed
+    for them: every process started by ``psring run`` on this machine (emulated hosts
+    included) computing for real. None where each worker had its own device, or its
+    compute was device mode's (a wait, not CPU work), or the machine is unknown."""
+    cores = (manifest.get("host") or {}).get("cores")
+    launcher = (manifest.get("launch") or {}).get("launcher")
+    mode = (manifest.get("compute") or {}).get("mode")
+    if launcher != "psring run" or mode != "real" or manifest.get("device", "cpu") != "cpu":
+        return None
+    return int(cores) if isinstance(cores, int) and cores > 0 else None
+
+
 def replay(run_dir: Any, cal: Calibration,
            inside: tuple[float, float] | None = None) -> Prediction | None:
     """The simulator's step time for a measured run, from the run's own profile (its
@@ -32,7 +45,8 @@ def replay(run_dir: Any, cal: Calibration,
     what the run would take with, say, NVLink inside its hosts (simulate's); by default
     the run's own --device-link where it had one (psring.comm.interconnect)."""
     try:
-        cfg = read_manifest(run_dir)["config"]
+        manifest = read_manifest(run_dir)
+        cfg = manifest["config"]
         cls = STRATEGIES.get(cfg["strategy"])
         # each step's slowest worker: the one a synchronous step waits for, and the one
         # whose step a report measures (the slowest worker's step, async runs included)
@@ -50,12 +64,13 @@ def replay(run_dir: Any, cal: Calibration,
             inside = alpha_beta(parse(cfg["device_link"]))
         except PsringError:
             return None
-    # the run's own compute already carries its share of the cores: no stretch
     compress = cfg.get("compress", "none") if cls.caps.supports_compression else "none"
     try:
+        # the run's own compute already carries its share of the cores: no stretch
         return simulate(prof, cluster_of(cfg), cls.caps.cost_model, cal, compress=compress,
                         bucket_mb=float(cfg.get("bucket_mb", 25.0)),
                         update_on=cfg.get("update_on") or "server",
-                        reduce=cfg.get("reduce") or "sum", inside=inside)
+                        reduce=cfg.get("reduce") or "sum", inside=inside,
+                        cores=shared_cores(manifest), stretch=False)
     except (ValueError, RuntimeError):
         return None

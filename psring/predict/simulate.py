@@ -70,10 +70,12 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
 
 Cores: a cluster emulated on one machine (``cores`` set) shares that machine's cores
 between every worker, so compute stretches by max(1, n·threads/cores), and a step is
-never shorter than its whole CPU work over the cores (compute, each message's α and β,
-the servers' adds and updates). A real cluster gives each worker its own device
-(``cores`` None). The CPU that communication takes from backward while both run is not
-modelled (docs/prediction.md: the error on this machine).
+never shorter than its whole CPU work over the cores: compute, each collective as long
+as it runs on loopback in every rank, each message's α and β at both ends, the
+servers' adds and updates. A real cluster gives each worker its own device (``cores``
+None). A replayed run (psring.predict.replay) keeps its own compute, measured sharing
+the cores (``stretch=False``), and is bounded by the same CPU work: on 2 cores the
+communication of 2 workers has no core of its own to overlap backward on.
 
 Several steps are played (the first starts every worker at once; steady state follows)
 and the step time is the slowest worker's period over its last two. The prediction
@@ -122,7 +124,8 @@ def comm_seconds(name: str | None, n: int, K: int, M: float, cal: Calibration,
 def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibration,
              steps: int = 0, *, compress: str = "none", bucket_mb: float = 25.0,
              cores: int | None = None, update_on: str = "server",
-             reduce: str = "sum", inside: tuple[float, float] | None = None) -> Prediction:
+             reduce: str = "sum", inside: tuple[float, float] | None = None,
+             stretch: bool = True) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster.spec) under cost model ``comm_model`` (a name in
     COST_MODELS; None: no messages), with the run's ``compress`` and ``bucket_mb``;
@@ -131,10 +134,12 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     the optimizer runs, "server" or "worker"; ``reduce`` (ring, hring): "sum" or
     "adasum"; ``inside``: (α, β) of a host's own interconnect for byteps's and
     hring's collectives inside a host (default: loopback's gloo figures, this machine's;
-    e.g. NVLink's on paper, whose sums run on the devices: no host γ)."""
+    e.g. NVLink's on paper, whose sums run on the devices: no host γ); ``stretch``:
+    whether ``cores`` stretch the profile's compute (False: it was measured sharing
+    them, as a replayed run's own is: the cores only bound the step's CPU work)."""
     model = _check(cluster, comm_model, steps, compress, bucket_mb, cores)
-    sim = _inputs(profile, cluster, model, cal, steps, compress, bucket_mb, cores,
-                  update_on, reduce, inside)
+    sim = _inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
+                  cores if stretch else None, update_on, reduce, inside)
     n = cluster.workers
     if model is None or n == 1 and model.collective or sim.total == 0:
         pred = finish(sim, comm_model, sum(sim.compute))

@@ -148,7 +148,33 @@ def test_shared_cores_cap_a_step_at_its_cpu_work():
     free = simulate(profile([M], [B], update=1e-6), Cluster.of(hosts=1, workers_per_host=8),
                     "ps", CAL)
     assert free.step_s < p.step_s and free.bound != "cores (shared)"
+    # a replayed run's compute was measured sharing the cores: not stretched again, but
+    # its CPU work still bounds the step
+    cl2 = Cluster.of(hosts=1, workers_per_host=4)
+    stretched = simulate(profile([M], [B]), cl2, "ring", CAL, cores=2)
+    kept = simulate(profile([M], [B]), cl2, "ring", CAL, cores=2, stretch=False)
+    assert kept.phases["backward_s"] == pytest.approx(B)
+    assert stretched.phases["backward_s"] == pytest.approx(2 * B)
+    # (four on two cores: the same CPU work bounds both)
+    assert kept.bound == "cores (shared)" and kept.step_s == pytest.approx(stretched.step_s)
 
+
+def test_a_ring_on_shared_cores_costs_its_collectives_cpu_in_every_rank():
+    # 2 workers on 2 cores, one M-byte bucket at the end of backward: gloo's all-reduce
+    # (fitted: 2 steps of α + M/2·β) keeps both ranks' cores busy while it runs, so the
+    # step is never below compute + the collective: no overlap is left to gain
+    M = 4_000_000
+    fitted = dataclasses.replace(CAL, collectives={"all_reduce": [2e-4, 7e-10],
+                                                   "reduce_scatter": [4e-4, 2e-9],
+                                                   "all_gather": [3e-4, 1.4e-9]})
+    coll = 2 * (2e-4 + M / 2 * 7e-10)
+    prof = profile([M // 2, M // 2], [B / 2, B])
+    p = simulate(prof, Cluster.of(hosts=1, workers_per_host=2), "ring", fitted, cores=2,
+                 stretch=False)
+    assert p.step_s == pytest.approx(prof.compute_s + 2 * 2 * (2e-4 + M / 4 * 7e-10))
+    assert p.step_s >= prof.compute_s + coll - 1e-12
+    free = simulate(prof, Cluster.of(hosts=1, workers_per_host=2), "ring", fitted)
+    assert free.step_s < p.step_s  # with a core each, the first bucket overlaps backward
 
 def test_compression_halves_the_bytes_on_the_link():
     M = 1_000_000
@@ -346,3 +372,17 @@ def test_a_device_runs_gradients_are_ready_when_its_profile_said(tmp_path):
     assert _ready_from_device(device, [400, 100], 0.4) is None  # another model's profile
     assert _ready_from_device({**device, "device_profile": str(tmp_path / "no")},
                               [400, 100, 500], 0.4) is None
+
+
+def test_a_replayed_run_shares_the_cores_only_where_it_computed_on_them():
+    from psring.predict.replay import shared_cores
+
+    local = {"host": {"cores": 2}, "launch": {"launcher": "psring run"},
+             "compute": {"mode": "real"}, "device": "cpu"}
+    assert shared_cores(local) == 2
+    # device mode's compute is a wait, not CPU; torchrun's hosts each have their own
+    # cores; a GPU worker computes on its device; an unknown machine shares nothing known
+    assert shared_cores({**local, "compute": {"mode": "device"}}) is None
+    assert shared_cores({**local, "launch": {"launcher": "torchrun"}}) is None
+    assert shared_cores({**local, "device": "cuda"}) is None
+    assert shared_cores({**local, "host": {}}) is None
