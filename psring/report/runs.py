@@ -58,6 +58,29 @@ def _steps_of(run_dir: Path, manifest: dict[str, Any]) -> list[dict]:
     return records
 
 
+def _job_steps(by_step: dict[int, list[dict]], workers: int,
+               cfg: dict[str, Any]) -> list[float]:
+    """Each step's time for the whole job: from when its last worker started it to when
+    its last worker finished it, on the described clock (wall seconds / --time-scale,
+    as step_s). Not the largest step_s of the step: a parameter server's workers end
+    their steps at different moments (each when its own pushes are acknowledged, then
+    waits for its pulls in the next), so each worker's step_s mixes its own phase with
+    the others', and the largest of several such overstates the job's period (by 30%
+    on a colocated PS of 4 hosts, measured 2026-11-26). A worker starts a step when it
+    ends the last one, so back to back these add up to the run's elapsed time; time
+    spent between steps (a held-out evaluation) is in neither. [] where a step lacks a
+    worker's record or its time (the caller then takes the largest step_s). Under
+    torchrun the hosts' clocks differ by a constant that cancels in the differences."""
+    scale = float(cfg.get("time_scale") or 1.0)
+    out = []
+    for rs in by_step.values():
+        if len({r["worker"] for r in rs}) != workers or any("time" not in r for r in rs):
+            return []
+        last_start = max(r["time"] - r["step_s"] * scale for r in rs)
+        out.append((max(r["time"] for r in rs) - last_start) / scale)
+    return out
+
+
 def _speed(kept: list[dict], cfg: dict[str, Any]) -> tuple[list[float], float]:
     """(each step's time, samples per second) over the steps after warm-up."""
     by_step: dict[int, list[dict]] = defaultdict(list)
@@ -65,8 +88,8 @@ def _speed(kept: list[dict], cfg: dict[str, Any]) -> tuple[list[float], float]:
     for r in kept:
         by_step[r["step"]].append(r)
         by_worker[r["worker"]].append(r)
-    # A synchronous step lasts as long as its slowest worker.
-    step_times = [max(r["step_s"] for r in rs) for rs in by_step.values()]
+    step_times = _job_steps(by_step, len(by_worker), cfg) or \
+        [max(r["step_s"] for r in rs) for rs in by_step.values()]
     # each worker's samples a step (--worker-batch: its own share of the global batch)
     shares = shares_of(cfg)
     samples_per_s = sum(shares[w] * cfg["accumulate"] /

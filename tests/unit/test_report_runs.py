@@ -1,0 +1,29 @@
+"""psring.report.runs: how a run's step time is read from its step records."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_a_jobs_step_is_from_its_last_workers_start_to_its_last_workers_end():
+    from psring.report.runs import _job_steps
+
+    # two PS workers whose steps end at different moments (each when its own pushes
+    # are acknowledged), back to back: every 1.0 s the job completes a step, but each
+    # worker's step_s swings 0.6 / 1.4 out of phase with the other's, and the largest
+    # of them overstates the period; the job's own step does not
+    ends = {0: [10.0, 10.4], 1: [11.4, 11.0], 2: [12.0, 12.4], 3: [13.4, 13.0]}
+    by_step = {s: [{"worker": w, "time": t, "step_s": 1.4 if (s + w) % 2 else 0.6}
+                   for w, t in enumerate(ts)] for s, ts in ends.items()}
+    assert _job_steps({s: by_step[s] for s in (1, 2, 3)}, 2, {}) == pytest.approx([1.0] * 3)
+    assert max(max(r["step_s"] for r in rs) for rs in by_step.values()) == 1.4
+    # time between steps (an evaluation after step 1) is not in the next step
+    late = {s: [{**r, "time": r["time"] + (5.0 if s >= 2 else 0.0)} for r in rs]
+            for s, rs in by_step.items() if s >= 1}
+    assert _job_steps(late, 2, {}) == pytest.approx([1.0] * 3)
+    # on the described clock of a time-scaled run (step_s already is)
+    scaled = {s: [{**r, "step_s": r["step_s"] / 4} for r in rs] for s, rs in late.items()}
+    assert _job_steps(scaled, 2, {"time_scale": 4}) == pytest.approx([0.25] * 3)
+    # a step without every worker's record: not this reading
+    del late[2][1]
+    assert _job_steps(late, 2, {}) == []
