@@ -269,6 +269,11 @@ class Calibration:
         adds = {"all_reduce": 0.5, "reduce_scatter": 1.0, "all_gather": 0.0}[op]
         return self.dist_alpha, self.dist_beta + adds * self.gamma
 
+    def host_steps(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(α, β) of one step of a host's reduce-scatter and of its all-gather on
+        loopback: :meth:`gloo_step`'s, the pair :func:`host_reduce` takes."""
+        return self.gloo_step("reduce_scatter"), self.gloo_step("all_gather")
+
     def between_hosts(self, comm_model: str, link_bits: float | None,
                       delay_s: float = 0.0) -> tuple[float, float, str]:
         """(α, β, source) of the transport between two hosts joined by links of
@@ -406,7 +411,8 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
         if H > 1:
             a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
         G = max(1, n // H)
-        return hring_allreduce(G, H, M, a_link, b_link, cal.gamma, _host_reduce(G, M, cal))
+        return hring_allreduce(G, H, M, a_link, b_link, cal.gamma,
+                               host_reduce(G, M, *cal.host_steps()))
     if comm_model == "byteps":
         hosts = sorted(set(topo.worker_host)) if topo is not None else [0]
         G = max(1, n // len(hosts))
@@ -416,7 +422,7 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
             a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
             a = a_link if cross > 0 else alpha
         return byteps_sync(len(hosts), M, K, a, b_link, beta, cal.gamma, cross,
-                           _host_reduce(G, M, cal))
+                           host_reduce(G, M, *cal.host_steps()))
     if topo is None or not topo.multi_host:
         if comm_model == "ps":
             return ps_sync(n, M, K, alpha, beta, cal.gamma)
@@ -425,11 +431,6 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
     a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
     formula = ps_sync_placed if comm_model == "ps" else ps_async_placed
     return formula(n, M, K, a_link if cross > 0 else alpha, b_link, beta, cal.gamma, cross)
-
-
-def _host_reduce(G: int, M: float, cal: Calibration) -> float:
-    """host_reduce with gloo's collectives on loopback (this machine's)."""
-    return host_reduce(G, M, cal.gloo_step("reduce_scatter"), cal.gloo_step("all_gather"))
 
 
 #: the size at which the linear coefficients are read off (see _linear)

@@ -149,4 +149,4 @@ def host_steps(sim: Any) -> tuple[tuple[float, float], tuple[float, float]]:
     link's (``inside``: sums on the devices), else gloo's on loopback as measured."""
     if sim.inside:
         return sim.inside, sim.inside
-    return sim.cal.gloo_step("reduce_scatter"), sim.cal.gloo_step("all_gather")
+    return sim.cal.host_steps()

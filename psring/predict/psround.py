@@ -372,8 +372,7 @@ def ps_cpu_work(sim: Sim, mode: str) -> float:
     inside = 0.0
     if g > 1:  # a 1/G part each, plus the host's reduce-scatters and all-gathers
         sent /= g
-        rs, ag = cal.gloo_step("reduce_scatter"), cal.gloo_step("all_gather")
-        inside = sum(host_reduce(g, m, rs, ag) for m, _ in sim.buckets)
+        inside = sum(host_reduce(g, m, *cal.host_steps()) for m, _ in sim.buckets)
     apply = server_update_per_byte(profile, cal)
     if mode == "ps-async":  # every push applied, and a cast for its pull
         server = n * total * (cal.gamma + apply + 2 * cast)

@@ -112,12 +112,10 @@ def ring_cpu_work(sim: Sim, hier: bool = False) -> float:
     cluster, n = sim.cluster, sim.cluster.workers
     threads = max(1, sim.profile.threads or 1)
     G = group_size(cluster) if hier else 1
-    ar = sim.cal.gloo_step("all_reduce")
-    rs, ag = sim.cal.gloo_step("reduce_scatter"), sim.cal.gloo_step("all_gather")
-    comm = 0.0
-    for m, _ in sim.buckets:
-        comm += host_reduce(G, m, rs, ag) if G > 1 else 0.0
-        comm += sum(ring_steps(n // G, m * sim.wire / G, *ar, 0.0))  # (a 1/G slice)
+    ar, (rs, ag) = sim.cal.gloo_step("all_reduce"), sim.cal.host_steps()
+    comm = sum(host_reduce(G, m, rs, ag)  # (0 with one worker a host)
+               + sum(ring_steps(n // G, m * sim.wire / G, *ar, 0.0))  # (a 1/G slice)
+               for m, _ in sim.buckets)
     return n * (sim.profile.compute_s * threads + comm + 2 * sim.total * sim.cast)
 
 
