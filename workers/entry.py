@@ -187,7 +187,8 @@ def _context(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world
     torch.set_num_threads(threads)
     device = torch.device(cfg.resolved_device)
     if device.type == "cuda":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        slot, _ = machine_share(rank, local_rank, local_world, cfg.workers)
+        device = torch.device("cuda", slot % torch.cuda.device_count())
         torch.cuda.set_device(device)
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -251,11 +252,41 @@ def _place_model(ctx: WorkerContext, work: Workload, strategy_cls: type[Strategy
         warm_up(work.model, work.data.train, ctx.cfg, ctx.rank, ctx.world, ctx.device)
 
 
+def machine_share(rank: int, local_rank: int, local_world: int,
+                  workers: int) -> tuple[int, int]:
+    """(this worker's place among the workers of its machine, how many they are): what
+    the machine's GPUs are dealt out over. torchrun starts LOCAL_WORLD_SIZE workers per
+    machine; psring's own launcher starts every worker on this machine, its emulated
+    hosts included (namespaces share the GPUs)."""
+    if rendezvous.under_torchrun():
+        return local_rank, local_world
+    return rank, workers
+
+
+def process_group_backend(device_type: str, sharing: int, gpus: int) -> tuple[str, str]:
+    """(backend, why) for torch.distributed's process group: NCCL among GPUs, gloo on
+    the CPU, and gloo over CUDA tensors where ``sharing`` workers (:func:`machine_share`)
+    outnumber the machine's GPUs: NCCL refuses two ranks on one device ("Duplicate GPU
+    detected"). gloo takes CUDA tensors for all_reduce and broadcast only; the host
+    collectives and Adasum's exchanges stage theirs through host memory
+    (psring.comm.interconnect.GroupComm, psring.comm.adasum.TorchComm)."""
+    if device_type != "cuda":
+        return "gloo", "CPU tensors"
+    if sharing > gpus:
+        return "gloo", (f"{sharing} workers share this machine's {gpus} GPU"
+                        f"{'s' if gpus != 1 else ''}, and NCCL takes one rank per GPU")
+    return "nccl", "one GPU per worker"
+
+
 def _process_group(ctx: WorkerContext, launch: rendezvous.Launch, net: netif.Choice) -> None:
-    """torch.distributed's process group: NCCL among GPUs, else gloo."""
-    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    """torch.distributed's process group (see :func:`process_group_backend`)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
+    _, sharing = machine_share(ctx.rank, ctx.local_rank, ctx.local_world, ctx.world)
+    backend, why = process_group_backend(ctx.device.type, sharing, gpus)
     launch.stage(f"creating the {backend} process group")
-    ctx.log.info("joining process group (%s, %s:%s)", backend,
+    ctx.log.info("joining process group (%s: %s; %s:%s)", backend, why,
                  os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
     _init_process_group(backend, ctx.rank, ctx.world, ctx.cfg.timeout, launch, net)
 
@@ -314,6 +345,8 @@ def _broken_connections_named(rank: int):
 def _broken_connection(e: BaseException) -> bool:
     """A collective failed because a peer's connection went (gloo, NCCL), not a bug."""
     text = str(e)
+    if "invalid usage" in text:  # NCCL's own refusal (a duplicate GPU, say): a bug to see
+        return False
     return any(w in text for w in ("Connection closed", "Connection reset", "Broken pipe",
                                    "Connection refused", "NCCL error", "ProcessGroupGloo"))
 

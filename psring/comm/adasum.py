@@ -134,8 +134,9 @@ def reduce(buf: torch.Tensor, counts: Sequence[int], comm: Comm) -> None:
             own, other = a @ a, b @ b
             stats[i] = torch.stack([a @ b, *((own, other) if left else (other, own))])
         comm.sum_in_block(level, stats)
+        rows = stats.tolist()  # one device-to-host read per level, not one per tensor
         for i, s, e in pieces:
-            dot, l2, r2 = stats[i].tolist()
+            dot, l2, r2 = rows[i]
             a2, b2 = (l2, r2) if left else (r2, l2)
             sl = slice(s - keep[0], e - keep[0])
             mine[sl] = combine(mine[sl], theirs[sl], dot, a2, b2)
@@ -184,10 +185,16 @@ class TorchComm:
     def sendrecv(self, peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
         dist = self.dist
         peer = peer * self.per_host + self.local  # the same local rank on the peer host
-        ops = [dist.P2POp(dist.isend, send.contiguous(), peer),
-               dist.P2POp(dist.irecv, recv, peer)]
+        # gloo sends CPU tensors only: CUDA tensors on a gloo group (workers sharing a
+        # GPU) go through host copies
+        staged = recv.is_cuda and str(dist.get_backend()) == "gloo"
+        into = torch.empty(recv.shape, dtype=recv.dtype) if staged else recv
+        out = send.cpu() if staged else send.contiguous()
+        ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+        if staged:
+            recv.copy_(into)
 
     def sum_in_block(self, level: int, t: torch.Tensor) -> None:
         self.dist.all_reduce(t, group=self.groups[level])

@@ -142,18 +142,62 @@ def flat_collectives() -> tuple[Any, Any]:
             getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
 
 
+def gloo_group(group: Any) -> bool:
+    """Whether ``group`` runs on gloo, which takes CUDA tensors for all_reduce and
+    broadcast only (torch.distributed's backend table)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)) == "gloo"
+
+
+class Staged:
+    """A collective of CUDA tensors run on host copies (gloo): :meth:`wait` waits for it
+    and copies the result back to the device tensor."""
+
+    def __init__(self, work: Any, host_out: torch.Tensor, out: torch.Tensor) -> None:
+        self.work, self.host_out, self.out = work, host_out, out
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.out.copy_(self.host_out)
+        return True
+
+
+def all_reduce(t: torch.Tensor, group: Any = None):
+    """dist.all_reduce(t) started (its Work). gloo's CUDA all-reduce has no bfloat16
+    (pytorch/pytorch#111131: "Invalid scalar type"): on a gloo group such a tensor is
+    summed in a host copy (:class:`Staged`)."""
+    import torch.distributed as dist
+
+    if t.is_cuda and t.dtype == torch.bfloat16 and gloo_group(group):
+        host = t.cpu()
+        return Staged(dist.all_reduce(host, group=group, async_op=True), host, t)
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
 class GroupComm:
-    """The host's collectives as torch runs them, each returning its async Work."""
+    """The host's collectives as torch runs them, each returning its async Work. On a
+    gloo group, CUDA tensors go through host memory (:class:`Staged`): a host that
+    runs more workers than it has GPUs shares them over gloo (NCCL takes one rank per
+    GPU; workers.entry.process_group_backend)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self._rs, self._ag = flat_collectives()
+        self.staged = gloo_group(group)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
-        return self._rs(out, inp, group=self.group, async_op=True)
+        return self._run(self._rs, out, inp)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        return self._ag(out, inp, group=self.group, async_op=True)
+        return self._run(self._ag, out, inp)
+
+    def _run(self, op, out: torch.Tensor, inp: torch.Tensor):
+        if not (self.staged and out.is_cuda):
+            return op(out, inp, group=self.group, async_op=True)
+        host_out = torch.empty(out.shape, dtype=out.dtype)
+        return Staged(op(host_out, inp.cpu(), group=self.group, async_op=True),
+                      host_out, out)
 
     def close(self) -> None:
         pass

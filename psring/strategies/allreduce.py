@@ -24,10 +24,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from psring.comm import adasum
+from psring.comm import adasum, interconnect
 from psring.comm.compress import CastBack, wire_dtype
 from psring.comm.hostring import flat_ring
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
@@ -107,7 +106,7 @@ class AllReduce(Strategy):
     def _all_reduce(self, t: torch.Tensor) -> Handle:
         if self.ring is not None:
             return self.ring.all_reduce(t)
-        return dist.all_reduce(t, async_op=True)
+        return interconnect.all_reduce(t)  # (bfloat16 through the host on gloo + CUDA)
 
     def _on_thread(self, fn, *args) -> Handle:
         """Run a reduction of several collectives on the worker's one communication
