@@ -215,8 +215,18 @@ class RunConfig(*reversed(SECTIONS)):
 
     @property
     def resolved_device(self) -> str:
+        """--device, with auto resolved: CUDA where torch sees a GPU, unless the run
+        computes on the CPU whatever the machine has: device mode (--compute device
+        emulates the accelerator on the CPU) and strategies whose workers compute on
+        the CPU only (their caps.devices: hogwild shares CPU memory)."""
         if self.device != "auto":
             return self.device
+        if self.compute == "device":
+            return "cpu"
+        from psring.strategies import STRATEGIES
+
+        if "cuda" not in STRATEGIES.get(self.strategy).caps.devices:
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -72,6 +72,15 @@ def _check_strategy(cfg: RunConfig, caps: Any) -> None:
         raise ConfigError(f"strategy {cfg.strategy!r} cannot checkpoint or resume; "
                           f"drop --checkpoint-every/--resume, or use a strategy that "
                           f"can (see docs/reliability.md).")
+    if cfg.device != "auto" and cfg.device not in caps.devices:
+        raise ConfigError(f"--device {cfg.device}: {cfg.strategy!r} computes on "
+                          f"{' or '.join(caps.devices)} only (hogwild's workers share the "
+                          f"model in CPU memory); use --device cpu (or auto).")
+    if cfg.device == "cuda" and cfg.compute == "device":
+        raise ConfigError("--compute device emulates the accelerator on the CPU: its "
+                          "times come from --device-profile, and the workers run on "
+                          "the CPU. Drop --device cuda (auto picks the CPU), or drop "
+                          "--compute device to compute on the GPU.")
     if cfg.compress != "none" and not caps.supports_compression:
         raise ConfigError(
             f"--compress applies to strategies that send gradients (allreduce, ddp, ps, "

@@ -154,6 +154,9 @@ class Capabilities:
     #: host's workers: psring.comm.interconnect), "ring-hops" (a flat ring's hops between
     #: two workers of one host: psring.comm.hostring), "" (none: the flag is refused)
     inside_host: Literal["", "collectives", "ring-hops"] = ""
+    #: the devices its workers compute on (--device; auto picks CUDA where torch sees a
+    #: GPU and it is listed): hogwild's workers share the model in CPU memory
+    devices: tuple[str, ...] = ("cpu", "cuda")
 
     def update_site(self, update_on: str) -> str:
         """Where the optimizer runs for a run's --update-on ("" = the default)."""

@@ -45,7 +45,8 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 class Hogwild(Strategy):
     name = "hogwild"
     # its workers share one memory, and have no device of their own to stand in for
-    caps = Capabilities(synchronous=False, max_hosts=1, emulates_device=False)
+    caps = Capabilities(synchronous=False, max_hosts=1, emulates_device=False,
+                        devices=("cpu",))
 
     def setup(self, model: nn.Module) -> nn.Module:
         ctx = self.ctx
