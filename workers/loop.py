@@ -130,13 +130,15 @@ class Straggler:
     backward is stretched by the previous micro-batch's compute time (3x this forward
     for the first one), so it computes FACTOR times as long."""
 
-    def __init__(self, cfg, rank: int):
+    def __init__(self, cfg, rank: int, sync: Callable[[], None] = lambda: None):
         slow_rank, factor = cfg.slow
         self.factor = factor if slow_rank == rank and factor > 1 else 1
         self.last_compute = 0.0
+        self.sync = sync  # (CUDA: the forward is queued, not done, until synchronized)
 
     def delay(self, compute_start: float) -> None:
         if self.factor > 1:
+            self.sync()
             time.sleep((self.factor - 1)
                        * (self.last_compute or 3 * (now() - compute_start)))
 
@@ -156,8 +158,11 @@ class StepRunner:
         cfg, stand_in = ctx.cfg, ctx.stand_in
         # On CUDA, kernels run asynchronously: synchronize at phase boundaries so time
         # lands in the phase that caused it. On CPU this is a no-op.
-        self.sync: Callable[[], None] = (torch.cuda.synchronize if ctx.device.type == "cuda"
-                                         else (lambda: None))
+        # The compute stream only: a collective on NCCL's own stream is waited for where
+        # the loop waits for its handle (the handle's wait orders this stream after it).
+        cuda = ctx.device.type == "cuda"
+        self.sync: Callable[[], None] = (torch.cuda.current_stream(ctx.device).synchronize
+                                         if cuda else (lambda: None))
         # --time-scale S (device mode) runs the cluster S times slower than the one it
         # stands for: every duration is recorded on that cluster's clock, divided by S
         self.scale = 1.0 / stand_in.time_scale if stand_in is not None else 1.0
@@ -169,10 +174,10 @@ class StepRunner:
         # average is then the global batch's mean gradient, what single computes
         self.weight = (ctx.world * self.sizes[ctx.rank] / cfg.batch_size
                        if cfg.worker_batch else None)
-        self.straggler = Straggler(cfg, ctx.rank)
+        self.straggler = Straggler(cfg, ctx.rank, self.sync)
         # the last gradient's time splits backward from the wait inside it; --trace
         # records every gradient's
-        self.grads = (GradientClock(model)
+        self.grads = (GradientClock(model, cuda=cuda)
                       if strategy.caps.syncs_inside_backward or cfg.trace else None)
 
     def step(self, step: int, carried: float = 0.0) -> dict:
@@ -220,8 +225,10 @@ class StepRunner:
         self.straggler.delay(compute_start)
         timer.lap("forward_s")
         if self.grads is not None:
-            self.grads.last = 0.0
+            self.grads.start()
         timer.backward(weighed.backward)
+        if self.grads is not None:
+            self.grads.settle()
         self.straggler.computed(timer.mark - compute_start)
         return loss.detach()
 

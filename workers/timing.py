@@ -110,19 +110,56 @@ class GradientClock:
     marks the end of backward's compute for a strategy that waits for communication
     inside backward(); with --trace all of them (``ready_at``, in parameter order) go
     into the step record, for psring.predict.profile (the simulator rebuckets a
-    profile at any bucket size)."""
+    profile at any bucket size).
 
-    def __init__(self, model: nn.Module):
+    On CUDA a hook runs when autograd *queues* the gradient's kernels, long before the
+    device computes it: ``cuda=True`` records an event on the stream in each hook, and
+    :meth:`settle` (after backward's synchronize) turns them into clock readings."""
+
+    def __init__(self, model: nn.Module, cuda: bool = False):
         params = [p for p in model.parameters() if p.requires_grad]
         self.last = 0.0
         self.ready_at = [0.0] * len(params)
+        self.cuda = cuda
+        # (created once and recorded again each step: creating an event costs the host
+        # more than recording one, and a backward's hooks are on its critical path)
+        self.events: list = []
+        self.recorded = [False] * len(params)
+        self.origin: tuple[float, object] | None = None  # (clock, event) at backward's start
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(self._ready(i))
 
+    def start(self) -> None:
+        """A backward begins (the device idle: the forward's lap synchronized)."""
+        self.last = 0.0
+        if self.cuda:
+            if not self.events:
+                self.events = [torch.cuda.Event(enable_timing=True)
+                               for _ in range(len(self.recorded) + 1)]
+            self.events[-1].record()
+            self.origin = (now(), self.events[-1])
+            self.recorded = [False] * len(self.recorded)
+
     def _ready(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
-            self.last = self.ready_at[i] = now()
+            if self.cuda:
+                if self.events:  # (a backward before the first start() goes untimed)
+                    self.events[i].record()
+                    self.recorded[i] = True
+            else:
+                self.last = self.ready_at[i] = now()
         return hook
+
+    def settle(self) -> None:
+        """Once backward's kernels are done: the events as clock readings."""
+        if not self.cuda or self.origin is None:
+            return
+        t0, start = self.origin
+        for i, done in enumerate(self.recorded):
+            if done:
+                self.events[i].synchronize()
+                self.ready_at[i] = t0 + start.elapsed_time(self.events[i]) / 1e3
+                self.last = max(self.last, self.ready_at[i])
 
 
 class TrainingClock:
