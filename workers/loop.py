@@ -193,6 +193,8 @@ class StepRunner:
         loss_sum = torch.zeros((), device=self.ctx.device)
         for m in range(micro):
             x, y = self._batch(step * micro + m)
+            if self.ctx.stand_in is not None:  # a device's input copy, as profiled
+                self.ctx.stand_in.loaded(timer.mark)
             timer.lap("data_s")
             with contextlib.nullcontext() if m == micro - 1 else strategy.no_sync():
                 loss = self._forward_backward(x, y, timer)
@@ -226,6 +228,8 @@ class StepRunner:
         timer.lap("forward_s")
         if self.grads is not None:
             self.grads.start()
+        if self.ctx.stand_in is not None:
+            self.ctx.stand_in.begin_backward()
         timer.backward(weighed.backward)
         if self.grads is not None:
             self.grads.settle()

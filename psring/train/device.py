@@ -133,6 +133,9 @@ class DeviceTimes:
     update_s: float
     #: how the profile's times became these (for the manifest)
     rule: str
+    #: the data phase, at least: a GPU's includes copying the batch to the device,
+    #: which the host's own slicing here does not (scaled by batch, not device speed)
+    data_s: float = 0.0
 
     @classmethod
     def of(cls, prof: Profile, speed: float, batch: int, time_scale: float = 1.0) -> "DeviceTimes":
@@ -142,7 +145,8 @@ class DeviceTimes:
                 f"/ --device-speed {speed:g}; update / {speed:g}"
                 + (f"; all x --time-scale {time_scale:g}" if time_scale != 1 else ""))
         return cls(prof.forward_s * f, tuple(t * f for t in prof.ready_s),
-                   prof.backward_s * f, prof.update_s / speed * time_scale, rule)
+                   prof.backward_s * f, prof.update_s / speed * time_scale, rule,
+                   data_s=prof.data_s * scale * time_scale)
 
 
 def _sleep_until(t: float) -> None:
@@ -177,6 +181,7 @@ class DeviceCompute:
         self.step = 0
         self._grads: dict[int, torch.Tensor] = {}  # the gradients' memory, kept
         self._backward_start: float | None = None
+        self._forward_start: float | None = None
         self._last = -1
 
     def install(self, model: nn.Module) -> None:
@@ -207,8 +212,21 @@ class DeviceCompute:
     def optimizer(self) -> "DeviceSGD":
         return DeviceSGD(self.times.update_s)
 
+    def loaded(self, start: float) -> None:
+        """The micro-batch's data phase, begun at ``start``, lasts at least the device's
+        (its input copy); the host's own slicing counts towards it. The forward that
+        follows is timed from here: the call into the model is the device's time too."""
+        _sleep_until(start + self.times.data_s)
+        self._forward_start = time.perf_counter()
+
+    def begin_backward(self) -> None:
+        """The loop starts backward now: the gradients' ready times count from here, so
+        autograd's walk to the first of them is inside the device's time, not added."""
+        self._backward_start = time.perf_counter()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
+        start = self._forward_start or time.perf_counter()
+        self._forward_start = None  # (an evaluation's forward is timed from its call)
         self.step += 1  # (a micro-batch: gradients differ per forward, deterministically)
         self._backward_start = None
         chain = torch.zeros((), device=x.device)
