@@ -13,6 +13,31 @@ from psring.train import device as psring_device
 from psring.train.models import flops_per_sample, parameter_bytes
 
 
+def accelerator() -> dict:
+    """This process's GPU, named (its CUDA runtime is already up: the worker's)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}", "torch_cuda": torch.version.cuda,
+            "driver": _driver_version()}
+
+
+def _driver_version() -> str | None:
+    """nvidia-smi's driver version, if it is there to ask."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() \
+        else None
+
+
 def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
                    launch: dict | None = None, per_host: int = 1) -> dict:
     """``work``: the run's psring.train.workload.Workload; ``launch``: who started the workers
@@ -39,6 +64,8 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
         "compute": psring_device.describe(cfg),
         "timing_only": cfg.compute == "device",
         "device": cfg.resolved_device,
+        # the GPU's name, its driver's CUDA and torch's (CUDA runs): what a profile names
+        "accelerator": accelerator() if cfg.resolved_device == "cuda" else None,
         "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes,
                  "held_out": len(work.data.held_out), "kind": work.inputs.kind,
                  "shape": list(work.inputs.shape)},

@@ -161,6 +161,8 @@ class Profile:
                    source={"run": str(run_dir), "strategy": cfg["strategy"],
                            "model": cfg["model"], "traced": bool(traced),
                            "steps": len(kept), "host": manifest.get("host", {}),
+                           "device": manifest.get("device", "cpu"),
+                           "accelerator": manifest.get("accelerator"),
                            **{k: cfg.get(k) for k in MODEL_KEYS}})
 
     @classmethod
