@@ -40,7 +40,15 @@ stop.set(); t.join()
 """
 
 
+#: a CUDA (or ROCm) build never forks: test_a_gpu_build_of_torch_never_forks
+GPU_BUILD = subprocess.run(
+    [sys.executable, "-c", "import torch; print(bool(torch.version.cuda or torch.version.hip))"],
+    capture_output=True, text=True, timeout=60).stdout.strip() == "True"
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(GPU_BUILD, reason="this torch is a GPU build, which starts every "
+                    "process anew (test_a_gpu_build_of_torch_never_forks)")
 def test_the_launcher_forks_only_when_it_is_safe_and_children_behave_as_started_anew(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "logs")],
                           capture_output=True, text=True, timeout=100)
@@ -91,9 +99,23 @@ print(type(c.proc).__name__, c.proc.wait(timeout=60))
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(GPU_BUILD, reason="this torch is a GPU build, which starts every "
+                    "process anew (test_a_gpu_build_of_torch_never_forks)")
 def test_a_forked_child_logs_and_reports_its_exit_whatever_the_launcher_inherited(tmp_path):
     proc = subprocess.run([sys.executable, "-c", CLOSED, str(tmp_path)], capture_output=True,
                           text=True, timeout=100)
     assert proc.stdout.strip() == "ForkedProcess 0", proc.stderr
     assert "usage:" in (tmp_path / "worker-0.log").read_text()
     assert_no_processes(str(tmp_path))
+
+
+@pytest.mark.timeout(120)
+def test_a_gpu_build_of_torch_never_forks():
+    """A CUDA build's runtime, initialized in the launcher, is unusable in a forked
+    child: such a build starts every process anew (here: a CPU build told it is one)."""
+    code = ("import sys, torch; torch.version.cuda = torch.version.cuda or '13.0'; "
+            "from psring.runtime import forking; forking.allow(); "
+            "print(forking.target([sys.executable, '-m', 'psring.workers']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100)
+    assert proc.stdout.strip() == "None", proc.stderr
