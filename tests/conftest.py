@@ -57,7 +57,7 @@ def compare_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 SERIAL_FOLDERS = ("emulation",)
 #: session fixtures whose users go to one xdist worker (``--dist loadgroup``), so the
 #: run behind each is made once, not once per worker
-SHARED_RUNS = ("compare_run",)
+SHARED_RUNS = ("compare_run", "cuda_runs")
 
 
 def pytest_collection_modifyitems(config, items):
