@@ -194,6 +194,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    from psring.predict.profile import load_host_copy
     from psring.predict.profiling import (
         PAPER_FLAGS,
         paper_profile,
@@ -203,8 +204,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     paper = {k: getattr(args, k) for k in PAPER_FLAGS}
     flags = {k: v for k, v in vars(args).items()
-             if k not in ("func", "argv", "command", "out", "on_paper", *PAPER_FLAGS)
-             and v is not None}
+             if k not in ("func", "argv", "command", "out", "on_paper", "host_copy",
+                          *PAPER_FLAGS) and v is not None}
+    host_copy = load_host_copy(args.host_copy) if args.host_copy else None
     if args.out:
         flags["out"] = args.out
     from psring.config import validate
@@ -212,6 +214,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     cfg = validate(profile_config(**flags))
     if args.on_paper:
         prof = paper_profile(cfg, **paper)
+        prof.host_copy = host_copy
         path = prof.save(cfg.out)
         print(prof.describe())
         print(f"rule: {prof.source['rule']}")
@@ -224,6 +227,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     print(f"psring: profiling {cfg.model} at batch {cfg.batch_size}, {cfg.steps} steps",
           file=sys.stderr)
     prof = take_profile(cfg)
+    if host_copy is not None:
+        prof.host_copy = host_copy
+        prof.save(cfg.out)
     print(prof.describe())
     print(f"profile: {cfg.out}/profile.json")
     return 0
@@ -353,6 +359,10 @@ def _add_profile(sub) -> None:
                     "optimizer step, milliseconds (default 0)")
     pr.add_argument("--source", default="", help="--on-paper: where the figures come from "
                     "(kept in the profile)")
+    pr.add_argument("--host-copy", default="", metavar="FILE", help="a GPU's pinned copy "
+                    "rates between device and host (benchmarks/gpu_copy.py's JSON), kept in "
+                    "the profile: the simulator and device mode charge a parameter "
+                    "server's worker for copying each gradient out and parameter back")
     pr.set_defaults(func=_cmd_profile)
 
 

@@ -64,6 +64,11 @@ class Profile:
     threads: int = 0
     #: where it comes from: model settings, run directory, host, time
     source: dict[str, Any] = field(default_factory=dict)
+    #: a GPU worker's copies between its device and pinned host memory, which a
+    #: parameter server's worker makes of every gradient and parameter: {"d2h": [alpha
+    #: s, bytes/s], "h2d": [...], "source": ...} (:func:`load_host_copy`); None: the
+    #: worker computes in host memory, or the copies are not known
+    host_copy: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.param_bytes:
@@ -87,6 +92,8 @@ class Profile:
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 0
                for b in self.param_bytes):
             raise ValueError("param_bytes must be non-negative integers")
+        if self.host_copy is not None:
+            _check_host_copy(self.host_copy)
 
     # -- what the simulator reads ---------------------------------------------------
     @property
@@ -186,10 +193,20 @@ class Profile:
         if not (speed > 0 and math.isfinite(speed)):
             raise ConfigError(f"--device-speed must be a positive number, the device's speed "
                               f"relative to the profile's (got {speed}).")
+        # (the host copies are the bus's: a faster chip moves them no faster)
         return Profile(list(self.param_bytes), [t / speed for t in self.ready_s],
                        self.forward_s / speed, self.backward_s / speed, self.update_s / speed,
                        self.data_s, self.batch_size, self.threads,
-                       dict(self.source, device_speed=speed * self.source.get("device_speed", 1)))
+                       dict(self.source, device_speed=speed * self.source.get("device_speed", 1)),
+                       self.host_copy)
+
+    def copy_s(self, direction: str, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` between the device and the host ("d2h" or "h2d");
+        0 without :attr:`host_copy`."""
+        if self.host_copy is None:
+            return 0.0
+        alpha, rate = self.host_copy[direction]
+        return alpha + nbytes / rate
 
     # -- the file -----------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
@@ -232,6 +249,35 @@ class Profile:
                 f"gradients; forward {self.forward_s * 1e3:.1f} ms, backward "
                 f"{self.backward_s * 1e3:.1f} ms, update {self.update_s * 1e3:.1f} ms at "
                 f"batch {self.batch_size}, {self.threads} thread(s)")
+
+
+def _check_host_copy(hc: Any) -> None:
+    if not isinstance(hc, dict):
+        raise ValueError(f"host_copy is {hc!r}, not a mapping")
+    for d in ("d2h", "h2d"):
+        v = hc.get(d)
+        if not (isinstance(v, (list, tuple)) and len(v) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                        and math.isfinite(x) for x in v) and v[0] >= 0 and v[1] > 0):
+            raise ValueError(f"host_copy[{d!r}] is {v!r}, not [alpha seconds, bytes/s > 0]")
+
+
+def load_host_copy(path: str | os.PathLike) -> dict[str, Any]:
+    """A GPU's pinned copy rates from ``benchmarks/gpu_copy.py``'s JSON, as a profile's
+    :attr:`Profile.host_copy`."""
+    fix = "measure them with `python benchmarks/gpu_copy.py --out FILE` on the GPU"
+    try:
+        obj = json.loads(Path(path).read_text())
+        copies = obj["copies"]
+        hc = {d: [float(copies[f"{d}_pinned"]["alpha_s"]),
+                  float(copies[f"{d}_pinned"]["rate_Bps"])] for d in ("d2h", "h2d")}
+        hc["source"] = f"{obj.get('gpu', 'a GPU')}, pinned memory ({Path(path).name})"
+        _check_host_copy(hc)
+    except FileNotFoundError:
+        raise ConfigError(f"--host-copy {path}: no such file; {fix}.") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--host-copy {path}: not a copy-rate file ({e}); {fix}.") from None
+    return hc
 
 
 #: the run settings that say which model a profile is of

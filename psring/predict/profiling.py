@@ -45,14 +45,18 @@ PAPER_FLAGS = ("forward_ms", "backward_ms", "step_ms", "update_ms", "source")
 def paper_profile_from(settings: dict[str, Any], out: str | os.PathLike) -> Profile:
     """``psring profile --on-paper`` from a dict of its flags (``_`` for ``-``), saved
     atomically as ``out/profile.json``: what a sweep's ``[profiles]`` table builds."""
+    from psring.predict.profile import load_host_copy
+
     paper = {k: settings.get(k) for k in PAPER_FLAGS}
     paper["update_ms"] = paper["update_ms"] or 0.0
     paper["source"] = paper["source"] or ""
     from psring.config import validate
 
     cfg = validate(profile_config(**{k: v for k, v in settings.items()
-                                     if k not in PAPER_FLAGS}, out=str(out)))
+                                     if k not in (*PAPER_FLAGS, "host_copy")}, out=str(out)))
     prof = paper_profile(cfg, **paper)
+    if settings.get("host_copy"):
+        prof.host_copy = load_host_copy(settings["host_copy"])
     prof.save(out)
     return prof
 

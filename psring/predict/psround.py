@@ -89,6 +89,16 @@ class PSRound:
         hosts = sorted({*self.whost, *self.shost})
         self.out = {h: Resource(f"host {h} link out", self.b_link) for h in hosts}
         self.inn = {h: Resource(f"host {h} link in", self.b_link) for h in hosts}
+        # a GPU worker's copy engines, one each way (the profile's host_copy): gradients
+        # out to pinned memory before a push, parameters back after a pull
+        self.copy_engine = {d: [Resource(f"worker {w} {d}", 0.0) for w in range(n)]
+                            for d in ("d2h", "h2d")}
+
+    def copied(self, w: int, direction: str, nbytes: float, t: float) -> float:
+        """When worker w's copy of ``nbytes`` ("d2h" or "h2d"), ready at t, is done."""
+        seconds = self.sim.profile.copy_s(direction, nbytes) \
+            if getattr(self.sim.profile, "host_copy", None) else 0.0
+        return self.copy_engine[direction][w].occupy(t, seconds) if seconds else t
 
     def _state(self) -> None:
         self.ev = Events()
@@ -160,6 +170,7 @@ class PSRound:
                 self.rs_done[key] = self.inside[self.whost[w]].occupy(
                     t, (G - 1) * (self.rs[0] + c * self.rs[1]))
             t = self.rs_done[key]
+        t = self.copied(w, "d2h", sum(m for _, m in parts), t)  # (a GPU's: to the host)
         if self.mode == "byteps":
             self.push_partitions(s, i, t)
             return
@@ -242,6 +253,7 @@ class PSRound:
         self.pulled[(w, s)] = self.pulled.get((w, s), 0) + 1
         if self.sim.cast:  # back to 32 bits on the worker
             t = self.w_io[w].occupy(t, self.shard_bytes[k] / self.G * self.sim.cast)
+        t = self.copied(w, "h2d", self.shard_bytes[k] / self.G, t)  # (a GPU's parameters)
         self.pull_done[(w, s)] = max(self.pull_done.get((w, s), 0.0), t)
         if self.pulled[(w, s)] == self.K:
             self.pulls_complete(w, s)
@@ -302,10 +314,11 @@ class PSRound:
         msgs = [(c * self.sim.wire, *self.path(self.s_io[k], self.shost[k], self.whost[x],
                                                self.w_io[x])) for x in mates]
         for x, arrive in zip(mates, send_together(done, msgs)):
-            self.at(arrive, self.piece_pulled, x, s)
+            self.at(arrive, self.piece_pulled, x, s, c)
 
-    def piece_pulled(self, w: int, s: int, t: float) -> None:
+    def piece_pulled(self, w: int, s: int, c: float, t: float) -> None:
         self.pulled[(w, s)] = self.pulled.get((w, s), 0) + 1
+        t = self.copied(w, "h2d", c, t)  # (a GPU's: back to the device)
         self.pull_done[(w, s)] = max(self.pull_done.get((w, s), 0.0), t)
         if self.pulled[(w, s)] == self.units[self.local[w]]:
             self.pulls_complete(w, s)

@@ -146,7 +146,7 @@ class Sweep:
     def _check_profiles(self) -> None:
         from psring.predict.profiling import PAPER_FLAGS
 
-        valid = {f.name for f in fields(RunConfig)} | set(PAPER_FLAGS)
+        valid = {f.name for f in fields(RunConfig)} | set(PAPER_FLAGS) | {"host_copy"}
         for name, spec in self.profiles.items():
             where = f"sweep {self.name!r}: [profiles.{name}]"
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):

@@ -275,8 +275,10 @@ class BytePS(ParameterServer):
                     part.work = None
                 n, s = self._valid(i, self.local), self.server_off[self.local][i]
                 data = self.shards[i]
-                if data.device.type != "cpu":  # (not run here: no GPU)
+                if data.device.type != "cpu":  # a GPU's part goes via the host
                     data = part.staged = data[:n].cpu()
+                elif self.ctx.stand_in is not None:  # (device mode: that copy's time)
+                    self.ctx.stand_in.copy("d2h", n * 4)
                 keys = [self.client.send(k, "push", {"step": self.step, "offset": a},
                                          [data[a - s:b - s]])
                         for k, a, b in partitions(s, s + n, self.ranges)]
@@ -320,6 +322,8 @@ class BytePS(ParameterServer):
                               f"tensor(s): not what was asked")
         start = self.columns[self.local][0]
         self.column[a - start:b - start].copy_(ts[0])
+        if self.ctx.stand_in is not None:  # (device mode: a GPU's copy of it back)
+            self.ctx.stand_in.copy("h2d", (b - a) * 4)
         mine = self.server_off[self.local]
         for i in range(len(self.missing)):  # (tens of buckets, a piece every 4 MB)
             lo_i, hi_i = mine[i], mine[i] + self._valid(i, self.local)

@@ -187,6 +187,8 @@ class ParameterServer(Strategy):
             raise PsringError(f"worker {self.ctx.rank}: a parameter server sent elements "
                               f"[{a}, {b}) of a {self.host_flat.numel()}-element model")
         piece = msg.tensors[0]
+        if self.ctx.stand_in is not None:  # (device mode: a GPU's copy of it back)
+            self.ctx.stand_in.copy("h2d", (b - a) * 4)
         if self.dev_flat is not self.host_flat or piece.dtype != self.host_flat.dtype:
             # a GPU's parameters, or compressed ones (cast back to float32 here)
             self.host_flat[a:b].copy_(piece)
@@ -229,6 +231,8 @@ class ParameterServer(Strategy):
         data = bucket.buffer
         if self.host_buckets[bucket.index] is not None:  # GPU gradients go via the host
             data = self.host_buckets[bucket.index].copy_(bucket.buffer)
+        elif self.ctx.stand_in is not None:  # (device mode: that copy's time)
+            self.ctx.stand_in.copy("d2h", bucket.nbytes)
         if self.wire_buckets[bucket.index] is not None:  # --compress
             data = self.wire_buckets[bucket.index].copy_(data)
         keys = [self.client.send(k, "push", {"step": self.step, "offset": s},

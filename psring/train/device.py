@@ -136,6 +136,9 @@ class DeviceTimes:
     #: the data phase, at least: a GPU's includes copying the batch to the device,
     #: which the host's own slicing here does not (scaled by batch, not device speed)
     data_s: float = 0.0
+    #: the profile's, for :meth:`DeviceCompute.copy`, and --time-scale
+    profile: Any = None
+    time_scale: float = 1.0
 
     @classmethod
     def of(cls, prof: Profile, speed: float, batch: int, time_scale: float = 1.0) -> "DeviceTimes":
@@ -146,7 +149,8 @@ class DeviceTimes:
                 + (f"; all x --time-scale {time_scale:g}" if time_scale != 1 else ""))
         return cls(prof.forward_s * f, tuple(t * f for t in prof.ready_s),
                    prof.backward_s * f, prof.update_s / speed * time_scale, rule,
-                   data_s=prof.data_s * scale * time_scale)
+                   data_s=prof.data_s * scale * time_scale, profile=prof,
+                   time_scale=time_scale)
 
 
 def _sleep_until(t: float) -> None:
@@ -218,6 +222,14 @@ class DeviceCompute:
         follows is timed from here: the call into the model is the device's time too."""
         _sleep_until(start + self.times.data_s)
         self._forward_start = time.perf_counter()
+
+    def copy(self, direction: str, nbytes: int) -> None:
+        """A GPU's copy between device and host ("d2h": a gradient out before a push,
+        "h2d": parameters back after a pull), as the profile's host_copy times it; a
+        parameter server's worker makes them where psring makes them on a GPU."""
+        t = self.times.profile.copy_s(direction, nbytes) if self.times.profile else 0.0
+        if t:
+            time.sleep(t * self.times.time_scale)
 
     def begin_backward(self) -> None:
         """The loop starts backward now: the gradients' ready times count from here, so

@@ -4,6 +4,8 @@ run that cannot compute on CUDA, and the refusals. (tests/cuda runs them on a GP
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,3 +80,23 @@ def test_a_profile_reads_only_the_rows_its_steps_need():
     cfg = profile_config(model="resnet50", batch_size=64, steps=8)
     assert (cfg.samples, cfg.eval_samples) == (512, 0)
     assert profile_config(batch_size=64, steps=100).samples == RunConfig.samples
+
+
+def test_device_mode_spends_a_gpus_host_copies_at_the_time_scale():
+    import time
+
+    from psring.predict.profile import Profile
+    from psring.train.device import DeviceCompute, DeviceTimes
+
+    prof = Profile(param_bytes=[4], ready_s=[0.01], forward_s=0.01, backward_s=0.01,
+                   update_s=0.0, batch_size=4,
+                   host_copy={"d2h": [0.02, 1e9], "h2d": [0.0, 1e9], "source": "test"})
+    dev = DeviceCompute(DeviceTimes.of(prof, 1.0, 4, time_scale=2.0), 0, 0, "features", 2, 2.0)
+    t = time.perf_counter()
+    dev.copy("d2h", 10_000_000)  # (0.02 s + 10 MB at 1 GB/s) x 2
+    assert 0.06 <= time.perf_counter() - t < 0.5
+    t = time.perf_counter()
+    plain = DeviceCompute(DeviceTimes.of(dataclasses.replace(prof, host_copy=None), 1.0, 4),
+                          0, 0, "features", 2)
+    plain.copy("d2h", 10_000_000)  # a profile without host copies: a CPU's, nothing
+    assert time.perf_counter() - t < 0.01

@@ -386,3 +386,40 @@ def test_a_replayed_run_shares_the_cores_only_where_it_computed_on_them():
     assert shared_cores({**local, "launch": {"launcher": "torchrun"}}) is None
     assert shared_cores({**local, "device": "cuda"}) is None
     assert shared_cores({**local, "host": {}}) is None
+
+
+def test_a_gpu_workers_host_copies_sit_on_a_parameter_servers_step():
+    # One worker, one server, one bucket: its copy to the host comes before its push and
+    # the pulled parameters' copy back before the next step, both on the step's path
+    M = 8_000_000
+    hc = {"d2h": [1e-5, 5e10], "h2d": [2e-5, 4e10], "source": "test"}
+    cpu, gpu = profile([M], [B]), dataclasses.replace(profile([M], [B]), host_copy=hc)
+    one = Cluster.of(hosts=1, workers_per_host=1, servers=1)
+    extra = simulate(gpu, one, "ps", CAL).step_s - simulate(cpu, one, "ps", CAL).step_s
+    assert extra == pytest.approx(1e-5 + M / 5e10 + 2e-5 + M / 4e10)
+    # byteps copies its part, 1/G of each bucket, each way
+    two = Cluster.of(hosts=1, workers_per_host=2, servers=1)
+    extra = simulate(gpu, two, "byteps", CAL).step_s - simulate(cpu, two, "byteps", CAL).step_s
+    assert 1e-5 + M / 2 / 5e10 + 2e-5 + M / 2 / 4e10 <= extra + 1e-12
+    # a ring all-reduce moves gradients device to device: no host copies
+    ring = Cluster.of(hosts=2, link_bits=1e9)
+    assert simulate(gpu, ring, "ring", CAL).step_s == simulate(cpu, ring, "ring", CAL).step_s
+
+
+def test_host_copies_are_kept_by_a_profile_and_read_from_gpu_copy_output(tmp_path):
+    import json
+
+    from psring.predict.profile import load_host_copy
+    from tests.helpers.layout import ROOT
+
+    hc = load_host_copy(ROOT / "experiments/profiles/h100/copy_rates.json")
+    assert "H100" in hc["source"] and hc["d2h"][1] > 1e10 and hc["h2d"][1] > 1e10
+    p = dataclasses.replace(profile([4_000_000], [B]), host_copy=hc)
+    assert Profile.load(p.save(tmp_path)).host_copy == json.loads(json.dumps(hc))
+    assert p.scaled(2.0).host_copy == hc  # a faster chip, the same bus
+    assert p.copy_s("d2h", 4e6) == pytest.approx(hc["d2h"][0] + 4e6 / hc["d2h"][1])
+    with pytest.raises(ValueError, match="host_copy"):
+        dataclasses.replace(p, host_copy={"d2h": [0.0, 0.0], "h2d": [0.0, 1e9]})
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a copy-rate file"):
+        load_host_copy(tmp_path / "bad.json")
