@@ -23,7 +23,7 @@ from pathlib import Path
 #: 4), batch 64 per GPU; speed-up over one GPU. psring's ps stands for distributed
 #: TensorFlow, allreduce for Horovod over TCP; RDMA is beside it, not emulated here.
 #: the device count behind each published speed-up
-PUBLISHED_DEVICES = {"seeds_horovod": 16}
+PUBLISHED_DEVICES = {"seeds_horovod": 16, "seeds_horovod_h100": 16}
 PUBLISHED = {
     "seeds_horovod": {
         ("inception_v3", "ps"): 10.0, ("inception_v3", "allreduce"): 14.8,
@@ -38,6 +38,11 @@ PUBLISHED = {
 
 #: efficiencies closer than this are a tie, not a direction (run-to-run spread here)
 TIE = 0.02
+
+
+# the same cluster with H100s (seeds_horovod_h100.toml): the published figures are the
+# Pascal GPUs', shown beside as the 2017 reference
+PUBLISHED["seeds_horovod_h100"] = PUBLISHED["seeds_horovod"]
 
 
 def _label(r: dict) -> str:
@@ -116,7 +121,7 @@ def directions(spec: dict, rows: list[dict]) -> list[str]:
 
     models = sorted({r["model"] for r in rows})
     out = []
-    if spec["name"] == "seeds_horovod":
+    if spec["name"] in ("seeds_horovod", "seeds_horovod_h100"):
         pub = PUBLISHED["seeds_horovod"]
         for m in models:
             out += _first_wins(m, f"Horovod's ring beats the PS ({pub[(m, 'allreduce')]:.1f}x "

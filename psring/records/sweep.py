@@ -34,6 +34,10 @@ uses it:
     [grid]
     model = [{model = "resnet101", device_profile = "resnet101"}]
 
+A ``device_profile`` that is a relative path is read from the definition's folder when
+the file is there (``experiments/seeds_horovod_h100.toml`` names
+``profiles/h100/resnet101.json``), else from the current folder.
+
 ``batch_per_worker`` (in base or grid) sets ``batch_size = batch_per_worker * workers``
 (weak scaling); otherwise ``batch_size`` is the global batch (strong scaling).
 Settings that do not apply to a strategy are normalized, and points that become the
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import shutil
 import time
@@ -107,6 +112,9 @@ class Sweep:
     grid: dict[str, list] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the definition's folder (set by :meth:`load`): a relative device_profile path is
+    #: read from there when the file is there, so a shipped sweep runs from any folder
+    home: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         valid = {f.name for f in fields(RunConfig)} | EXTRA_KEYS
@@ -161,6 +169,17 @@ class Sweep:
                                   f"`psring profile --on-paper` flags with _ for - "
                                   f"({', '.join(PAPER_FLAGS)}, model, batch_size, ...).")
 
+    def _profile_path(self, given: Any, out: Path) -> Any:
+        """A point's device_profile: a [profiles] name (in the point's id, not its path)
+        as the folder the sweep builds it in; a relative path, from the definition's
+        folder where the file is there (else as given: from the current folder)."""
+        if given in self.profiles:
+            return str(out / PROFILES_DIR / given)
+        if isinstance(given, str) and given and not os.path.isabs(given) and self.home \
+                and os.path.exists(os.path.join(self.home, given)):
+            return os.path.join(self.home, given)
+        return given
+
     def build_profiles(self, out: Path) -> None:
         """Build each [profiles] entry once, in OUT/profiles/NAME (kept on a rerun)."""
         from psring.predict.profiling import paper_profile_from
@@ -182,7 +201,7 @@ class Sweep:
         if unknown:
             raise ConfigError(f"sweep definition {path}: unknown top-level key(s) "
                               f"{', '.join(unknown)}; valid: {', '.join(sorted(known))}.")
-        return cls(name=path.stem, **raw)
+        return cls(name=path.stem, home=str(path.resolve().parent), **raw)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "look_at": self.look_at,
@@ -227,8 +246,8 @@ class Sweep:
             if "batch_per_worker" in keys:
                 shown["batch_size"] = values["batch_size"]
             base_id = "_".join(f"{k}={_slug(v)}" for k, v in shown.items()) or "point"
-            if values.get("device_profile") in self.profiles:  # named in the id, not its path
-                values["device_profile"] = str(out / PROFILES_DIR / values["device_profile"])
+            if values.get("device_profile"):
+                values["device_profile"] = self._profile_path(values["device_profile"], out)
             for r in range(self.repeats):
                 pid = f"{base_id}_r{r}"
                 if pid in seen:

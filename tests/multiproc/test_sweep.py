@@ -245,3 +245,19 @@ def test_every_shipped_experiment_is_a_valid_sweep(tmp_path):
         assert sweep.description.strip() and sweep.look_at.strip(), spec
         assert sweep.points(tmp_path / spec.stem), spec
     assert os.path.exists(root / "README.md")
+
+
+def test_a_relative_device_profile_is_read_beside_the_definition(tmp_path, monkeypatch):
+    from psring.predict.profile import Profile
+    from psring.train.models import ModelSettings, build_model
+
+    home = tmp_path / "defs"
+    model = build_model("mlp", ModelSettings(features=16, width=32, depth=1), seed=0)[0]
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    Profile.on_paper(sizes, 0.01, 0.02, batch_size=8).save(home / "profs" / "p.json")
+    spec = write_spec(home / "dev.toml", {"strategy": ["allreduce"]},
+                      base={"compute": "device", "device_profile": "profs/p.json",
+                            "workers": 2, "batch_size": 16})
+    monkeypatch.chdir(tmp_path)  # not the definition's folder
+    (point,) = Sweep.load(spec).points(tmp_path / "out")
+    assert point.config.device_profile == str(home / "profs" / "p.json")
