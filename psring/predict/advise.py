@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from psring.cluster.spec import Cluster
 from psring.predict.costmodel import ps_link_load
@@ -69,7 +69,8 @@ class Candidate:
 def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any],
                max_servers: int = 8, cores: int | None = None,
                link_bits: float | None = None, delay_s: float | None = None,
-               inside: tuple[float, float] | None = None) -> list[Candidate]:
+               inside: tuple[float, float] | None = None,
+               cal_of: Callable[[Cluster], Any] | None = None) -> list[Candidate]:
     """Every setting of every strategy the cluster can run, simulated: servers up to
     ``max_servers`` (and twice the hosts); ``cores``: shared by every process (the
     cluster emulated on one machine), as psring.predict.simulate takes them.
@@ -77,7 +78,9 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
     (default: the base cluster's; one host's base cluster has none, as nothing crosses).
     ``inside``: (α, β) of each host's own interconnect (--device-link), for the
     traffic among a host's workers (a flat ring's hops, byteps's and hallreduce's
-    collectives); None: loopback's gloo."""
+    collectives); None: loopback's gloo.
+    ``cal_of``: the calibration to price a cluster with (advise: this machine's costs
+    on the clock of the run that would verify it); None: ``cal`` for every one."""
     link = base.link_bits if link_bits is None else link_bits
     delay = base.delay_s if delay_s is None else delay_s
     out = []
@@ -88,8 +91,9 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
     max_k = max(1, min(max_servers, 2 * base.hosts))
     for name, cls in classes.items():
         if cls.caps.cost_model is None:
-            out.append(Candidate(name, simulate(profile, base, None, cal, cores=cores,
-                                                inside=inside)))
+            out.append(Candidate(name, simulate(profile, base, None,
+                                                cal_of(base) if cal_of else cal,
+                                                cores=cores, inside=inside)))
             continue
         if cls.caps.needs_equal_hosts and base.workers // base.hosts < 2:
             continue  # per-host aggregation with one worker a host: its flat twin's setting
@@ -107,7 +111,9 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
                                         workers_per_host=base.workers // base.hosts,
                                         link_bits=link, delay_s=delay, servers=k,
                                         placement=place)
-                        out.append(Candidate(name, simulate(profile, cl, cls.caps.cost_model, cal,
+                        priced = cal_of(cl) if cal_of else cal
+                        out.append(Candidate(name, simulate(profile, cl, cls.caps.cost_model,
+                                                            priced,
                                                             compress=comp, bucket_mb=mb,
                                                             cores=cores, update_on=up,
                                                             inside=inside)))

@@ -42,7 +42,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from psring.cluster.spec import Cluster, parse_delay, parse_rate
 from psring.errors import ConfigError
@@ -196,6 +196,36 @@ def verify_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[s
     if args.device_link and not not_timed(cls.caps) and c.cluster.workers_per_host > 1:
         flags["device_link"] = args.device_link
     return flags
+
+
+def verify_clock(cal: Calibration, args: argparse.Namespace, model: dict[str, Any], n: int,
+                 device_profile: Path) -> Callable[[Cluster], Calibration]:
+    """The calibration each candidate cluster is priced with: this machine's software
+    costs on the clock of the run that would verify it, ``cal.faster(S)`` at its
+    --time-scale S (psring.train.device.required_time_scale, as :func:`verify` runs
+    it, and as psring.predict.replay reads a device-mode run). A described cluster's
+    links are then its own: at S = 1 a host link would be floored at this machine's
+    loopback (about 31 Gbit/s here), which a GPU cluster's 100 Gbit/s link is not.
+    S depends on the cluster's hosts, so on where its servers are; one per shape."""
+    from psring.config import RunConfig
+    from psring.train.device import required_time_scale
+
+    scaled: dict[tuple[int, str], Calibration] = {}
+
+    def cal_of(cl: Cluster) -> Calibration:
+        key = (cl.servers, cl.placement) if cl.placement == "own-hosts" else (0, "")
+        if key not in scaled:
+            flags = {**model, "workers": n, "hosts": args.hosts,
+                     "workers_per_host": n // args.hosts, "link": args.link,
+                     "delay": args.delay, "batch_size": args.batch_size, "steps": 4,
+                     "compute": "device", "device_profile": str(device_profile),
+                     "strategy": "ps" if key[1] else "allreduce"}
+            if key[1]:
+                flags.update(servers=cl.servers, server_placement=key[1])
+            scaled[key] = cal.faster(required_time_scale(RunConfig(**flags)))
+        return scaled[key]
+
+    return cal_of
 
 
 def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespace,
@@ -386,7 +416,8 @@ def advise_command(args: argparse.Namespace) -> int:
     # settings this machine can run (workers and servers <= the limit)
     cands = candidates(prof, cluster, cal, classes,
                        max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8,
-                       cores=None, link_bits=link, delay_s=delay, inside=inside)
+                       cores=None, link_bits=link, delay_s=delay, inside=inside,
+                       cal_of=verify_clock(cal, args, model, n, device_profile))
     ranking = rank(cands)
     where = _where(cluster.hosts, n // cluster.hosts, link, delay) + (
         f", device link {args.device_link} inside each host "

@@ -245,3 +245,27 @@ def test_verify_runs_take_the_device_link_where_their_strategy_accepts_it(tmp_pa
             assert flags.get("device_link", "") == \
                 (device_link if cls.caps.inside_host else ""), (c.strategy, flags)
             validate(RunConfig(**flags))  # psring run would take it
+
+
+def test_a_described_link_faster_than_loopback_is_not_floored_at_it(big, tmp_path):
+    """advise prices a cluster on the clock of the run that would verify it (this
+    machine's software costs at 1/S): a 100 Gbit/s host link is the link's own, not
+    floored at this machine's loopback gloo (1.7 GB/s in this calibration)."""
+    from psring.cluster.spec import Cluster
+    from psring.predict.simulate import simulate
+
+    prof, cal_path = big
+    out = tmp_path / "adv"
+    psring("advise", "--profile", prof, "--calibration", cal_path, "--hosts", 2,
+           "--workers-per-host", 1, "--link", "100gbit", "--batch-size", 128,
+           "--out", out, timeout=120)
+    ranked = json.loads((out / "advise.json").read_text())["ranking"]
+    got = min(float(r["step ms"]) for r in ranked if r["strategy"] == "allreduce") / 1e3
+    p, cal = Profile.load(prof), Calibration.load(cal_path)
+    cluster = Cluster.of(hosts=2, link_bits=100e9)
+    floored = min(simulate(p, cluster, "ring", cal, bucket_mb=mb).step_s
+                  for mb in (1, 5, 25, 100))
+    ideal = min(simulate(p, cluster, "ring", cal.faster(1e9), bucket_mb=mb).step_s
+                for mb in (1, 5, 25, 100))
+    assert ideal <= got < floored
+    assert got < 1.1 * ideal  # the 100 Gbit/s link, not 1.7 GB/s
