@@ -172,19 +172,26 @@ def _calibration(args: argparse.Namespace, out: Path):
     return cal
 
 
+def _device_run(args: argparse.Namespace, cl: Cluster, batch: int, n: int,
+                device_profile: Path) -> dict[str, Any]:
+    """The flags of a device-mode run on cluster ``cl``: its workers and hosts, the
+    link (where something crosses one), the global batch and the ranked profile."""
+    return {"workers": n, "hosts": args.hosts, "workers_per_host": cl.workers_per_host,
+            "link": args.link if args.hosts > 1 or cl.placement == "own-hosts" else "",
+            "delay": args.delay, "batch_size": batch, "compute": "device",
+            "device_profile": str(device_profile)}
+
+
 def verify_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[str, Any],
                  batch: int, n: int, out: Path, device_profile: Path) -> dict[str, Any]:
     """The RunConfig fields of candidate ``c``'s verifying run (strategy class ``cls``):
     a device-mode run of the profiled ``model`` at global batch ``batch`` on the
     cluster, with only the flags its strategy takes (psring.config refuses the others);
     --device-link where the strategy runs collectives inside a host of several workers."""
-    flags = {**model, **c.run_flags(), "workers": n,
-             "hosts": args.hosts, "workers_per_host": c.cluster.workers_per_host,
-             "link": args.link if args.hosts > 1 or c.cluster.placement == "own-hosts"
-             else "", "delay": args.delay, "batch_size": batch,
-             "steps": args.verify_steps, "compute": "device",
-             "device_profile": str(device_profile),
-             "out": str(out / "verify" / _slug(c)), "timeout": 300.0}
+    flags = {**model, **c.run_flags(),
+             **_device_run(args, c.cluster, batch, n, device_profile),
+             "steps": args.verify_steps, "out": str(out / "verify" / _slug(c)),
+             "timeout": 300.0}
     if not cls.caps.uses_servers:
         flags.pop("servers"), flags.pop("server_placement")
     if not cls.caps.supports_compression:
@@ -215,12 +222,9 @@ def verify_clock(cal: Calibration, args: argparse.Namespace, model: dict[str, An
     def cal_of(cl: Cluster) -> Calibration:
         key = (cl.servers, cl.placement) if cl.placement == "own-hosts" else (0, "")
         if key not in scaled:
-            flags = {**model, "workers": n, "hosts": args.hosts,
-                     "workers_per_host": n // args.hosts, "link": args.link,
-                     "delay": args.delay, "batch_size": args.batch_size, "steps": 4,
-                     "compute": "device", "device_profile": str(device_profile),
+            flags = {**model, **_device_run(args, cl, args.batch_size, n, device_profile),
                      "strategy": "ps" if key[1] else "allreduce"}
-            if key[1]:
+            if key[1]:  # (servers on hosts of their own: more hosts, more links)
                 flags.update(servers=cl.servers, server_placement=key[1])
             scaled[key] = cal.faster(required_time_scale(RunConfig(**flags)))
         return scaled[key]
