@@ -105,7 +105,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     sweep = Sweep.load(args.spec)
     if args.repeats is not None:
-        sweep = Sweep(**{**sweep.to_dict(), "repeats": args.repeats})
+        sweep = sweep.changed(repeats=args.repeats)
     out = Path(args.out) if args.out else default_out(sweep)
     res = run_sweep_with_progress(sweep, out)
     print(format_summary(res), file=sys.stderr)

@@ -36,8 +36,8 @@ def default_sweep(workers: int = 2, repeats: int | None = None) -> Sweep:
                       base={"model": "mlp", "width": 1024, "depth": 3, "batch_size": 64,
                             "steps": 30, "eval_every": 3, "target_accuracy": 0.9})
     grid = {**sweep.grid, "strategy": list(STRATEGIES), "workers": [workers]}
-    return Sweep(**{**sweep.to_dict(), "grid": grid,
-                    "repeats": repeats if repeats is not None else sweep.repeats})
+    return sweep.changed(grid=grid,
+                         repeats=repeats if repeats is not None else sweep.repeats)
 
 
 def run_compare(out: str | None = None, workers: int = 2,

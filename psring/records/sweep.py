@@ -55,6 +55,7 @@ another: on a small machine concurrent runs would measure each other.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -168,6 +169,11 @@ class Sweep:
                 raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: the "
                                   f"`psring profile --on-paper` flags with _ for - "
                                   f"({', '.join(PAPER_FLAGS)}, model, batch_size, ...).")
+
+    def changed(self, **changes: Any) -> "Sweep":
+        """This sweep with some of its definition changed (--repeats, compare's grid),
+        still read from its folder."""
+        return dataclasses.replace(self, **changes)
 
     def _profile_path(self, given: Any, out: Path) -> Any:
         """A point's device_profile: a [profiles] name (in the point's id, not its path)

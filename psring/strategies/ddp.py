@@ -14,11 +14,13 @@ from __future__ import annotations
 from typing import Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from psring.comm.compress import ddp_hook, wire_bytes, wire_dtype
 from psring.comm.hostring import HostRing, flat_ring
+from psring.errors import ConfigError
 from psring.strategies.allreduce import RING_WAITS_FOR, ring_bytes
 from psring.strategies.base import STRATEGIES, Capabilities, Strategy
 from psring.strategies.buckets import DEFAULT_BUCKET_MB
@@ -55,6 +57,14 @@ class DDP(Strategy):
 
     def setup(self, model: nn.Module) -> nn.Module:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        if device_ids and self.ctx.cfg.compress == "bf16" and \
+                str(dist.get_backend()) == "gloo":
+            # workers sharing a GPU run gloo, whose CUDA all-reduce has no bfloat16
+            # (pytorch/pytorch#111131); allreduce stages it through host memory
+            raise ConfigError("ddp --compress bf16 on workers that share a GPU: they "
+                              "communicate over gloo, which cannot sum bfloat16 CUDA "
+                              "tensors. Use --strategy allreduce (it sums them in host "
+                              "memory), --compress fp16, or one GPU per worker.")
         # DDP's default (bucket_cap_mb=None) is 25 MB with a 1 MB first bucket; an explicit
         # cap makes every bucket that size. allreduce follows the same rule (bucket_caps).
         cap = self.ctx.cfg.bucket_mb

@@ -261,3 +261,16 @@ def test_a_relative_device_profile_is_read_beside_the_definition(tmp_path, monke
     monkeypatch.chdir(tmp_path)  # not the definition's folder
     (point,) = Sweep.load(spec).points(tmp_path / "out")
     assert point.config.device_profile == str(home / "profs" / "p.json")
+
+
+def test_a_changed_sweep_still_reads_its_profiles_beside_the_definition(tmp_path,
+                                                                        monkeypatch):
+    """--repeats (and compare's grid) change a loaded sweep; its relative profile paths
+    are still read from the definition's folder, whatever the current one."""
+    root = Path(__file__).resolve().parents[2] / "experiments"
+    monkeypatch.chdir(tmp_path)
+    sweep = Sweep.load(root / "seeds_horovod_h100.toml").changed(repeats=2)
+    points = sweep.points(tmp_path / "out")
+    assert len(points) == 2 * 9
+    assert all(p.config.device_profile.startswith(str(root / "profiles" / "h100"))
+               for p in points if p.config.device_profile)
