@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SMALL, assert_no_processes, psring, psring_together
+from tests.helpers import (
+    SMALL,
+    assert_no_processes,
+    once_across_workers,
+    psring,
+    psring_together,
+)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -30,12 +36,15 @@ def _own_calibration(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_runs(tmp_path_factory) -> dict[str, Path]:
     """single (1 worker), allreduce and ddp (2 workers) on SMALL, run once per session."""
-    root = tmp_path_factory.mktemp("small")
-    runs = {s: root / s for s in ("single", "allreduce", "ddp")}
-    psring_together(*(["run", "--strategy", s, "--workers", 1 if s == "single" else 2, *SMALL,
-                       "--out", out] for s, out in runs.items()))
-    assert_no_processes(root)
-    return runs
+    def make(root: Path) -> dict:
+        runs = {s: root / s for s in ("single", "allreduce", "ddp")}
+        psring_together(*(["run", "--strategy", s, "--workers", 1 if s == "single" else 2,
+                           *SMALL, "--out", out] for s, out in runs.items()))
+        assert_no_processes(root)
+        return {s: str(p) for s, p in runs.items()}
+
+    return {s: Path(p) for s, p in once_across_workers(tmp_path_factory, "small",
+                                                       make).items()}
 
 
 @pytest.fixture(scope="session")
@@ -45,25 +54,25 @@ def compare_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     tests/multiproc/test_report.py and its single point, which is the default task's
     single run, in tests/multiproc/test_learning.py. (Its directory and the command's
     output.)"""
-    out = tmp_path_factory.mktemp("compare") / "cmp"
-    proc = psring("compare", "--out", out, "--repeats", 1, timeout=280)
-    assert_no_processes(out)
-    return out, proc
+    def make(root: Path) -> dict:
+        out = root / "cmp"
+        proc = psring("compare", "--out", out, "--repeats", 1, timeout=280)
+        assert_no_processes(out)
+        return {"out": str(out), "args": proc.args, "stdout": proc.stdout,
+                "stderr": proc.stderr}
+
+    got = once_across_workers(tmp_path_factory, "compare", make)
+    return Path(got["out"]), subprocess.CompletedProcess(got["args"], 0, got["stdout"],
+                                                         got["stderr"])
 
 
 #: folders whose tests run one at a time, after the others (``make test``'s second
 #: pytest): emulated clusters build network namespaces and shape links, and time what
 #: crosses them; a test running beside them on the 2 cores would skew what they measure
 SERIAL_FOLDERS = ("emulation",)
-#: session fixtures whose users go to one xdist worker (``--dist loadgroup``), so the
-#: run behind each is made once, not once per worker
-SHARED_RUNS = ("compare_run", "cuda_runs")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(str(item.fspath)).parent.name in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
-        for name in SHARED_RUNS:
-            if name in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(name))

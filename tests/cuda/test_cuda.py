@@ -25,6 +25,7 @@ from tests.helpers import (
     assert_no_processes,
     load_model,
     max_rel_diff,
+    once_across_workers,
     psring,
     psring_together,
     read_steps,
@@ -32,7 +33,7 @@ from tests.helpers import (
 
 pytestmark = [
     pytest.mark.cuda,
-    # one xdist worker for all: they share cuda_runs, and the timed ones run alone
+    # one xdist worker for all where xdist can (pytest < 9.2): the timed ones run alone
     pytest.mark.xdist_group("cuda"),
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="torch sees no CUDA device here (a CPU build, or no GPU): the "
@@ -61,20 +62,24 @@ SYNC_RUNS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cuda_runs(tmp_path_factory) -> dict[str, Path]:
     """single on CUDA and every run of SYNC_RUNS, started together (their numbers are
-    compared, not their times), plus async-ps and hogwild under --device auto."""
-    root = tmp_path_factory.mktemp("cuda")
-    runs = {"single": ["run", "--strategy", "single", "--workers", 1, *CUDA]}
-    for name, strategy, workers, extra in SYNC_RUNS:
-        runs[name] = ["run", "--strategy", strategy, "--workers", workers, *CUDA, *extra]
-    runs["async-ps-2"] = ["run", "--strategy", "async-ps", "--workers", 2, *CUDA]
-    runs["hogwild-auto"] = ["run", "--strategy", "hogwild", "--workers", 2, *SMALL]
-    psring_together(*([*args, "--out", root / name] for name, args in runs.items()),
-                    timeout=400)
-    assert_no_processes(str(root))
-    return {name: root / name for name in runs}
+    compared, not their times), plus async-ps and hogwild under --device auto; once
+    per session, whichever xdist worker asks first."""
+    def make(root: Path) -> dict:
+        runs = {"single": ["run", "--strategy", "single", "--workers", 1, *CUDA]}
+        for name, strategy, workers, extra in SYNC_RUNS:
+            runs[name] = ["run", "--strategy", strategy, "--workers", workers, *CUDA, *extra]
+        runs["async-ps-2"] = ["run", "--strategy", "async-ps", "--workers", 2, *CUDA]
+        runs["hogwild-auto"] = ["run", "--strategy", "hogwild", "--workers", 2, *SMALL]
+        psring_together(*([*args, "--out", root / name] for name, args in runs.items()),
+                        timeout=400)
+        assert_no_processes(str(root))
+        return {name: str(root / name) for name in runs}
+
+    return {k: Path(v) for k, v in once_across_workers(tmp_path_factory, "cuda",
+                                                       make).items()}
 
 
 def manifest(run: Path) -> dict:

@@ -40,6 +40,7 @@ from tests.helpers.runs import (
     live_processes,
     load_model,
     max_rel_diff,
+    once_across_workers,
     pid_alive,
     process_named,
     processes_mentioning,
@@ -55,7 +56,8 @@ __all__ = [
     "assert_cluster_gone", "assert_evals", "assert_no_processes", "cli_here", "cluster_state",
     "cut_link", "emulated_hosts", "emulation_unavailable", "env_with_plugins", "interruptible",
     "leftovers", "live_processes", "load_model", "max_rel_diff", "netem_available",
-    "needs_emulation", "next_port", "ops", "pid_alive", "process_named", "processes_mentioning",
-    "psring", "psring_together", "read_evals", "read_steps", "req", "rss_kib",
+    "needs_emulation", "next_port", "once_across_workers", "ops", "pid_alive",
+    "process_named", "processes_mentioning", "psring", "psring_together", "read_evals",
+    "read_steps", "req", "rss_kib",
     "start_server_process", "trained_by_the_tree", "user_env", "wait_all",
 ]

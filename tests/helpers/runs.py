@@ -9,6 +9,7 @@ run's processes are gone afterwards, and read what a run wrote.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -192,3 +193,25 @@ def assert_evals(run_dir: Path, steps: int) -> list[dict]:
     assert min(e["loss"] for e in evals[1:]) < evals[0]["loss"]
     assert max(e["accuracy"] for e in evals[1:]) > evals[0]["accuracy"]
     return evals
+
+
+def once_across_workers(tmp_path_factory, name: str, make) -> dict:
+    """``make(folder)`` (which returns a JSON-able dict) once per test session, however
+    many xdist workers ask: the first takes a lock beside the workers' temporary
+    folders and records the result there; the others wait on the lock and read it.
+    (xdist's --dist loadgroup would send a fixture's users to one worker, but under
+    pytest 9.2 its group no longer reaches the scheduler: a shared run ran twice.)"""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / f"once-{name}"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = folder / "result.json"
+        if done.exists():
+            return json.loads(done.read_text())
+        folder.mkdir(parents=True, exist_ok=True)
+        result = make(folder)
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, done)
+        return result
