@@ -167,7 +167,12 @@ class TorchComm:
     def __init__(self, per_host: int = 1) -> None:
         import torch.distributed as dist
 
+        from psring.comm.interconnect import gloo_group
+
         self.dist = dist
+        # gloo sends CPU tensors only: on a gloo group (workers sharing a GPU) CUDA
+        # tensors go through host copies
+        self.gloo = gloo_group(None)
         g = per_host
         self.per_host, self.local = g, dist.get_rank() % g
         self.rank, self.size = dist.get_rank() // g, dist.get_world_size() // g
@@ -185,9 +190,7 @@ class TorchComm:
     def sendrecv(self, peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
         dist = self.dist
         peer = peer * self.per_host + self.local  # the same local rank on the peer host
-        # gloo sends CPU tensors only: CUDA tensors on a gloo group (workers sharing a
-        # GPU) go through host copies
-        staged = recv.is_cuda and str(dist.get_backend()) == "gloo"
+        staged = recv.is_cuda and self.gloo
         into = torch.empty(recv.shape, dtype=recv.dtype) if staged else recv
         out = send.cpu() if staged else send.contiguous()
         ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]

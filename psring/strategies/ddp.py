@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Callable, ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from psring.comm.compress import ddp_hook, wire_bytes, wire_dtype
 from psring.comm.hostring import HostRing, flat_ring
+from psring.comm.interconnect import gloo_group
 from psring.errors import ConfigError
 from psring.strategies.allreduce import RING_WAITS_FOR, ring_bytes
 from psring.strategies.base import STRATEGIES, Capabilities, Strategy
@@ -57,8 +57,7 @@ class DDP(Strategy):
 
     def setup(self, model: nn.Module) -> nn.Module:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        if device_ids and self.ctx.cfg.compress == "bf16" and \
-                str(dist.get_backend()) == "gloo":
+        if device_ids and self.ctx.cfg.compress == "bf16" and gloo_group(None):
             # workers sharing a GPU run gloo, whose CUDA all-reduce has no bfloat16
             # (pytorch/pytorch#111131); allreduce stages it through host memory
             raise ConfigError("ddp --compress bf16 on workers that share a GPU: they "
