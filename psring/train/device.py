@@ -136,9 +136,8 @@ class DeviceTimes:
     #: the data phase, at least: a GPU's includes copying the batch to the device,
     #: which the host's own slicing here does not (scaled by batch, not device speed)
     data_s: float = 0.0
-    #: the profile's, for :meth:`DeviceCompute.copy`, and --time-scale
+    #: the profile, whose host copies :meth:`DeviceCompute.copy` spends (Profile.copy_s)
     profile: Any = None
-    time_scale: float = 1.0
 
     @classmethod
     def of(cls, prof: Profile, speed: float, batch: int, time_scale: float = 1.0) -> "DeviceTimes":
@@ -149,8 +148,7 @@ class DeviceTimes:
                 + (f"; all x --time-scale {time_scale:g}" if time_scale != 1 else ""))
         return cls(prof.forward_s * f, tuple(t * f for t in prof.ready_s),
                    prof.backward_s * f, prof.update_s / speed * time_scale, rule,
-                   data_s=prof.data_s * scale * time_scale, profile=prof,
-                   time_scale=time_scale)
+                   data_s=prof.data_s * scale * time_scale, profile=prof)
 
 
 def _sleep_until(t: float) -> None:
@@ -229,7 +227,7 @@ class DeviceCompute:
         parameter server's worker makes them where psring makes them on a GPU."""
         t = self.times.profile.copy_s(direction, nbytes) if self.times.profile else 0.0
         if t:
-            time.sleep(t * self.times.time_scale)
+            time.sleep(t * self.time_scale)
 
     def begin_backward(self) -> None:
         """The loop starts backward now: the gradients' ready times count from here, so
