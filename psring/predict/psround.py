@@ -96,8 +96,7 @@ class PSRound:
 
     def copied(self, w: int, direction: str, nbytes: float, t: float) -> float:
         """When worker w's copy of ``nbytes`` ("d2h" or "h2d"), ready at t, is done."""
-        seconds = self.sim.profile.copy_s(direction, nbytes) \
-            if getattr(self.sim.profile, "host_copy", None) else 0.0
+        seconds = self.sim.profile.copy_s(direction, nbytes)  # (0 without host_copy)
         return self.copy_engine[direction][w].occupy(t, seconds) if seconds else t
 
     def _state(self) -> None:
