@@ -65,6 +65,12 @@ class Prediction:
                             "placement": c.placement, **self.settings}}
 
 
+#: TCP's flows through the emulated links never share them evenly; the σ of the lognormal
+#: weights that stand for it (psring.predict.engine.Flows), chosen against measured runs
+#: of colocated and own-host parameter servers (docs/prediction.md, "Flows")
+FLOW_SPREAD = 0.2
+
+
 @dataclass(frozen=True)
 class Sim:
     """What a cost model's timeline is given: one step's inputs, already derived from a
@@ -93,6 +99,9 @@ class Sim:
     update_on: str = "server"
     #: (α, β) of a host's own interconnect (--device-link), or None: loopback's
     inside: tuple[float, float] | None = None
+    #: how unevenly flows share a link (psring.predict.engine.Flows): the σ of their
+    #: lognormal weights; 0 shares evenly, a deterministic fluid
+    flow_spread: float = 0.0
 
 
 @dataclass(frozen=True)

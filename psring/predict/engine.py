@@ -5,8 +5,11 @@ servers, a ring's and Adasum's steps. Pure Python, no torch.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+import math
+import random
 from typing import Any, Callable
 
 from psring.cluster.spec import Cluster
@@ -45,6 +48,170 @@ class Events:
         while self.queue:
             t, _, fn = heapq.heappop(self.queue)
             fn(t)
+
+
+class Link:
+    """Something flows share at once (one direction of a host's link, a process's
+    transport): ``beta`` seconds a byte at its full rate, divided among the flows on it."""
+
+    def __init__(self, name: str, beta: float):
+        self.name = name
+        self.beta = beta
+        self.rate = 1.0 / beta if beta > 0 else math.inf  # bytes a second
+        self.carried: list[tuple[float, float]] = [(0.0, 0.0)]  # (t, bytes so far)
+
+    def carry(self, t0: float, t1: float, nbytes: float) -> None:
+        """``nbytes`` carried at a steady rate from t0 to t1."""
+        if nbytes <= 0:
+            return
+        last_t, so_far = self.carried[-1]
+        if last_t < t0:  # idle since
+            self.carried.append((t0, so_far))
+        if self.carried[-1][0] == t1:  # (another flow's bytes of the same interval)
+            self.carried[-1] = (t1, self.carried[-1][1] + nbytes)
+        else:
+            self.carried.append((t1, self.carried[-1][1] + nbytes))
+
+    def _bytes_at(self, t: float) -> float:
+        i = bisect.bisect_right(self.carried, (t, math.inf)) - 1
+        if i < 0:
+            return 0.0
+        t0, b0 = self.carried[i]
+        if i + 1 == len(self.carried):
+            return b0
+        t1, b1 = self.carried[i + 1]
+        return b0 + (b1 - b0) * (t - t0) / (t1 - t0) if t1 > t0 else b1
+
+    def busy_between(self, a: float, b: float) -> float:
+        """Seconds of its full rate it carried in [a, b]."""
+        return (self._bytes_at(b) - self._bytes_at(a)) * self.beta
+
+
+class Connection:
+    """One direction of a TCP connection: a FIFO byte stream over its links. Messages
+    sent on it arrive in order; while it has bytes queued it is a flow in its Flows."""
+
+    def __init__(self, net: "Flows", links: list[Link], alpha: float):
+        self.net, self.links, self.alpha = net, links, alpha
+        self.sent = 0.0       # bytes queued so far
+        self.delivered = 0.0  # bytes carried so far
+        self.queue: list[tuple[float, Callable[[float], None]]] = []  # (end offset, cb)
+        self.weight = 1.0
+        self.rate = 0.0
+
+    def send(self, t: float, nbytes: float, arrived: Callable[[float], None]) -> None:
+        """Queue ``nbytes`` behind what is queued; ``arrived(t)`` once carried, α later."""
+        self.net.advance(t)
+        self.sent += nbytes
+        self.queue.append((self.sent, arrived))
+        self.net.changed(self)
+
+
+class Flows:
+    """The connections crossing shared links, played as a fluid in the event queue.
+
+    A link's rate is shared among the connections with bytes queued on it, as TCP's
+    flows share a bottleneck: each gets a weighted share of its tightest link, and what a
+    connection held back elsewhere cannot use is handed to the others once more (close to
+    max-min fairness, not exactly it: TCP's flows do not fill a mesh of links either).
+    Weights are drawn per burst (a connection that goes from idle to busy) from a
+    lognormal of ``spread``: TCP's flows through one queue never share it evenly, and
+    that unevenness is what lets a synchronous parameter server's workers drift out of
+    step (docs/prediction.md). ``spread`` 0: equal shares, a deterministic fluid."""
+
+    def __init__(self, ev: Events, spread: float = 0.0, seed: int = 0):
+        self.ev, self.spread = ev, spread
+        self.rng = random.Random(seed)
+        self.active: list[Connection] = []  # with bytes queued, in the order they got some
+        self.busy: set[Connection] = set()   # (the same, to look up)
+        self.flushing = False
+        self.now = 0.0
+        self.epoch = 0
+
+    def connection(self, links: list[Link], alpha: float) -> Connection:
+        return Connection(self, links, alpha)
+
+    def advance(self, t: float) -> None:
+        """Carry every active connection's bytes from ``now`` to t at its rate."""
+        dt = t - self.now
+        if dt <= 0:
+            return
+        moved_on: dict[Link, float] = {}
+        for c in self.active:
+            moved = min(c.rate * dt, c.sent - c.delivered)  # (rate may be inf: no links)
+            c.delivered += moved
+            for link in c.links:
+                moved_on[link] = moved_on.get(link, 0.0) + moved
+        for link, moved in moved_on.items():
+            link.carry(self.now, t, moved)
+        self.now = t
+
+    def changed(self, c: Connection) -> None:
+        """A message was queued on ``c`` now: the shares are settled once every event of
+        this moment has queued its messages (one flush, not one per message)."""
+        if c not in self.busy:
+            c.weight = math.exp(self.spread * self.rng.gauss(0.0, 1.0)) if self.spread else 1.0
+            self.busy.add(c)
+            self.active.append(c)
+        if not self.flushing:
+            self.flushing = True
+            self.ev.at(self.now, self._flush)
+
+    def _flush(self, t: float) -> None:
+        self.flushing = False
+        self.advance(t)
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand over the messages carried by now, then share the links anew and wait for
+        the next message to be carried."""
+        t = self.now
+        done = []
+        for c in self.active:
+            q = c.queue
+            while q and q[0][0] <= c.delivered + 1e-6 * max(1.0, q[0][0]):
+                done.append((c, q.pop(0)[1]))
+            if not q:
+                c.delivered = c.sent
+                self.busy.discard(c)
+        self.active = [c for c in self.active if c.queue]
+        for c, arrived in done:
+            self.ev.at(t + c.alpha, arrived)
+        self._share()
+        self.epoch += 1
+        nxt = min(((c.queue[0][0] - c.delivered) / c.rate for c in self.active if c.rate > 0),
+                  default=None)
+        if nxt is not None:
+            epoch = self.epoch
+            self.ev.at(t + max(nxt, 0.0), lambda tt: self._tick(tt, epoch))
+
+    def _tick(self, t: float, epoch: int) -> None:
+        if epoch != self.epoch:
+            return  # the shares changed since this was the next arrival
+        self.advance(t)
+        self._deliver()
+
+    def _share(self) -> None:
+        weight: dict[Link, float] = {}
+        for c in self.active:
+            w = c.weight
+            for link in c.links:
+                weight[link] = weight.get(link, 0.0) + w
+        share = {link: link.rate / w for link, w in weight.items()}  # per unit of weight
+        left = dict(weight)  # (reused: bytes a second each link has left)
+        for link in left:
+            left[link] = link.rate
+        for c in self.active:
+            c.rate = c.weight * min([share[link] for link in c.links])
+            for link in c.links:
+                left[link] -= c.rate
+        # once more: the share a connection's tighter link kept from another link
+        for c in self.active:
+            extra = c.weight * min([max(0.0, left[link]) / weight[link] for link in c.links])
+            if 0 < extra < math.inf:
+                c.rate += extra
+                for link in c.links:
+                    left[link] -= extra
 
 
 def send_together(t: float, msgs: list[tuple[float, list[Resource], float]]) -> list[float]:

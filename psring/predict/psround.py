@@ -1,11 +1,13 @@
 """The parameter servers' cost models: ``ps`` (synchronous), ``ps-async`` (Downpour)
 and ``byteps`` (per-host aggregation, summation servers).
 
-A bucket is pushed in pieces to the K servers whose ranges it overlaps. A message
-occupies every *resource* on its path at once (cut-through, each resource first come
-first served) for bytes·β of that resource: the sender's transport, the sender host's
-outgoing link and the receiver host's incoming link when it crosses hosts, the
-receiver's transport; it arrives α after the slowest is done. A server adds each piece
+A bucket is pushed in pieces to the K servers whose ranges it overlaps. Every message
+travels on its connection (one direction of the TCP connection between a worker and a
+server, a FIFO byte stream: a worker's pull goes out behind its pushes), and the
+connections with bytes queued share their *links* at once, as TCP's flows do
+(psring.predict.engine.Flows): the sender's transport, the sender host's outgoing link
+and the receiver host's incoming link when it crosses hosts, the receiver's transport;
+a message arrives α after its last byte is carried. A server adds each piece
 on arrival (bytes·γ on its CPU), applies the update once a version is complete (sync)
 or each push on arrival (async), and answers the pulls. byteps first reduce-scatters
 each bucket among a host's G workers, pushes a 1/G part per worker in 4 MB partitions
@@ -21,13 +23,15 @@ from typing import Callable
 from psring.predict.costmodel import host_reduce, predict_comm
 from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim, finish
 from psring.predict.engine import (
+    Connection,
     Events,
+    Flows,
+    Link,
     Resource,
     column_pieces,
     group_size,
     host_steps,
     launches,
-    send_together,
     server_update_per_byte,
     shard_pieces,
 )
@@ -53,6 +57,7 @@ class PSRound:
         self.apply_per_byte = 0.0 if self.local_update else \
             server_update_per_byte(sim.profile, self.cal)
         self.whost, self.shost = cluster.worker_host, cluster.server_host
+        self.ev = Events()
         self._links()
         self._resources()
         # each bucket's pieces: (shard, float32 bytes) by the servers' element ranges, as
@@ -81,18 +86,35 @@ class PSRound:
         n, K, b_loc = self.n, self.K, self.b_loc
         self.inside = {h: Resource(f"host {h} inside (reduce-scatter, all-gather)", self.rs[1])
                        for h in sorted(set(self.whost))}
-        self.w_io = [Resource(f"worker {w} transport", b_loc) for w in range(n)]
-        self.s_io = [Resource(f"server {k} transport", b_loc) for k in range(K)]
+        self.w_io = [Link(f"worker {w} transport", b_loc) for w in range(n)]
+        self.s_io = [Link(f"server {k} transport", b_loc) for k in range(K)]
         self.s_cpu = [Resource(f"server {k} CPU", self.cal.gamma) for k in range(K)]
+        self.w_cast = [Resource(f"worker {w} casts", self.sim.cast) for w in range(n)]
         # a message costs the most of its path's β: the link's figure is the transport's
         # between hosts (calibrated, or the rate's on paper), never below loopback's
         hosts = sorted({*self.whost, *self.shost})
-        self.out = {h: Resource(f"host {h} link out", self.b_link) for h in hosts}
-        self.inn = {h: Resource(f"host {h} link in", self.b_link) for h in hosts}
+        self.out = {h: Link(f"host {h} link out", self.b_link) for h in hosts}
+        self.inn = {h: Link(f"host {h} link in", self.b_link) for h in hosts}
+        self.flows = Flows(self.ev, self.sim.flow_spread)
+        self.conns: dict[tuple[int, int, bool], Connection] = {}
         # a GPU worker's copy engines, one each way (the profile's host_copy): gradients
         # out to pinned memory before a push, parameters back after a pull
         self.copy_engine = {d: [Resource(f"worker {w} {d}", 0.0) for w in range(n)]
                             for d in ("d2h", "h2d")}
+
+    def conn(self, w: int, k: int, up: bool) -> Connection:
+        """Worker w's connection to server k, one direction: ``up`` to the server."""
+        key = (w, k, up)
+        if key not in self.conns:
+            hw, hk = self.whost[w], self.shost[k]
+            src, dst = (self.w_io[w], self.s_io[k]) if up else (self.s_io[k], self.w_io[w])
+            h_src, h_dst = (hw, hk) if up else (hk, hw)
+            if h_src == h_dst:
+                self.conns[key] = self.flows.connection([src, dst], self.a_loc)
+            else:
+                self.conns[key] = self.flows.connection(
+                    [src, self.out[h_src], self.inn[h_dst], dst], self.a_link)
+        return self.conns[key]
 
     def copied(self, w: int, direction: str, nbytes: float, t: float) -> float:
         """When worker w's copy of ``nbytes`` ("d2h" or "h2d"), ready at t, is done."""
@@ -100,17 +122,15 @@ class PSRound:
         return self.copy_engine[direction][w].occupy(t, seconds) if seconds else t
 
     def _state(self) -> None:
-        self.ev = Events()
         self.starts = [[0.0] for _ in range(self.n)]
         self.bw_end: dict[tuple[int, int], float] = {}  # (w, s) -> when w's backward ended
-        self.got: dict = {}        # (k, s) -> float32 bytes received (sync)
+        self.got: dict = {}        # (k, s, bucket) -> float32 bytes received (sync)
         self.own: dict = {}        # (k, w, s) -> bytes of w's pushes applied (async)
         self.pull_req: dict = {}   # (k, w, s) -> when w's pull reached server k
-        self.ready_v: dict = {}    # (k, s) -> when version s+1 is ready (sync)
-        self.pulled: dict = {}     # (w, s) -> shards whose parameters arrived
+        self.ready_r: dict = {}    # (k, s) -> [(bucket, bytes)] of version s+1 updated (sync)
+        self.pulled: dict = {}     # (w, s) -> bytes of parameters arrived (byteps: pieces)
         self.pull_done: dict = {}  # (w, s) -> when the last shard's arrived
-        self.bucket_times: list[tuple[float, float]] = []
-        self.last_push: dict = {}  # (w, s, k) -> when w's last piece reached server k
+        self.bucket_times: list[list[float]] = []  # worker 0's last step: [launch, done]
         self.own_done: dict = {}   # (k, w, s) -> when the server applied w's last piece
         self.answered: set = set()  # (k, w, s) pulls answered (async)
         # byteps: (host, s, bucket) -> its parts reduce-scattered; (host, s) -> workers
@@ -133,16 +153,11 @@ class PSRound:
         self.units = {lr: sum(c[0] for key, c in self.chunks.items() if key[0] == lr)
                       for lr in range(G)}
         self.got_i: dict[tuple, float] = {}   # (s, unit) -> bytes in
-        self.pushed: set[tuple[int, int]] = set()
+        self.pushed_buckets: set[tuple[int, int]] = set()
 
     def at(self, t: float, event: Callable[..., None], *args) -> None:
         """``event(*args, t)`` at time t."""
         self.ev.at(t, lambda tt: event(*args, tt))
-
-    def path(self, src_io: Resource, h_src: int, h_dst: int, dst_io: Resource) -> tuple:
-        if h_src == h_dst:
-            return [src_io, dst_io], self.a_loc
-        return [src_io, self.out[h_src], self.inn[h_dst], dst_io], self.a_link
 
     # -- a worker's step ------------------------------------------------------------------
 
@@ -171,36 +186,49 @@ class PSRound:
             t = self.rs_done[key]
         t = self.copied(w, "d2h", sum(m for _, m in parts), t)  # (a GPU's: to the host)
         if self.mode == "byteps":
-            self.push_partitions(s, i, t)
+            self.at(t, self.push_partitions, s, i)
             return
-        msgs = [(m * sim.wire, *self.path(self.w_io[w], self.whost[w], self.shost[k],
-                                          self.s_io[k])) for k, m in parts]
         if sim.cast:  # the worker casts the bucket before it goes out
-            t = self.w_io[w].occupy(t, sum(m for _, m in parts) * sim.cast)
-        arrivals = send_together(t, msgs)
-        for (k, m), arrive in zip(parts, arrivals):
-            self.last_push[(w, s, k)] = max(self.last_push.get((w, s, k), 0.0), arrive)
-            self.at(arrive, self.push_arrives, k, w, s, m)
-        if w == 0 and s == sim.steps - 1:
-            first = self.starts[0][-1]
-            self.bucket_times.append((t - first, max(arrivals) - first))
+            t = self.w_cast[w].occupy(t, sum(m for _, m in parts))
+        self.at(t, self.push_parts, w, s, i, parts)
+
+    def push_parts(self, w: int, s: int, i: int, parts: list, t: float) -> None:
+        timed = None
+        if w == 0 and s == self.sim.steps - 1:
+            timed = [t - self.starts[0][-1], t - self.starts[0][-1]]
+            self.bucket_times.append(timed)
+        for k, m in parts:
+            self.conn(w, k, True).send(t, m * self.sim.wire,
+                                       partial(self.pushed, k, w, s, i, m, timed))
+
+    def pushed(self, k: int, w: int, s: int, i: int, m: float, timed: list | None,
+               t: float) -> None:
+        if timed is not None:
+            timed[1] = max(timed[1], t - self.starts[0][-1])
+        self.push_arrives(k, w, s, i, m, t)
 
     def send_pulls(self, w: int, s: int, t: float) -> None:
         if self.mode == "byteps":
             return  # sent with each push (piece_arrives)
         for k in range(self.K):
-            a = self.a_loc if self.whost[w] == self.shost[k] else self.a_link
             # behind this worker's pushes on the same connection
-            req = max(t + a, self.last_push.get((w, s, k), 0.0))
-            self.pull_req[(k, w, s)] = req
-            if not self.sync:
-                self.maybe_answer_async(k, w, s)
-            elif (k, s) in self.ready_v:
-                self.at(max(req, self.ready_v[(k, s)]), self.answer_all, k, [w], s)
+            self.conn(w, k, True).send(t, 0.0, partial(self.pull_in, k, w, s))
+
+    def pull_in(self, k: int, w: int, s: int, t: float) -> None:
+        """Worker w's pull reached server k: async, answered once its pushes are applied;
+        sync, the ranges of the new version updated so far go at once, the others as
+        they are updated (range_ready)."""
+        self.pull_req[(k, w, s)] = t
+        if not self.sync:
+            self.maybe_answer_async(k, w, s)
+            return
+        for _, m in self.ready_r.get((k, s), ()):
+            self.conn(w, k, False).send(t, m * self.sim.wire,
+                                        partial(self.pull_arrives, k, w, s, m))
 
     # -- a server ---------------------------------------------------------------------
 
-    def push_arrives(self, k: int, w: int, s: int, m: float, t: float) -> None:
+    def push_arrives(self, k: int, w: int, s: int, i: int, m: float, t: float) -> None:
         cal, cast = self.cal, self.sim.cast
         if not self.sync:
             # async: applied on arrival; its pull gets a cast of the parameters then
@@ -210,25 +238,19 @@ class PSRound:
             self.maybe_answer_async(k, w, s)
             return
         done = self.s_cpu[k].occupy(t, m * (cal.gamma + cast))
-        self.got[(k, s)] = self.got.get((k, s), 0) + m
-        # every worker's push (ps), one per host (byteps: G parts of 1/G)
-        if self.got[(k, s)] >= self.n / self.G * self.shard_bytes[k] * (1 - 1e-9):
-            # the update, and the new version cast once for every pull of it
-            done = self.s_cpu[k].occupy(done, self.shard_bytes[k]
-                                        * (self.apply_per_byte + cast))
-            self.version_ready(k, s, done)
+        self.got[(k, s, i)] = self.got.get((k, s, i), 0) + m
+        if self.got[(k, s, i)] >= self.n * m * (1 - 1e-9):
+            # every worker's piece is in: the range is updated and cast once for every
+            # pull of it, then streamed to the pulls already held (servers/handler.py)
+            done = self.s_cpu[k].occupy(done, m * (self.apply_per_byte + cast))
+            self.at(done, self.range_ready, k, s, i, m)
 
-    def version_ready(self, k: int, s: int, done: float) -> None:
-        """The pulls held for this version are answered together; one that arrives
-        later, on its own."""
-        self.ready_v[(k, s)] = done
-        asked = [w for w in range(self.n) if (k, w, s) in self.pull_req]
-        held = [w for w in asked if self.pull_req[(k, w, s)] <= done]
-        if held:
-            self.at(done, self.answer_all, k, held, s)
-        for w in asked:
-            if w not in held:
-                self.at(self.pull_req[(k, w, s)], self.answer_all, k, [w], s)
+    def range_ready(self, k: int, s: int, i: int, m: float, t: float) -> None:
+        self.ready_r.setdefault((k, s), []).append((i, m))
+        for w in range(self.n):
+            if (k, w, s) in self.pull_req:
+                self.conn(w, k, False).send(t, m * self.sim.wire,
+                                            partial(self.pull_arrives, k, w, s, m))
 
     def maybe_answer_async(self, k: int, w: int, s: int) -> None:
         """Once w's pull is in and its pushes of step s are applied (the same
@@ -241,20 +263,19 @@ class PSRound:
                     k, [w], s)
 
     def answer_all(self, k: int, ws: list[int], s: int, t: float) -> None:
-        wire, G = self.sim.wire, self.G
-        msgs = [(self.shard_bytes[k] / G * wire,
-                 *self.path(self.s_io[k], self.shost[k], self.whost[w], self.w_io[w]))
-                for w in ws]
-        for w, arrive in zip(ws, send_together(t, msgs)):
-            self.at(arrive, self.pull_arrives, k, w, s)
+        m = self.shard_bytes[k] / self.G
+        for w in ws:
+            self.conn(w, k, False).send(t, m * self.sim.wire,
+                                        partial(self.pull_arrives, k, w, s, m))
 
-    def pull_arrives(self, k: int, w: int, s: int, t: float) -> None:
-        self.pulled[(w, s)] = self.pulled.get((w, s), 0) + 1
+    def pull_arrives(self, k: int, w: int, s: int, m: float, t: float) -> None:
+        """``m`` float32 bytes of server k's parameters reached worker w."""
+        self.pulled[(w, s)] = self.pulled.get((w, s), 0) + m
         if self.sim.cast:  # back to 32 bits on the worker
-            t = self.w_io[w].occupy(t, self.shard_bytes[k] / self.G * self.sim.cast)
-        t = self.copied(w, "h2d", self.shard_bytes[k] / self.G, t)  # (a GPU's parameters)
+            t = self.w_cast[w].occupy(t, m)
+        t = self.copied(w, "h2d", m, t)  # (a GPU's parameters)
         self.pull_done[(w, s)] = max(self.pull_done.get((w, s), 0.0), t)
-        if self.pulled[(w, s)] == self.K:
+        if self.pulled[(w, s)] >= sum(self.shard_bytes) / self.G * (1 - 1e-9):
             self.pulls_complete(w, s)
 
     def pulls_complete(self, w: int, s: int) -> None:
@@ -282,38 +303,42 @@ class PSRound:
 
     def push_partitions(self, s: int, i: int, t: float) -> None:
         """Every worker pushes its part of bucket i (the first to get here plays all n: a
-        synchronous step launches a bucket on every host at once), partition j of all of
-        them side by side, sharing links and transports fairly, partitions one after
-        another on each connection."""
-        if (s, i) in self.pushed:
+        synchronous step launches a bucket on every host at once) to the servers holding
+        it, in partitions, one after another on each connection."""
+        if (s, i) in self.pushed_buckets:
             return
-        self.pushed.add((s, i))
+        self.pushed_buckets.add((s, i))
         local, wire = self.local, self.sim.wire
-        sends_of = [(x, k, *self.chunks[(local[x], i, k)]) for x in range(self.n)
-                    for k, _ in self.col[(local[x], i)]]
-        for j in range(max((c[2] for c in sends_of), default=0)):
-            sends = [(k, x, m / nparts) for x, k, nparts, m in sends_of if j < nparts]
-            msgs = [(c * wire, *self.path(self.w_io[x], self.whost[x], self.shost[k],
-                                          self.s_io[k])) for k, x, c in sends]
-            for (k, x, c), arrive in zip(sends, send_together(t, msgs)):
-                self.at(arrive, self.piece_arrives, k, s, (local[x], i, k, j), c)
-                if x == 0 and s == self.sim.steps - 1:
-                    first = self.starts[0][-1]
-                    self.bucket_times.append((t - first, arrive - first))
+        timed = None
+        if s == self.sim.steps - 1:
+            timed = [t - self.starts[0][-1], t - self.starts[0][-1]]
+            self.bucket_times.append(timed)
+        for x in range(self.n):
+            for k, _ in self.col[(local[x], i)]:
+                nparts, m = self.chunks[(local[x], i, k)]
+                for j in range(nparts):
+                    self.conn(x, k, True).send(t, m / nparts * wire, partial(
+                        self.piece_arrives, k, s, (local[x], i, k, j), m / nparts,
+                        timed if x == 0 else None))
 
-    def piece_arrives(self, k: int, s: int, unit: tuple, c: float, t: float) -> None:
+    def piece_arrives(self, k: int, s: int, unit: tuple, c: float, timed: list | None,
+                      t: float) -> None:
         """A partition of a worker's part (its pull already in); once every host's is
         in, it is summed (and updated) and streamed to the workers of that local rank."""
+        if timed is not None:
+            timed[1] = max(timed[1], t - self.starts[0][-1])
         done = self.s_cpu[k].occupy(t, c * self.cal.gamma)
         self.got_i[(s, unit)] = self.got_i.get((s, unit), 0.0) + c
         if self.got_i[(s, unit)] < self.n / self.G * c * (1 - 1e-9):
             return
         done = self.s_cpu[k].occupy(done, c * self.apply_per_byte)
-        mates = [x for x in range(self.n) if self.local[x] == unit[0]]
-        msgs = [(c * self.sim.wire, *self.path(self.s_io[k], self.shost[k], self.whost[x],
-                                               self.w_io[x])) for x in mates]
-        for x, arrive in zip(mates, send_together(done, msgs)):
-            self.at(arrive, self.piece_pulled, x, s, c)
+        self.at(done, self.piece_answer, k, s, unit[0], c)
+
+    def piece_answer(self, k: int, s: int, lr: int, c: float, t: float) -> None:
+        for x in range(self.n):
+            if self.local[x] == lr:
+                self.conn(x, k, False).send(t, c * self.sim.wire,
+                                            partial(self.piece_pulled, x, s, c))
 
     def piece_pulled(self, w: int, s: int, c: float, t: float) -> None:
         self.pulled[(w, s)] = self.pulled.get((w, s), 0) + 1
@@ -335,14 +360,17 @@ class PSRound:
 
     def prediction(self) -> Prediction:
         sim, starts = self.sim, self.starts
-        periods = [(st[-1] - st[-3]) / 2 for st in starts]
+        # the steady state: every step after the first two (the flows' shares vary from
+        # burst to burst, so a step's time is a mean over several)
+        first = min(2, len(starts[0]) - 3)
+        periods = [(st[-1] - st[first]) / (len(st) - 1 - first) for st in starts]
         # the step time is the slowest worker's (a synchronous step's, for every worker;
         # an asynchronous run's slowest worker, as a sweep report's step time is the
         # slowest worker's), and the throughput every worker's
         period = max(periods)
         rate = sum(sim.profile.batch_size / p for p in periods if p > 0)
         w0 = periods.index(period)
-        window = (starts[w0][-2], starts[w0][-1])
+        window = (starts[w0][first], starts[w0][-1])
         width = max(1e-12, window[1] - window[0])
         util = {}
         for r in [*self.w_io, *self.s_io, *self.s_cpu, *self.out.values(),
@@ -352,7 +380,8 @@ class PSRound:
         # per-step view of the busiest one in steady state (a shared resource's busy time
         # over worker 0's window stands for every worker's)
         pred = finish(sim, self.mode, period, local_update=self.local_update, util=util,
-                      latency=self.latency, bucket_times=self.bucket_times,
+                      latency=self.latency,
+                      bucket_times=[(a, b) for a, b in self.bucket_times],
                       starts=starts[0])
         # throughput is every worker's; efficiency is that against n workers alone
         pred.samples_per_s = rate
@@ -402,6 +431,7 @@ def _register(name: str, **kw) -> None:
         cpu_work=partial(ps_cpu_work, mode=name), formula=partial(predict_comm, name), **kw))
 
 
-_register("ps")
-_register("ps-async", steps=8)  # (workers drift apart: more steps to a steady state)
-_register("byteps", settings=("update_on",))
+# (the step time is a mean over all steps but the first two: see prediction())
+_register("ps", steps=10)
+_register("ps-async", steps=12)  # (workers drift apart: more steps to a steady state)
+_register("byteps", steps=8, settings=("update_on",))

@@ -85,6 +85,7 @@ transport, the shared cores, or latency (α terms dominate).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from psring.cluster.spec import Cluster
@@ -92,7 +93,7 @@ from psring.cluster.spec import Cluster
 # (importing them registers the built-in cost models)
 from psring.predict import psround, ring  # noqa: F401 - ring: registration only
 from psring.predict.costmodel import Calibration
-from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim, finish
+from psring.predict.costs import COST_MODELS, FLOW_SPREAD, CostModel, Prediction, Sim, finish
 
 # (names tests and scripts import from here)
 from psring.predict.engine import column_pieces, ring_steps  # noqa: F401 - re-exported
@@ -125,7 +126,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
              steps: int = 0, *, compress: str = "none", bucket_mb: float = 25.0,
              cores: int | None = None, update_on: str = "server",
              reduce: str = "sum", inside: tuple[float, float] | None = None,
-             stretch: bool = True) -> Prediction:
+             stretch: bool = True, flow_spread: float = FLOW_SPREAD) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster.spec) under cost model ``comm_model`` (a name in
     COST_MODELS; None: no messages), with the run's ``compress`` and ``bucket_mb``;
@@ -136,10 +137,13 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     hring's collectives inside a host (default: loopback's gloo figures, this machine's;
     e.g. NVLink's on paper, whose sums run on the devices: no host γ); ``stretch``:
     whether ``cores`` stretch the profile's compute (False: it was measured sharing
-    them, as a replayed run's own is: the cores only bound the step's CPU work)."""
+    them, as a replayed run's own is: the cores only bound the step's CPU work);
+    ``flow_spread``: how unevenly TCP's flows share a link (costs.FLOW_SPREAD; 0: evenly,
+    a deterministic fluid)."""
     model = _check(cluster, comm_model, steps, compress, bucket_mb, cores)
     sim = _inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
                   cores if stretch else None, update_on, reduce, inside)
+    sim = replace(sim, flow_spread=flow_spread)
     n = cluster.workers
     if model is None or n == 1 and model.collective or sim.total == 0:
         pred = finish(sim, comm_model, sum(sim.compute))

@@ -90,14 +90,15 @@ def test_ring_at_n_workers_is_its_2n_minus_2_steps(n):
     (1, 0.0528),
     # K = 2: two 4e6-byte pieces sent together share the worker's transport (8e6 bytes:
     # 30-38 ms) and arrive together at 39 ms. Each server adds its piece (0.4 ms) and
-    # applies (the profile's 0.5 ns per byte: 2 ms): 41.4 ms, and answers. Answer 0
-    # takes the worker's transport 41.4-45.4 ms (arrives 46.4), answer 1 queues behind it
-    # (45.4-49.4) and arrives at 50.4 ms: the next step starts then.
+    # applies (the profile's 0.5 ns per byte: 2 ms): 41.4 ms, and answers. The two
+    # answers share the worker's transport (8e6 bytes: 41.4-49.4 ms) and arrive at
+    # 50.4 ms: the next step starts then.
     (2, 0.0504),
 ])
 def test_a_ps_round_with_k_shards(K, expected):
     M = 8_000_000
-    p = simulate(profile([M], [B]), Cluster.of(hosts=1, workers_per_host=1, servers=K), "ps", CAL)
+    p = simulate(profile([M], [B]), Cluster.of(hosts=1, workers_per_host=1, servers=K), "ps",
+                 CAL, flow_spread=0)
     assert p.step_s == pytest.approx(expected)
     assert p.starts[1] == pytest.approx(expected)
     assert p.phases["update_s"] == 0  # the server applied it
@@ -105,21 +106,36 @@ def test_a_ps_round_with_k_shards(K, expected):
 
 
 def test_an_async_step_does_not_wait_for_the_other_worker():
-    # Two workers, one server, 8e6 bytes. Both push at 30 ms; the server's transport takes
-    # worker 0's push first (arrives 39 ms), then worker 1's (arrives 47 ms).
+    # Two workers, one server, 8e6 bytes. Both push at 30 ms, sharing the server's
+    # transport (16e6 bytes: 30-46 ms): both arrive at 47 ms, the pulls right behind.
     M = 8_000_000
     cl = Cluster.of(hosts=1, workers_per_host=2, servers=1)
-    # ps (sync): the server applies once both are in: adds at 39-39.8 and 47-47.8 ms,
-    # update 4 ms -> 51.8 ms; it answers both held pulls together, sharing its transport
-    # (16e6 bytes: 51.8-67.8 ms): both arrive at 68.8 ms.
-    sync = simulate(profile([M], [B]), cl, "ps", CAL)
-    assert sync.starts[1] == pytest.approx(0.0688)
-    # async-ps: worker 0's push is applied on arrival (add + update: 4.8 ms -> 43.8 ms)
-    # and its pull answered at once: its transport is free, the server's frees at 46 ms
-    # (after receiving worker 1's push), so the answer arrives at 46 + 8 + 1 = 55 ms.
-    asyn = simulate(profile([M], [B]), cl, "ps-async", CAL)
-    assert asyn.starts[1] == pytest.approx(0.055)
+    # ps (sync): the server applies once both are in: adds at 47-47.8 and 47.8-48.6 ms,
+    # update 4 ms -> 52.6 ms; it answers both held pulls together, sharing its transport
+    # (16e6 bytes: 52.6-68.6 ms): both arrive at 69.6 ms.
+    sync = simulate(profile([M], [B]), cl, "ps", CAL, flow_spread=0)
+    assert sync.starts[1] == pytest.approx(0.0696)
+    # async-ps: worker 0's push is applied on arrival (add + update: 4.8 ms -> 51.8 ms)
+    # and its pull answered at once, alone on the server's transport until worker 1's
+    # answer joins it at 56.6 ms (4.8e6 bytes carried), then at half the rate: 3.2e6
+    # bytes take 6.4 ms, done at 63 ms, arriving at 64 ms.
+    asyn = simulate(profile([M], [B]), cl, "ps-async", CAL, flow_spread=0)
+    assert asyn.starts[1] == pytest.approx(0.064)
     assert asyn.phases["update_s"] == 0
+
+
+def test_flows_share_links_unevenly_by_default_and_the_step_is_a_mean():
+    # The same cluster with TCP's uneven shares (costs.FLOW_SPREAD): the answers
+    # finish apart, the workers drift out of step, and the step time moves off the even
+    # fluid's, by a few percent here; a fixed seed keeps it a function of its inputs.
+    M = 8_000_000
+    cl = Cluster.of(hosts=2, workers_per_host=2, link_bits=1e9, servers=2)
+    even = simulate(profile([M], [B]), cl, "ps", CAL, flow_spread=0)
+    uneven = simulate(profile([M], [B]), cl, "ps", CAL)
+    again = simulate(profile([M], [B]), cl, "ps", CAL)
+    assert uneven.step_s == again.step_s
+    assert uneven.step_s != pytest.approx(even.step_s, rel=1e-3)
+    assert 0.8 * even.step_s < uneven.step_s < 1.5 * even.step_s
 
 
 def test_no_messages_and_shared_cores():
@@ -257,19 +273,21 @@ def test_byteps_aggregates_in_the_host_then_pushes_a_part_each():
     # each, under 4.096 MB) side by side, sharing the server's transport (8e6 bytes:
     # 8 ms): both arrive at 35.4 + 8 + 1 = 44.4 ms. Each worker's part is its own range,
     # complete with its one host's push: the server adds worker 0's (44.4-44.8), updates
-    # it (4e6 x 0.5 ns = 2 ms: 46.8) and sends it back (its transport 46.8-50.8, arrival
-    # 51.8); then worker 1's: add 46.8-47.2, update to 49.2, send 50.8-54.8, arrival
-    # 55.8. The host all-gathers (α + (M/2)β = 5 ms): the next step starts at 60.8 ms.
+    # it (4e6 x 0.5 ns = 2 ms: 46.8) and sends it back, alone on its transport until
+    # 49.2 (2.4e6 bytes), when worker 1's (add 46.8-47.2, update to 49.2) joins it; at
+    # half the rate each, worker 0's last 1.6e6 bytes are done at 52.4 (arrival 53.4),
+    # worker 1's 4e6 at 54.8 (arrival 55.8). The host all-gathers (α + (M/2)β = 5 ms):
+    # the next step starts at 60.8 ms.
     M = 8_000_000
     cl = Cluster.of(hosts=1, workers_per_host=2, servers=1)
-    p = simulate(profile([M], [B]), cl, "byteps", CAL)
+    p = simulate(profile([M], [B]), cl, "byteps", CAL, flow_spread=0)
     assert p.starts[1] == pytest.approx(0.0608)
     assert p.step_s == pytest.approx(0.0608)
     assert p.phases["update_s"] == 0
-    # updating on the workers, the server only adds: worker 0's part goes back 44.8-48.8
-    # (arrival 49.8), worker 1's 48.8-52.8 (53.8); all-gather to 58.8, and each worker's
-    # own update (4 ms): 62.8 ms
-    w = simulate(profile([M], [B]), cl, "byteps", CAL, update_on="worker")
+    # updating on the workers, the server only adds: worker 0's part goes back from 44.8,
+    # worker 1's from 45.2, sharing the transport: done at 52.4 and 52.8 (arrivals 53.4,
+    # 53.8); all-gather to 58.8, and each worker's own update (4 ms): 62.8 ms
+    w = simulate(profile([M], [B]), cl, "byteps", CAL, update_on="worker", flow_spread=0)
     assert w.starts[1] == pytest.approx(0.0628)
     assert w.phases["update_s"] == pytest.approx(U)
     assert w.settings["update_on"] == "worker"
@@ -284,7 +302,7 @@ def test_byteps_pipelines_partitions_push_and_pull():
     M = 40_960_000
     cl = Cluster.of(hosts=2, workers_per_host=1, link_bits=1e9, servers=1,
                     placement="own-hosts")
-    p = simulate(profile([M], [B]), cl, "byteps", CAL)
+    p = simulate(profile([M], [B]), cl, "byteps", CAL, flow_spread=0)
     one_way = 2 * M * B_LINK
     assert one_way < p.phases["comm_s"] < 1.15 * one_way
     from psring.predict.simulate import PARTITION_BYTES
@@ -296,14 +314,14 @@ def test_byteps_with_one_worker_a_host_is_ps_and_a_host_link_carries_m_once():
     M = 8_000_000
     single = Cluster.of(hosts=2, workers_per_host=1, link_bits=1e9, servers=2,
                         placement="own-hosts")
-    assert simulate(profile([M], [B]), single, "byteps", CAL).step_s == \
-        pytest.approx(simulate(profile([M], [B]), single, "ps", CAL).step_s)
+    assert simulate(profile([M], [B]), single, "byteps", CAL, flow_spread=0).step_s == \
+        pytest.approx(simulate(profile([M], [B]), single, "ps", CAL, flow_spread=0).step_s)
     # 2 hosts of 4 workers, servers on their own hosts: under ps a worker host's link
     # carries its 4 workers' pushes (4 M), under byteps the host's once (M)
     four = Cluster.of(hosts=2, workers_per_host=4, link_bits=1e9, servers=2,
                       placement="own-hosts")
-    ps = simulate(profile([M], [B]), four, "ps", CAL)
-    bp = simulate(profile([M], [B]), four, "byteps", CAL)
+    ps = simulate(profile([M], [B]), four, "ps", CAL, flow_spread=0)
+    bp = simulate(profile([M], [B]), four, "byteps", CAL, flow_spread=0)
     busy = lambda p: p.utilization["host 0 link out"] * p.step_s  # noqa: E731
     assert busy(ps) == pytest.approx(4 * M * B_LINK, rel=1e-3)
     assert busy(bp) == pytest.approx(M * B_LINK, rel=1e-3)
