@@ -12,6 +12,8 @@ import math
 import random
 from typing import Any, Callable
 
+import numpy as np
+
 from psring.cluster.spec import Cluster
 from psring.comm.partition import even_split, overlaps
 
@@ -88,102 +90,108 @@ class Link:
 
 
 class Connection:
-    """One direction of a TCP connection: a FIFO byte stream over its links. Messages
+    """One direction of a TCP connection: a FIFO byte stream over at most four links
+    (a transport, a host's link out, the other host's link in, a transport). Messages
     sent on it arrive in order; while it has bytes queued it is a flow in its Flows."""
 
-    def __init__(self, net: "Flows", links: list[Link], alpha: float):
-        self.net, self.links, self.alpha = net, links, alpha
-        self.sent = 0.0       # bytes queued so far
-        self.delivered = 0.0  # bytes carried so far
+    def __init__(self, net: "Flows", index: int, alpha: float):
+        self.net, self.index, self.alpha = net, index, alpha
         self.queue: list[tuple[float, Callable[[float], None]]] = []  # (end offset, cb)
-        self.weight = 1.0
-        self.rate = 0.0
 
     def send(self, t: float, nbytes: float, arrived: Callable[[float], None]) -> None:
         """Queue ``nbytes`` behind what is queued; ``arrived(t)`` once carried, α later."""
-        self.net.advance(t)
-        self.sent += nbytes
-        self.queue.append((self.sent, arrived))
-        self.net.changed(self)
+        self.net.queue(self, t, nbytes, arrived)
 
 
 class Flows:
     """The connections crossing shared links, played as a fluid in the event queue.
 
     A link's rate is shared among the connections with bytes queued on it, as TCP's
-    flows share a bottleneck: each gets a weighted share of its tightest link, and what a
-    connection held back elsewhere cannot use is handed to the others once more (close to
-    max-min fairness, not exactly it: TCP's flows do not fill a mesh of links either).
-    Weights are drawn per burst (a connection that goes from idle to busy) from a
-    lognormal of ``spread``: TCP's flows through one queue never share it evenly, and
-    that unevenness is what lets a synchronous parameter server's workers drift out of
-    step (docs/prediction.md). ``spread`` 0: equal shares, a deterministic fluid."""
+    flows share a bottleneck: each gets a weighted share of its tightest link, then a
+    weighted share of what its links have left (close to max-min fairness, not exactly
+    it: TCP's flows do not fill a mesh of links either). Weights are drawn per burst (a
+    connection that goes from idle to busy) from a lognormal of ``spread``: TCP's flows
+    through one queue never share it evenly, and that unevenness is what lets a
+    synchronous parameter server's workers drift out of step (docs/prediction.md).
+    ``spread`` 0: equal shares, a deterministic fluid. The connections' state is kept
+    in arrays, so a change of shares costs a few vector operations however many
+    connections are busy."""
+
+    WIDTH = 4  # links a connection crosses at most
 
     def __init__(self, ev: Events, spread: float = 0.0, seed: int = 0):
         self.ev, self.spread = ev, spread
         self.rng = random.Random(seed)
-        self.active: list[Connection] = []  # with bytes queued, in the order they got some
-        self.busy: set[Connection] = set()   # (the same, to look up)
+        self.links: list[Link | None] = [None]  # index 0: no link (a shorter path's pad)
+        self.link_rate = np.array([np.inf])
+        self._link_ix: dict[int, int] = {}
+        self.conns: list[Connection] = []
+        self.paths = np.zeros((0, self.WIDTH), dtype=np.int64)
+        self.weight = np.zeros(0)
+        self.sent = np.zeros(0)       # bytes queued so far, per connection
+        self.delivered = np.zeros(0)  # bytes carried so far
+        self.head = np.zeros(0)       # where the first queued message ends
+        self.rate = np.zeros(0)
+        self.active = np.zeros(0, dtype=bool)
         self.flushing = False
         self.now = 0.0
         self.epoch = 0
 
+    def _link(self, link: Link) -> int:
+        if id(link) not in self._link_ix:
+            self._link_ix[id(link)] = len(self.links)
+            self.links.append(link)
+            self.link_rate = np.append(self.link_rate, link.rate)
+        return self._link_ix[id(link)]
+
     def connection(self, links: list[Link], alpha: float) -> Connection:
-        return Connection(self, links, alpha)
+        if not 0 < len(links) <= self.WIDTH:
+            raise ValueError(f"a connection crosses 1 to {self.WIDTH} links, not {len(links)}")
+        path = [self._link(link) for link in links] + [0] * (self.WIDTH - len(links))
+        c = Connection(self, len(self.conns), alpha)
+        self.conns.append(c)
+        self.paths = np.vstack([self.paths, path])
+        for name in ("weight", "sent", "delivered", "head", "rate"):
+            setattr(self, name, np.append(getattr(self, name), 0.0))
+        self.active = np.append(self.active, False)
+        return c
+
+    def queue(self, c: Connection, t: float, nbytes: float,
+              arrived: Callable[[float], None]) -> None:
+        self.advance(t)
+        i = c.index
+        self.sent[i] += nbytes
+        c.queue.append((self.sent[i], arrived))
+        if not self.active[i]:
+            self.active[i] = True
+            self.head[i] = self.sent[i]
+            self.weight[i] = math.exp(self.spread * self.rng.gauss(0.0, 1.0)) \
+                if self.spread else 1.0
+        # the shares are settled once every event of this moment has queued its
+        # messages: one flush, not one per message
+        if not self.flushing:
+            self.flushing = True
+            self.ev.at(self.now, self._flush)
 
     def advance(self, t: float) -> None:
         """Carry every active connection's bytes from ``now`` to t at its rate."""
         dt = t - self.now
         if dt <= 0:
             return
-        moved_on: dict[Link, float] = {}
-        for c in self.active:
-            moved = min(c.rate * dt, c.sent - c.delivered)  # (rate may be inf: no links)
-            c.delivered += moved
-            for link in c.links:
-                moved_on[link] = moved_on.get(link, 0.0) + moved
-        for link, moved in moved_on.items():
-            link.carry(self.now, t, moved)
+        act = np.flatnonzero(self.active)
+        if len(act):
+            moved = np.minimum(self.rate[act] * dt, self.sent[act] - self.delivered[act])
+            self.delivered[act] += moved
+            per_link = np.bincount(self.paths[act].ravel(), np.repeat(moved, self.WIDTH),
+                                   minlength=len(self.links))
+            for li in np.flatnonzero(per_link[1:] > 0) + 1:
+                self.links[li].carry(self.now, t, float(per_link[li]))
         self.now = t
-
-    def changed(self, c: Connection) -> None:
-        """A message was queued on ``c`` now: the shares are settled once every event of
-        this moment has queued its messages (one flush, not one per message)."""
-        if c not in self.busy:
-            c.weight = math.exp(self.spread * self.rng.gauss(0.0, 1.0)) if self.spread else 1.0
-            self.busy.add(c)
-            self.active.append(c)
-        if not self.flushing:
-            self.flushing = True
-            self.ev.at(self.now, self._flush)
 
     def _flush(self, t: float) -> None:
         self.flushing = False
         self.advance(t)
         self._deliver()
-
-    def _deliver(self) -> None:
-        """Hand over the messages carried by now, then share the links anew and wait for
-        the next message to be carried."""
-        t = self.now
-        done = []
-        for c in self.active:
-            q = c.queue
-            while q and q[0][0] <= c.delivered + 1e-6 * max(1.0, q[0][0]):
-                done.append((c, q.pop(0)[1]))
-            if not q:
-                c.delivered = c.sent
-                self.busy.discard(c)
-        self.active = [c for c in self.active if c.queue]
-        for c, arrived in done:
-            self.ev.at(t + c.alpha, arrived)
-        self._share()
-        self.epoch += 1
-        nxt = min(((c.queue[0][0] - c.delivered) / c.rate for c in self.active if c.rate > 0),
-                  default=None)
-        if nxt is not None:
-            epoch = self.epoch
-            self.ev.at(t + max(nxt, 0.0), lambda tt: self._tick(tt, epoch))
 
     def _tick(self, t: float, epoch: int) -> None:
         if epoch != self.epoch:
@@ -191,27 +199,48 @@ class Flows:
         self.advance(t)
         self._deliver()
 
+    def _deliver(self) -> None:
+        """Hand over the messages carried by now, then share the links anew and wait for
+        the next message to be carried."""
+        t = self.now
+        act = np.flatnonzero(self.active)
+        tol = 1e-6 * np.maximum(1.0, self.head[act])
+        for i in act[self.head[act] <= self.delivered[act] + tol]:
+            c = self.conns[i]
+            while c.queue and c.queue[0][0] <= self.delivered[i] + 1e-6 * max(1.0, c.queue[0][0]):
+                self.ev.at(t + c.alpha, c.queue.pop(0)[1])
+            if c.queue:
+                self.head[i] = c.queue[0][0]
+            else:
+                self.delivered[i] = self.sent[i]
+                self.active[i] = False
+                self.rate[i] = 0.0
+        self._share()
+        self.epoch += 1
+        act = np.flatnonzero(self.active)
+        if len(act):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                left = (self.head[act] - self.delivered[act]) / self.rate[act]
+            epoch = self.epoch
+            self.ev.at(t + max(float(left.min()), 0.0), lambda tt: self._tick(tt, epoch))
+
     def _share(self) -> None:
-        weight: dict[Link, float] = {}
-        for c in self.active:
-            w = c.weight
-            for link in c.links:
-                weight[link] = weight.get(link, 0.0) + w
-        share = {link: link.rate / w for link, w in weight.items()}  # per unit of weight
-        left = dict(weight)  # (reused: bytes a second each link has left)
-        for link in left:
-            left[link] = link.rate
-        for c in self.active:
-            c.rate = c.weight * min([share[link] for link in c.links])
-            for link in c.links:
-                left[link] -= c.rate
-        # once more: the share a connection's tighter link kept from another link
-        for c in self.active:
-            extra = c.weight * min([max(0.0, left[link]) / weight[link] for link in c.links])
-            if 0 < extra < math.inf:
-                c.rate += extra
-                for link in c.links:
-                    left[link] -= extra
+        act = np.flatnonzero(self.active)
+        if not len(act):
+            return
+        paths, w = self.paths[act], self.weight[act]
+        flat = paths.ravel()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            load = np.bincount(flat, np.repeat(w, self.WIDTH), minlength=len(self.links))
+            share = self.link_rate / load  # per unit of weight
+            share[0] = np.inf
+            rate = w * share[paths].min(axis=1)
+            left = self.link_rate - np.bincount(flat, np.repeat(rate, self.WIDTH),
+                                                minlength=len(self.links))
+            # once more: a weighted share of what each link has left, which a tighter
+            # link elsewhere kept the others from using (never more than it has left)
+            extra = w * (np.maximum(left, 0.0) / load)[paths].min(axis=1)
+        self.rate[act] = rate + np.where(np.isfinite(extra), extra, 0.0)
 
 
 def send_together(t: float, msgs: list[tuple[float, list[Resource], float]]) -> list[float]:
