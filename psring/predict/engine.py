@@ -107,9 +107,9 @@ class Flows:
     """The connections crossing shared links, played as a fluid in the event queue.
 
     A link's rate is shared among the connections with bytes queued on it, as TCP's
-    flows share a bottleneck: each gets a weighted share of its tightest link, then a
-    weighted share of what its links have left (close to max-min fairness, not exactly
-    it: TCP's flows do not fill a mesh of links either). Weights are drawn per burst (a
+    flows share a bottleneck: each gets a weighted share of its tightest link, then the
+    ones that can still grow share what their links have left (close to max-min
+    fairness). Weights are drawn per burst (a
     connection that goes from idle to busy) from a lognormal of ``spread``: TCP's flows
     through one queue never share it evenly, and that unevenness is what lets a
     synchronous parameter server's workers drift out of step (docs/prediction.md).
@@ -225,22 +225,33 @@ class Flows:
             self.ev.at(t + max(float(left.min()), 0.0), lambda tt: self._tick(tt, epoch))
 
     def _share(self) -> None:
+        """Progressive filling, twice over: every connection gets its weighted share of
+        its tightest link; then the connections that cross no full link share what their
+        links have left, weighted, and once more (max-min fairness, after at most three
+        rounds; TCP's flows do not quite reach it either)."""
         act = np.flatnonzero(self.active)
         if not len(act):
             return
         paths, w = self.paths[act], self.weight[act]
-        flat = paths.ravel()
+        flat, n = paths.ravel(), len(self.links)
         with np.errstate(divide="ignore", invalid="ignore"):
-            load = np.bincount(flat, np.repeat(w, self.WIDTH), minlength=len(self.links))
+            load = np.bincount(flat, np.repeat(w, self.WIDTH), minlength=n)
             share = self.link_rate / load  # per unit of weight
             share[0] = np.inf
             rate = w * share[paths].min(axis=1)
-            left = self.link_rate - np.bincount(flat, np.repeat(rate, self.WIDTH),
-                                                minlength=len(self.links))
-            # once more: a weighted share of what each link has left, which a tighter
-            # link elsewhere kept the others from using (never more than it has left)
-            extra = w * (np.maximum(left, 0.0) / load)[paths].min(axis=1)
-        self.rate[act] = rate + np.where(np.isfinite(extra), extra, 0.0)
+            for _ in range(2):
+                left = self.link_rate - np.bincount(flat, np.repeat(rate, self.WIDTH),
+                                                    minlength=n)
+                full = left <= 1e-9 * self.link_rate
+                full[0] = False
+                grow = ~full[paths].any(axis=1)
+                if not grow.any():
+                    break
+                room = np.bincount(paths[grow].ravel(), np.repeat(w[grow], self.WIDTH),
+                                   minlength=n)
+                extra = w[grow] * (np.maximum(left, 0.0) / room)[paths[grow]].min(axis=1)
+                rate[grow] += np.where(np.isfinite(extra), extra, 0.0)
+        self.rate[act] = rate
 
 
 def send_together(t: float, msgs: list[tuple[float, list[Resource], float]]) -> list[float]:
