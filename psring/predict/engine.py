@@ -204,10 +204,15 @@ class Flows:
         the next message to be carried."""
         t = self.now
         act = np.flatnonzero(self.active)
-        tol = 1e-6 * np.maximum(1.0, self.head[act])
-        for i in act[self.head[act] <= self.delivered[act] + tol]:
+        # carried: up to a millionth of the bytes, or what the rate moves in the last
+        # few representable instants of t (a later tick could not move the clock)
+        step = 8 * math.ulp(max(t, 1.0))
+        tol = np.maximum(1e-6 * np.maximum(1.0, self.head[act]), self.rate[act] * step)
+        due = self.head[act] <= self.delivered[act] + tol
+        for i, slack in zip(act[due], tol[due]):
             c = self.conns[i]
-            while c.queue and c.queue[0][0] <= self.delivered[i] + 1e-6 * max(1.0, c.queue[0][0]):
+            while c.queue and c.queue[0][0] <= self.delivered[i] + max(
+                    slack, 1e-6 * max(1.0, c.queue[0][0])):
                 self.ev.at(t + c.alpha, c.queue.pop(0)[1])
             if c.queue:
                 self.head[i] = c.queue[0][0]

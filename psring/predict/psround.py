@@ -189,7 +189,7 @@ class PSRound:
             self.at(t, self.push_partitions, s, i)
             return
         if sim.cast:  # the worker casts the bucket before it goes out
-            t = self.w_cast[w].occupy(t, sum(m for _, m in parts))
+            t = self.w_cast[w].occupy(t, sum(m for _, m in parts) * sim.cast)
         self.at(t, self.push_parts, w, s, i, parts)
 
     def push_parts(self, w: int, s: int, i: int, parts: list, t: float) -> None:
@@ -272,7 +272,7 @@ class PSRound:
         """``m`` float32 bytes of server k's parameters reached worker w."""
         self.pulled[(w, s)] = self.pulled.get((w, s), 0) + m
         if self.sim.cast:  # back to 32 bits on the worker
-            t = self.w_cast[w].occupy(t, m)
+            t = self.w_cast[w].occupy(t, m * self.sim.cast)
         t = self.copied(w, "h2d", m, t)  # (a GPU's parameters)
         self.pull_done[(w, s)] = max(self.pull_done.get((w, s), 0.0), t)
         if self.pulled[(w, s)] >= sum(self.shard_bytes) / self.G * (1 - 1e-9):
