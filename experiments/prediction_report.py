@@ -9,9 +9,10 @@ replay of every run: psring.predict.replay) and prints, for the runs on
 emulated links and for those on this machine's loopback separately: the median and
 largest absolute error of the predicted step time, and how often the predicted fastest
 strategy of a setting was the measured fastest (or within 5% of it); each strategy's
-median error; per cluster whose measured fastest beats the runner-up by more than 10%,
-whether the predicted fastest is it. Then every point, as a Markdown table for
-docs/benchmarks.md.
+median error; per cluster, the measured and the predicted fastest, and over the clusters
+whose measured fastest leads every other strategy by more than 10%, how often the
+predicted fastest is it. Then a grid of the clusters and strategies (docs/prediction.md's
+table), and every point as a Markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main(dirs: list[str]) -> int:
     _by_strategy(rows)
     _winners_with_a_gap(dirs)
     print()
+    _grid(dirs)
+    print()
     print("| sweep | setting | cluster | measured ms | predicted ms | error | bound |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -86,19 +89,74 @@ def _winners_with_a_gap(dirs: list[str], gap: float = 0.10) -> None:
             key = {k: v for k, v in s.varied.items()
                    if k not in ("strategy", "servers", "server_placement")}
             groups.setdefault(d + json.dumps(key, sort_keys=True, default=str), []).append(s)
-    right = ps_wins = 0
+    right = ps_wins = clear = clear_right = 0
     for g in groups.values():
-        best = min(g, key=lambda s: s.step_ms.median)
+        ranked = sorted(g, key=lambda s: s.step_ms.median)
+        best = ranked[0]
         pick = min(g, key=lambda s: s.predicted_step_ms)
         cost = pick.step_ms.median / best.step_ms.median - 1
+        # the measured fastest ahead of every other strategy by more than the gap
+        others = [s for s in ranked if s.strategy != best.strategy]
+        lead = others[0].step_ms.median / best.step_ms.median - 1 if others else 0.0
         ps_wins += STRATEGIES.get(best.strategy).caps.uses_servers
         right += cost <= gap
+        if lead > gap:
+            clear += 1
+            clear_right += pick.strategy == best.strategy  # (its placement may differ)
         print(f"  {best.config.get('model')}, {best.cluster}: measured fastest "
-              f"{_name(best)} {best.step_ms.median:.0f} ms, predicted {_name(pick)} "
-              f"(measured {pick.step_ms.median:.0f} ms, {cost:+.0%})")
+              f"{_name(best)} {best.step_ms.median:.0f} ms (ahead of the next strategy "
+              f"by {lead:.0%}), predicted {_name(pick)} (measured "
+              f"{pick.step_ms.median:.0f} ms, {cost:+.0%})")
     print(f"clusters: {len(groups)}; the predicted fastest is the measured fastest or "
-          f"within {gap:.0%} of it in {right}; a parameter-server strategy measured "
-          f"fastest in {ps_wins}")
+          f"within {gap:.0%} of it in {right}; where the measured fastest leads the next "
+          f"strategy by more than {gap:.0%} ({clear}), the predicted fastest is it in "
+          f"{clear_right}; a parameter-server strategy measured fastest in {ps_wins}")
+
+
+#: the grid's columns: (strategy, server placement or None), in this order
+COLUMNS = [("allreduce", None), ("ddp", None), ("hallreduce", None),
+           ("byteps", "colocated"), ("byteps", "own-hosts"), ("ps", "colocated"),
+           ("ps", "own-hosts"), ("async-ps", "colocated"), ("async-ps", "own-hosts")]
+
+
+def _grid(dirs: list[str]) -> None:
+    """Every cluster a row, every strategy a column: the measured step (ms) and the
+    replay's error; **bold** the measured fastest, ◀ the predicted fastest."""
+    from psring.report.aggregate import Setting
+
+    rows: dict[str, dict] = {}
+    for d in dirs:
+        for s in (Setting.from_dict(x)
+                  for x in json.loads((Path(d) / "report.json").read_text())):
+            if s.step_error is None or s.strategy == "single":
+                continue
+            c = s.config
+            hosts = max(1, c["workers"] // max(1, c.get("workers_per_host") or 1))
+            # (a sweep drops --device-link where a strategy has nothing it times: ps)
+            label = (f"{c['model']}, {hosts}×{c['workers'] // hosts}, {c['link']}, "
+                     f"S={c.get('time_scale', 1):g}")
+            place = c.get("server_placement") if s.strategy in \
+                ("byteps", "ps", "async-ps") else None
+            row = rows.setdefault(d + label, {"label": label, "link": "-"})
+            row[(s.strategy, place)] = s
+            row["link"] = c.get("device_link") or row["link"]
+    names = [f"{n} {'c' if p == 'colocated' else 'o'}" if p else n for n, p in COLUMNS]
+    print("| cluster | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(COLUMNS))
+    for row in rows.values():
+        cells = {k: v for k, v in row.items() if k not in ("label", "link")}
+        best = min(cells.values(), key=lambda s: s.step_ms.median)
+        pick = min(cells.values(), key=lambda s: s.predicted_step_ms)
+        out = []
+        for key in COLUMNS:
+            s = cells.get(key)
+            if s is None:
+                out.append("–")
+                continue
+            ms = f"{s.step_ms.median:.0f}"
+            ms = f"**{ms}**" if s is best else ms
+            out.append(f"{ms} ({s.step_error:+.0%})" + (" ◀" if s is pick else ""))
+        print(f"| {row['label']}, {row['link']} | " + " | ".join(out) + " |")
 
 
 def _name(s) -> str:
