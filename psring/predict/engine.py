@@ -5,7 +5,6 @@ servers, a ring's and Adasum's steps. Pure Python, no torch.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
@@ -54,39 +53,13 @@ class Events:
 
 class Link:
     """Something flows share at once (one direction of a host's link, a process's
-    transport): ``beta`` seconds a byte at its full rate, divided among the flows on it."""
+    transport): ``beta`` seconds a byte at its full rate, divided among the flows on it.
+    What it carried is kept by its Flows (:meth:`Flows.busy`)."""
 
     def __init__(self, name: str, beta: float):
         self.name = name
         self.beta = beta
         self.rate = 1.0 / beta if beta > 0 else math.inf  # bytes a second
-        self.carried: list[tuple[float, float]] = [(0.0, 0.0)]  # (t, bytes so far)
-
-    def carry(self, t0: float, t1: float, nbytes: float) -> None:
-        """``nbytes`` carried at a steady rate from t0 to t1."""
-        if nbytes <= 0:
-            return
-        last_t, so_far = self.carried[-1]
-        if last_t < t0:  # idle since
-            self.carried.append((t0, so_far))
-        if self.carried[-1][0] == t1:  # (another flow's bytes of the same interval)
-            self.carried[-1] = (t1, self.carried[-1][1] + nbytes)
-        else:
-            self.carried.append((t1, self.carried[-1][1] + nbytes))
-
-    def _bytes_at(self, t: float) -> float:
-        i = bisect.bisect_right(self.carried, (t, math.inf)) - 1
-        if i < 0:
-            return 0.0
-        t0, b0 = self.carried[i]
-        if i + 1 == len(self.carried):
-            return b0
-        t1, b1 = self.carried[i + 1]
-        return b0 + (b1 - b0) * (t - t0) / (t1 - t0) if t1 > t0 else b1
-
-    def busy_between(self, a: float, b: float) -> float:
-        """Seconds of its full rate it carried in [a, b]."""
-        return (self._bytes_at(b) - self._bytes_at(a)) * self.beta
 
 
 class Connection:
@@ -133,6 +106,8 @@ class Flows:
         self.head = np.zeros(0)       # where the first queued message ends
         self.rate = np.zeros(0)
         self.active = np.zeros(0, dtype=bool)
+        self.carried = np.zeros(1)  # bytes each link carried so far
+        self.marks: dict[float, np.ndarray] = {}  # t -> carried then (mark)
         self.flushing = False
         self.now = 0.0
         self.epoch = 0
@@ -142,6 +117,7 @@ class Flows:
             self._link_ix[id(link)] = len(self.links)
             self.links.append(link)
             self.link_rate = np.append(self.link_rate, link.rate)
+            self.carried = np.append(self.carried, 0.0)
         return self._link_ix[id(link)]
 
     def connection(self, links: list[Link], alpha: float) -> Connection:
@@ -182,11 +158,21 @@ class Flows:
         if len(act):
             moved = np.minimum(self.rate[act] * dt, self.sent[act] - self.delivered[act])
             self.delivered[act] += moved
-            per_link = np.bincount(self.paths[act].ravel(), np.repeat(moved, self.WIDTH),
-                                   minlength=len(self.links))
-            for li in np.flatnonzero(per_link[1:] > 0) + 1:
-                self.links[li].carry(self.now, t, float(per_link[li]))
+            self.carried += np.bincount(self.paths[act].ravel(), np.repeat(moved, self.WIDTH),
+                                        minlength=len(self.links))
         self.now = t
+
+    def mark(self, t: float) -> None:
+        """Remember what every link has carried by t (an event's time), for :meth:`busy`."""
+        self.advance(t)
+        self.marks[t] = self.carried.copy()
+
+    def busy(self, link: Link, a: float, b: float) -> float:
+        """Seconds of its full rate ``link`` carried between two marked times."""
+        i = self._link_ix.get(id(link))
+        if i is None:
+            return 0.0
+        return float(self.marks[b][i] - self.marks[a][i]) * link.beta
 
     def _flush(self, t: float) -> None:
         self.flushing = False
@@ -220,21 +206,20 @@ class Flows:
                 self.delivered[i] = self.sent[i]
                 self.active[i] = False
                 self.rate[i] = 0.0
-        self._share()
+        act = act[self.active[act]]
+        self._share(act)
         self.epoch += 1
-        act = np.flatnonzero(self.active)
         if len(act):
             with np.errstate(divide="ignore", invalid="ignore"):
                 left = (self.head[act] - self.delivered[act]) / self.rate[act]
             epoch = self.epoch
             self.ev.at(t + max(float(left.min()), 0.0), lambda tt: self._tick(tt, epoch))
 
-    def _share(self) -> None:
+    def _share(self, act: np.ndarray) -> None:
         """Progressive filling, twice over: every connection gets its weighted share of
         its tightest link; then the connections that cross no full link share what their
         links have left, weighted, and once more (max-min fairness, after at most three
         rounds; TCP's flows do not quite reach it either)."""
-        act = np.flatnonzero(self.active)
         if not len(act):
             return
         paths, w = self.paths[act], self.weight[act]

@@ -297,6 +297,7 @@ class PSRound:
 
     def next_step(self, w: int, s: int, t: float) -> None:
         self.starts[w].append(t)
+        self.at(t, self.flows.mark)  # what the links carried by then (utilization)
         self.step_start(w, s + 1, t)
 
     # -- byteps's partitions -------------------------------------------------------------
@@ -350,6 +351,7 @@ class PSRound:
     # -- the result -----------------------------------------------------------------------
 
     def run(self) -> Prediction:
+        self.flows.mark(0.0)
         for w in range(self.n):
             self.step_start(w, 0, 0.0)
         self.ev.run()
@@ -373,8 +375,10 @@ class PSRound:
         window = (starts[w0][first], starts[w0][-1])
         width = max(1e-12, window[1] - window[0])
         util = {}
-        for r in [*self.w_io, *self.s_io, *self.s_cpu, *self.out.values(),
-                  *self.inn.values(), *self.inside.values()]:
+        for link in [*self.w_io, *self.s_io, *self.out.values(), *self.inn.values()]:
+            if link.beta > 0:
+                util[link.name] = self.flows.busy(link, *window) / width
+        for r in [*self.s_cpu, *self.inside.values()]:
             if r.beta > 0:
                 util[r.name] = r.busy_between(*window) / width
         # per-step view of the busiest one in steady state (a shared resource's busy time

@@ -17,14 +17,18 @@ def test_two_connections_on_one_link_share_it_and_finish_together():
     link = Link("link", 1 / (100 * MB))  # 100 MB/s
     a, b = flows.connection([link], 0.001), flows.connection([link], 0.001)
     got = {}
+    flows.mark(0.0)
     a.send(0.0, 10 * MB, lambda t: got.setdefault("a", t))
     b.send(0.0, 10 * MB, lambda t: got.setdefault("b", t))
+    for t in (0.1, 0.2, 1.0):
+        ev.at(t, flows.mark)
     ev.run()
     # 20 MB through 100 MB/s: both done at 0.2 s, arriving α later
     assert got["a"] == pytest.approx(0.201)
     assert got["b"] == pytest.approx(0.201)
-    assert link.busy_between(0.0, 0.2) == pytest.approx(0.2)
-    assert link.busy_between(0.2, 1.0) == pytest.approx(0.0)
+    assert flows.busy(link, 0.0, 0.1) == pytest.approx(0.1)
+    assert flows.busy(link, 0.0, 0.2) == pytest.approx(0.2)
+    assert flows.busy(link, 0.2, 1.0) == pytest.approx(0.0)
 
 
 def test_a_connection_is_fifo_and_an_empty_message_arrives_behind_the_bytes():
