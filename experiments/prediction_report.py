@@ -77,18 +77,13 @@ def _winners_with_a_gap(dirs: list[str], gap: float = 0.10) -> None:
     fastest, the predicted fastest and what picking it costs (its measured step over the
     fastest's); a pick counts as right where it is the fastest or within ``gap`` of it.
     And how many clusters a parameter-server strategy won."""
-    from psring.report.aggregate import Setting
     from psring.strategies import STRATEGIES
 
     groups: dict[str, list] = {}
-    for d in dirs:
-        for s in (Setting.from_dict(x)
-                  for x in json.loads((Path(d) / "report.json").read_text())):
-            if s.step_error is None or s.strategy == "single":
-                continue
-            key = {k: v for k, v in s.varied.items()
-                   if k not in ("strategy", "servers", "server_placement")}
-            groups.setdefault(d + json.dumps(key, sort_keys=True, default=str), []).append(s)
+    for d, s in _replayed(dirs):
+        key = {k: v for k, v in s.varied.items()
+               if k not in ("strategy", "servers", "server_placement")}
+        groups.setdefault(d + json.dumps(key, sort_keys=True, default=str), []).append(s)
     right = ps_wins = clear = clear_right = 0
     for g in groups.values():
         ranked = sorted(g, key=lambda s: s.step_ms.median)
@@ -113,6 +108,17 @@ def _winners_with_a_gap(dirs: list[str], gap: float = 0.10) -> None:
           f"{clear_right}; a parameter-server strategy measured fastest in {ps_wins}")
 
 
+def _replayed(dirs: list[str]):
+    """(sweep directory, Setting) of every setting with a replay, ``single`` left out."""
+    from psring.report.aggregate import Setting
+
+    for d in dirs:
+        for x in json.loads((Path(d) / "report.json").read_text()):
+            s = Setting.from_dict(x)
+            if s.step_error is not None and s.strategy != "single":
+                yield d, s
+
+
 #: the grid's columns: (strategy, server placement or None), in this order
 COLUMNS = [("allreduce", None), ("ddp", None), ("hallreduce", None),
            ("byteps", "colocated"), ("byteps", "own-hosts"), ("ps", "colocated"),
@@ -122,24 +128,18 @@ COLUMNS = [("allreduce", None), ("ddp", None), ("hallreduce", None),
 def _grid(dirs: list[str]) -> None:
     """Every cluster a row, every strategy a column: the measured step (ms) and the
     replay's error; **bold** the measured fastest, ◀ the predicted fastest."""
-    from psring.report.aggregate import Setting
-
     rows: dict[str, dict] = {}
-    for d in dirs:
-        for s in (Setting.from_dict(x)
-                  for x in json.loads((Path(d) / "report.json").read_text())):
-            if s.step_error is None or s.strategy == "single":
-                continue
-            c = s.config
-            hosts = max(1, c["workers"] // max(1, c.get("workers_per_host") or 1))
-            # (a sweep drops --device-link where a strategy has nothing it times: ps)
-            label = (f"{c['model']}, {hosts}×{c['workers'] // hosts}, {c['link']}, "
-                     f"S={c.get('time_scale', 1):g}")
-            place = c.get("server_placement") if s.strategy in \
-                ("byteps", "ps", "async-ps") else None
-            row = rows.setdefault(d + label, {"label": label, "link": "-"})
-            row[(s.strategy, place)] = s
-            row["link"] = c.get("device_link") or row["link"]
+    for d, s in _replayed(dirs):
+        c = s.config
+        hosts = max(1, c["workers"] // max(1, c.get("workers_per_host") or 1))
+        # (a sweep drops --device-link where a strategy has nothing it times: ps)
+        label = (f"{c['model']}, {hosts}×{c['workers'] // hosts}, {c['link']}, "
+                 f"S={c.get('time_scale', 1):g}")
+        place = c.get("server_placement") if s.strategy in ("byteps", "ps", "async-ps") \
+            else None
+        row = rows.setdefault(d + label, {"label": label, "link": "-"})
+        row[(s.strategy, place)] = s
+        row["link"] = c.get("device_link") or row["link"]
     names = [f"{n} {'c' if p == 'colocated' else 'o'}" if p else n for n, p in COLUMNS]
     print("| cluster | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(COLUMNS))

@@ -244,23 +244,6 @@ class Flows:
         self.rate[act] = rate
 
 
-def send_together(t: float, msgs: list[tuple[float, list[Resource], float]]) -> list[float]:
-    """Messages sent at the same moment from one process (a server answering every
-    held pull, a worker pushing a bucket's pieces to K servers): they go out on separate
-    connections, which share each resource fairly (TCP flows through a link, ZeroMQ's
-    I/O thread over its pipes), not one after another. So a resource they share carries
-    their bytes together and each message is done when all its resources have carried
-    the group's bytes (processor sharing of equal-sized messages started together).
-    Returns each message's arrival."""
-    load: dict[int, tuple[Resource, float]] = {}
-    for nbytes, path, _ in msgs:
-        for r in path:
-            res, b = load.get(id(r), (r, 0.0))
-            load[id(r)] = (res, b + nbytes)
-    done = {key: res.occupy(t, b * res.beta) for key, (res, b) in load.items()}
-    return [max([t, *(done[id(r)] for r in path)]) + alpha for _, path, alpha in msgs]
-
-
 def shard_pieces(buckets: list[tuple[int, float]], servers: int
                  ) -> tuple[list[list[tuple[int, int]]], list[int]]:
     """Each bucket's pieces as (server, float32 bytes), and each server's shard bytes: the
