@@ -8,8 +8,10 @@ connections with bytes queued share their *links* at once, as TCP's flows do
 (psring.predict.engine.Flows): the sender's transport, the sender host's outgoing link
 and the receiver host's incoming link when it crosses hosts, the receiver's transport;
 a message arrives α after its last byte is carried. A server adds each piece
-on arrival (bytes·γ on its CPU), applies the update once a version is complete (sync)
-or each push on arrival (async), and answers the pulls. byteps first reduce-scatters
+on arrival (bytes·γ on its CPU); synchronous, it updates a range (a bucket's part of its
+shard) once every worker's piece of it is in and streams it to the pulls held, as
+servers/handler.py does; asynchronous, it applies each push on arrival and answers that
+worker's pull. byteps first reduce-scatters
 each bucket among a host's G workers, pushes a 1/G part per worker in 4 MB partitions
 and all-gathers once every part is pulled. (psring.predict.simulate's docstring has the
 whole picture.)

@@ -30,17 +30,17 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     (Calibration.gloo_step, its adds included), as are a host's reduce-scatters and
     all-gathers (hring's, byteps's);
   - ``ps`` (synchronous): the bucket is pushed in pieces to the K servers whose ranges
-    it overlaps. A message occupies every *resource* on its path at once (cut-through:
-    each resource serves its messages first come first served), for bytes·β of that
-    resource: the sender's transport, the sender host's outgoing link and the receiver
-    host's incoming link when it crosses hosts (full duplex: one resource per
-    direction), the receiver's transport; it arrives α after the slowest is done.
-    Messages one process sends at the same moment (a bucket's pieces to K servers, a
-    server's answers to every held pull) share their resources fairly, as separate
-    connections do. A server adds each piece on arrival (bytes·γ on its CPU); once all
-    n workers' pieces of the step are in, it applies the update (the profile's
-    optimizer time per byte) and answers the pulls, each pull another message back.
-    The next step starts when every shard's parameters are in;
+    it overlaps. Every message travels on its connection, one direction of a worker's
+    TCP connection to a server: a FIFO byte stream (its pull goes out behind its
+    pushes). The connections with bytes queued share their *links* at once, as TCP's
+    flows do (psring.predict.engine.Flows: weighted max-min shares, the weights drawn
+    unevenly per burst, ``flow_spread``): the sender's transport, the sender host's
+    outgoing link and the receiver host's incoming link when it crosses hosts (full
+    duplex: one link per direction), the receiver's transport; a message arrives α
+    after its last byte is carried. A server adds each piece on arrival (bytes·γ on its
+    CPU); once all n workers' pieces of a range are in, it updates the range (the
+    profile's optimizer time per byte) and streams it to the pulls held. The next step
+    starts when the whole model's parameters are in;
   - ``hring`` (hallreduce): the ring's timeline, each bucket's collective being three:
     a ring reduce-scatter among the host's G workers (loopback), G rings of H ranks
     across the hosts on a 1/G slice each, in parallel, so a host link carries M/H a
@@ -50,7 +50,7 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     swapping M/2^(i+1) each way, adding up its per-tensor sums over a block of 2^(i+1)
     ranks (a small all-reduce: 2(i+1) α) and making three passes over its half (dot
     products and norms, then the combination: 4 γ a byte), then log2 n swaps back;
-  - ``byteps`` (per-host aggregation): ``ps``'s resources with groups. A host's G
+  - ``byteps`` (per-host aggregation): ``ps``'s connections with groups. A host's G
     workers first reduce-scatter each bucket among themselves (a ring of G on the host's
     own interconnect, loopback's gloo α and β here, one collective at a time per host),
     then local rank l pushes its part l to the servers holding it (the runtime's
@@ -78,7 +78,9 @@ the cores (``stretch=False``), and is bounded by the same CPU work: on 2 cores t
 communication of 2 workers has no core of its own to overlap backward on.
 
 Several steps are played (the first starts every worker at once; steady state follows)
-and the step time is the slowest worker's period over its last two. The prediction
+and the step time is the slowest worker's period: over its last two steps for the rings,
+and the mean after the first two for the parameter servers, whose flows' shares vary
+from step to step. The prediction
 names what bounds the step: compute, a link, a server's transport or CPU, a worker's
 transport, the shared cores, or latency (α terms dominate).
 """
