@@ -101,7 +101,7 @@ class Sim:
     inside: tuple[float, float] | None = None
     #: how unevenly flows share a link (psring.predict.engine.Flows): the σ of their
     #: lognormal weights; 0 shares evenly, a deterministic fluid
-    flow_spread: float = 0.0
+    flow_spread: float = FLOW_SPREAD
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,12 @@ class Events:
             fn(t)
 
 
+def _carried(end, delivered, instant):
+    """Whether a message ending at byte ``end`` is carried: up to a millionth of its
+    bytes, or what the connection moves in an ``instant`` (numbers or arrays)."""
+    return end <= delivered + np.maximum(1e-6 * np.maximum(1.0, end), instant)
+
+
 class Link:
     """Something flows share at once (one direction of a host's link, a process's
     transport): ``beta`` seconds a byte at its full rate, divided among the flows on it.
@@ -82,10 +88,10 @@ class Flows:
     A link's rate is shared among the connections with bytes queued on it, as TCP's
     flows share a bottleneck: each gets a weighted share of its tightest link, then the
     ones that can still grow share what their links have left (close to max-min
-    fairness). Weights are drawn per burst (a
-    connection that goes from idle to busy) from a lognormal of ``spread``: TCP's flows
-    through one queue never share it evenly, and that unevenness is what lets a
-    synchronous parameter server's workers drift out of step (docs/prediction.md).
+    fairness). Weights are drawn per burst (a connection that goes from idle to busy)
+    from a lognormal of ``spread``: TCP's flows through one queue never share it evenly,
+    and that unevenness is what lets a synchronous parameter server's workers drift out
+    of step (docs/prediction.md).
     ``spread`` 0: equal shares, a deterministic fluid. The connections' state is kept
     in arrays, so a change of shares costs a few vector operations however many
     connections are busy."""
@@ -190,15 +196,13 @@ class Flows:
         the next message to be carried."""
         t = self.now
         act = np.flatnonzero(self.active)
-        # carried: up to a millionth of the bytes, or what the rate moves in the last
-        # few representable instants of t (a later tick could not move the clock)
-        step = 8 * math.ulp(max(t, 1.0))
-        tol = np.maximum(1e-6 * np.maximum(1.0, self.head[act]), self.rate[act] * step)
-        due = self.head[act] <= self.delivered[act] + tol
-        for i, slack in zip(act[due], tol[due]):
+        # what the rate moves in the last few representable instants of t: a later tick
+        # could not move the clock to carry it
+        instant = self.rate[act] * 8 * math.ulp(max(t, 1.0))
+        due = _carried(self.head[act], self.delivered[act], instant)
+        for i, last in zip(act[due], instant[due]):
             c = self.conns[i]
-            while c.queue and c.queue[0][0] <= self.delivered[i] + max(
-                    slack, 1e-6 * max(1.0, c.queue[0][0])):
+            while c.queue and _carried(c.queue[0][0], self.delivered[i], last):
                 self.ev.at(t + c.alpha, c.queue.pop(0)[1])
             if c.queue:
                 self.head[i] = c.queue[0][0]

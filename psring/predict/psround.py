@@ -129,7 +129,7 @@ class PSRound:
         self.got: dict = {}        # (k, s, bucket) -> float32 bytes received (sync)
         self.own: dict = {}        # (k, w, s) -> bytes of w's pushes applied (async)
         self.pull_req: dict = {}   # (k, w, s) -> when w's pull reached server k
-        self.ready_r: dict = {}    # (k, s) -> [(bucket, bytes)] of version s+1 updated (sync)
+        self.ready_r: dict = {}    # (k, s) -> bytes of each range of version s+1 updated (sync)
         self.pulled: dict = {}     # (w, s) -> bytes of parameters arrived (byteps: pieces)
         self.pull_done: dict = {}  # (w, s) -> when the last shard's arrived
         self.bucket_times: list[list[float]] = []  # worker 0's last step: [launch, done]
@@ -194,19 +194,27 @@ class PSRound:
             t = self.w_cast[w].occupy(t, sum(m for _, m in parts) * sim.cast)
         self.at(t, self.push_parts, w, s, i, parts)
 
+    def timed(self, s: int, t: float) -> list[float] | None:
+        """Worker 0's bucket launched at t in the last step: its [launch, done] from the
+        step's start (done moves with every piece that arrives: arrived)."""
+        if s != self.sim.steps - 1:
+            return None
+        self.bucket_times.append([t - self.starts[0][-1]] * 2)
+        return self.bucket_times[-1]
+
+    def arrived(self, timed: list[float] | None, t: float) -> None:
+        if timed is not None:
+            timed[1] = max(timed[1], t - self.starts[0][-1])
+
     def push_parts(self, w: int, s: int, i: int, parts: list, t: float) -> None:
-        timed = None
-        if w == 0 and s == self.sim.steps - 1:
-            timed = [t - self.starts[0][-1], t - self.starts[0][-1]]
-            self.bucket_times.append(timed)
+        timed = self.timed(s, t) if w == 0 else None
         for k, m in parts:
             self.conn(w, k, True).send(t, m * self.sim.wire,
                                        partial(self.pushed, k, w, s, i, m, timed))
 
     def pushed(self, k: int, w: int, s: int, i: int, m: float, timed: list | None,
                t: float) -> None:
-        if timed is not None:
-            timed[1] = max(timed[1], t - self.starts[0][-1])
+        self.arrived(timed, t)
         self.push_arrives(k, w, s, i, m, t)
 
     def send_pulls(self, w: int, s: int, t: float) -> None:
@@ -224,9 +232,8 @@ class PSRound:
         if not self.sync:
             self.maybe_answer_async(k, w, s)
             return
-        for _, m in self.ready_r.get((k, s), ()):
-            self.conn(w, k, False).send(t, m * self.sim.wire,
-                                        partial(self.pull_arrives, k, w, s, m))
+        for m in self.ready_r.get((k, s), ()):
+            self.answer(k, w, s, m, t)
 
     # -- a server ---------------------------------------------------------------------
 
@@ -245,14 +252,13 @@ class PSRound:
             # every worker's piece is in: the range is updated and cast once for every
             # pull of it, then streamed to the pulls already held (servers/handler.py)
             done = self.s_cpu[k].occupy(done, m * (self.apply_per_byte + cast))
-            self.at(done, self.range_ready, k, s, i, m)
+            self.at(done, self.range_ready, k, s, m)
 
-    def range_ready(self, k: int, s: int, i: int, m: float, t: float) -> None:
-        self.ready_r.setdefault((k, s), []).append((i, m))
+    def range_ready(self, k: int, s: int, m: float, t: float) -> None:
+        self.ready_r.setdefault((k, s), []).append(m)
         for w in range(self.n):
             if (k, w, s) in self.pull_req:
-                self.conn(w, k, False).send(t, m * self.sim.wire,
-                                            partial(self.pull_arrives, k, w, s, m))
+                self.answer(k, w, s, m, t)
 
     def maybe_answer_async(self, k: int, w: int, s: int) -> None:
         """Once w's pull is in and its pushes of step s are applied (the same
@@ -265,10 +271,13 @@ class PSRound:
                     k, [w], s)
 
     def answer_all(self, k: int, ws: list[int], s: int, t: float) -> None:
-        m = self.shard_bytes[k] / self.G
         for w in ws:
-            self.conn(w, k, False).send(t, m * self.sim.wire,
-                                        partial(self.pull_arrives, k, w, s, m))
+            self.answer(k, w, s, self.shard_bytes[k] / self.G, t)
+
+    def answer(self, k: int, w: int, s: int, m: float, t: float) -> None:
+        """Server k sends ``m`` float32 bytes of its parameters to worker w's pull."""
+        self.conn(w, k, False).send(t, m * self.sim.wire,
+                                    partial(self.pull_arrives, k, w, s, m))
 
     def pull_arrives(self, k: int, w: int, s: int, m: float, t: float) -> None:
         """``m`` float32 bytes of server k's parameters reached worker w."""
@@ -312,10 +321,7 @@ class PSRound:
             return
         self.pushed_buckets.add((s, i))
         local, wire = self.local, self.sim.wire
-        timed = None
-        if s == self.sim.steps - 1:
-            timed = [t - self.starts[0][-1], t - self.starts[0][-1]]
-            self.bucket_times.append(timed)
+        timed = self.timed(s, t)
         for x in range(self.n):
             for k, _ in self.col[(local[x], i)]:
                 nparts, m = self.chunks[(local[x], i, k)]
@@ -328,8 +334,7 @@ class PSRound:
                       t: float) -> None:
         """A partition of a worker's part (its pull already in); once every host's is
         in, it is summed (and updated) and streamed to the workers of that local rank."""
-        if timed is not None:
-            timed[1] = max(timed[1], t - self.starts[0][-1])
+        self.arrived(timed, t)
         done = self.s_cpu[k].occupy(t, c * self.cal.gamma)
         self.got_i[(s, unit)] = self.got_i.get((s, unit), 0.0) + c
         if self.got_i[(s, unit)] < self.n / self.G * c * (1 - 1e-9):

@@ -87,7 +87,6 @@ transport, the shared cores, or latency (α terms dominate).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from psring.cluster.spec import Cluster
@@ -144,8 +143,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     a deterministic fluid)."""
     model = _check(cluster, comm_model, steps, compress, bucket_mb, cores)
     sim = _inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
-                  cores if stretch else None, update_on, reduce, inside)
-    sim = replace(sim, flow_spread=flow_spread)
+                  cores if stretch else None, update_on, reduce, inside, flow_spread)
     n = cluster.workers
     if model is None or n == 1 and model.collective or sim.total == 0:
         pred = finish(sim, comm_model, sum(sim.compute))
@@ -183,7 +181,8 @@ def _check(cluster: Cluster, comm_model: str | None, steps: int, compress: str,
 
 def _inputs(profile: Any, cluster: Cluster, model: CostModel | None, cal: Calibration,
             steps: int, compress: str, bucket_mb: float, cores: int | None,
-            update_on: str, reduce: str, inside: tuple[float, float] | None) -> Sim:
+            update_on: str, reduce: str, inside: tuple[float, float] | None,
+            flow_spread: float) -> Sim:
     """The timeline's inputs: compute stretched by the shared cores, the buckets."""
     threads = max(1, profile.threads or 1)
     stretch = max(1.0, cluster.workers * threads / cores) if cores else 1.0
@@ -196,7 +195,7 @@ def _inputs(profile: Any, cluster: Cluster, model: CostModel | None, cal: Calibr
     cast = 0.0 if wire == 1.0 else (cal.cast or cal.gamma)
     return Sim(profile, cluster, cal, compute, buckets, total=sum(m for m, _ in buckets),
                wire=wire, cast=cast, steps=steps or (model.steps if model else 4),
-               reduce=reduce, update_on=update_on, inside=inside)
+               reduce=reduce, update_on=update_on, inside=inside, flow_spread=flow_spread)
 
 
 def _cores_floor(pred: Prediction, sim: Sim, cores: int, work: float) -> None:
