@@ -1,6 +1,8 @@
-"""The simulator's engine (psring.predict.simulate): resources that messages queue for,
-an event queue, and the pieces every timeline shares — how a bucket splits over the
-servers, a ring's and Adasum's steps. Pure Python, no torch.
+"""The simulator's engine (psring.predict.simulate): an event queue; resources that work
+queues for, first come first served (a CPU, a copy engine, a host's collectives); links
+that connections share at once, as TCP's flows do (Link, Connection, Flows: the
+parameter servers' messages); and the pieces every timeline shares — how a bucket
+splits over the servers, a ring's and Adasum's steps. Python and numpy, no torch.
 """
 
 from __future__ import annotations
