@@ -27,6 +27,14 @@ time as well:
 
 A flat ring (``allreduce``, ``ddp``) has no collective inside a host: its hops between
 two workers of one host are timed by psring.comm.hostring, on the same link.
+
+A parameter server's worker (``ps``, ``async-ps``, ``byteps``) copies each gradient from
+its device to host memory before a push and the parameters back after a pull: the
+host's PCIe, which a named interconnect carries beside its own rate (:data:`LINKS`; a
+rate alone describes a host whose devices reach each other and host memory at that
+rate). ``--device-link`` sets those copies (:func:`on_host`, the profile's
+``host_copy``), in the run's device stand-in as in the simulator's replay and advise;
+what then crosses to a server on the worker's own host is host memory's, real here.
 """
 
 from __future__ import annotations
@@ -45,17 +53,22 @@ from psring.errors import ConfigError
 DEVICE_ALPHA_S = 10e-6
 #: NVLink 2.0 on a V100 (6 links x 25 GB/s each way: 150 GB/s)
 NVLINK = (DEVICE_ALPHA_S, 150e9)
-#: named interconnects: bytes per second each way per device, the vendors' figures (what
-#: NCCL reaches is lower); ``nvlink`` is a V100's, the seeds' (BytePS, Horovod) hosts
-LINKS: dict[str, tuple[float, str]] = {
-    "nvlink": (150e9, "NVLink 2.0, V100 (DGX-1): 6 links x 25 GB/s"),
-    "nvlink2": (150e9, "NVLink 2.0, V100 (DGX-1): 6 links x 25 GB/s"),
-    "nvlink3": (300e9, "NVLink 3, A100 (DGX A100): 12 links x 25 GB/s"),
-    "nvlink4": (450e9, "NVLink 4, H100 SXM (HGX H100): 18 links x 25 GB/s"),
-    "pcie": (15.75e9, "PCIe 3.0 x16, an 8-GPU PCIe host of the V100 era"),
-    "pcie3": (15.75e9, "PCIe 3.0 x16"),
-    "pcie4": (31.5e9, "PCIe 4.0 x16"),
-    "pcie5": (63e9, "PCIe 5.0 x16"),
+#: PCIe 3.0 x16 each way (8 GT/s x 16 lanes, 128b/130b): a V100 host's bus to host memory
+PCIE3 = 15.75e9
+#: named interconnects: (bytes per second each way per device among the host's devices,
+#: bytes per second each way between a device and host memory (its PCIe), what it is):
+#: the vendors' figures (what NCCL and cudaMemcpy reach is lower); ``nvlink`` is a
+#: V100's, the seeds' (BytePS, Horovod) hosts. Sources: NVIDIA's DGX-1 (V100) and DGX
+#: A100 system architecture white papers, the HGX H100 datasheet, PCI-SIG's rates.
+LINKS: dict[str, tuple[float, float, str]] = {
+    "nvlink": (150e9, PCIE3, "NVLink 2.0, V100 (DGX-1): 6 links x 25 GB/s; PCIe 3.0 x16"),
+    "nvlink2": (150e9, PCIE3, "NVLink 2.0, V100 (DGX-1): 6 links x 25 GB/s; PCIe 3.0 x16"),
+    "nvlink3": (300e9, 2 * PCIE3, "NVLink 3, A100 (DGX A100): 12 links x 25 GB/s; PCIe 4.0 x16"),
+    "nvlink4": (450e9, 4 * PCIE3, "NVLink 4, H100 SXM (HGX H100): 18 x 25 GB/s; PCIe 5.0 x16"),
+    "pcie": (PCIE3, PCIE3, "PCIe 3.0 x16, an 8-GPU PCIe host of the V100 era"),
+    "pcie3": (PCIE3, PCIE3, "PCIe 3.0 x16"),
+    "pcie4": (2 * PCIE3, 2 * PCIE3, "PCIe 4.0 x16"),
+    "pcie5": (4 * PCIE3, 4 * PCIE3, "PCIe 5.0 x16"),
 }
 
 
@@ -64,16 +77,43 @@ def parse(text: str) -> tuple[float, float] | None:
     rate such as 1200gbit; None for ''."""
     if not text:
         return None
+    return DEVICE_ALPHA_S, _rates(text)[0]
+
+
+def _rates(text: str) -> tuple[float, float]:
+    """(device-to-device, device-to-host) bytes per second of a non-empty --device-link."""
     if text.lower() in LINKS:
-        return DEVICE_ALPHA_S, LINKS[text.lower()][0]
+        return LINKS[text.lower()][:2]
     from psring.cluster.spec import parse_rate
 
     try:
         rate = parse_rate(text, "--device-link")
     except ConfigError as e:
-        names = ", ".join(f"{n} ({b / 1e9:g} GB/s)" for n, (b, _) in LINKS.items())
+        names = ", ".join(f"{n} ({b / 1e9:g} GB/s)" for n, (b, _, _) in LINKS.items())
         raise ConfigError(f"{e} Or name the interconnect: --device-link {names}.") from None
-    return DEVICE_ALPHA_S, rate / 8
+    return rate / 8, rate / 8
+
+
+def host_copy(text: str) -> dict[str, Any] | None:
+    """A device's copies to and from host memory on the host --device-link ``text``
+    describes, as a profile's ``host_copy`` (:class:`psring.predict.profile.Profile`);
+    None for ''."""
+    if not text:
+        return None
+    rate = _rates(text)[1]
+    what = LINKS[text.lower()][2] if text.lower() in LINKS else "a rate given"
+    return {"d2h": [DEVICE_ALPHA_S, rate], "h2d": [DEVICE_ALPHA_S, rate],
+            "source": f"--device-link {text}: {rate / 1e9:g} GB/s each way ({what})"}
+
+
+def on_host(prof: Any, text: str) -> Any:
+    """``prof`` (a Profile) with its host copies at the PCIe rate of the host --device-link
+    ``text`` describes, in place of its own; ``prof`` itself without the flag. The one
+    rule the run's device stand-in, the replay and advise follow."""
+    from dataclasses import replace
+
+    copies = host_copy(text)
+    return prof if copies is None else replace(prof, host_copy=copies)
 
 
 def alpha_beta(link: tuple[float, float]) -> tuple[float, float]:
@@ -105,8 +145,9 @@ def not_timed(caps: Any, reduce: str = "sum") -> str:
     ``reduce`` (with the fix), or '' where it applies: the one rule psring run's check,
     sweeps and advise --verify follow."""
     if not caps.inside_host:
-        return ("has none it can time. Use allreduce, ddp, byteps or hallreduce, or drop "
-                "--device-link.")
+        # (the strategies whose caps declare inside_host: tests/unit/test_capabilities.py)
+        return ("has none it can time. Use allreduce, ddp, hallreduce, byteps, ps or "
+                "async-ps, or drop --device-link.")
     if caps.inside_host == "ring-hops" and reduce == "adasum":
         return ("runs a flat ring, whose hops it times, and --reduce adasum swaps halves "
                 "between workers instead (those stay loopback): use --strategy hallreduce "

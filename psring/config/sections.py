@@ -251,7 +251,9 @@ class DeviceMode:
         "or a rate such as 1200gbit): the traffic among a host's workers (byteps's and "
         "hallreduce's collectives, a flat ring's hops in allreduce and ddp) takes its "
         "time, as on GPUs, instead of running over this machine's loopback and cores "
-        "(psring.comm.interconnect, psring.comm.hostring). Default: loopback"))
+        "(psring.comm.interconnect, psring.comm.hostring); a parameter server's worker "
+        "(ps, async-ps, byteps) copies its gradients to host memory and the parameters "
+        "back at the host's PCIe rate. Default: loopback, the profile's host copies"))
 
 
 @dataclass(frozen=True)

@@ -307,13 +307,14 @@ def _device_link(args: argparse.Namespace, cluster: Cluster
     """--device-link as advise.json records it (its name, α and rate) and as the
     simulator takes it (``inside``: α, β), or (None, None) without it; a ConfigError
     that names the fix for a bad name or rate, or for one worker per host."""
-    from psring.comm.interconnect import alpha_beta, check_hosts, parse
+    from psring.comm.interconnect import alpha_beta, check_hosts, host_copy, parse
 
     link = parse(args.device_link)  # (a bad name or rate raises, naming the flag)
     if link is None:
         return None, None
     check_hosts(cluster.workers, cluster.hosts)
-    return ({"name": args.device_link, "alpha_s": link[0], "bytes_per_s": link[1]},
+    return ({"name": args.device_link, "alpha_s": link[0], "bytes_per_s": link[1],
+             "host_copy_bytes_per_s": host_copy(args.device_link)["d2h"][1]},
             alpha_beta(link))
 
 
@@ -403,6 +404,8 @@ def _print_verification(results: list[dict[str, Any]]) -> dict[str, Any]:
 def advise_command(args: argparse.Namespace) -> int:
     """psring advise (the module docstring): profile, rank, print, write advise.json
     and advise.png, and with --verify measure the top candidates."""
+    from psring.comm.interconnect import on_host
+
     cluster, n = _cluster(args)
     _check_device_flags(args)
     device_link, inside = _device_link(args, cluster)
@@ -411,6 +414,7 @@ def advise_command(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # what --verify's device-mode workers take their times from: the profile ranked
     device_profile = prof.save(out / "device-profile")
+    prof = on_host(prof, args.device_link)  # (as each verifying run's workers make it)
     cal = _calibration(args, out)
     classes = strategy_classes(n, cluster.hosts)
     link = parse_rate(args.link) if args.link else None
@@ -425,7 +429,8 @@ def advise_command(args: argparse.Namespace) -> int:
     ranking = rank(cands)
     where = _where(cluster.hosts, n // cluster.hosts, link, delay) + (
         f", device link {args.device_link} inside each host "
-        f"({device_link['bytes_per_s'] / 1e9:g} GB/s)" if device_link else "") + (
+        f"({device_link['bytes_per_s'] / 1e9:g} GB/s; to host memory "
+        f"{device_link['host_copy_bytes_per_s'] / 1e9:g} GB/s)" if device_link else "") + (
         ", verified on emulated hosts, a device per worker" if args.verify else "")
     title = (f"psring advise: {prof.source.get('model', 'profiled model')}, "
              f"{prof.total_bytes / 1e6:.2f} MB of gradients, batch {args.batch_size} "

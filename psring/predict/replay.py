@@ -36,6 +36,22 @@ def shared_cores(manifest: dict[str, Any]) -> int | None:
     return int(cores) if isinstance(cores, int) and cores > 0 else None
 
 
+def _with_host_copies(prof: Profile, manifest: dict[str, Any]) -> Profile:
+    """The run's profile with the host copies its device workers made (a device-mode
+    run's manifest records them; before it did, its --device-link's host describes them)."""
+    from dataclasses import replace
+
+    from psring.comm.interconnect import on_host
+
+    compute = manifest.get("compute") or {}
+    if compute.get("mode") != "device":
+        return prof
+    if "host_copy" not in compute:
+        return on_host(prof, manifest["config"].get("device_link") or "")
+    # (Profile checks it: a ValueError, and the run is not replayed)
+    return replace(prof, host_copy=compute["host_copy"])
+
+
 def replay(run_dir: Any, cal: Calibration,
            inside: tuple[float, float] | None = None) -> Prediction | None:
     """The simulator's step time for a measured run, from the run's own profile (its
@@ -51,6 +67,7 @@ def replay(run_dir: Any, cal: Calibration,
         # each step's slowest worker: the one a synchronous step waits for, and the one
         # whose step a report measures (the slowest worker's step, async runs included)
         prof = Profile.from_run(run_dir, worker=None)
+        prof = _with_host_copies(prof, manifest)
     except (PsringError, KeyError, OSError, ValueError):
         return None
     if not is_costed(cls.caps.cost_model):

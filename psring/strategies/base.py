@@ -152,8 +152,10 @@ class Capabilities:
     #: what of its traffic inside a host of several workers --device-link can time as a
     #: device interconnect's: "collectives" (a reduce-scatter and all-gather among the
     #: host's workers: psring.comm.interconnect), "ring-hops" (a flat ring's hops between
-    #: two workers of one host: psring.comm.hostring), "" (none: the flag is refused)
-    inside_host: Literal["", "collectives", "ring-hops"] = ""
+    #: two workers of one host: psring.comm.hostring), "host-copies" (a parameter
+    #: server's worker's copies of gradients to host memory and parameters back, at the
+    #: host's PCIe: psring.comm.interconnect.on_host), "" (none: the flag is refused)
+    inside_host: Literal["", "collectives", "ring-hops", "host-copies"] = ""
     #: the devices its workers compute on (--device; auto picks CUDA where torch sees a
     #: GPU and it is listed): hogwild's workers share the model in CPU memory
     devices: tuple[str, ...] = ("cpu", "cuda")

@@ -73,7 +73,7 @@ def server_frame_limit(cfg) -> int | None:
 class ParameterServer(Strategy):
     name = "ps"
     caps = Capabilities(uses_servers=True, supports_compression=True,
-                        update_sites=("server",), cost_model="ps")
+                        update_sites=("server",), cost_model="ps", inside_host="host-copies")
     mode: ClassVar[str] = "sync"
 
     def setup(self, model: nn.Module) -> nn.Module:

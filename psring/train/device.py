@@ -290,11 +290,19 @@ class DeviceSGD:
         time.sleep(self.update_s)
 
 
+def host_profile(cfg: Any) -> Profile:
+    """The run's --device-profile on the host --device-link describes: its copies to host
+    memory at the host's PCIe rate (psring.comm.interconnect.on_host)."""
+    from psring.comm.interconnect import on_host
+
+    return on_host(load_profile(cfg.device_profile), cfg.device_link)
+
+
 def for_worker(cfg: Any, rank: int, inputs: Any) -> DeviceCompute | None:
     """The device stand-in of one worker (None for --compute real)."""
     if cfg.compute != "device":
         return None
-    prof = load_profile(cfg.device_profile)
+    prof = host_profile(cfg)
     # (--worker-batch: each device computes its own share)
     times = DeviceTimes.of(prof, cfg.device_speed, cfg.worker_batches[rank], cfg.time_scale)
     return DeviceCompute(times, cfg.seed, rank, inputs.kind, inputs.classes, cfg.time_scale)
@@ -351,7 +359,7 @@ def describe(cfg: Any) -> dict[str, Any]:
     """For the manifest: how compute was done, and whether the run learnt anything."""
     if cfg.compute != "device":
         return {"mode": "real"}
-    prof = load_profile(cfg.device_profile)
+    prof = host_profile(cfg)
     times = DeviceTimes.of(prof, cfg.device_speed, cfg.per_worker_batch, cfg.time_scale)
     return {"mode": "device", "timing_only": True, "profile": str(cfg.device_profile),
             "profile_source": prof.source, "speed": cfg.device_speed, "rule": times.rule,
@@ -363,5 +371,8 @@ def describe(cfg: Any) -> dict[str, Any]:
             "update_s": times.update_s / cfg.time_scale,
             # --device-link: the host's own collectives as that interconnect's time
             "device_link": cfg.device_link or "loopback",
+            # a parameter server's worker's copies to host memory and back (None: not
+            # made): the profile's, or the PCIe of the host --device-link describes
+            "host_copy": prof.host_copy,
             # what the launcher warned of (psring.train.device.capacity): [] when faithful
             "capacity_warnings": capacity(cfg)}
