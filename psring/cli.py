@@ -40,11 +40,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.resume:
         from psring.config import given_fields
+        from psring.config.flags import flag_values
         from psring.runtime.launch import resume_config
 
         argv = getattr(args, "argv", None)
         given = given_fields(argv if argv is not None else sys.argv[1:]) - {"resume"}
-        cfg = resume_config(args.resume, {k: getattr(args, k) for k in given})
+        cfg = resume_config(args.resume, flag_values(args, given))
         print(f"psring: resuming {cfg.resume}", file=sys.stderr)
     else:
         cfg = config_from_args(args)

@@ -41,6 +41,7 @@ from torch import nn
 
 from psring.errors import PsringError
 from psring.records.runlog import EVALS, StepLog
+from psring.runtime import faults
 from psring.strategies.base import Strategy, WorkerContext
 from psring.train.checkpoint import Checkpoint
 from psring.train.data import Dataset, Split, worker_batch
@@ -110,7 +111,10 @@ def _steps(run: StepRunner, split: Split, log: StepLog | None,
     carried = 0.0  # communication an evaluation waited for on the next step's behalf
     if first_step == 0 and is_due(0, cfg.steps, every):
         carried = evaluation(ctx, strategy, model, split, 0, clock, evals)  # the start
+    stops = faults.stops_at(cfg, ctx.rank)  # --kill-worker: where the launcher kills it
     for step in range(first_step, cfg.steps):
+        if step in stops:
+            faults.stop_here()
         clock.begin(carried)
         record = run.step(step, carried)
         carried = 0.0

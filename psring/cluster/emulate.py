@@ -541,6 +541,21 @@ class EmulatedCluster(Network):
                                    enter=functools.partial(enter_host, self.state_path, host),
                                    env={**spec.env, **self.environment(host)})
 
+    def cut(self, host: str) -> None:
+        """Cut ``host`` off (a partition, or the first half of a host crash): its side of
+        the link set down inside its namespace, so nothing it sends afterwards, a dying
+        process's resets included, reaches anyone. The holder's pid is checked against
+        the namespace's inode first: a stale pid could be a process in this machine's own
+        namespace, whose interfaces are not the cluster's."""
+        h = self.host(host)
+        if os.stat(f"/proc/{h['pid']}/ns/net").st_ino != h["net_inode"]:
+            raise EmulationError(f"{host}'s namespace is gone: nothing to cut")
+        # (through psring's own trampoline into the host, as its processes entered it)
+        subprocess.run(self.command(host, [_tool("ip"), "link", "set", "dev",
+                                           h["interface"], "down"]),
+                       check=True, timeout=10, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE)
+
     def explain(self) -> str:
         try:
             state = json.loads(self.state_path.read_text())

@@ -45,6 +45,12 @@ def _add_flag(group: Any, f: Any, defaults: RunConfig | None, suppress: bool) ->
     kw = {"help": f.metadata["help"]}
     if f.name in literal_choices() and f.metadata.get("argparse_choices", True):
         kw["choices"] = literal_choices()[f.name]
+    if f.metadata.get("repeatable"):
+        # given again, or comma-separated: one string, the entries joined (config_from_args)
+        group.add_argument(flag_name(f.name), dest=f.name, action="append",
+                           default=default if suppress else None,
+                           metavar=f.name.upper().split("_")[-1], **kw)
+        return
     if isinstance(f.default, bool):
         # --flag / --no-flag: a string boolean ("--trace False") would mean True
         group.add_argument(flag_name(f.name), dest=f.name, default=default,
@@ -62,9 +68,22 @@ def given_fields(argv: list[str]) -> set[str]:
     return set(vars(known))
 
 
+def flag_values(args: argparse.Namespace, names: Any) -> dict[str, Any]:
+    """The parsed values of fields ``names``, a repeatable flag's entries joined by
+    commas (--kill-worker 1:5 --kill-worker 2:8: "1:5,2:8"), as RunConfig holds them."""
+    byname = {f.name: f for f in fields(RunConfig)}
+    values = {}
+    for name in names:
+        value = getattr(args, name)
+        if byname[name].metadata.get("repeatable"):
+            value = ",".join(value) if isinstance(value, list) else value or byname[name].default
+        values[name] = value
+    return values
+
+
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:
     """The validated config of parsed flags (psring.config.validate): what ``psring
     run`` launches and a worker runs."""
-    values = {f.name: getattr(args, f.name) for f in fields(RunConfig)}
+    values = flag_values(args, [f.name for f in fields(RunConfig)])
     values.update(overrides)
     return validate(RunConfig(**values))

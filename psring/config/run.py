@@ -52,6 +52,7 @@ class RunConfig(*reversed(SECTIONS)):
         self._check_combinations()
         self._check_servers()
         self._check_slow_worker()
+        self._check_faults()
 
     def _check_counts(self) -> None:
         if self.workers < 1:
@@ -162,6 +163,29 @@ class RunConfig(*reversed(SECTIONS)):
             raise ConfigError(f"--slow-worker {self.slow_worker!r}: I must be a worker "
                               f"(0..{self.workers - 1}) and FACTOR >= 1.")
 
+    def _check_faults(self) -> None:
+        for name, count, what in (("kill_worker", self.workers, "worker"),
+                                  ("kill_server", self.derived()["servers"], "server")):
+            for index, step in _entries(getattr(self, name), flag_name(name)):
+                if not 0 <= index < count or not 1 <= step < self.steps:
+                    raise ConfigError(
+                        f"{flag_name(name)} {index}:{step} names no {what} and step of this "
+                        f"run: the {what} is 0..{count - 1} and the step 1..{self.steps - 1} "
+                        f"(the run has {self.steps} steps; a fault at step STEP lets step "
+                        f"STEP - 1 finish).")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0 (got {self.max_restarts}).")
+        if self.max_restarts and not self.checkpoint_every:
+            raise ConfigError(f"--max-restarts {self.max_restarts} restarts the run from its "
+                              f"last checkpoint, and this run writes none: add "
+                              f"--checkpoint-every N (steps between checkpoints).")
+
+    @property
+    def faults(self) -> tuple[tuple[str, int, int], ...]:
+        """("worker" or "server", index, step) of every --kill-worker and --kill-server."""
+        return tuple((what, i, s) for what in ("worker", "server")
+                     for i, s in _entries(getattr(self, f"kill_{what}"), f"--kill-{what}"))
+
     # ------------------------------------------------------------------ derived
     def derived(self) -> dict[str, Any]:
         """The settings that other settings decide, as the manifest records them: the
@@ -247,6 +271,19 @@ class RunConfig(*reversed(SECTIONS)):
             else:
                 argv += [flag_name(name), str(value)]
         return argv
+
+
+def _entries(text: str, flag: str) -> list[tuple[int, int]]:
+    """The I:STEP entries of a repeatable fault flag (comma-separated once parsed)."""
+    out = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        try:
+            index, step = (int(x) for x in entry.split(":"))
+        except ValueError:
+            raise ConfigError(f"{flag} {entry!r} must be I:STEP, e.g. {flag} 1:5 (the "
+                              f"{flag.split('-')[-1]} numbered 1, at step 5).") from None
+        out.append((index, step))
+    return out
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {}

@@ -266,9 +266,30 @@ class Tracing:
         "run directory; `psring trace DIR` renders it as a PNG"))
 
 
+@dataclass(frozen=True)
+class Faults:
+    """Faults placed from the command line, and what the run does when a process dies."""
+
+    title: ClassVar[str] = "faults"
+    kill_worker: str = field(default="", metadata=_flag(
+        "I:STEP kills worker I (SIGKILL) once it has finished step STEP - 1, so it never "
+        "finishes STEP; a worker alone on an emulated host takes the host down with it "
+        "(its link cut first, so its peers hear nothing). Repeatable, or comma-separated",
+        repeatable=True))
+    kill_server: str = field(default="", metadata=_flag(
+        "K:STEP kills parameter server K (SIGKILL) as worker 0 begins step STEP (worker "
+        "0 waits for it; a server alone on an emulated host: the host). Repeatable, or "
+        "comma-separated", repeatable=True))
+    max_restarts: int = field(default=0, metadata=_flag(
+        "when a worker or server dies, restart the whole run from its last complete "
+        "checkpoint (--checkpoint-every; from the start when none is written yet), at "
+        "most K times; each restart is logged in DIR/restarts.jsonl. 0 = fail-stop"))
+
+
 #: the sections in the order of their fields (RunConfig's, the manifests')
 SECTIONS: tuple[type, ...] = (Parallelism, Model, Data, Evaluation, Optimization, TorchDevice,
-                              Buckets, Servers, Gradients, ClusterFlags, Run, DeviceMode, Tracing)
+                              Buckets, Servers, Gradients, ClusterFlags, Run, DeviceMode, Tracing,
+                              Faults)
 
 
 def own_fields(section: type) -> list[str]:

@@ -68,10 +68,11 @@ def _check_strategy(cfg: RunConfig, caps: Any) -> None:
         raise ConfigError(f"--worker-batch weighs gradients by samples within one "
                           f"synchronous step; {cfg.strategy!r} applies each worker's "
                           f"update alone. Use allreduce, hallreduce, ddp or ps.")
-    if (cfg.checkpoint_every or cfg.resume) and not caps.supports_checkpoint:
+    if (cfg.checkpoint_every or cfg.resume or cfg.max_restarts) \
+            and not caps.supports_checkpoint:
         raise ConfigError(f"strategy {cfg.strategy!r} cannot checkpoint or resume; "
-                          f"drop --checkpoint-every/--resume, or use a strategy that "
-                          f"can (see docs/reliability.md).")
+                          f"drop --checkpoint-every/--resume/--max-restarts, or use a "
+                          f"strategy that can (see docs/reliability.md).")
     if cfg.device != "auto" and cfg.device not in caps.devices:
         raise ConfigError(f"--device {cfg.device}: {cfg.strategy!r} computes on "
                           f"{' or '.join(caps.devices)} only (hogwild's workers share the "
@@ -189,6 +190,9 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
         _check_transport(cfg, caps)
     if cfg.max_staleness != -1 and not caps.supports_staleness_bound:
         raise ConfigError(f"--max-staleness applies to async-ps, not {cfg.strategy!r}.")
+    if cfg.kill_server and not caps.uses_servers:
+        raise ConfigError(f"--kill-server kills a parameter server; {cfg.strategy!r} uses "
+                          f"none: drop --kill-server, or use --kill-worker.")
     from psring.comm.protocol import HOW_TO_SET_A_SECRET, is_local, load_secret
 
     # an emulated cluster's own servers are reachable only inside it

@@ -6,6 +6,8 @@
     DIR/workers.jsonl   one JSON object per worker per launch: its run id, rank, host,
                         address and interface (every worker appends)
     DIR/model.pt        final parameters, a plain state_dict (rank 0)
+    DIR/faults.jsonl    each fault placed by --kill-worker/--kill-server, as it fired
+    DIR/restarts.jsonl  each restart of the run from a checkpoint (--max-restarts)
     DIR/logs/*.log      each process's stdout and stderr (written by the launcher)
 
 Files that must survive a crash (manifest, model) are written atomically: a temporary
@@ -31,6 +33,8 @@ STEPS = "steps.jsonl"
 EVALS = "evals.jsonl"
 WORKERS = "workers.jsonl"
 MODEL = "model.pt"
+FAULTS = "faults.jsonl"
+RESTARTS = "restarts.jsonl"
 
 #: fields every step record has (docs/architecture.md explains each)
 STEP_FIELDS = ("strategy", "worker", "step", "time", "data_s", "forward_s", "backward_s",

@@ -5,6 +5,9 @@ For each run: samples/s, step time p50/p95, the share of the step spent computin
 over a ``single`` run of the same workload when one is among the directories given,
 and the last held-out accuracy with the time to ``--target-accuracy`` (evals.jsonl).
 The first steps (warm-up: allocator, connection set-up) are left out of the figures.
+A run that met faults (--kill-worker, --kill-server) or restarted (--max-restarts)
+gets a line under the table: the faults, the restarts, the steps redone and the time
+lost (from the last step logged before a failure to the same step logged again).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from typing import Any
 from psring.errors import ConfigError
 from psring.records.merge import missing_ranks
 from psring.records.runlog import (
+    FAULTS,
     PHASES,
+    RESTARTS,
     iter_run_dirs,
     read_evals,
     read_manifest,
@@ -153,7 +158,26 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         # who started the workers, and where (torchrun: every rank's host)
         "launch": manifest.get("launch") or {},
         "speedup_vs_single": None,
+        "faults": fault_summary(run_dir),
     }
+
+
+def fault_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The faults a run met and its restarts (None: neither): the faults' flags, the
+    restarts, the steps redone, and the seconds lost, each restart's from the last step
+    logged before the failure to the same step logged again after it."""
+    fired, restarts = read_steps(run_dir, FAULTS), read_steps(run_dir, RESTARTS)
+    if not fired and not restarts:
+        return None
+    records = read_steps(run_dir)
+    lost = 0.0
+    for r in restarts:
+        again = [x["time"] for x in records
+                 if x["step"] == r["reached"] - 1 and x["time"] > r["time"]]
+        if again and r["reached"]:
+            lost += min(again) - r["reached_at"]
+    return {"fired": [f["fault"] for f in fired], "restarts": len(restarts),
+            "steps_redone": sum(r["steps_redone"] for r in restarts), "lost_s": lost}
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
@@ -213,4 +237,13 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     console = Console(width=190, record=True, force_terminal=False)
     with console.capture() as cap:
         console.print(table)
-    return cap.get()
+    return cap.get() + "".join(_fault_line(r) for r in rows if r.get("faults"))
+
+
+def _fault_line(r: dict[str, Any]) -> str:
+    f = r["faults"]
+    text = f"{r['run']}: faults {', '.join(f['fired']) or 'none placed'}"
+    if f["restarts"]:
+        text += (f"; {f['restarts']} restart(s) from checkpoints, {f['steps_redone']} "
+                 f"step(s) redone, {f['lost_s']:.2f} s lost")
+    return text + "\n"

@@ -27,6 +27,7 @@ from psring.cluster.emulate import network_for
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError, RunFailed
 from psring.records.runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
+from psring.runtime import faults
 from psring.runtime.process import (
     ProcessSpec,
     Supervisor,
@@ -218,7 +219,9 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[Pr
 
 
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
-    """Run ``cfg`` to completion; return its run directory. Raises RunFailed."""
+    """Run ``cfg`` to completion, restarting it from its last checkpoint when a process
+    dies (--max-restarts, psring.runtime.faults); return its run directory. Raises
+    RunFailed."""
     cfg = validate(cfg)  # (once per config: psring run has validated it already)
     _check_emulated(cfg)
     # (imported here: psring.train.device imports torch, and psring --help reaches this module)
@@ -226,6 +229,24 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
 
     for why in capacity(cfg):  # --compute device beyond what this machine emulates
         print(f"psring: warning: {why}.", file=sys.stderr)
+    cfg = cfg.replace(out=cfg.out or default_out(cfg))  # (one directory, restarts included)
+    fired: set[faults.Fault] = set()
+    for attempt in range(cfg.max_restarts + 1):
+        try:
+            return _launch_once(cfg, progress, fired)
+        except RunFailed as e:
+            interrupted = e.exit_code in (130, 143)  # the user stopped it: no fault
+            again = None if interrupted or attempt == cfg.max_restarts else \
+                faults.restart(cfg, Path(cfg.out), attempt + 1, str(e), fired)
+            if again is None:
+                raise RunFailed(faults.blame(str(e), fired), e.exit_code) from None
+            cfg = again
+    raise AssertionError("unreachable")
+
+
+def _launch_once(cfg: RunConfig, progress: Callable[[int, int], None] | None,
+                 fired: set[faults.Fault]) -> Path:
+    """One attempt at the run: its directory prepared, its processes run to the end."""
     out, port = prepare(cfg)
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -247,7 +268,8 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
     reach, services = server_specs(placed, run_dir)
     cfg = placed.replace(**reach) if reach else placed
     ticker = _Progress(progress, run_dir / STEPS, cfg.steps * cfg.workers)
-    _supervise(cfg, run_dir, net, services, ticker)
+    injector = faults.Injector(faults.planned(cfg), run_dir, fired)
+    _supervise(cfg, run_dir, net, services, ticker, injector)
     ticker.report()
     if cfg.trace:
         from psring.records.trace import write_trace
@@ -257,12 +279,15 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
 
 
 def _check_emulated(cfg: RunConfig) -> None:
-    """What an emulated cluster decides itself, refused when given."""
+    """What an emulated cluster (or the launcher) decides itself, refused when given."""
     if cfg.cluster.emulated and cfg.server_addrs:
         raise ConfigError("--server-addrs names servers outside the emulated cluster, "
                           "which its hosts cannot reach; with --hosts or own-hosts "
                           "placement psring starts the servers inside it: drop "
                           "--server-addrs.")
+    if cfg.kill_server and cfg.server_addrs:
+        raise ConfigError("--kill-server kills a parameter server psring started, and "
+                          "--server-addrs names servers of yours: drop one of the two.")
     if cfg.cluster.emulated and cfg.master_addr != DEFAULT_MASTER_ADDR:
         raise ConfigError("--master-addr is chosen by the emulated cluster (worker 0's "
                           "host); drop it.")
@@ -286,17 +311,26 @@ class _Progress:
             self.progress(min(count_lines(self.steps), self.total), self.total)
 
 
-def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Progress) -> None:
+def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Progress,
+               injector: faults.Injector) -> None:
     """Start the cluster, the services and the workers under one supervisor and wait for
     them: fail-stop on the first failure, every process stopped whatever happens, the
-    strategy's leftovers (shared memory) cleaned up."""
-    sup = Supervisor(run_dir / "logs")
+    strategy's leftovers (shared memory) cleaned up. Each tick places the faults due."""
+    from psring.strategies import STRATEGIES
+
+    caps = STRATEGIES.get(cfg.strategy).caps
+    sup = Supervisor(run_dir / "logs", may_lose=lambda c: caps.may_lose(cfg, c.spec.name))
+
+    def tick() -> None:
+        ticker.tick()
+        injector.tick(sup, net)
+
     with _signals_raise():
         try:
             net.start(sup)
             for spec in services + worker_specs(cfg):
                 sup.start(net.place(spec))
-            sup.wait(ticker.tick)
+            sup.wait(tick)
         except RunFailed as e:
             why = net.explain()
             raise RunFailed(f"{e}\n{why}" if why else str(e), e.exit_code) from None
@@ -310,6 +344,4 @@ def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Prog
                             f"run in {run_dir} were stopped.", exit_code=143) from None
         finally:
             sup.stop()
-            from psring.strategies import STRATEGIES
-
             STRATEGIES.get(cfg.strategy).cleanup_run(cfg)

@@ -164,9 +164,15 @@ BLAME_WAIT_S = 2.0
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path):
+    """``may_lose(child)``: whether the run goes on when that child dies (a strategy
+    that survives lost workers, psring.strategies.base.Capabilities.may_lose); those
+    lost are kept in :attr:`lost` and not waited for."""
+
+    def __init__(self, log_dir: Path, may_lose: Callable[[Child], bool] | None = None):
         self.log_dir = Path(log_dir)
         self.children: list[Child] = []
+        self.may_lose = may_lose or (lambda child: False)
+        self.lost: list[Child] = []
 
     def start(self, spec: ProcessSpec) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +199,7 @@ class Supervisor:
         """Block until every non-service child exited 0; raise RunFailed as soon as any
         child (services included) fails or a service exits before the workers are done."""
         while True:
-            failed = self._failed()
+            failed = self._unexpected()
             if failed:
                 # A peer's disconnection is often seen before the process that caused it
                 # has finished dying: give it a moment to be the one named.
@@ -201,14 +207,26 @@ class Supervisor:
                 while all(self._cascade(c) for c in failed) and time.monotonic() < deadline \
                         and any(c.proc.poll() is None for c in self.children):
                     time.sleep(POLL_S)
-                    failed = self._failed()
+                    failed = self._unexpected()
                 self.stop()
                 raise RunFailed(self._failure_message(failed))
-            if all(c.proc.poll() == 0 for c in self.children if not c.spec.service):
+            if all(c.proc.poll() == 0 for c in self.children
+                   if not c.spec.service and c not in self.lost):
                 return
             if on_tick is not None:
                 on_tick()
             time.sleep(POLL_S)
+
+    def _unexpected(self) -> list[Child]:
+        """The failed children the run cannot go on without; those it can join
+        :attr:`lost` (each said once)."""
+        failed = [c for c in self._failed() if c not in self.lost]
+        for c in failed:
+            if self.may_lose(c):
+                self.lost.append(c)
+                print(f"psring: {c.spec.name} lost ({describe_exit(c.proc.returncode)}); "
+                      f"the run goes on without it", file=sys.stderr, flush=True)
+        return [c for c in failed if c not in self.lost]
 
     def _failed(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() not in (None, 0)
@@ -235,6 +253,9 @@ class Supervisor:
         live = [c for c in self.children if c.proc.poll() is None]
         for c in live:
             _signal_group(c.proc, signal.SIGTERM)
+            # a stopped child (--kill-worker's, psring.runtime.faults) handles it only
+            # once continued: else it would wait out the grace period
+            _signal_group(c.proc, signal.SIGCONT)
         deadline = time.monotonic() + grace
         for c in live:
             try:

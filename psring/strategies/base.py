@@ -133,6 +133,10 @@ class Capabilities:
     waits_for: str = "communication"
     #: --checkpoint-every and --resume work (checkpoint_state/restore_checkpoint below)
     supports_checkpoint: bool = True
+    #: the run goes on when a worker other than 0 dies (its updates never waited for:
+    #: async-ps without --max-staleness, whose bound would wait for it), the survivors
+    #: finishing it; False: a lost worker fails the run (or restarts it, --max-restarts)
+    survives_lost_workers: bool = False
     #: --compress fp16/bf16 means something: the strategy sends gradients
     #: (psring.comm.compress)
     supports_compression: bool = False
@@ -163,6 +167,13 @@ class Capabilities:
     def update_site(self, update_on: str) -> str:
         """Where the optimizer runs for a run's --update-on ("" = the default)."""
         return update_on or self.update_sites[0]
+
+    def may_lose(self, cfg: Any, process: str) -> bool:
+        """Whether the run goes on without ``process`` (a worker's or server's name) when
+        it dies: a worker other than worker 0, which writes the model and evaluations,
+        where the strategy survives lost workers and nothing else would wait for it."""
+        return (self.survives_lost_workers and process.startswith("worker-")
+                and process != "worker-0" and cfg.max_staleness < 0)
 
     def local_optimizer(self, update_on: str) -> bool:
         """Whether each worker builds and applies the optimizer (the loop's update);

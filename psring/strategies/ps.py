@@ -373,6 +373,6 @@ class ParameterServer(Strategy):
 class AsyncParameterServer(ParameterServer):
     name = "async-ps"
     caps = replace(ParameterServer.caps, synchronous=False, supports_staleness_bound=True,
-                   cost_model="ps-async")
+                   cost_model="ps-async", survives_lost_workers=True)
     mode = "async"
 

@@ -503,6 +503,28 @@ def test_a_cut_link_fails_the_run_within_the_timeout_naming_the_host(tmp_path, s
     assert_cluster_gone(out)
 
 
+@needs_emulation
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_killed_worker_alone_on_its_host_is_a_host_crash_and_a_restart_recovers(tmp_path):
+    """--kill-worker 1:4 on 2 emulated hosts of one worker each: host-1's link goes down,
+    then worker-1 is killed; with --max-restarts 1 the run starts again (a fresh cluster)
+    from its step-3 checkpoint and finishes; no process, namespace or link is left."""
+    out = tmp_path / "r"
+    res = psring("run", "--strategy", "allreduce", "--workers", 2, "--hosts", 2, "--link",
+                 "1gbit", *SMALL, "--kill-worker", "1:4", "--checkpoint-every", 3,
+                 "--max-restarts", 1, "--out", out, timeout=120)
+    assert "host-1 crashed (link cut, then worker-1 killed)" in res.stderr, res.stderr
+    (fault,) = [json.loads(x) for x in (out / "faults.jsonl").read_text().splitlines()]
+    assert fault["host_down"] == "host-1" and fault["step"] == 4
+    (restart,) = [json.loads(x) for x in (out / "restarts.jsonl").read_text().splitlines()]
+    assert restart["resumed_from"] == 3 and "worker-1 failed" in restart["cause"]
+    assert sorted((r["step"], r["worker"]) for r in read_steps(out)) == \
+        [(s, w) for s in range(12) for w in range(2)]
+    assert_no_processes(out)
+    assert_cluster_gone(out)
+
+
 # -- calibration across a link, and where reports say points ran --------------------------
 
 def test_reports_say_where_a_point_ran():

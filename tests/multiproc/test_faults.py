@@ -1,0 +1,147 @@
+"""Faults from the command line (--kill-worker, --kill-server) and restarts from the last
+checkpoint (--max-restarts): bad flags refused before anything starts; a killed worker
+fails the run naming the fault; a run killed twice and restarted ends with exactly the
+parameters of one never killed; nothing is left running."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from psring.config import RunConfig
+from psring.runtime import faults
+from tests.helpers import (
+    SMALL,
+    assert_no_processes,
+    cli_here,
+    load_model,
+    max_rel_diff,
+    psring,
+    psring_together,
+    read_steps,
+)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--workers", 2, "--kill-worker", "2:3"], "the worker is 0..1 and the step 1..11"),
+    (["--workers", 2, "--kill-worker", "1:0"], "a fault at step STEP lets step STEP - 1"),
+    (["--workers", 2, "--kill-worker", "1:12"], "the run has 12 steps"),
+    (["--workers", 2, "--kill-worker", "one"], "must be I:STEP"),
+    (["--workers", 2, "--max-restarts", 1], "add --checkpoint-every N"),
+    (["--workers", 2, "--max-restarts", -1], "--max-restarts must be >= 0"),
+    (["--workers", 2, "--kill-server", "0:3"], "'allreduce' uses none"),
+    (["--workers", 2, "--strategy", "ps", "--server-addrs", "tcp://127.0.0.1:5999",
+      "--kill-server", "0:3"], "drop one of the two"),
+])
+def test_a_fault_that_cannot_apply_is_refused_before_anything_starts(tmp_path, args, words):
+    out = tmp_path / "run"
+    res = cli_here("run", "--strategy", "allreduce", *SMALL, *args, "--out", out)
+    assert res.returncode == 2, res.stderr
+    err = res.stderr.strip()
+    assert words in err and "\n\n" not in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_fault_flags_repeat_and_travel_to_the_workers():
+    from psring.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--workers", "4", "--strategy", "ps",
+                                      "--servers", "2", "--kill-worker", "1:5",
+                                      "--kill-worker", "2:7,3:8", "--kill-server", "1:6"])
+    from psring.config.flags import config_from_args
+
+    cfg = config_from_args(args)
+    assert cfg.faults == (("worker", 1, 5), ("worker", 2, 7), ("worker", 3, 8),
+                          ("server", 1, 6))
+    assert faults.stops_at(cfg, 2) == {7} and faults.stops_at(cfg, 0) == {6}  # (server's)
+    # what a worker process parses back (RunConfig.to_argv)
+    again = config_from_args(build_parser().parse_args(["run", *cfg.to_argv()]))
+    assert again.faults == cfg.faults
+    left = faults.without(cfg, {faults.Fault("worker", 2, 7)})
+    assert left.faults == (("worker", 1, 5), ("worker", 3, 8), ("server", 1, 6))
+    assert RunConfig().faults == ()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_fails_the_run_naming_the_fault(tmp_path):
+    out = tmp_path / "run"
+    res = psring("run", "--strategy", "allreduce", "--workers", 2, *SMALL,
+                 "--kill-worker", "1:4", "--out", out, check=False, timeout=100)
+    assert res.returncode != 0
+    assert "worker-1 failed (killed by SIGKILL)" in res.stderr, res.stderr
+    assert "--kill-worker 1:4 placed it" in res.stderr and "--max-restarts" in res.stderr
+    # it never finished step 4, and began nothing after it
+    assert max(r["step"] for r in read_steps(out) if r["worker"] == 1) == 3
+    fired = [json.loads(x) for x in (out / faults.FAULTS).read_text().splitlines()]
+    assert [(f["fault"], f["process"]) for f in fired] == [("--kill-worker 1:4", "worker-1")]
+    assert not (out / faults.RESTARTS).exists()
+    assert_no_processes(out)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy, extra, kills", [
+    ("allreduce", [], ["--kill-worker", "1:5", "--kill-worker", "0:10"]),
+    ("ps", ["--servers", 2], ["--kill-worker", "1:5", "--kill-server", "1:10"]),
+])
+def test_a_run_killed_twice_restarts_to_the_uninterrupted_parameters(tmp_path, strategy,
+                                                                      extra, kills):
+    args = ["run", "--strategy", strategy, "--workers", 2, *SMALL, *extra,
+            "--checkpoint-every", 3]
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    _, res = psring_together([*args, "--out", ref],
+                             [*args, *kills, "--max-restarts", 2, "--out", out],
+                             timeout=200)
+    assert res.stderr.count("psring: restart ") == 2, res.stderr
+    restarts = [json.loads(x) for x in (out / faults.RESTARTS).read_text().splitlines()]
+    assert [r["attempt"] for r in restarts] == [1, 2]
+    # killed at step 5: back to the checkpoint of step 3; at step 10: to step 9
+    assert [r["resumed_from"] for r in restarts] == [3, 9]
+    assert all(r["steps_redone"] >= 1 for r in restarts), restarts
+    assert len((out / faults.FAULTS).read_text().splitlines()) == 2  # each fired once
+    # every step exactly once per worker, and exactly the uninterrupted parameters
+    assert sorted((r["step"], r["worker"]) for r in read_steps(out)) == \
+        [(s, w) for s in range(12) for w in range(2)]
+    assert max_rel_diff(load_model(out), load_model(ref)) == 0.0
+    assert_no_processes(out)
+    report = cli_here("report", out).stdout
+    assert " ".join(kills[:2]) in report and " ".join(kills[2:]) in report, report
+    assert "2 restart(s) from checkpoints" in report, report
+
+
+@pytest.mark.timeout(120)
+def test_without_a_checkpoint_yet_a_restart_starts_over(tmp_path):
+    out = tmp_path / "run"
+    psring("run", "--strategy", "allreduce", "--workers", 2, *SMALL, "--checkpoint-every",
+           10, "--kill-worker", "0:2", "--max-restarts", 1, "--out", out, timeout=100)
+    (restart,) = [json.loads(x) for x in (out / faults.RESTARTS).read_text().splitlines()]
+    assert restart["resumed_from"] == 0 and restart["steps_redone"] == 2
+    assert sorted((r["step"], r["worker"]) for r in read_steps(out)) == \
+        [(s, w) for s in range(12) for w in range(2)]
+    assert_no_processes(out)
+
+
+@pytest.mark.timeout(120)
+def test_async_ps_goes_on_past_a_killed_worker(tmp_path):
+    """async-ps never waits for a worker's update: worker 1 killed at step 4, the
+    survivors finish every step and worker 0 writes the model; with --max-staleness
+    (whose bound would wait for the lost worker) the same loss fails the run."""
+    out = tmp_path / "run"
+    res = psring("run", "--strategy", "async-ps", "--workers", 3, *SMALL, "--batch-size", 48,
+                 "--kill-worker", "1:4", "--out", out, timeout=100)
+    assert "worker-1 lost (killed by SIGKILL); the run goes on without it" in res.stderr
+    steps = read_steps(out)
+    assert max(r["step"] for r in steps if r["worker"] == 1) == 3
+    for w in (0, 2):
+        assert sorted(r["step"] for r in steps if r["worker"] == w) == list(range(12))
+    assert (out / "model.pt").exists()
+    assert "faults --kill-worker 1:4" in cli_here("report", out).stdout
+    assert_no_processes(out)
+    from psring.strategies import STRATEGIES
+
+    caps = STRATEGIES.get("async-ps").caps
+    cfg = RunConfig(strategy="async-ps", workers=3, batch_size=48)
+    assert caps.may_lose(cfg, "worker-2") and not caps.may_lose(cfg, "worker-0")
+    assert not caps.may_lose(cfg, "server-0")
+    assert not caps.may_lose(cfg.replace(max_staleness=2), "worker-2")
+    assert not STRATEGIES.get("ps").caps.may_lose(cfg, "worker-2")
