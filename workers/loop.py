@@ -114,7 +114,7 @@ def _steps(run: StepRunner, split: Split, log: StepLog | None,
     stops = faults.stops_at(cfg, ctx.rank)  # --kill-worker: where the launcher kills it
     for step in range(first_step, cfg.steps):
         if step in stops:
-            faults.stop_here()
+            faults.stop_here(cfg, ctx.rank, step)
         clock.begin(carried)
         record = run.step(step, carried)
         carried = 0.0

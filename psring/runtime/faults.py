@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psring.records.runlog import FAULTS, RESTARTS, STEPS, append_record, atomic_write_bytes
+from psring.records.runlog import (
+    FAULTS,
+    RESTARTS,
+    STEPS,
+    append_record,
+    atomic_write_bytes,
+    read_steps,
+)
 
 
 @dataclass(frozen=True)
@@ -59,14 +66,26 @@ def planned(cfg: Any) -> list[Fault]:
 
 def stops_at(cfg: Any, rank: int) -> set[int]:
     """The steps at whose start worker ``rank`` stops itself (:func:`stop_here`): its
-    own faults' and, for worker 0, the servers' (they die as worker 0 begins the step)."""
-    return {f.step for f in planned(cfg)
-            if f.process == f"worker-{rank}" or f.kind == "server" and rank == 0}
+    own faults' and, for worker 0, the servers' (they die as worker 0 begins the step);
+    not those the run's faults.jsonl says fired already (a restart under torchrun)."""
+    fired = {r.get("fault") for r in read_steps(Path(cfg.out or "."), FAULTS)}
+    return {f.step for f in planned(cfg) if f.flag not in fired and
+            (f.process == f"worker-{rank}" or f.kind == "server" and rank == 0)}
 
 
-def stop_here() -> None:
-    """A worker's half of --kill-worker: freeze, for the launcher to kill."""
-    os.kill(os.getpid(), signal.SIGSTOP)
+def stop_here(cfg: Any, rank: int, step: int) -> None:
+    """A worker's half of a fault: freeze, for psring run's launcher to act. Without
+    that launcher (under torchrun) nobody would: the worker records its own fault and
+    dies at once (SIGKILL); a server's fault is then not placed."""
+    if os.environ.get("PSRING_PARENT_PID"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    mine = [f for f in planned(cfg) if f.process == f"worker-{rank}" and f.step == step]
+    if mine:
+        append_record(Path(cfg.out) / FAULTS, {
+            "time": time.time(), "fault": mine[0].flag, "process": mine[0].process,
+            "step": step, "host_down": None})
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _stopped(pid: int) -> bool:

@@ -145,3 +145,24 @@ def test_async_ps_goes_on_past_a_killed_worker(tmp_path):
     assert not caps.may_lose(cfg, "server-0")
     assert not caps.may_lose(cfg.replace(max_staleness=2), "worker-2")
     assert not STRATEGIES.get("ps").caps.may_lose(cfg, "worker-2")
+
+
+def test_without_psring_runs_launcher_a_worker_kills_itself_and_records_it(tmp_path):
+    """Under torchrun no launcher would act on a stopped worker: it records its fault
+    and dies at once (SIGKILL), and a restart of it does not meet the fault again."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from psring.config import RunConfig; from psring.runtime import faults; "
+            f"cfg = RunConfig(workers=2, strategy='allreduce', steps=5, kill_worker='1:3', "
+            f"out={str(tmp_path)!r}); faults.stop_here(cfg, 1, 3); print('alive')")
+    env = {k: v for k, v in os.environ.items() if k != "PSRING_PARENT_PID"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == -9 and "alive" not in res.stdout, res
+    (fired,) = [json.loads(x) for x in (tmp_path / faults.FAULTS).read_text().splitlines()]
+    assert fired["fault"] == "--kill-worker 1:3" and fired["process"] == "worker-1"
+    cfg = RunConfig(workers=2, strategy="allreduce", steps=5, kill_worker="1:3",
+                    out=str(tmp_path))
+    assert faults.stops_at(cfg, 1) == set()
