@@ -117,6 +117,10 @@ class Flows:
         self.carried = np.zeros(1)  # bytes each link carried so far
         self.marks: dict[float, np.ndarray] = {}  # t -> carried then (mark)
         self.flushing = False
+        # the active connections or their weights changed since the last sharing: the
+        # shares depend on nothing else, so a message carried on a connection that stays
+        # busy leaves them as they are
+        self.dirty = False
         self.now = 0.0
         self.epoch = 0
 
@@ -148,6 +152,7 @@ class Flows:
         c.queue.append((self.sent[i], arrived))
         if not self.active[i]:
             self.active[i] = True
+            self.dirty = True
             self.head[i] = self.sent[i]
             self.weight[i] = math.exp(self.spread * self.rng.gauss(0.0, 1.0)) \
                 if self.spread else 1.0
@@ -212,8 +217,11 @@ class Flows:
                 self.delivered[i] = self.sent[i]
                 self.active[i] = False
                 self.rate[i] = 0.0
+                self.dirty = True
         act = act[self.active[act]]
-        self._share(act)
+        if self.dirty:
+            self._share(act)
+            self.dirty = False
         self.epoch += 1
         if len(act):
             with np.errstate(divide="ignore", invalid="ignore"):
