@@ -10,7 +10,13 @@ sync   pushes for step ``s`` are summed (into the momentum buffer, as they arriv
        see psring.servers.store); each range is updated (SGD) as soon as all N
        workers' pushes of it are in (with init's ``group`` G, N / G pushes: byteps's
        workers push one host's sum each, a range from one worker per host), and when
-       every element is updated the version becomes ``s + 1``. A pull for
+       every element is updated the version becomes ``s + 1``. With init's
+       ``backups`` b, a step takes the first N - b workers to ``commit`` (shard 0
+       counts them, each after all its pushes of the step were acknowledged, and
+       answers each commit with the chosen workers once there are N - b; a chosen
+       worker tells the other shards with ``choose``): pushes are held until the
+       choice is known, the chosen ones are summed in worker order and the others
+       dropped, and a push of a finished step is acknowledged ``dropped``. A pull for
        ``min_version = s + 1`` is answered range by range: each range is sent as soon
        as it is updated (so replies overlap the summing of the rest), the pull is
        complete when the whole shard has been sent.
@@ -119,10 +125,24 @@ class _Run:
     started: bool = False  # every worker has asked for parameters once
     #: init's `group`: workers // group push each range, worker w in place w // group
     group: int = 1
+    #: init's `backups` b (sync): a step takes the first workers - b to commit
+    backups: int = 0
+    #: this step's chosen workers, ascending, once known (backups)
+    chosen: tuple[int, ...] | None = None
+    #: shard 0 (backups): the workers that committed this step, and their held commits
+    commits: list[int] = field(default_factory=list)
+    commit_waits: list["_Deferred"] = field(default_factory=list)
 
     @property
     def pushers(self) -> int:
         return self.workers // self.group
+
+    def order(self) -> list[int] | None:
+        """The places whose pushes a step sums, in summing order: all of them, or with
+        backups the chosen workers once known (None before: every push is held)."""
+        if not self.backups:
+            return list(range(self.pushers))
+        return list(self.chosen) if self.chosen is not None else None
 
 
 class Handler:
@@ -270,6 +290,10 @@ class Handler:
         if h["update"] not in UPDATES or h["update"] == "sum" and not sync:
             raise RequestError(f"init: update {h['update']!r} must be one of {UPDATES}, and "
                                f"'sum' needs mode 'sync'")
+        if not 0 <= h["backups"] < h["workers"] or h["backups"] and (not sync or group > 1):
+            raise RequestError(f"init: backups {h['backups']} must be 0..workers - 1 "
+                               f"({h['workers'] - 1}), and backups need mode 'sync' and "
+                               f"group 1")
         store = ShardStore(lo, hi, msg.tensors[0], h["lr"], h["momentum"], h["weight_decay"],
                            update=h["update"])
         store.new_step(h["version"])
@@ -279,7 +303,8 @@ class Handler:
                           store=store, max_staleness=h["max_staleness"], version=h["version"],
                           snapshot_every=h["snapshot_every"],
                           snapshot_last=h["snapshot_last"],
-                          wire_dtype=DTYPES[h["wire_dtype"]], group=h["group"])
+                          wire_dtype=DTYPES[h["wire_dtype"]], group=h["group"],
+                          backups=h["backups"])
         self.snapshot_waits = [d for d in self.snapshot_waits if d.msg.header["run"] == h["run"]]
         # pulls held for an older run will never be answered: refuse them now
         stale = [d for d in self.deferred if d.msg.header["run"] != h["run"]]
@@ -296,16 +321,17 @@ class Handler:
         start = self._check_push(st, msg)
         h, grad = msg.header, msg.tensors[0]
         w = h["worker"]
-        got = st.received.get(w, 0) + grad.numel()
+        late = st.backups and h["step"] < st.version  # (its step went on without it)
+        got = (0 if late else st.received.get(w, 0)) + grad.numel()
         if got > st.store.numel:
             raise RequestError(f"worker {w} pushed more than one step's gradient for step "
                                f"{h['step']}")
         # workers push only after their first pull was answered: a push means the run
         # has started, even for a client that never asked for parameters
         st.started = True
-        staleness = 0
+        staleness, dropped = 0, False
         if st.mode == "sync":
-            self._push_sync(st, h, grad, start, got)
+            dropped = self._push_sync(st, h, grad, start, got)
         else:
             st.store.apply(grad, start)
             st.received[w] = got
@@ -315,8 +341,11 @@ class Handler:
                 st.version += 1
                 st.in_flight.discard(w)
                 self._maybe_snapshot(st)
-        ack = self._reply(peer, msg, "ack", {"version": st.version, "staleness": staleness},
-                          t0=t0, staleness=staleness)
+        fields = {"version": st.version, "staleness": staleness}
+        if dropped:  # (only then: without backups the ack is as it always was)
+            fields["dropped"] = True
+        ack = self._reply(peer, msg, "ack", fields, t0=t0, staleness=staleness,
+                          **({"dropped": True} if dropped else {}))
         self._remember(st, h, grad.numel(), ack.frames)
         return [ack]
 
@@ -342,27 +371,41 @@ class Handler:
                 f"keeps (this step's and the last), or a client reusing sequence numbers")
         return start
 
-    def _push_sync(self, st: _Run, h: dict, grad, start: int, got: int) -> None:
+    def _push_sync(self, st: _Run, h: dict, grad, start: int, got: int) -> bool:
         """Add a synchronous push; a range every worker has pushed is updated and can be
         sent while the rest of the gradients may still be arriving (per-element SGD, so
-        range by range is the same as all at once); the last one ends the step."""
+        range by range is the same as all at once); the last one ends the step. True
+        when the push is dropped (backups: its step went on without its worker)."""
+        if st.backups and (h["step"] < st.version or h["step"] == st.version
+                           and st.chosen is not None and h["worker"] not in st.chosen):
+            return True
         if h["step"] != st.version:
             raise RequestError(f"push for step {h['step']} but the server is at step "
                                f"{st.version} (synchronous mode)")
-        pushed = self._accumulate(st, start, grad, h["worker"])  # may refuse: count after
+        complete = self._accumulate(st, start, grad, h["worker"])  # may refuse: count after
         st.received[h["worker"]] = got
-        if pushed == st.pushers:
-            n = grad.numel()
-            st.applied += n
-            st.done.append((start, n))
-        if st.applied == st.store.numel:
-            st.covered.clear()
-            st.received.clear()
-            st.applied = 0
-            st.last_ranges, st.done = st.done, []
-            st.version += 1
-            st.store.new_step(st.version)
-            self._maybe_snapshot(st)
+        if complete:
+            self._range_done(st, start, grad.numel())
+        self._maybe_end_step(st)
+        return False
+
+    @staticmethod
+    def _range_done(st: _Run, start: int, n: int) -> None:
+        st.applied += n
+        st.done.append((start, n))
+
+    def _maybe_end_step(self, st: _Run) -> None:
+        """Every range of the step is updated: the version goes up by one."""
+        if st.applied != st.store.numel:
+            return
+        st.covered.clear()
+        st.received.clear()
+        st.applied = 0
+        st.last_ranges, st.done = st.done, []
+        st.chosen, st.commits = None, []
+        st.version += 1
+        st.store.new_step(st.version)
+        self._maybe_snapshot(st)
 
     def _pull(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
         if len(msg.tensors) != 0:
@@ -390,6 +433,69 @@ class Handler:
         self.deferred = [d for d in self.deferred
                          if not (d.msg.header["run"] == st.run and d.msg.header["worker"] == w)]
         return [self._reply(peer, msg, "ok", {}, t0=t0)]
+
+    # ------------------------------------------------------------------ backup workers
+    def _commit(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
+        """Shard 0 counts the workers whose pushes of the step are all in; the first
+        workers - backups are the step's, each answered once they are all known."""
+        st, h = self._current(msg), msg.header
+        if not st.backups or st.shard != 0:
+            raise RequestError("commit goes to shard 0 of a synchronous run with backup "
+                               "workers (init's backups > 0)")
+        if h["step"] > st.version:
+            raise RequestError(f"commit for step {h['step']} but the server is at step "
+                               f"{st.version}")
+        if h["step"] < st.version or st.chosen is not None:  # the step took others
+            return [self._chosen(peer, msg, t0, list(st.chosen or ()))]
+        if h["worker"] in st.commits:
+            raise RequestError(f"worker {h['worker']} committed step {h['step']} twice")
+        st.commits.append(h["worker"])
+        st.commit_waits.append(_Deferred(peer, msg, t0))
+        if len(st.commits) < st.workers - st.backups:
+            return []
+        chosen, waits = sorted(st.commits), st.commit_waits
+        st.commit_waits = []
+        replies = [self._chosen(d.peer, d.msg, d.since, chosen) for d in waits]
+        self._adopt(st, chosen)
+        return replies
+
+    def _chosen(self, peer: bytes, msg: Message, t0: float, chosen: list[int]) -> Reply:
+        taken = msg.header["worker"] in chosen and msg.header["step"] == self.state.version
+        return self._reply(peer, msg, "chosen", {"step": msg.header["step"],
+                                                 "workers": chosen, "taken": taken},
+                           t0=t0, wait=time.perf_counter() - t0, chosen=chosen, taken=taken)
+
+    def _choose(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
+        """Another shard learns the step's workers from one of them."""
+        st, h = self._current(msg), msg.header
+        if not st.backups:
+            raise RequestError("choose is for a synchronous run with backup workers")
+        if h["step"] > st.version:
+            raise RequestError(f"choose for step {h['step']} but the server is at step "
+                               f"{st.version}")
+        chosen = h["workers"]
+        if not (len(chosen) == st.workers - st.backups
+                and all(isinstance(w, int) and 0 <= w < st.workers for w in chosen)
+                and chosen == sorted(set(chosen))):
+            raise RequestError(f"choose names {chosen!r}: {st.workers - st.backups} distinct "
+                               f"workers of 0..{st.workers - 1}, ascending")
+        if h["step"] == st.version:
+            if st.chosen is None:
+                self._adopt(st, chosen)
+            elif list(st.chosen) != chosen:
+                raise RequestError(f"choose names {chosen} for step {h['step']}, which "
+                                   f"took {list(st.chosen)}")
+        return [self._reply(peer, msg, "ok", {}, t0=t0, chosen=chosen)]
+
+    def _adopt(self, st: _Run, chosen: list[int]) -> None:
+        """The step's workers are known: drop the others' held pushes, sum the rest."""
+        st.chosen = tuple(chosen)
+        for (start, n), entry in st.covered.items():
+            for slot in [s for s in entry[2] if s not in st.chosen]:
+                del entry[2][slot]
+            if entry[0] < len(chosen) and self._sum_in(st, start, entry):
+                self._range_done(st, start, n)
+        self._maybe_end_step(st)
 
     # ------------------------------------------------------------------ checkpoints
     @staticmethod
@@ -445,7 +551,7 @@ class Handler:
     @staticmethod
     def _accumulate(st: _Run, start: int, grad: torch.Tensor, worker: int) -> int:
         """Add a push into this step's update of its range (the last of N also applies
-        it); return how many workers' pushes of this range are summed in. Pushes are
+        it); return whether the range is complete (updated). Pushes are
         summed in worker order whatever order they arrive in (one that comes early is
         held, a view of its received frame, until its turn), so the floating-point sum
         — and the trained model — is the same on every run. All workers of a run push
@@ -470,19 +576,29 @@ class Handler:
                                f"twice in step {st.version}")
         entry[1].add(slot)
         entry[2][slot] = grad
-        while entry[0] in entry[2]:
+        return Handler._sum_in(st, start, entry)
+
+    @staticmethod
+    def _sum_in(st: _Run, start: int, entry: list) -> bool:
+        """Sum the held pushes of a range whose turn has come (st.order()); True when
+        the range's last one is in (it is updated)."""
+        order = st.order()
+        if order is None:
+            return False  # (backups: held until the step's workers are chosen)
+        n = len(order)
+        while entry[0] < n and order[entry[0]] in entry[2]:
             k = entry[0]
-            g = entry[2].pop(k)
-            if st.pushers == 1:
+            g = entry[2].pop(order[k])
+            if n == 1:
                 st.store.apply(g, start)
             elif k == 0:
                 st.store.begin(g, start)
-            elif k < st.pushers - 1:
+            elif k < n - 1:
                 st.store.add(g, start)
             else:
                 st.store.finish(g, start)
             entry[0] += 1
-        return entry[0]
+        return entry[0] == n
 
     @staticmethod
     def _wanted(st: _Run, msg: Message) -> tuple[int, int] | None:

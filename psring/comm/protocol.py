@@ -68,6 +68,8 @@ class AuthenticationError(ProtocolError):
 _INT = (int,)
 _NUM = (int, float)
 _STR = (str,)
+_BOOL = (bool,)
+_LIST = (list,)
 
 #: fields every message has
 COMMON = {"v": _INT, "op": _STR, "run": _STR, "worker": _INT, "seq": _INT, "shard": _INT}
@@ -82,11 +84,14 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # `group` G: workers that aggregate among themselves first (byteps: a host's), so
     # each range is pushed by workers / G of them, worker w in place w // G of the sum;
     # `update` "sgd" (the server runs the optimizer) or "sum" (it only adds: a pull
-    # returns the step's summed gradient, the workers update)
+    # returns the step's summed gradient, the workers update); `backups` b (sync): a
+    # step takes the first workers - b workers to commit, the same for every range and
+    # shard (commit, choose)
     "init": {"lo": _INT, "hi": _INT, "workers": _INT, "mode": _STR, "lr": _NUM,
              "momentum": _NUM, "weight_decay": _NUM, "max_staleness": _INT,
              "version": _INT, "snapshot_every": _INT, "snapshot_last": _INT,
-             "wire_dtype": _STR, "group": _INT, "update": _STR, "tensors": (list,)},
+             "wire_dtype": _STR, "group": _INT, "update": _STR, "backups": _INT,
+             "tensors": (list,)},
     # worker -> server: gradient for flat elements [offset, offset+len) of step `step`,
     # in the run's wire dtype (init's `wire_dtype`: float32, or float16 / bfloat16 with
     # --compress); pulls are answered in it too, the server keeps float32
@@ -96,11 +101,21 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "pull": {"min_version": _INT, "lo": _INT, "hi": _INT, "tensors": (list,)},
     # worker -> server: this worker is done with the run (it stops counting as in flight)
     "leave": {"tensors": (list,)},
+    # worker -> shard 0 (with backups), once every push of its step `step` is
+    # acknowledged: count me in; answered by `chosen` once the step's workers are chosen
+    "commit": {"step": _INT, "tensors": (list,)},
+    # a chosen worker -> every other shard: step `step` takes the pushes of `workers`
+    # (ascending) and drops the others'
+    "choose": {"step": _INT, "workers": _LIST, "tensors": (list,)},
     # worker 0 -> server: the shard's copy taken at `version` (sync: answered once it
     # exists), or at once of the shard as it is now (`version` -1; async)
     "snapshot": {"version": _INT, "tensors": (list,)},
-    # server -> worker replies
-    "ack": {"version": _INT, "staleness": _INT, "tensors": (list,)},
+    # server -> worker replies; `dropped`: the push came too late for its step (backups)
+    # and was thrown away
+    "ack": {"version": _INT, "staleness": _INT, "dropped": _BOOL, "tensors": (list,)},
+    # answer to commit: the workers step `step` takes (ascending), and whether this one
+    # is among them
+    "chosen": {"step": _INT, "workers": _LIST, "taken": _BOOL, "tensors": (list,)},
     # a pull is answered by one or more params messages, each a range starting at flat
     # element `offset`; together they cover the shard
     "params": {"version": _INT, "offset": _INT, "tensors": (list,)},
@@ -113,13 +128,14 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 #: a later revision of version 2; a decoded header always has them)
 OPTIONAL: dict[str, dict[str, Any]] = {
     "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0, "wire_dtype": "float32",
-             "group": 1, "update": "sgd"},
+             "group": 1, "update": "sgd", "backups": 0},
     "pull": {"lo": 0, "hi": 0},
+    "ack": {"dropped": False},
 }
 
-REQUESTS = ("init", "push", "pull", "leave", "snapshot")
+REQUESTS = ("init", "push", "pull", "leave", "snapshot", "commit", "choose")
 #: the ops a worker accepts in reply (psring.comm.psclient)
-REPLIES = ("ack", "params", "ok", "error", "state")
+REPLIES = ("ack", "params", "ok", "error", "state", "chosen")
 MODES = ("sync", "async")
 #: what a server does with the summed gradients (init's `update`)
 UPDATES = ("sgd", "sum")
@@ -322,7 +338,7 @@ def decode(frames: Sequence[Any], expect: Iterable[str] | None = None,
     for name, types in schema.items():
         value = header[name]
         # bool is an int in Python; a boolean where a number belongs is still wrong
-        if not isinstance(value, types) or isinstance(value, bool):
+        if not isinstance(value, types) or isinstance(value, bool) and types is not _BOOL:
             raise ProtocolError(f"op {op!r}: field {name!r} has type "
                                 f"{type(value).__name__}")
     entries = header["tensors"]
