@@ -463,7 +463,8 @@ class Handler:
         taken = msg.header["worker"] in chosen and msg.header["step"] == self.state.version
         return self._reply(peer, msg, "chosen", {"step": msg.header["step"],
                                                  "workers": chosen, "taken": taken},
-                           t0=t0, wait=time.perf_counter() - t0, chosen=chosen, taken=taken)
+                           t0=t0, wait=time.perf_counter() - t0, taken=taken,
+                           **({"chosen": chosen} if taken else {}))
 
     def _choose(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
         """Another shard learns the step's workers from one of them."""

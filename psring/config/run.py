@@ -173,6 +173,10 @@ class RunConfig(*reversed(SECTIONS)):
                         f"run: the {what} is 0..{count - 1} and the step 1..{self.steps - 1} "
                         f"(the run has {self.steps} steps; a fault at step STEP lets step "
                         f"STEP - 1 finish).")
+        if not 0 <= self.backup_workers < self.workers:
+            raise ConfigError(f"--backup-workers {self.backup_workers}: each step takes the "
+                              f"first N - B of the {self.workers} workers, so B is 0.."
+                              f"{self.workers - 1}; give a smaller B (or more --workers).")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0 (got {self.max_restarts}).")
         if self.max_restarts and not self.checkpoint_every:

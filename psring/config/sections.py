@@ -284,6 +284,11 @@ class Faults:
         "when a worker or server dies, restart the whole run from its last complete "
         "checkpoint (--checkpoint-every; from the start when none is written yet), at "
         "most K times; each restart is logged in DIR/restarts.jsonl. 0 = fail-stop"))
+    backup_workers: int = field(default=0, metadata=_flag(
+        "ps: each step the servers take the gradients of the first N - B workers to "
+        "finish pushing it (the same workers for every key) and drop the others' "
+        "(backup workers, Chen et al. 2016); a straggler or a lost worker costs at most "
+        "its share, and the run goes on past up to B lost workers. 0 = wait for all"))
 
 
 #: the sections in the order of their fields (RunConfig's, the manifests')

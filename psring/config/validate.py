@@ -190,6 +190,15 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
         _check_transport(cfg, caps)
     if cfg.max_staleness != -1 and not caps.supports_staleness_bound:
         raise ConfigError(f"--max-staleness applies to async-ps, not {cfg.strategy!r}.")
+    if cfg.backup_workers and not caps.supports_backups:
+        raise ConfigError(f"--backup-workers lets a synchronous parameter server drop its "
+                          f"slowest workers' gradients; {cfg.strategy!r} has no such step "
+                          f"(async-ps never waits for a worker anyway): use --strategy ps, "
+                          f"or drop --backup-workers.")
+    if cfg.backup_workers and (cfg.checkpoint_every or cfg.resume):
+        raise ConfigError("--backup-workers with checkpoints is not built yet (a dropped "
+                          "worker's steps and the servers' versions part ways): drop "
+                          "--checkpoint-every/--resume/--max-restarts, or --backup-workers.")
     if cfg.kill_server and not caps.uses_servers:
         raise ConfigError(f"--kill-server kills a parameter server; {cfg.strategy!r} uses "
                           f"none: drop --kill-server, or use --kill-worker.")

@@ -319,7 +319,8 @@ def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Prog
     from psring.strategies import STRATEGIES
 
     caps = STRATEGIES.get(cfg.strategy).caps
-    sup = Supervisor(run_dir / "logs", may_lose=lambda c: caps.may_lose(cfg, c.spec.name))
+    sup = Supervisor(run_dir / "logs",
+                     may_lose=lambda c: caps.may_lose(cfg, c.spec.name, len(sup.lost)))
 
     def tick() -> None:
         ticker.tick()

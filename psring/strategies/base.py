@@ -137,6 +137,9 @@ class Capabilities:
     #: async-ps without --max-staleness, whose bound would wait for it), the survivors
     #: finishing it; False: a lost worker fails the run (or restarts it, --max-restarts)
     survives_lost_workers: bool = False
+    #: --backup-workers B: each step takes the first N - B workers' gradients (the
+    #: synchronous PS's servers choose them); the run then goes on past B lost workers
+    supports_backups: bool = False
     #: --compress fp16/bf16 means something: the strategy sends gradients
     #: (psring.comm.compress)
     supports_compression: bool = False
@@ -168,12 +171,16 @@ class Capabilities:
         """Where the optimizer runs for a run's --update-on ("" = the default)."""
         return update_on or self.update_sites[0]
 
-    def may_lose(self, cfg: Any, process: str) -> bool:
+    def may_lose(self, cfg: Any, process: str, lost: int = 0) -> bool:
         """Whether the run goes on without ``process`` (a worker's or server's name) when
-        it dies: a worker other than worker 0, which writes the model and evaluations,
-        where the strategy survives lost workers and nothing else would wait for it."""
-        return (self.survives_lost_workers and process.startswith("worker-")
-                and process != "worker-0" and cfg.max_staleness < 0)
+        it dies, ``lost`` workers being gone already: a worker other than worker 0, which
+        writes the model and evaluations, where the strategy survives lost workers and
+        nothing else would wait for it, or one of --backup-workers B."""
+        if not process.startswith("worker-") or process == "worker-0":
+            return False
+        if self.survives_lost_workers and cfg.max_staleness < 0:
+            return True
+        return self.supports_backups and lost < cfg.backup_workers
 
     def local_optimizer(self, update_on: str) -> bool:
         """Whether each worker builds and applies the optimizer (the loop's update);

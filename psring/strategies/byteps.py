@@ -120,7 +120,8 @@ class BytePS(ParameterServer):
     caps = replace(ParameterServer.caps, uses_process_group=True,
                    supports_compression=False, supports_checkpoint=False,
                    needs_equal_hosts=True, update_sites=("server", "worker"),
-                   inside_host="collectives", cost_model="byteps")
+                   inside_host="collectives", cost_model="byteps",
+                   supports_backups=False)  # (a host's collective waits for all its workers)
 
     def setup(self, model: nn.Module) -> nn.Module:
         ctx, cfg = self.ctx, self.ctx.cfg

@@ -44,7 +44,7 @@ from psring.comm.protocol import DTYPE_NAMES, Message, load_secret
 from psring.comm.psclient import PSClient, Replies
 from psring.errors import PsringError
 from psring.records.runlog import run_id
-from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
+from psring.strategies.base import DONE, STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 
 
@@ -73,14 +73,18 @@ def server_frame_limit(cfg) -> int | None:
 class ParameterServer(Strategy):
     name = "ps"
     caps = Capabilities(uses_servers=True, supports_compression=True,
-                        update_sites=("server",), cost_model="ps", inside_host="host-copies")
+                        update_sites=("server",), cost_model="ps", inside_host="host-copies",
+                        supports_backups=True)
     mode: ClassVar[str] = "sync"
 
     def setup(self, model: nn.Module) -> nn.Module:
         cfg, ctx = self.ctx.cfg, self.ctx
         params = [p for p in model.parameters() if p.requires_grad]
         cap, first = bucket_caps(cfg.bucket_mb)
-        self.buckets = GradientBuckets(params, cap, first, scale=1.0 / ctx.world,
+        # --backup-workers B: a step sums the first N - B workers' gradients
+        self.backups = cfg.backup_workers if self.caps.supports_backups else 0
+        self.buckets = GradientBuckets(params, cap, first,
+                                       scale=1.0 / (ctx.world - self.backups),
                                        launch=self._push, stats_of=lambda: self.stats)
         resume = ctx.resume.tensors if ctx.resume is not None else None
         total = self._flatten(resume)
@@ -102,6 +106,7 @@ class ParameterServer(Strategy):
         self._staleness = -1
         # resuming: the servers start at the checkpoint's version, with its momentum
         self.version0 = int(resume["ps/version"]) if resume is not None else 0
+        self.pulled = self.version0  # the version of the parameters last pulled
         if ctx.rank == 0:
             self._initialize_servers(resume)
         self.pull = self._send_pull(min_version=self.version0 if self.mode == "sync" else 0)
@@ -158,7 +163,7 @@ class ParameterServer(Strategy):
             # float32 copy of the last version (final_state)
             "snapshot_every": cfg.checkpoint_every or (cfg.steps if self.compressed else 0),
             "snapshot_last": cfg.steps, "wire_dtype": DTYPE_NAMES[self.wire_dtype],
-            **self._init_fields()},
+            **({"backups": self.backups} if self.backups else {}), **self._init_fields()},
             [self._server_values(lo, hi)] + ([momentum[lo:hi]] if momentum is not None else []))
             for k, (lo, hi) in enumerate(self.ranges)]
         # A server that is not there fails here, quickly, naming its address.
@@ -181,6 +186,7 @@ class ParameterServer(Strategy):
         return Replies(self.client, keys, "a pull of parameters")
 
     def _apply_piece(self, msg: Message) -> None:
+        self.pulled = msg.header["version"]
         a = msg.header["offset"]
         b = a + msg.tensors[0].numel()
         if a < 0 or b > self.host_flat.numel():
@@ -226,7 +232,21 @@ class ParameterServer(Strategy):
     def compressed(self) -> bool:
         return self.wire_dtype != torch.float32
 
+    @property
+    def push_step(self) -> int:
+        """The step this worker's gradients are for: the loop's, or with backup workers
+        the version they were computed on (a dropped worker may have skipped one)."""
+        return self.pulled if self.backups else self.step
+
+    @property
+    def run_over(self) -> bool:
+        """(backups) The servers took the run's last step without this worker: the rest
+        of its steps have nothing to push."""
+        return bool(self.backups) and self.pulled >= self.ctx.cfg.steps
+
     def _push(self, bucket: Bucket) -> Handle:
+        if self.run_over:
+            return DONE
         start = self.bucket_start[bucket.index]
         data = bucket.buffer
         if self.host_buckets[bucket.index] is not None:  # GPU gradients go via the host
@@ -235,7 +255,7 @@ class ParameterServer(Strategy):
             self.ctx.stand_in.copy("d2h", bucket.nbytes)
         if self.wire_buckets[bucket.index] is not None:  # --compress
             data = self.wire_buckets[bucket.index].copy_(data)
-        keys = [self.client.send(k, "push", {"step": self.step, "offset": s},
+        keys = [self.client.send(k, "push", {"step": self.push_step, "offset": s},
                                  [data[s - start:e - start]])
                 for k, s, e in overlaps(start, start + bucket.numel, self.ranges)]
         return Replies(self.client, keys, "a gradient push", self._on_acks)
@@ -260,10 +280,32 @@ class ParameterServer(Strategy):
 
     def finish_backward(self) -> Handle:
         acks = self.buckets.finish()
+        step, over = self.push_step, self.run_over
         # Right behind the pushes on every connection: a server sees the pull after
         # this worker's gradients, and answers it as soon as the rules allow.
-        self.pull = self._send_pull(self.step + 1 if self.mode == "sync" else 0)
-        return WaitAll(acks, then=self._account)
+        self.pull = self._send_pull((step + 1 if not over else step)
+                                    if self.mode == "sync" else 0)
+        if not self.backups:
+            return WaitAll(acks, then=self._account)
+        return WaitAll(acks, then=lambda: self._commit(step, over))
+
+    def _commit(self, step: int, over: bool) -> None:
+        """(backups) Every push of ``step`` is acknowledged: count this worker in with
+        shard 0, and if the step took it, tell the other shards whom it took."""
+        taken = False
+        if not over:
+            (chosen,) = self.client.wait([self.client.send(0, "commit", {"step": step})],
+                                         f"the choice of step {step}'s workers")
+            taken, workers = chosen.header["taken"], chosen.header["workers"]
+            if taken and len(self.ranges) > 1:
+                self.client.wait([self.client.send(k, "choose", {"step": step,
+                                                                 "workers": workers})
+                                  for k in range(1, len(self.ranges))],
+                                 f"telling the servers step {step}'s workers")
+        # which of the servers' steps it was (a worker dropped late may skip one, then
+        # computes on a newer version), and whether its gradients were thrown away
+        self.stats.extra.update(version=step, dropped=not taken)
+        self._account()
 
     def _account(self) -> None:
         # the last step's pushes are acknowledged: this worker is done (see close)
@@ -373,6 +415,6 @@ class ParameterServer(Strategy):
 class AsyncParameterServer(ParameterServer):
     name = "async-ps"
     caps = replace(ParameterServer.caps, synchronous=False, supports_staleness_bound=True,
-                   cost_model="ps-async", survives_lost_workers=True)
+                   cost_model="ps-async", survives_lost_workers=True, supports_backups=False)
     mode = "async"
 

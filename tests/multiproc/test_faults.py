@@ -30,6 +30,10 @@ from tests.helpers import (
     (["--workers", 2, "--kill-worker", "one"], "must be I:STEP"),
     (["--workers", 2, "--max-restarts", 1], "add --checkpoint-every N"),
     (["--workers", 2, "--max-restarts", -1], "--max-restarts must be >= 0"),
+    (["--workers", 2, "--backup-workers", 2], "B is 0..1"),
+    (["--workers", 2, "--backup-workers", 1], "use --strategy ps"),
+    (["--workers", 2, "--strategy", "ps", "--backup-workers", 1, "--checkpoint-every", 2],
+     "not built yet"),
     (["--workers", 2, "--kill-server", "0:3"], "'allreduce' uses none"),
     (["--workers", 2, "--strategy", "ps", "--server-addrs", "tcp://127.0.0.1:5999",
       "--kill-server", "0:3"], "drop one of the two"),
@@ -166,3 +170,33 @@ def test_without_psring_runs_launcher_a_worker_kills_itself_and_records_it(tmp_p
     cfg = RunConfig(workers=2, strategy="allreduce", steps=5, kill_worker="1:3",
                     out=str(tmp_path))
     assert faults.stops_at(cfg, 1) == set()
+
+
+@pytest.mark.timeout(120)
+def test_backup_workers_drop_the_last_worker_and_go_on_past_a_lost_one(tmp_path):
+    """ps, 3 workers, --backup-workers 1: every step takes two workers' gradients and
+    logs the third as dropped; with worker 2 killed at step 4 the other two finish the
+    run. --backup-workers 0 is the plain synchronous PS, parameter for parameter."""
+    args = ["run", "--strategy", "ps", "--workers", 3, *SMALL, "--batch-size", 48,
+            "--servers", 2]
+    plain, zero, backed = tmp_path / "plain", tmp_path / "zero", tmp_path / "backed"
+    psring_together([*args, "--out", plain], [*args, "--backup-workers", 0, "--out", zero])
+    assert max_rel_diff(load_model(zero), load_model(plain)) == 0.0
+    res = psring(*args, "--backup-workers", 1, "--kill-worker", "2:4", "--out", backed,
+                 timeout=100)
+    assert "worker-2 lost (killed by SIGKILL); the run goes on without it" in res.stderr
+    steps = read_steps(backed)
+    # each of the servers' steps took two workers' gradients (a worker dropped late may
+    # compute its next step on a newer version: records name the version, "version")
+    for v in range(12):
+        assert sum(not r["dropped"] for r in steps if r["version"] == v) == 2, v
+    assert any(r["dropped"] for r in steps if r["version"] < 4)  # while all three pushed
+    for w in (0, 1):
+        assert sorted(r["step"] for r in steps if r["worker"] == w) == list(range(12))
+    assert max(r["step"] for r in steps if r["worker"] == 2) == 3
+    assert (backed / "model.pt").exists()
+    # the servers log whom each step took: two workers, the same on both shards
+    took = [json.loads(x) for x in (backed / "servers.jsonl").read_text().splitlines()]
+    chosen = {(r["server"], r["step"]): r["chosen"] for r in took if "chosen" in r}
+    assert all(len(c) == 2 for c in chosen.values()) and len(chosen) >= 2 * 12
+    assert_no_processes(backed)
