@@ -13,6 +13,12 @@ median error; per cluster, the measured and the predicted fastest, and over the 
 whose measured fastest leads every other strategy by more than 10%, how often the
 predicted fastest is it. Then a grid of the clusters and strategies (docs/prediction.md's
 table), and every point as a Markdown table for docs/benchmarks.md.
+
+    python experiments/prediction_report.py --seeds 6 runs/host_model runs/host_model_flat
+
+``--seeds K`` adds the parameter servers' settings replayed with K draws of TCP's
+uneven shares (psring.predict.engine.Flows, seeds 0..K-1): each one's spread, and the
+errors of the mean of the K draws against the measured step.
 """
 
 from __future__ import annotations
@@ -167,8 +173,49 @@ def _name(s) -> str:
     return s.strategy + (f" ({placement})" if uses else "")
 
 
+def seed_means(dirs: list[str], k: int) -> None:
+    """The servers' settings (their replays draw TCP's shares) replayed with k seeds:
+    each one's mean and spread, the errors of the means, the largest ones."""
+    from psring.predict.costmodel import Calibration, find_calibration
+    from psring.predict.replay import replay
+    from psring.report.aggregate import Setting
+    from psring.strategies import STRATEGIES
+
+    rows = []
+    for d in dirs:
+        cal = Calibration.load(find_calibration(d))
+        for x in json.loads((Path(d) / "report.json").read_text()):
+            s = Setting.from_dict(x)
+            if s.step_error is None or not STRATEGIES.get(s.strategy).caps.uses_servers:
+                continue
+            draws = [replay(Path(d) / f"{s.id}_r0", cal, flow_seed=seed) for seed in range(k)]
+            steps = [p.step_s * 1e3 for p in draws if p is not None]
+            if len(steps) == k:
+                mean = statistics.mean(steps)
+                rows.append((s.label or s.strategy, s.strategy, s.step_ms.median, mean,
+                             statistics.stdev(steps) / mean if k > 1 else 0.0))
+    errs = [abs(m / meas - 1) for _, _, meas, m, _ in rows]
+    print(f"\nthe servers' {len(rows)} settings, the mean of {k} draws: median |error| "
+          f"{statistics.median(errs):.1%}, largest {max(errs):.1%}, above 20%: "
+          f"{sum(e > 0.2 for e in errs)}; spread (sd/mean) up to "
+          f"{max(r[4] for r in rows):.0%}")
+    for name in sorted({r[1] for r in rows}):
+        e = [abs(r[3] / r[2] - 1) for r in rows if r[1] == name]
+        print(f"  {name}: median {statistics.median(e):.1%}, largest {max(e):.1%} ({len(e)})")
+    for label, _, meas, mean, sd in sorted(rows, key=lambda r: -abs(r[3] / r[2] - 1))[:5]:
+        print(f"  {label}: measured {meas:.0f} ms, mean of draws {mean:.0f} "
+              f"({mean / meas - 1:+.0%}, sd {sd:.0%})")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    seeds = 0
+    if args[:1] == ["--seeds"] and len(args) > 1:
+        seeds, args = int(args[1]), args[2:]
+    if not args:
         print(__doc__)
         sys.exit(2)
-    sys.exit(main(sys.argv[1:]))
+    code = main(args)
+    if seeds:
+        seed_means(args, seeds)
+    sys.exit(code)

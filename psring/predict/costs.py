@@ -102,6 +102,9 @@ class Sim:
     #: how unevenly flows share a link (psring.predict.engine.Flows): the σ of their
     #: lognormal weights; 0 shares evenly, a deterministic fluid
     flow_spread: float = FLOW_SPREAD
+    #: the seed of those weights (one draw of TCP's shares; the step a prediction gives
+    #: is that draw's)
+    flow_seed: int = 0
 
 
 @dataclass(frozen=True)

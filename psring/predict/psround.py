@@ -97,7 +97,7 @@ class PSRound:
         hosts = sorted({*self.whost, *self.shost})
         self.out = {h: Link(f"host {h} link out", self.b_link) for h in hosts}
         self.inn = {h: Link(f"host {h} link in", self.b_link) for h in hosts}
-        self.flows = Flows(self.ev, self.sim.flow_spread)
+        self.flows = Flows(self.ev, self.sim.flow_spread, self.sim.flow_seed)
         self.conns: dict[tuple[int, int, bool], Connection] = {}
         # a GPU worker's copy engines, one each way (the profile's host_copy): gradients
         # out to pinned memory before a push, parameters back after a pull

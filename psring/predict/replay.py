@@ -52,14 +52,15 @@ def _with_host_copies(prof: Profile, manifest: dict[str, Any]) -> Profile:
     return replace(prof, host_copy=compute["host_copy"])
 
 
-def replay(run_dir: Any, cal: Calibration,
-           inside: tuple[float, float] | None = None) -> Prediction | None:
+def replay(run_dir: Any, cal: Calibration, inside: tuple[float, float] | None = None,
+           flow_seed: int = 0) -> Prediction | None:
     """The simulator's step time for a measured run, from the run's own profile (its
     compute phases and when its buckets were launched; Profile.from_run): what the run's
     communication should have cost on its cluster, given its compute. None for a run
     the simulator cannot read. ``inside``: (α, β) of each host's own interconnect, for
     what the run would take with, say, NVLink inside its hosts (simulate's); by default
-    the run's own --device-link where it had one (psring.comm.interconnect)."""
+    the run's own --device-link where it had one (psring.comm.interconnect);
+    ``flow_seed``: which draw of TCP's uneven shares (simulate's)."""
     try:
         manifest = read_manifest(run_dir)
         cfg = manifest["config"]
@@ -88,6 +89,6 @@ def replay(run_dir: Any, cal: Calibration,
                         bucket_mb=float(cfg.get("bucket_mb", 25.0)),
                         update_on=cfg.get("update_on") or "server",
                         reduce=cfg.get("reduce") or "sum", inside=inside,
-                        cores=shared_cores(manifest), stretch=False)
+                        cores=shared_cores(manifest), stretch=False, flow_seed=flow_seed)
     except (ValueError, RuntimeError):
         return None

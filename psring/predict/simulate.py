@@ -87,6 +87,7 @@ transport, the shared cores, or latency (α terms dominate).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from psring.cluster.spec import Cluster
@@ -127,7 +128,8 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
              steps: int = 0, *, compress: str = "none", bucket_mb: float = 25.0,
              cores: int | None = None, update_on: str = "server",
              reduce: str = "sum", inside: tuple[float, float] | None = None,
-             stretch: bool = True, flow_spread: float = FLOW_SPREAD) -> Prediction:
+             stretch: bool = True, flow_spread: float = FLOW_SPREAD,
+             flow_seed: int = 0) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster.spec) under cost model ``comm_model`` (a name in
     COST_MODELS; None: no messages), with the run's ``compress`` and ``bucket_mb``;
@@ -140,10 +142,11 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     whether ``cores`` stretch the profile's compute (False: it was measured sharing
     them, as a replayed run's own is: the cores only bound the step's CPU work);
     ``flow_spread``: how unevenly TCP's flows share a link (costs.FLOW_SPREAD; 0: evenly,
-    a deterministic fluid)."""
+    a deterministic fluid), ``flow_seed`` the seed of that draw."""
     model = _check(cluster, comm_model, steps, compress, bucket_mb, cores)
-    sim = _inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
-                  cores if stretch else None, update_on, reduce, inside, flow_spread)
+    sim = replace(_inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
+                          cores if stretch else None, update_on, reduce, inside,
+                          flow_spread), flow_seed=flow_seed)
     n = cluster.workers
     if model is None or n == 1 and model.collective or sim.total == 0:
         pred = finish(sim, comm_model, sum(sim.compute))
