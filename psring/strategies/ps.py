@@ -76,6 +76,8 @@ class ParameterServer(Strategy):
                         update_sites=("server",), cost_model="ps", inside_host="host-copies",
                         supports_backups=True)
     mode: ClassVar[str] = "sync"
+    #: --backup-workers B (ps; set in setup): a step sums the first N - B workers'
+    backups: int = 0
 
     def setup(self, model: nn.Module) -> nn.Module:
         cfg, ctx = self.ctx.cfg, self.ctx
