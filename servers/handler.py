@@ -707,8 +707,10 @@ class Handler:
         the part the pull asks for). In sync mode a range is final for ``version`` as
         soon as it is updated, and nothing changes it until every worker has pushed
         again — which each does only after its pull is complete — so it is sent
-        zero-copy, while other ranges are still being summed."""
+        zero-copy, while other ranges are still being summed. With backups N - B pushes
+        are enough, so a late worker's reply could be overwritten in place: a copy."""
         out = []
+        snapshot = snapshot or bool(st.backups)
         a, b = d.part
         values = st.store.sendable(version)
         for start, n in ranges:

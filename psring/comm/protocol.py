@@ -113,8 +113,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # server -> worker replies; `dropped`: the push came too late for its step (backups)
     # and was thrown away
     "ack": {"version": _INT, "staleness": _INT, "dropped": _BOOL, "tensors": (list,)},
-    # answer to commit: the workers step `step` takes (ascending), and whether this one
-    # is among them
+    # answer to commit: the workers step `step` takes (ascending; those of the server's
+    # current step, [] for a step already over), and whether this one is among them
     "chosen": {"step": _INT, "workers": _LIST, "taken": _BOOL, "tensors": (list,)},
     # a pull is answered by one or more params messages, each a range starting at flat
     # element `offset`; together they cover the shard

@@ -166,7 +166,12 @@ class RunConfig(*reversed(SECTIONS)):
     def _check_faults(self) -> None:
         for name, count, what in (("kill_worker", self.workers, "worker"),
                                   ("kill_server", self.derived()["servers"], "server")):
-            for index, step in _entries(getattr(self, name), flag_name(name)):
+            entries = _entries(getattr(self, name), flag_name(name))
+            twice = sorted({i for i, _ in entries if [j for j, _ in entries].count(i) > 1})
+            if twice:
+                raise ConfigError(f"{flag_name(name)} names {what} {twice[0]} more than once: "
+                                  f"a process dies once; give it one step.")
+            for index, step in entries:
                 if not 0 <= index < count or not 1 <= step < self.steps:
                     raise ConfigError(
                         f"{flag_name(name)} {index}:{step} names no {what} and step of this "

@@ -281,7 +281,8 @@ class Faults:
         "0 waits for it; a server alone on an emulated host: the host). Repeatable, or "
         "comma-separated", repeatable=True))
     max_restarts: int = field(default=0, metadata=_flag(
-        "when a worker or server dies, restart the whole run from its last complete "
+        "when a worker or server dies and the run cannot go on without it, restart the "
+        "whole run from its last complete "
         "checkpoint (--checkpoint-every; from the start when none is written yet), at "
         "most K times; each restart is logged in DIR/restarts.jsonl. 0 = fail-stop"))
     backup_workers: int = field(default=0, metadata=_flag(

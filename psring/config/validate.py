@@ -195,6 +195,10 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
                           f"slowest workers' gradients; {cfg.strategy!r} has no such step "
                           f"(async-ps never waits for a worker anyway): use --strategy ps, "
                           f"or drop --backup-workers.")
+    if cfg.backup_workers and cfg.worker_batch:
+        raise ConfigError("--backup-workers averages whichever N - B workers come first, "
+                          "and --worker-batch weighs each worker by its own share: the two "
+                          "do not make the global batch's mean. Drop one of them.")
     if cfg.backup_workers and (cfg.checkpoint_every or cfg.resume):
         raise ConfigError("--backup-workers with checkpoints is not built yet (a dropped "
                           "worker's steps and the servers' versions part ways): drop "

@@ -176,7 +176,8 @@ def fault_summary(run_dir: Path) -> dict[str, Any] | None:
                  if x["step"] == r["reached"] - 1 and x["time"] > r["time"]]
         if again and r["reached"]:
             lost += min(again) - r["reached_at"]
-    return {"fired": [f["fault"] for f in fired], "restarts": len(restarts),
+    return {"fired": [f["fault"] for f in fired if "fault" in f],
+            "lost": [f["lost"] for f in fired if "lost" in f], "restarts": len(restarts),
             "steps_redone": sum(r["steps_redone"] for r in restarts), "lost_s": lost}
 
 
@@ -243,6 +244,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 def _fault_line(r: dict[str, Any]) -> str:
     f = r["faults"]
     text = f"{r['run']}: faults {', '.join(f['fired']) or 'none placed'}"
+    if f.get("lost"):
+        text += f"; went on without {', '.join(f['lost'])}"
     if f["restarts"]:
         text += (f"; {f['restarts']} restart(s) from checkpoints, {f['steps_redone']} "
                  f"step(s) redone, {f['lost_s']:.2f} s lost")

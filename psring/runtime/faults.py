@@ -27,12 +27,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from psring.errors import PsringError
 from psring.records.runlog import (
     FAULTS,
     RESTARTS,
@@ -172,7 +174,11 @@ class Injector:
         host = net.plan.host_of(f.process) if net.plan.emulated else None
         crash = host is not None and host.processes == [f.process]
         if crash:
-            net.cut(host.name)
+            try:
+                net.cut(host.name)
+            except (OSError, subprocess.SubprocessError, PsringError) as e:
+                crash = False  # (the process still dies; its peers may hear it)
+                print(f"psring: could not cut {host.name}'s link: {e}", file=sys.stderr)
         # its process group: a worker's own helpers (a forked data loader) die with it
         _signal(child.proc.pid, signal.SIGKILL)
         self.fired.add(f)
@@ -190,6 +196,14 @@ def _signal(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def record_loss(run_dir: Path, child: Any) -> None:
+    """A process the run went on without (Supervisor.lost), in faults.jsonl."""
+    from psring.runtime.process import describe_exit
+
+    append_record(run_dir / FAULTS, {"time": time.time(), "lost": child.spec.name,
+                                     "exit": describe_exit(child.proc.returncode)})
 
 
 def blame(message: str, fired: list[Fault]) -> str:

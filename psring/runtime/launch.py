@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 from psring.cluster.emulate import network_for
 from psring.config import RunConfig, validate
-from psring.errors import ConfigError, RunFailed
+from psring.errors import ConfigError, PsringError, RunFailed
 from psring.records.runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
 from psring.runtime import faults
 from psring.runtime.process import (
@@ -236,8 +236,12 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
             return _launch_once(cfg, progress, fired)
         except RunFailed as e:
             interrupted = e.exit_code in (130, 143)  # the user stopped it: no fault
-            again = None if interrupted or attempt == cfg.max_restarts else \
-                faults.restart(cfg, Path(cfg.out), attempt + 1, str(e), fired)
+            try:
+                again = None if interrupted or attempt == cfg.max_restarts else \
+                    faults.restart(cfg, Path(cfg.out), attempt + 1, str(e), fired)
+            except PsringError as why:  # (no usable checkpoint): the failure stands
+                raise RunFailed(f"{faults.blame(str(e), fired)}\nIt could not restart: "
+                                f"{why}", e.exit_code) from None
             if again is None:
                 raise RunFailed(faults.blame(str(e), fired), e.exit_code) from None
             cfg = again
@@ -320,7 +324,8 @@ def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Prog
 
     caps = STRATEGIES.get(cfg.strategy).caps
     sup = Supervisor(run_dir / "logs",
-                     may_lose=lambda c: caps.may_lose(cfg, c.spec.name, len(sup.lost)))
+                     may_lose=lambda c: caps.may_lose(cfg, c.spec.name, len(sup.lost)),
+                     on_lost=lambda c: faults.record_loss(run_dir, c))
 
     def tick() -> None:
         ticker.tick()

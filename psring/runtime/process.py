@@ -165,13 +165,17 @@ BLAME_WAIT_S = 2.0
 
 class Supervisor:
     """``may_lose(child)``: whether the run goes on when that child dies (a strategy
-    that survives lost workers, psring.strategies.base.Capabilities.may_lose); those
-    lost are kept in :attr:`lost` and not waited for."""
+    that survives lost workers, psring.strategies.base.Capabilities.may_lose) — only
+    when a signal ended it (a crash, the OOM killer, a placed fault): one that exited
+    with an error has a bug to show, and fails the run. Those lost are kept in
+    :attr:`lost`, not waited for, and handed to ``on_lost``."""
 
-    def __init__(self, log_dir: Path, may_lose: Callable[[Child], bool] | None = None):
+    def __init__(self, log_dir: Path, may_lose: Callable[[Child], bool] | None = None,
+                 on_lost: Callable[[Child], None] | None = None):
         self.log_dir = Path(log_dir)
         self.children: list[Child] = []
         self.may_lose = may_lose or (lambda child: False)
+        self.on_lost = on_lost or (lambda child: None)
         self.lost: list[Child] = []
 
     def start(self, spec: ProcessSpec) -> Child:
@@ -222,10 +226,11 @@ class Supervisor:
         :attr:`lost` (each said once)."""
         failed = [c for c in self._failed() if c not in self.lost]
         for c in failed:
-            if self.may_lose(c):
+            if (c.proc.returncode or 0) < 0 and self.may_lose(c):
                 self.lost.append(c)
                 print(f"psring: {c.spec.name} lost ({describe_exit(c.proc.returncode)}); "
                       f"the run goes on without it", file=sys.stderr, flush=True)
+                self.on_lost(c)
         return [c for c in failed if c not in self.lost]
 
     def _failed(self) -> list[Child]:

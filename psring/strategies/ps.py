@@ -183,12 +183,18 @@ class ParameterServer(Strategy):
         return self.host_flat[lo:hi]
 
     def _send_pull(self, min_version: int) -> Replies:
+        self._pull_version: int | None = None  # the oldest version among its pieces
         keys = [self.client.pull(k, min_version, hi - lo, self._apply_piece)
                 for k, (lo, hi) in enumerate(self.ranges)]
         return Replies(self.client, keys, "a pull of parameters")
 
     def _apply_piece(self, msg: Message) -> None:
-        self.pulled = msg.header["version"]
+        # (backups: shards may answer one pull at versions a step apart, shard 0 having
+        # chosen before the others learnt it; a gradient of such a mix is labelled with
+        # the older one, and the newer shards drop it as late)
+        v = msg.header["version"]
+        self._pull_version = v if self._pull_version is None else min(self._pull_version, v)
+        self.pulled = self._pull_version
         a = msg.header["offset"]
         b = a + msg.tensors[0].numel()
         if a < 0 or b > self.host_flat.numel():

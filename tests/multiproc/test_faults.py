@@ -31,6 +31,9 @@ from tests.helpers import (
     (["--workers", 2, "--max-restarts", 1], "add --checkpoint-every N"),
     (["--workers", 2, "--max-restarts", -1], "--max-restarts must be >= 0"),
     (["--workers", 2, "--backup-workers", 2], "B is 0..1"),
+    (["--workers", 2, "--kill-worker", "1:3,1:5"], "names worker 1 more than once"),
+    (["--workers", 2, "--strategy", "ps", "--backup-workers", 1, "--worker-batch", "24,8"],
+     "Drop one of them"),
     (["--workers", 2, "--backup-workers", 1], "use --strategy ps"),
     (["--workers", 2, "--strategy", "ps", "--backup-workers", 1, "--checkpoint-every", 2],
      "not built yet"),
@@ -139,7 +142,7 @@ def test_async_ps_goes_on_past_a_killed_worker(tmp_path):
     for w in (0, 2):
         assert sorted(r["step"] for r in steps if r["worker"] == w) == list(range(12))
     assert (out / "model.pt").exists()
-    assert "faults --kill-worker 1:4" in cli_here("report", out).stdout
+    assert "faults --kill-worker 1:4; went on without worker-1" in cli_here("report", out).stdout
     assert_no_processes(out)
     from psring.strategies import STRATEGIES
 
