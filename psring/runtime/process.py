@@ -138,6 +138,18 @@ class Child:
     log_path: Path
 
 
+def oom_kills(vmstat: str = "/proc/vmstat") -> int:
+    """How many processes the kernel's OOM killer has ended since boot (0 where the
+    kernel does not say: Linux before 4.13, or not Linux)."""
+    try:
+        for line in Path(vmstat).read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def tail(path: Path, lines: int = 12) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -177,6 +189,7 @@ class Supervisor:
         self.may_lose = may_lose or (lambda child: False)
         self.on_lost = on_lost or (lambda child: None)
         self.lost: list[Child] = []
+        self.oom_kills = oom_kills()  # (the machine's count so far: a rise names the cause)
 
     def start(self, spec: ProcessSpec) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +263,10 @@ class Supervisor:
                f"the other processes were stopped. Its log is {culprit.log_path}")
         if others:
             msg += f" (also failed: {', '.join(others)})"
+        if culprit.proc.returncode == -signal.SIGKILL and oom_kills() > self.oom_kills:
+            msg += (". The kernel's OOM killer ended processes meanwhile: the machine ran "
+                    "out of memory (fewer workers or a smaller model fit; `dmesg` names "
+                    "them)")
         last = tail(culprit.log_path)
         return msg + (f"; its last lines:\n{last}" if last else ".")
 
