@@ -20,6 +20,15 @@ different ones; the key's own value names the point:
 
     model = [{model = "resnet18", lr = 0.01}, {model = "mlstm", width = 64, lr = 0.05}]
 
+A grid key that is no `psring run` flag names *cases*: every value is a table, whose
+own key is only the case's name (in the point's id), the rest its flags:
+
+    fault = [{fault = "none"}, {fault = "worker", kill_worker = "1:10"},
+             {fault = "server", kill_server = "0:10"}]
+
+A case that cannot apply to a point's strategy is not run there: ``kill_server`` where
+the strategy has no servers, ``backup_workers`` where it takes none.
+
 Device-mode sweeps (``compute = "device"``, docs/emulation.md) can describe their
 profiles on paper in the definition, so the published figures they rest on sit beside
 the grid, sources cited; the sweep builds each once (``psring profile --on-paper``) in
@@ -121,11 +130,13 @@ class Sweep:
         valid = {f.name for f in fields(RunConfig)} | EXTRA_KEYS
         self._check_profiles()
         for where, table in (("base", self.base), ("grid", self.grid)):
-            unknown = sorted(set(table) - valid)
+            unknown = sorted(set(table) - valid - (self.cases if where == "grid" else set()))
             if unknown:
                 raise ConfigError(f"sweep {self.name!r}: unknown key(s) {', '.join(unknown)} "
                                   f"in [{where}]; valid keys are the `psring run` flags with "
-                                  f"_ for -: {', '.join(sorted(valid))}.")
+                                  f"_ for -: {', '.join(sorted(valid))} (in [grid], a key "
+                                  f"that is no flag names cases when every value is a table "
+                                  f"such as {{{unknown[0]} = \"none\"}}).")
         for k in ("out", "master_port", "server_addrs"):
             if k in self.base or k in self.grid:
                 raise ConfigError(f"sweep {self.name!r}: {k!r} is chosen per point by the "
@@ -136,7 +147,7 @@ class Sweep:
                                   f"(got {v!r}); put single values in [base].")
             tables = [e for e in v if isinstance(e, dict)]
             for e in tables:  # a value that brings settings of its own (see the docstring)
-                if k not in e or set(e) - valid:
+                if k not in e or set(e) - valid - {k}:
                     raise ConfigError(
                         f"sweep {self.name!r}: a table in grid.{k} must set {k} (it names "
                         f"the point) and only `psring run` flags; got {e!r}.")
@@ -151,6 +162,14 @@ class Sweep:
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise ConfigError(f"sweep {self.name!r}: repeats must be an integer >= 1 "
                               f"(got {self.repeats!r}).")
+
+    @property
+    def cases(self) -> set[str]:
+        """The grid keys that are no `psring run` flag: each names cases (a table per
+        value, its own key the case's name only)."""
+        flags = {f.name for f in fields(RunConfig)} | EXTRA_KEYS
+        return {k for k, v in self.grid.items() if k not in flags and isinstance(v, list)
+                and v and all(isinstance(e, dict) for e in v)}
 
     def _check_profiles(self) -> None:
         from psring.predict.profiling import PAPER_FLAGS
@@ -230,7 +249,11 @@ class Sweep:
             for k, v in zip(keys, combo):
                 values.update(v if isinstance(v, dict) else {k: v})
             varied = {k: v[k] if isinstance(v, dict) else v for k, v in zip(keys, combo)}
+            for k in self.cases:
+                values.pop(k, None)  # (a case's name, not a flag)
             strategy = STRATEGIES.get(values.get("strategy", "single"))
+            if not _applies(values, strategy):
+                continue
             if strategy.caps.max_workers is not None:
                 values["workers"] = min(values.get("workers", 1), strategy.caps.max_workers)
             if not strategy.caps.uses_servers:
@@ -247,7 +270,8 @@ class Sweep:
             if per_worker is not None:
                 values["batch_size"] = int(per_worker) * values.get("workers", 1)
             # the point's identity: the settings the grid varies, after normalization
-            shown = {k: values.get(k, getattr(RunConfig, k, None))
+            shown = {k: varied[k] if k in self.cases else
+                     values.get(k, getattr(RunConfig, k, None))
                      for k in keys if k != "batch_per_worker"}
             if "batch_per_worker" in keys:
                 shown["batch_size"] = values["batch_size"]
@@ -265,6 +289,15 @@ class Sweep:
                                       f"run: {e}") from None
                 seen[pid] = Point(pid, r, cfg, varied)
         return list(seen.values())
+
+
+def _applies(values: dict[str, Any], strategy: Any) -> bool:
+    """Whether a point's faults can happen under its strategy (a sweep's fault case
+    applied to every strategy): a server killed needs servers, backup workers a
+    strategy that takes them."""
+    if values.get("kill_server") and not strategy.caps.uses_servers:
+        return False
+    return not (values.get("backup_workers") and not strategy.caps.supports_backups)
 
 
 def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:

@@ -72,6 +72,24 @@ def test_grid_tables_bring_their_own_settings_and_stragglers_need_a_worker(tmp_p
     assert all(p.varied["model"] in ("mlp", "gpt") for p in points)
 
 
+def test_a_key_that_is_no_flag_names_cases_that_apply_where_they_can(tmp_path):
+    sweep = Sweep(name="t", base={"steps": 30, "batch_size": 9, "workers": 3,
+                                  "checkpoint_every": 10, "max_restarts": 1},
+                  grid={"setup": [{"setup": "ring", "strategy": "allreduce"},
+                                  {"setup": "ps-b1", "strategy": "ps", "backup_workers": 1,
+                                   "checkpoint_every": 0, "max_restarts": 0}],
+                        "fault": [{"fault": "none"}, {"fault": "server", "kill_server": "0:5"},
+                                  {"fault": "backup", "backup_workers": 1}]})
+    got = {p.id: p.config for p in sweep.points(tmp_path)}
+    # no server to kill and no backups under allreduce: those cases are not run there
+    assert sorted(got) == ["setup=ps-b1_fault=backup_r0", "setup=ps-b1_fault=none_r0",
+                           "setup=ps-b1_fault=server_r0", "setup=ring_fault=none_r0"]
+    assert got["setup=ps-b1_fault=server_r0"].kill_server == "0:5"
+    assert got["setup=ps-b1_fault=none_r0"].backup_workers == 1
+    assert got["setup=ring_fault=none_r0"].checkpoint_every == 10
+    assert not hasattr(got["setup=ring_fault=none_r0"], "fault")
+
+
 def test_profiles_on_paper_are_built_once_and_named_by_the_points_that_use_them(tmp_path):
     from psring.predict.profile import Profile
 
@@ -123,6 +141,16 @@ def test_a_profile_that_cannot_be_built_names_the_table(tmp_path):
 def test_bad_grid_tables_name_the_fix(models, needle):
     with pytest.raises(ConfigError, match=needle):
         Sweep(name="t", grid={"model": models})
+
+
+@pytest.mark.parametrize("cases, needle", [
+    ([{"case": "a"}, "b"], "names cases when every value"),
+    ([{"case": "a", "colour": 1}], "must set case"),
+    ([{"case": "a"}, {"case": "a", "steps": 2}], "names a value twice"),
+])
+def test_bad_cases_name_the_fix(cases, needle):
+    with pytest.raises(ConfigError, match=needle):
+        Sweep(name="t", grid={"case": cases})
 
 
 @pytest.mark.parametrize("grid, needle", [
