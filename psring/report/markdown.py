@@ -18,7 +18,10 @@ as the median with the min–max range (psring.report.aggregate). What is in it:
 - held-out accuracy vs training time and vs step, and time to accuracy: time to the
   target, steps to it (statistical efficiency) and time per step (hardware efficiency);
 - training loss vs time and vs step (an EMA, the raw points faint);
-- the staleness distribution of asynchronous runs.
+- the staleness distribution of asynchronous runs;
+- with a grid key ``fault`` (cases: psring.records.sweep), each fault case beside the
+  same setting without it: recovery time, steps redone, time lost, throughput before
+  and after, time to accuracy and final accuracy (psring.report.faults).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from psring.report.aggregate import (
     setting_label,
     target_accuracy,
 )
+from psring.report.faults import fault_rows
 from psring.report.plots import (
     plot_accuracy,
     plot_along,
@@ -347,6 +351,45 @@ def _accuracy_section(sw: _Sweep, plot: Path | None) -> list[str]:
                        for s in sw.evaluated]), ""]
 
 
+def _faults_section(sw: _Sweep) -> list[str]:
+    """Each fault case against the same setting without it (grid key ``fault``)."""
+    rows = fault_rows(sw.settings, sw.spec.get("grid") or {}, sw.target)
+    if not rows:
+        return []
+
+    def vs(a: Spread | None, b: Spread | None, digits: int) -> str:
+        return f"{_fmt(a, digits=digits)} vs {_fmt(b, digits=digits)}"
+    table = []
+    for r in rows:
+        s, clean = r["setting"], r["clean"]
+        table.append([
+            make_label(s, False, {k: v for k, v in s.varied.items() if k != "fault"}),
+            r["fault"] + (f" (went on without {', '.join(r['lost_workers'])})"
+                          if r["lost_workers"] else ""),
+            _fmt(r["recovery_s"], digits=2), _fmt(r["steps_redone"]),
+            _fmt(r["lost_s"], digits=2),
+            f"{_fmt(r['before'])} → {_fmt(r['after'])}",
+            vs(s.samples_per_s, clean.samples_per_s if clean else None, 0),
+            vs(r["tta_s"], clean.tta_s if clean else None, 2)
+            if sw.target is not None else "-",
+            vs(s.accuracy_final, clean.accuracy_final if clean else None, 3),
+        ])
+    return ["## Faults", "",
+            "Each fault case beside the same setting without it (the grid's first `fault` "
+            "case). Recovery: from the process killed to the first step at or past the one "
+            "it stopped, completed by a worker (a restart's start and the steps it redoes "
+            "included). Lost: each restart's time from the last step logged before the "
+            "failure to the same step logged again. samples/s: every worker's steps before "
+            "the fault → after the recovery, on the wall clock (evaluations included); "
+            "samples/s (vs without): the key table's, the whole run. Time to target: the "
+            "training clock at the first evaluation at the target plus the time lost in "
+            "restarts before it (psring.report.faults).", "",
+            _md_table(["setting", "fault", "recovery s", "steps redone", "lost s",
+                       "samples/s before → after", "samples/s (vs without)",
+                       "time to target s (vs without)",
+                       "final acc (vs without)"], table), ""]
+
+
 def _loss_section(settings: list[Setting], plot: Path) -> list[str]:
     return ["## Training loss", "", f"![loss]({plot.name})", "",
             _md_table(["setting", "final loss"],
@@ -386,6 +429,7 @@ def _markdown(sw: _Sweep, plots: dict[str, Path], key_header: list[str],
         *_prediction_section(settings),
         *_costmodel_section(settings, plots.get("costmodel")),
         *_accuracy_section(sw, plots.get("accuracy")),
+        *_faults_section(sw),
         *_loss_section(settings, plots["loss"]),
         *_staleness_section(settings, plots.get("staleness")),
         *_points_section(sw.rows),

@@ -24,6 +24,7 @@ from typing import Any
 from psring.errors import ConfigError
 from psring.records.runlog import PHASES, read_evals, read_manifest, read_steps, warmup_steps
 from psring.records.sweep import SWEEP_FILE, point_status
+from psring.report.faults import effects
 from psring.report.runs import summarize
 from psring.strategies import STRATEGIES
 
@@ -111,6 +112,7 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     row["evals"] = sorted(read_evals(run_dir), key=lambda e: e["step"])
     row["accuracy_final"] = row["evals"][-1]["accuracy"] if row["evals"] else None
     row["train_seconds"] = max(r["time"] for r in records) - start
+    row["fault_effects"] = effects(run_dir, records, cfg)  # (None: no fault, no restart)
     return row
 
 

@@ -30,6 +30,7 @@ from psring.records.runlog import (
     read_steps,
     warmup_steps,
 )
+from psring.report.faults import restart_losses
 from psring.strategies import STRATEGIES
 from psring.train.evaluate import time_to_accuracy
 from psring.train.shares import shares_of
@@ -169,13 +170,7 @@ def fault_summary(run_dir: Path) -> dict[str, Any] | None:
     fired, restarts = read_steps(run_dir, FAULTS), read_steps(run_dir, RESTARTS)
     if not fired and not restarts:
         return None
-    records = read_steps(run_dir)
-    lost = 0.0
-    for r in restarts:
-        again = [x["time"] for x in records
-                 if x["step"] == r["reached"] - 1 and x["time"] > r["time"]]
-        if again and r["reached"]:
-            lost += min(again) - r["reached_at"]
+    lost = sum(s for _, s in restart_losses(restarts, read_steps(run_dir)))
     return {"fired": [f["fault"] for f in fired if "fault" in f],
             "lost": [f["lost"] for f in fired if "lost" in f], "restarts": len(restarts),
             "steps_redone": sum(r["steps_redone"] for r in restarts), "lost_s": lost}

@@ -1,0 +1,147 @@
+"""What a fault cost a run, and a sweep's cases side by side: ``psring report SWEEP``'s
+section for a grid key that names cases (psring.records.sweep), such as
+experiments/faults.toml's ``fault = [{fault = "none"}, {fault = "worker", ...}]``.
+
+    from psring.report.faults import effects
+    effects(run_dir, records, cfg)
+    # {"fault_step": 10, "recovery_s": 2.4, "steps_redone": 3, "lost_s": 3.1,
+    #  "samples_per_s_before": 410.0, "samples_per_s_after": 380.0, "losses": [...], ...}
+    tta_with_losses(evals, 0.9, effects(...)["losses"])   # 9.7
+
+Per run (from faults.jsonl, restarts.jsonl, steps.jsonl and evals.jsonl):
+
+- ``recovery_s``: from the first fault placed (the process killed) to the first step
+  at or past the one it stopped completed by a worker: a restart's start, the steps it
+  redoes and that step again; for a run that goes on without the lost worker, how long
+  the survivors stalled;
+- ``steps_redone`` and ``lost_s``: each restart's, as psring.report.runs.fault_summary
+  counts them (from the last step logged before the failure to the same step logged
+  again after it);
+- ``samples_per_s_before`` / ``_after``: every worker's steps before the fault, and
+  after the recovery (a run that lost a worker goes on with fewer), on the wall clock;
+- time to the target accuracy with the faults' cost (``tta_with_losses``): the clock at
+  the first evaluation that reached it plus the time lost in the restarts before it
+  (a restarted run's clock goes on from its checkpoint's, so the work lost and the
+  restart itself are not on it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from psring.records.runlog import FAULTS, RESTARTS, read_steps
+
+
+def restart_losses(restarts: list[dict], records: list[dict]) -> list[tuple[float, float]]:
+    """Each restart's (time of the restart, seconds lost): from the last step logged
+    before the failure to the same step logged again after it (0 when it never was)."""
+    out = []
+    for r in restarts:
+        again = [x["time"] for x in records
+                 if x["step"] == r["reached"] - 1 and x["time"] > r["time"]]
+        lost = min(again) - r["reached_at"] if again and r["reached"] else 0.0
+        out.append((r["time"], lost))
+    return out
+
+
+def effects(run_dir: Path, records: list[dict], cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """What the run's faults cost it (the module docstring); None for a run without
+    a fault placed or a restart."""
+    fired = [f for f in read_steps(run_dir, FAULTS) if "fault" in f]
+    restarts = read_steps(run_dir, RESTARTS)
+    if not fired and not restarts:
+        return None
+    losses = restart_losses(restarts, records)
+    out: dict[str, Any] = {
+        "faults": [f["fault"] for f in fired],
+        "lost_workers": [f["lost"] for f in read_steps(run_dir, FAULTS) if "lost" in f],
+        "restarts": len(restarts),
+        "steps_redone": sum(r["steps_redone"] for r in restarts),
+        "lost_s": sum(lost for _, lost in losses),
+        "fault_step": None, "recovery_s": None,
+        "samples_per_s_before": None, "samples_per_s_after": None,
+        "losses": losses,
+    }
+    if fired:
+        t_fault, step = fired[0]["time"], int(fired[0].get("step", 0))
+        out["fault_step"] = step
+        after = [r["time"] for r in records if r["time"] > t_fault and r["step"] >= step]
+        if after:
+            out["recovery_s"] = min(after) - t_fault
+            per = cfg["batch_size"] / max(1, cfg["workers"])
+            out["samples_per_s_before"] = _rate(
+                [r for r in records if r["time"] < t_fault and r["step"] >= 1], per)
+            out["samples_per_s_after"] = _rate(
+                [r for r in records if r["time"] >= min(after)], per)
+    return out
+
+
+def _rate(records: list[dict], per_record: float) -> float | None:
+    """Samples a second (wall clock) over a span of step records, each a worker's step
+    of ``per_record`` samples: the steps after the span's first, over the time from
+    that first step's end to the last record (None when the span holds one step)."""
+    if not records:
+        return None
+    first = min(r["step"] for r in records)
+    first_end = max(r["time"] for r in records if r["step"] == first)
+    rest = [r for r in records if r["step"] > first]
+    span = max((r["time"] for r in rest), default=first_end) - first_end
+    return len(rest) * per_record / span if rest and span > 0 else None
+
+
+def tta_with_losses(evals: list[dict], target: float | None,
+                     losses: list[tuple[float, float]]) -> float | None:
+    """Training seconds to the first evaluation at ``target`` or above, plus the
+    seconds lost in the restarts (``losses``, restart_losses's) before it."""
+    if target is None:
+        return None
+    for e in sorted(evals, key=lambda e: (e["step"], e.get("time", 0.0))):
+        if e["accuracy"] >= target:
+            return e["train_s"] + sum(lost for t, lost in losses if t < e.get("time", 0.0))
+    return None
+
+
+#: the sweep's grid key whose cases the report's Faults section compares
+#: (psring.records.sweep: a key that is no flag names cases); its first case is the
+#: fault-free run the others are set against
+FAULT_AXIS = "fault"
+
+
+def fault_rows(settings: list, grid: dict[str, list], target: float | None) -> list[dict]:
+    """For every setting of a fault case (grid key ``fault``) other than the first: what
+    its faults cost, over its repeats, beside the first case's setting that differs only
+    in the fault (psring.report.aggregate.Setting's). Empty without such a key."""
+    from psring.report.aggregate import Spread
+
+    cases = [c[FAULT_AXIS] if isinstance(c, dict) else c for c in grid.get(FAULT_AXIS, [])]
+    if len(cases) < 2:
+        return []
+    clean = {_others(s): s for s in settings if s.varied.get(FAULT_AXIS) == cases[0]}
+    out = []
+    for s in settings:
+        if s.varied.get(FAULT_AXIS) in (None, cases[0]):
+            continue
+        got = [r.get("fault_effects") or {} for r in s.rows]
+
+        def over(key: str, got=got) -> Any:
+            return Spread.of(g.get(key) for g in got)
+        out.append({
+            "setting": s, "fault": s.varied[FAULT_AXIS], "clean": clean.get(_others(s)),
+            "recovery_s": over("recovery_s"), "steps_redone": over("steps_redone"),
+            "lost_s": over("lost_s"), "before": over("samples_per_s_before"),
+            "after": over("samples_per_s_after"),
+            "lost_workers": sorted({w for g in got for w in g.get("lost_workers", [])}),
+            "tta_s": Spread.of(tta_with_losses(r["evals"], target,
+                                               [tuple(x) for x in g.get("losses", [])])
+                               for r, g in zip(s.rows, got)),
+        })
+    return out
+
+
+def _others(s: Any) -> str:
+    """A setting's varied values but the fault: what its fault-free partner shares."""
+    import json
+
+    return json.dumps({k: v for k, v in s.varied.items() if k != FAULT_AXIS},
+                      sort_keys=True, default=str)
