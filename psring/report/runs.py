@@ -96,9 +96,12 @@ def _speed(kept: list[dict], cfg: dict[str, Any]) -> tuple[list[float], float]:
         by_worker[r["worker"]].append(r)
     step_times = _job_steps(by_step, len(by_worker), cfg) or \
         [max(r["step_s"] for r in rs) for rs in by_step.values()]
-    # each worker's samples a step (--worker-batch: its own share of the global batch)
+    # each worker's samples a step (--worker-batch: its own share of the global batch),
+    # over the part of the run it was there for (a worker lost to a fault, that the run
+    # went on without, stopped adding samples when it died)
     shares = shares_of(cfg)
-    samples_per_s = sum(shares[w] * cfg["accumulate"] /
+    longest = max(len(rs) for rs in by_worker.values())
+    samples_per_s = sum(shares[w] * cfg["accumulate"] * len(rs) / longest /
                         statistics.median(r["step_s"] for r in rs)
                         for w, rs in by_worker.items())
     return step_times, samples_per_s

@@ -27,3 +27,14 @@ def test_a_jobs_step_is_from_its_last_workers_start_to_its_last_workers_end():
     # a step without every worker's record: not this reading
     del late[2][1]
     assert _job_steps(late, 2, {}) == []
+
+
+def test_a_worker_lost_mid_run_adds_samples_only_while_it_was_there():
+    from psring.report.runs import _speed
+
+    cfg = {"batch_size": 9, "workers": 3, "accumulate": 1, "worker_batch": ""}
+    records = [{"worker": w, "step": s, "time": s + 1.0, "step_s": 1.0}
+               for s in range(10) for w in range(3) if w != 1 or s < 4]
+    _, rate = _speed(records, cfg)
+    # workers 0 and 2 at 3 samples a second throughout; worker 1 for 4 steps of 10
+    assert rate == pytest.approx(3.0 + 3.0 + 3.0 * 4 / 10)
