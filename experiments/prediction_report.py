@@ -188,7 +188,8 @@ def seed_means(dirs: list[str], k: int) -> None:
             s = Setting.from_dict(x)
             if s.step_error is None or not STRATEGIES.get(s.strategy).caps.uses_servers:
                 continue
-            draws = [replay(Path(d) / f"{s.id}_r0", cal, flow_seed=seed) for seed in range(k)]
+            draws = [replay(Path(d) / f"{s.id}_r0", cal, flow_seed=seed, draws=1)
+                     for seed in range(k)]
             steps = [p.step_s * 1e3 for p in draws if p is not None]
             if len(steps) == k:
                 mean = statistics.mean(steps)

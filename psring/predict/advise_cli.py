@@ -54,6 +54,7 @@ from psring.predict.advise import (
     plot,
     rank,
     recommendations,
+    refine,
     table,
     verify_candidates,
 )
@@ -426,7 +427,7 @@ def advise_command(args: argparse.Namespace) -> int:
                        max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8,
                        cores=None, link_bits=link, delay_s=delay, inside=inside,
                        cal_of=verify_clock(cal, args, model, n, device_profile))
-    ranking = rank(cands)
+    ranking = rank(refine(cands))
     where = _where(cluster.hosts, n // cluster.hosts, link, delay) + (
         f", device link {args.device_link} inside each host "
         f"({device_link['bytes_per_s'] / 1e9:g} GB/s; to host memory "

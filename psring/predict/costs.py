@@ -53,6 +53,9 @@ class Prediction:
     #: the run's settings the simulation used beside the cluster (compress, bucket_mb,
     #: cores)
     settings: dict[str, Any] = field(default_factory=dict)
+    #: each draw's step (seconds) where the prediction is the mean of several draws of
+    #: the flows' shares (simulate's ``draws``); empty for one
+    draws: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         c = self.cluster
@@ -62,13 +65,18 @@ class Prediction:
                 "cluster": {"workers": c.workers, "hosts": c.hosts,
                             "workers_per_host": c.workers_per_host, "link_bits": c.link_bits,
                             "delay_s": c.delay_s, "servers": c.servers,
-                            "placement": c.placement, **self.settings}}
+                            "placement": c.placement, **self.settings},
+                **({"draws_s": self.draws} if self.draws else {})}
 
 
 #: TCP's flows through the emulated links never share them evenly; the σ of the lognormal
 #: weights that stand for it (psring.predict.engine.Flows), chosen against measured runs
 #: of colocated and own-host parameter servers (docs/prediction.md, "Flows")
 FLOW_SPREAD = 0.2
+#: draws of those shares a replay and advise average (simulate's ``draws``): a
+#: synchronous PS whose workers can fall out of step with each other is a random
+#: process, and one draw says only when this one fell (docs/prediction.md)
+FLOW_DRAWS = 4
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,9 @@ class CostModel:
     collective: bool = False
     #: steps to play out by default (the step time is the period of the last two)
     steps: int = 4
+    #: its timeline draws TCP's uneven shares of the links (engine.Flows), so one
+    #: prediction is one draw: simulate(draws=K) gives the mean of K
+    draws_flows: bool = False
     #: the Sim settings it reads beyond compress, bucket_mb and cores, recorded in the
     #: prediction's settings (byteps: "update_on")
     settings: tuple[str, ...] = ()

@@ -388,6 +388,9 @@ class PSRound:
         for r in [*self.s_cpu, *self.inside.values()]:
             if r.beta > 0:
                 util[r.name] = r.busy_between(*window) / width
+        if sim.profile.host_copy:  # a GPU worker's copies: worker 0's engines stand for all
+            for r in (self.copy_engine["d2h"][w0], self.copy_engine["h2d"][w0]):
+                util[r.name] = r.busy_between(*window) / width
         # per-step view of the busiest one in steady state (a shared resource's busy time
         # over worker 0's window stands for every worker's)
         pred = finish(sim, self.mode, period, local_update=self.local_update, util=util,
@@ -438,7 +441,7 @@ def ps_cpu_work(sim: Sim, mode: str) -> float:
 
 def _register(name: str, **kw) -> None:
     COST_MODELS.register(name)(CostModel(
-        name, partial(ps_timeline, mode=name), transport="zmq", servers=True,
+        name, partial(ps_timeline, mode=name), transport="zmq", servers=True, draws_flows=True,
         cpu_work=partial(ps_cpu_work, mode=name), formula=partial(predict_comm, name), **kw))
 
 

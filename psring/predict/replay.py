@@ -18,7 +18,7 @@ from psring.config import cluster_of
 from psring.errors import PsringError
 from psring.predict.costmodel import Calibration
 from psring.predict.profile import Profile
-from psring.predict.simulate import Prediction, is_costed, simulate
+from psring.predict.simulate import FLOW_DRAWS, Prediction, is_costed, simulate
 from psring.records.runlog import read_manifest
 from psring.strategies import STRATEGIES
 
@@ -53,14 +53,15 @@ def _with_host_copies(prof: Profile, manifest: dict[str, Any]) -> Profile:
 
 
 def replay(run_dir: Any, cal: Calibration, inside: tuple[float, float] | None = None,
-           flow_seed: int = 0) -> Prediction | None:
+           flow_seed: int = 0, draws: int = FLOW_DRAWS) -> Prediction | None:
     """The simulator's step time for a measured run, from the run's own profile (its
     compute phases and when its buckets were launched; Profile.from_run): what the run's
     communication should have cost on its cluster, given its compute. None for a run
     the simulator cannot read. ``inside``: (α, β) of each host's own interconnect, for
     what the run would take with, say, NVLink inside its hosts (simulate's); by default
     the run's own --device-link where it had one (psring.comm.interconnect);
-    ``flow_seed``: which draw of TCP's uneven shares (simulate's)."""
+    ``flow_seed``, ``draws``: the first draw of TCP's uneven shares and how many to
+    average (simulate's; a parameter server's step is a random process)."""
     try:
         manifest = read_manifest(run_dir)
         cfg = manifest["config"]
@@ -89,6 +90,7 @@ def replay(run_dir: Any, cal: Calibration, inside: tuple[float, float] | None = 
                         bucket_mb=float(cfg.get("bucket_mb", 25.0)),
                         update_on=cfg.get("update_on") or "server",
                         reduce=cfg.get("reduce") or "sum", inside=inside,
-                        cores=shared_cores(manifest), stretch=False, flow_seed=flow_seed)
+                        cores=shared_cores(manifest), stretch=False, flow_seed=flow_seed,
+                        draws=draws)
     except (ValueError, RuntimeError):
         return None

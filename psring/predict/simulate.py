@@ -87,6 +87,7 @@ transport, the shared cores, or latency (α terms dominate).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from typing import Any
 
@@ -95,7 +96,15 @@ from psring.cluster.spec import Cluster
 # (importing them registers the built-in cost models)
 from psring.predict import psround, ring  # noqa: F401 - ring: registration only
 from psring.predict.costmodel import Calibration
-from psring.predict.costs import COST_MODELS, FLOW_SPREAD, CostModel, Prediction, Sim, finish
+from psring.predict.costs import (
+    COST_MODELS,
+    FLOW_DRAWS,
+    FLOW_SPREAD,
+    CostModel,
+    Prediction,
+    Sim,
+    finish,
+)
 
 # (names tests and scripts import from here)
 from psring.predict.engine import column_pieces, ring_steps  # noqa: F401 - re-exported
@@ -105,8 +114,8 @@ from psring.predict.engine import column_pieces, ring_steps  # noqa: F401 - re-e
 #: psring.comm.compress.wire_bytes)
 WIRE = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
 PARTITION_BYTES = psround.PARTITION_BYTES
-__all__ = ["COST_MODELS", "CostModel", "Prediction", "WIRE", "PARTITION_BYTES",
-           "is_costed", "comm_seconds", "simulate"]
+__all__ = ["COST_MODELS", "CostModel", "FLOW_DRAWS", "Prediction", "WIRE", "PARTITION_BYTES",
+           "is_costed", "comm_seconds", "mean_of", "simulate"]
 
 
 def is_costed(name: str | None) -> bool:
@@ -129,7 +138,7 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
              cores: int | None = None, update_on: str = "server",
              reduce: str = "sum", inside: tuple[float, float] | None = None,
              stretch: bool = True, flow_spread: float = FLOW_SPREAD,
-             flow_seed: int = 0) -> Prediction:
+             flow_seed: int = 0, draws: int = 1) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster.spec) under cost model ``comm_model`` (a name in
     COST_MODELS; None: no messages), with the run's ``compress`` and ``bucket_mb``;
@@ -142,25 +151,54 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     whether ``cores`` stretch the profile's compute (False: it was measured sharing
     them, as a replayed run's own is: the cores only bound the step's CPU work);
     ``flow_spread``: how unevenly TCP's flows share a link (costs.FLOW_SPREAD; 0: evenly,
-    a deterministic fluid), ``flow_seed`` the seed of that draw."""
+    a deterministic fluid), ``flow_seed`` the seed of that draw; ``draws``: for a cost
+    model that draws them (``draws_flows``), the mean of that many draws (seeds
+    flow_seed, flow_seed + 1, ...), each draw's step in the prediction's ``draws``."""
     model = _check(cluster, comm_model, steps, compress, bucket_mb, cores)
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, not {draws!r}")
     sim = replace(_inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
                           cores if stretch else None, update_on, reduce, inside,
                           flow_spread), flow_seed=flow_seed)
-    n = cluster.workers
-    if model is None or n == 1 and model.collective or sim.total == 0:
-        pred = finish(sim, comm_model, sum(sim.compute))
+    if draws > 1 and model is not None and model.draws_flows and flow_spread:
+        pred = mean_of([_play(replace(sim, flow_seed=flow_seed + i), model, comm_model, cores)
+                        for i in range(draws)])
     else:
-        pred = model.timeline(sim)
-        pred.comm_model = comm_model  # (the name it was found by, whatever it says)
-        if cores and model.cpu_work is not None:
-            _cores_floor(pred, sim, cores, model.cpu_work(sim))
+        pred = _play(sim, model, comm_model, cores)
     pred.settings = {"compress": compress, "bucket_mb": bucket_mb, "cores": cores}
     if reduce != "sum":
         pred.settings["reduce"] = reduce
     for name in model.settings if model else ():
         pred.settings[name] = getattr(sim, name)
     return pred
+
+
+def _play(sim: Sim, model: CostModel | None, comm_model: str | None,
+          cores: int | None) -> Prediction:
+    """One draw of the step: the cost model's timeline, bounded by the shared cores."""
+    if model is None or sim.cluster.workers == 1 and model.collective or sim.total == 0:
+        return finish(sim, comm_model, sum(sim.compute))
+    pred = model.timeline(sim)
+    pred.comm_model = comm_model  # (the name it was found by, whatever it says)
+    if cores and model.cpu_work is not None:
+        _cores_floor(pred, sim, cores, model.cpu_work(sim))
+    return pred
+
+
+def mean_of(preds: list[Prediction]) -> Prediction:
+    """Several draws as one prediction: the mean step, phases, throughput, efficiency
+    and utilization; what bounds it, the buckets and the starts are those of the draw
+    nearest the mean; ``draws`` lists every draw's step."""
+    mean = statistics.fmean(p.step_s for p in preds)
+    near = min(preds, key=lambda p: abs(p.step_s - mean))
+    avg = statistics.fmean
+    return replace(
+        near, step_s=mean, samples_per_s=avg(p.samples_per_s for p in preds),
+        efficiency=avg(p.efficiency for p in preds),
+        phases={k: avg(p.phases[k] for p in preds) for k in near.phases},
+        utilization={k: round(avg(p.utilization.get(k, 0.0) for p in preds), 4)
+                     for k in near.utilization},
+        draws=[p.step_s for p in preds])
 
 
 def _check(cluster: Cluster, comm_model: str | None, steps: int, compress: str,

@@ -183,8 +183,12 @@ def test_device_link_prices_the_traffic_inside_a_host(big, tmp_path):
         assert step["nvlink"]["byteps"] < step["nvlink"][name] <= step["loopback"][name], \
             (name, step)
     # the parameter server sends nothing among a host's workers, but its workers copy
-    # their gradients to host memory and the parameters back, at the host's PCIe
-    assert step["nvlink"]["ps"] >= step["loopback"]["ps"], step
+    # their gradients to host memory and the parameters back, at the host's PCIe: their
+    # copy engines are busy (its step, a mean of draws of the flows, moves either way)
+    for name, rep in reports.items():
+        ps = next(p for p in rep["predictions"] if p["strategy"] == "ps")
+        copies = [v for k, v in ps["utilization"].items() if k.endswith(("d2h", "h2d"))]
+        assert (len(copies) == 2 and min(copies) > 0.01) == (name == "nvlink"), (name, ps)
     link = reports["nvlink"]["cluster"]["device_link"]
     assert link == {"name": "nvlink", "alpha_s": 10e-6, "bytes_per_s": 150e9,
                     "host_copy_bytes_per_s": 15.75e9}

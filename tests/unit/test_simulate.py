@@ -138,6 +138,25 @@ def test_flows_share_links_unevenly_by_default_and_the_step_is_a_mean():
     assert 0.8 * even.step_s < uneven.step_s < 1.5 * even.step_s
 
 
+def test_draws_average_the_flows_shares_and_leave_the_rings_alone():
+    # A parameter server's step is a random process (the flows' shares): draws=K is the
+    # mean of the draws with seeds 0..K-1, each draw's step kept; a ring draws nothing
+    M = 8_000_000
+    cl = Cluster.of(hosts=2, workers_per_host=2, link_bits=1e9, servers=2)
+    one = [simulate(profile([M], [B]), cl, "ps", CAL, flow_seed=s).step_s for s in range(3)]
+    mean = simulate(profile([M], [B]), cl, "ps", CAL, draws=3)
+    assert mean.draws == one and len(set(one)) == 3
+    assert mean.step_s == pytest.approx(sum(one) / 3)
+    assert mean.samples_per_s == pytest.approx(sum(
+        simulate(profile([M], [B]), cl, "ps", CAL, flow_seed=s).samples_per_s
+        for s in range(3)) / 3)
+    ring = simulate(profile([M], [B]), cl, "ring", CAL, draws=3)
+    assert ring.draws == [] and ring.step_s == simulate(profile([M], [B]), cl, "ring",
+                                                        CAL).step_s
+    with pytest.raises(ValueError, match="draws"):
+        simulate(profile([M], [B]), cl, "ps", CAL, draws=0)
+
+
 def test_no_messages_and_shared_cores():
     prof = profile([MiB], [B])
     p = simulate(prof, Cluster.of(hosts=1, workers_per_host=1), None, CAL)
@@ -441,3 +460,23 @@ def test_host_copies_are_kept_by_a_profile_and_read_from_gpu_copy_output(tmp_pat
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a copy-rate file"):
         load_host_copy(tmp_path / "bad.json")
+
+
+def test_advise_refines_each_strategys_best_settings_to_means_of_draws():
+    from psring.predict.advise import Candidate, candidates, preference, rank, refine
+    from psring.strategies import STRATEGIES
+
+    classes = {n: STRATEGIES.get(n) for n in ("allreduce", "ps", "async-ps")}
+    cl = Cluster.of(hosts=2, workers_per_host=2, link_bits=1e9)
+    cands = candidates(profile([4_000_000, 4_000_000], [B / 2, B]), cl, CAL, classes)
+    assert all((c.play is None) == (c.strategy == "allreduce") for c in cands)
+    assert not any(c.prediction.draws for c in cands)
+    refine(cands, draws=3)
+    for name in ("ps", "async-ps"):
+        group = [c for c in cands if c.strategy == name and c.compress == "none"]
+        best = min(group, key=preference)
+        assert len(best.prediction.draws) == 3  # the best is a mean, not a lucky draw
+        assert best.prediction.step_s == pytest.approx(sum(best.prediction.draws) / 3)
+        assert any(not c.prediction.draws for c in group)  # the rest stay one draw
+    assert {c.strategy for c in rank(cands)} == {"allreduce", "ps"}  # (async: an option)
+    assert isinstance(cands[0], Candidate)
