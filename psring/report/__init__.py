@@ -9,6 +9,8 @@ report flows through the package's modules in this order:
 - ``aggregate``: points grouped into settings (:class:`~psring.report.aggregate.Setting`):
   medians and ranges over repeats, the cost model's and the simulator's predictions
   (psring.predict), speedups, scaling efficiency, time to accuracy, crossovers;
+- ``faults``: what a fault cost a run (recovery, steps redone, throughput, time to
+  accuracy with the time lost), for the sweep's Faults section;
 - ``cluster``: where a point ran, in words;
 - ``plots``: the PNG figures (matplotlib, imported only when drawing);
 - ``markdown``: report.md, report.json and the key table.

@@ -1,6 +1,6 @@
-"""What a fault cost a run, and a sweep's cases side by side: ``psring report SWEEP``'s
-section for a grid key that names cases (psring.records.sweep), such as
-experiments/faults.toml's ``fault = [{fault = "none"}, {fault = "worker", ...}]``.
+"""What a fault cost a run, read from its logs: what ``psring report SWEEP``'s Faults
+section (psring.report.aggregate.fault_rows, for a grid key ``fault`` that names cases:
+psring.records.sweep, as in experiments/faults.toml) sets beside the fault-free run.
 
     from psring.report.faults import effects
     effects(run_dir, records, cfg)
@@ -101,47 +101,3 @@ def tta_with_losses(evals: list[dict], target: float | None,
             return e["train_s"] + sum(lost for t, lost in losses if t < e.get("time", 0.0))
     return None
 
-
-#: the sweep's grid key whose cases the report's Faults section compares
-#: (psring.records.sweep: a key that is no flag names cases); its first case is the
-#: fault-free run the others are set against
-FAULT_AXIS = "fault"
-
-
-def fault_rows(settings: list, grid: dict[str, list], target: float | None) -> list[dict]:
-    """For every setting of a fault case (grid key ``fault``) other than the first: what
-    its faults cost, over its repeats, beside the first case's setting that differs only
-    in the fault (psring.report.aggregate.Setting's). Empty without such a key."""
-    from psring.report.aggregate import Spread
-
-    cases = [c[FAULT_AXIS] if isinstance(c, dict) else c for c in grid.get(FAULT_AXIS, [])]
-    if len(cases) < 2:
-        return []
-    clean = {_others(s): s for s in settings if s.varied.get(FAULT_AXIS) == cases[0]}
-    out = []
-    for s in settings:
-        if s.varied.get(FAULT_AXIS) in (None, cases[0]):
-            continue
-        got = [r.get("fault_effects") or {} for r in s.rows]
-
-        def over(key: str, got=got) -> Any:
-            return Spread.of(g.get(key) for g in got)
-        out.append({
-            "setting": s, "fault": s.varied[FAULT_AXIS], "clean": clean.get(_others(s)),
-            "recovery_s": over("recovery_s"), "steps_redone": over("steps_redone"),
-            "lost_s": over("lost_s"), "before": over("samples_per_s_before"),
-            "after": over("samples_per_s_after"),
-            "lost_workers": sorted({w for g in got for w in g.get("lost_workers", [])}),
-            "tta_s": Spread.of(tta_with_losses(r["evals"], target,
-                                               [tuple(x) for x in g.get("losses", [])])
-                               for r, g in zip(s.rows, got)),
-        })
-    return out
-
-
-def _others(s: Any) -> str:
-    """A setting's varied values but the fault: what its fault-free partner shares."""
-    import json
-
-    return json.dumps({k: v for k, v in s.varied.items() if k != FAULT_AXIS},
-                      sort_keys=True, default=str)

@@ -40,13 +40,13 @@ from psring.report.aggregate import (
     add_time_to_accuracy,
     aggregate,
     crossovers,
+    fault_rows,
     make_label,
     predicted_crossovers,
     prediction_check,
     setting_label,
     target_accuracy,
 )
-from psring.report.faults import fault_rows
 from psring.report.plots import (
     plot_accuracy,
     plot_along,
