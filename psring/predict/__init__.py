@@ -13,11 +13,12 @@
 - ``replay``: the simulator on a measured run, its own compute and its cluster
   (what ``psring report`` puts beside each measured step);
 - ``advise``: ranks the strategies on a cluster by their simulated steps;
-  ``advise_cli`` is ``psring advise``.
+  ``advise_cli`` is ``psring advise``; ``failures`` prices a failure rate into each
+  strategy's step (``psring advise --mtbf``).
 
 A prediction needs no worker processes: only the inputs are measured, once, by
 processes of their own (``calibrate``; ``profile``'s short ``single`` run), and
 ``psring advise --verify`` runs the top candidates to check. ``costmodel``, ``profile``,
-``simulate`` and ``advise`` import no torch; ``calibrate`` (it measures
+``simulate``, ``advise`` and ``failures`` import no torch; ``calibrate`` (it measures
 torch.distributed) and ``replay`` (the strategy registry) do.
 """

@@ -215,6 +215,43 @@ def options(cands: list[Candidate], ranking: list[Candidate],
     return lines
 
 
+def with_failure_rate(cands: list[Candidate], ranking: list[Candidate],
+                      classes: dict[str, Any], f: Any) -> tuple[list[dict], list[str]]:
+    """The ranking's strategies, and the best of each that goes on without a lost worker
+    (async-ps, an option), priced with failures (psring.predict.failures): each one's
+    expected step and why, fastest first, and the lines that say whether the failures
+    change the answer."""
+    from psring.predict.failures import with_failures
+
+    picks = list(ranking)
+    for name, cls in classes.items():
+        if cls.caps.survives_lost_workers and name not in {c.strategy for c in picks}:
+            own = [c for c in cands if c.strategy == name and c.compress == "none"]
+            if own:
+                picks.append(min(own, key=preference))
+    rows = []
+    for c in picks:
+        caps = classes[c.strategy].caps
+        step, why_ = with_failures(c.prediction.step_s, caps, c.cluster.workers,
+                                   c.cluster.servers if caps.uses_servers else 0, f)
+        rows.append({"strategy": c.strategy, "step_s": c.prediction.step_s,
+                     "with_failures_s": step, "why": why_,
+                     "changes_training": bool(changes_training(c))})
+    rows.sort(key=lambda r: r["with_failures_s"])
+    same = [r for r in rows if not r["changes_training"]]
+    lines = [f"With failures (a process fails every {f.mtbf_s / 3600:g} h on average, a "
+             f"checkpoint every {f.checkpoint_s / 60:g} min, {f.restart_s:g} s a restart, "
+             f"a {f.job_s / 3600:g} h job): " + ", ".join(
+                 f"{r['strategy']} {r['with_failures_s'] * 1e3:.1f} ms" for r in rows) + "."]
+    if same and same[0]["strategy"] != ranking[0].strategy:
+        lines.append(f"Failures change the answer: {same[0]['strategy']} is the fastest "
+                     f"with them ({ranking[0].strategy} without).")
+    else:
+        lines.append(f"Failures at this rate do not change the answer "
+                     f"({ranking[0].strategy}).")
+    return rows, lines
+
+
 def why(c: Candidate, cls: Any) -> str:
     """One sentence: what bounds this strategy's step on this cluster, in numbers."""
     p, cl = c.prediction, c.cluster

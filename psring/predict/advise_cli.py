@@ -20,7 +20,11 @@ profile's (a GPU cluster, from a laptop's profile). ``--device-link nvlink`` (or
 as ``psring run`` takes it; psring.comm.interconnect) gives each host's own interconnect:
 the collectives among a host's workers (byteps's and hallreduce's reduce-scatter and
 all-gather) are priced at its time instead of this machine's loopback gloo, and
-``--verify`` runs those strategies with it.
+``--verify`` runs those strategies with it. ``--mtbf HOURS`` (with
+``--checkpoint-minutes``, ``--restart-s``, ``--job-hours``) prices each strategy's step
+with failures too and says whether they change the answer (psring.predict.failures).
+A parameter server's settings are one draw of the flows' shares each; each strategy's
+best are priced again as the mean of four (psring.predict.advise.refine).
 
 This module is the command: its flags, the profile and calibration it needs, the
 printing, and ``--verify``; the ranking itself is psring.predict.advise.
@@ -57,8 +61,10 @@ from psring.predict.advise import (
     refine,
     table,
     verify_candidates,
+    with_failure_rate,
 )
 from psring.predict.costmodel import Calibration, find_calibration
+from psring.predict.failures import Failures
 from psring.predict.profile import MODEL_KEYS, Profile
 from psring.predict.profiling import profile_config, take_profile
 from psring.predict.simulate import is_costed
@@ -105,6 +111,18 @@ def add_advise_parser(sub: Any) -> None:
                    "priced at its time (and --verify runs them with it) instead of this "
                    "machine's loopback gloo; needs several workers per host. Default: "
                    "loopback")
+    p.add_argument("--mtbf", type=float, default=0.0, metavar="HOURS",
+                   help="mean time between failures of one worker or server, in hours: "
+                   "each strategy's step is also priced with failures (restarts from "
+                   "checkpoints, or going on without a lost worker; "
+                   "psring.predict.failures). Default 0: no failures")
+    p.add_argument("--checkpoint-minutes", type=float, default=30.0,
+                   help="with --mtbf: the checkpoint interval (default 30)")
+    p.add_argument("--restart-s", type=float, default=120.0,
+                   help="with --mtbf: what a restart itself costs, in seconds (default "
+                   "120)")
+    p.add_argument("--job-hours", type=float, default=24.0,
+                   help="with --mtbf: the job's length (default 24)")
     p.add_argument("--verify", action="store_true", help="run the top candidates on this "
                    "machine's emulation of the cluster and print predicted vs measured")
     p.add_argument("--verify-steps", type=int, default=20, help="steps per verifying run")
@@ -402,6 +420,29 @@ def _print_verification(results: list[dict[str, Any]]) -> dict[str, Any]:
             "median_abs_error": statistics.median(abs(r["error"]) for r in results)}
 
 
+def _failure_rate(args: argparse.Namespace) -> Failures | None:
+    """--mtbf and its companions, checked before anything runs (None: no failures)."""
+    if not args.mtbf:
+        return None
+    try:
+        return Failures(mtbf_s=args.mtbf * 3600, checkpoint_s=args.checkpoint_minutes * 60,
+                        restart_s=args.restart_s, job_s=args.job_hours * 3600)
+    except ValueError as e:
+        raise ConfigError(f"--mtbf {args.mtbf:g}: {e} (give --mtbf, --checkpoint-minutes "
+                          f"and --job-hours as positive numbers and --restart-s as one of "
+                          f"at least 0).") from None
+
+
+def _failures(args: argparse.Namespace, cands: list[Candidate], ranking: list[Candidate],
+              classes: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    f = _failure_rate(args)
+    if f is None:
+        return None, []
+    rows, lines = with_failure_rate(cands, ranking, classes, f)
+    return {"mtbf_s": f.mtbf_s, "checkpoint_s": f.checkpoint_s, "restart_s": f.restart_s,
+            "job_s": f.job_s, "ranking": rows, "summary": lines}, lines
+
+
 def advise_command(args: argparse.Namespace) -> int:
     """psring advise (the module docstring): profile, rank, print, write advise.json
     and advise.png, and with --verify measure the top candidates."""
@@ -409,6 +450,7 @@ def advise_command(args: argparse.Namespace) -> int:
 
     cluster, n = _cluster(args)
     _check_device_flags(args)
+    _failure_rate(args)  # (bad values refused before the profile)
     device_link, inside = _device_link(args, cluster)
     out = Path(args.out or os.path.join("runs", f"advise-{time.strftime('%Y%m%d-%H%M%S')}"))
     prof, model = _profile(args, n, out)
@@ -440,7 +482,8 @@ def advise_command(args: argparse.Namespace) -> int:
     _print_ranking(title, rows)
     recs = recommendations(cands, ranking, classes)
     opts = options(cands, ranking, classes)
-    for line in recs + opts:
+    failures, fail_lines = _failures(args, cands, ranking, classes)
+    for line in recs + opts + fail_lines:
         print(line)
     png = plot(ranking, title, out / "advise.png")
     report: dict[str, Any] = {
@@ -451,6 +494,8 @@ def advise_command(args: argparse.Namespace) -> int:
         "ranking": [dict(zip(HEADER, r)) for r in rows],
         "predictions": [{"strategy": c.strategy, **c.prediction.to_dict()} for c in cands],
         "recommendations": recs, "options": opts}
+    if failures is not None:
+        report["failures"] = failures
     if device_link:
         report["cluster"]["device_link"] = device_link
     atomic_write_json(out / "advise.json", report)  # the prediction, before any run

@@ -33,7 +33,7 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     out = tmp_path / "adv"
     res = psring("advise", "--profile", prof, "--calibration", cal, "--hosts", 2,
                  "--workers-per-host", 2, "--link", "100mbit", "--batch-size", 64,
-                 "--out", out, timeout=120)
+                 "--mtbf", 100, "--job-hours", 50, "--out", out, timeout=120)
     text = res.stdout
     for name in ("allreduce", "ddp", "ps", "async-ps"):
         assert name in text
@@ -66,6 +66,15 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     # 1.3 MB over 100 Mbit/s links: the ring's 2(n-1)/n·M crosses them, not compute
     ring = next(p for p in report["predictions"] if p["comm_model"] == "ring")
     assert ring["phases"]["comm_s"] > 0.05
+    # --mtbf: every strategy priced with failures, async-ps (going on without a lost
+    # worker) beside the ranking's, and whether they change the answer, said
+    fails = {r["strategy"]: r for r in report["failures"]["ranking"]}
+    assert set(fails) == set(rows) | {"async-ps"}
+    assert all(r["with_failures_s"] > r["step_s"] for r in fails.values())
+    assert "goes on without a lost worker" in fails["async-ps"]["why"]
+    assert "restarts a day" in fails["allreduce"]["why"]
+    assert any(line.startswith("Failures") for line in report["failures"]["summary"])
+    assert all(line in text for line in report["failures"]["summary"])
 
 
 @pytest.mark.parametrize("args,words", [
@@ -77,6 +86,7 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     (["--hosts", "2", "--link", "1gbit", "--batch-size", "33"], "multiple"),
     (["--hosts", "1", "--workers-per-host", "2", "--delay", "1ms"], "--link"),
     (["--hosts", "24", "--batch-size", "48", "--link", "1gbit", "--verify"], "do not fit"),
+    (["--hosts", "2", "--link", "1gbit", "--mtbf", "-1"], "--mtbf"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, words):
     res = cli_here("advise", *args, "--out", tmp_path / "adv")
