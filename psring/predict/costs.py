@@ -72,7 +72,7 @@ class Prediction:
 #: TCP's flows through the emulated links never share them evenly; the σ of the lognormal
 #: weights that stand for it (psring.predict.engine.Flows), chosen against measured runs
 #: of colocated and own-host parameter servers (docs/prediction.md, "Flows")
-FLOW_SPREAD = 0.2
+FLOW_SPREAD = 0.17
 #: draws of those shares a replay and advise average (simulate's ``draws``): a
 #: synchronous PS whose workers can fall out of step with each other is a random
 #: process, and one draw says only when this one fell (docs/prediction.md)
