@@ -57,3 +57,26 @@ def test_a_run_that_goes_on_without_a_worker_is_timed_by_its_survivors(tmp_path)
 def test_no_fault_and_no_restart_is_none(tmp_path):
     assert effects(tmp_path, steps(2, {0: 1.0}), {"batch_size": 2, "workers": 2}) is None
     assert restart_losses([], []) == []
+
+
+def test_each_fault_case_is_set_beside_its_fault_free_setting():
+    from types import SimpleNamespace
+
+    from psring.report.aggregate import fault_rows
+
+    grid = {"setup": [{"setup": "a"}, {"setup": "b"}],
+            "fault": [{"fault": "none"}, {"fault": "worker", "kill_worker": "1:5"}]}
+    evals = [{"step": 6, "accuracy": 0.95, "train_s": 2.0, "time": 20.0}]
+    run = {"fault_effects": {"recovery_s": 1.5, "steps_redone": 2, "lost_s": 3.0,
+                             "losses": [[10.0, 3.0]], "lost_workers": []}, "evals": evals}
+
+    def setting(setup, fault, rows):
+        return SimpleNamespace(varied={"setup": setup, "fault": fault}, rows=rows)
+    settings = [setting("a", "none", [{"evals": evals}]), setting("a", "worker", [run]),
+                setting("b", "worker", [run])]
+    rows = fault_rows(settings, grid, target=0.9)
+    assert [r["setting"] for r in rows] == settings[1:]
+    assert rows[0]["clean"] is settings[0] and rows[1]["clean"] is None  # b has no "none"
+    assert rows[0]["recovery_s"].median == 1.5 and rows[0]["steps_redone"].median == 2
+    assert rows[0]["tta_s"].median == pytest.approx(5.0)  # 2 s of training + 3 s lost
+    assert fault_rows(settings, {"setup": grid["setup"]}, 0.9) == []
