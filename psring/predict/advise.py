@@ -291,6 +291,10 @@ def why(c: Candidate, cls: Any) -> str:
         return (f"bound by the {p.bound}: each server adds n·M/K = "
                 f"{mb(n * p.gradient_bytes / cl.servers)} of gradients and updates its shard "
                 f"per step ({comm}){tail}")
+    if p.bound.endswith(("d2h", "h2d")):
+        return (f"bound by the {p.bound} copy: each worker copies its gradients to host "
+                f"memory and the parameters back, {mb(M)} each way per step, at the host's "
+                f"PCIe rate ({comm}){tail}")
     if p.bound.startswith("worker"):
         return (f"bound by the {p.bound}: each worker sends and receives 2·M = {mb(2 * M)} "
                 f"per step ({comm}){tail}")

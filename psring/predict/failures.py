@@ -15,9 +15,10 @@ independently at rate 1/MTBF:
 - a strategy that goes on without a lost worker (``async-ps``:
   Capabilities.survives_lost_workers) pays nothing at once for a worker's failure, but
   trains on with one worker fewer until the job ends; over a job of length T a worker
-  is lost for T / MTBF of it in expectation, so the mean share of its workers left is
-  ``1 − T / (2 MTBF)`` (first order, at least a half), and its step counts per sample
-  by that share; its servers' failures restart it.
+  is lost for T / MTBF of it in expectation, so the mean share of its n workers left
+  is ``1 − (n − 1)/n · T / (2 MTBF)`` (first order, at least a half), and its step
+  counts per sample by that share; its servers' failures restart it, and so does
+  worker 0's (it writes the model and the evaluations: Capabilities.may_lose).
 
 Where λ (R + C/2) or T / MTBF is not small the first-order figures understate the cost;
 the sentence says so. Measured what one failure costs each strategy on this machine:
@@ -58,12 +59,14 @@ def with_failures(step_s: float, caps: Any, workers: int, servers: int,
     sentence on what its failures cost (the module docstring)."""
     per_s = 1.0 / f.mtbf_s
     lost = f.restart_s + f.checkpoint_s / 2  # what a restart costs, on average
-    survives = bool(getattr(caps, "survives_lost_workers", False))
-    restarting = (servers if survives else workers + servers) * per_s
+    # worker 0 writes the model and the evaluations: a run never goes on without it
+    # (Capabilities.may_lose), so its failure restarts even a strategy that survives
+    survives = bool(getattr(caps, "survives_lost_workers", False)) and workers > 1
+    restarting = ((servers + 1) if survives else workers + servers) * per_s
     slow = 1.0 + restarting * lost
     alive = 1.0
-    if survives:
-        alive = max(0.5, 1.0 - per_s * f.job_s / 2)  # (each worker lost T/MTBF of it)
+    if survives:  # each other worker lost for T/MTBF of the job, in expectation
+        alive = max(0.5, 1.0 - (workers - 1) / workers * per_s * f.job_s / 2)
     step = step_s * slow / alive
     parts = []
     if restarting:

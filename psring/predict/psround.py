@@ -389,7 +389,7 @@ class PSRound:
             if r.beta > 0:
                 util[r.name] = r.busy_between(*window) / width
         if sim.profile.host_copy:  # a GPU worker's copies: worker 0's engines stand for all
-            for r in (self.copy_engine["d2h"][w0], self.copy_engine["h2d"][w0]):
+            for r in (self.copy_engine["d2h"][0], self.copy_engine["h2d"][0]):
                 util[r.name] = r.busy_between(*window) / width
         # per-step view of the busiest one in steady state (a shared resource's busy time
         # over worker 0's window stands for every worker's)

@@ -187,8 +187,10 @@ def _play(sim: Sim, model: CostModel | None, comm_model: str | None,
 
 def mean_of(preds: list[Prediction]) -> Prediction:
     """Several draws as one prediction: the mean step, phases, throughput, efficiency
-    and utilization; what bounds it, the buckets and the starts are those of the draw
-    nearest the mean; ``draws`` lists every draw's step."""
+    and utilization (the throughput is the draws' mean, the expected samples a second,
+    so not quite n·B over the mean step when the draws differ); what bounds it, the
+    buckets and the starts are those of the draw nearest the mean; ``draws`` lists
+    every draw's step."""
     mean = statistics.fmean(p.step_s for p in preds)
     near = min(preds, key=lambda p: abs(p.step_s - mean))
     avg = statistics.fmean

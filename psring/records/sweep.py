@@ -252,7 +252,8 @@ class Sweep:
             for k in self.cases:
                 values.pop(k, None)  # (a case's name, not a flag)
             strategy = STRATEGIES.get(values.get("strategy", "single"))
-            if not _applies(values, strategy):
+            from_cases = {f for k, v in zip(keys, combo) if k in self.cases for f in v}
+            if not _applies(values, strategy, from_cases):
                 continue
             if strategy.caps.max_workers is not None:
                 values["workers"] = min(values.get("workers", 1), strategy.caps.max_workers)
@@ -291,13 +292,16 @@ class Sweep:
         return list(seen.values())
 
 
-def _applies(values: dict[str, Any], strategy: Any) -> bool:
-    """Whether a point's faults can happen under its strategy (a sweep's fault case
-    applied to every strategy): a server killed needs servers, backup workers a
-    strategy that takes them."""
-    if values.get("kill_server") and not strategy.caps.uses_servers:
+def _applies(values: dict[str, Any], strategy: Any, from_cases: set[str]) -> bool:
+    """Whether a case's faults can happen under the point's strategy (a fault case
+    crossed with every strategy): a server killed needs servers, backup workers a
+    strategy that takes them. Only flags a case set (``from_cases``) drop a point; the
+    same flags in [base] or a plain grid key are the run's own, and validated as such."""
+    if "kill_server" in from_cases and values.get("kill_server") \
+            and not strategy.caps.uses_servers:
         return False
-    return not (values.get("backup_workers") and not strategy.caps.supports_backups)
+    return not ("backup_workers" in from_cases and values.get("backup_workers")
+                and not strategy.caps.supports_backups)
 
 
 def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from psring.records.runlog import FAULTS, RESTARTS, read_steps
+from psring.train.shares import shares_of
 
 
 def restart_losses(restarts: list[dict], records: list[dict]) -> list[tuple[float, float]]:
@@ -69,7 +70,9 @@ def effects(run_dir: Path, records: list[dict], cfg: dict[str, Any]) -> dict[str
         after = [r["time"] for r in records if r["time"] > t_fault and r["step"] >= step]
         if after:
             out["recovery_s"] = min(after) - t_fault
-            per = cfg["batch_size"] / max(1, cfg["workers"])
+            # each worker's samples a step (--worker-batch: its share; --accumulate)
+            shares = shares_of(cfg)
+            per = {w: n * cfg.get("accumulate", 1) for w, n in enumerate(shares)}
             out["samples_per_s_before"] = _rate(
                 [r for r in records if r["time"] < t_fault and r["step"] >= 1], per)
             out["samples_per_s_after"] = _rate(
@@ -77,17 +80,17 @@ def effects(run_dir: Path, records: list[dict], cfg: dict[str, Any]) -> dict[str
     return out
 
 
-def _rate(records: list[dict], per_record: float) -> float | None:
+def _rate(records: list[dict], per_worker: dict[int, float]) -> float | None:
     """Samples a second (wall clock) over a span of step records, each a worker's step
-    of ``per_record`` samples: the steps after the span's first, over the time from
-    that first step's end to the last record (None when the span holds one step)."""
+    of ``per_worker[worker]`` samples: the steps after the span's first, over the time
+    from that first step's end to the last record (None when the span holds one step)."""
     if not records:
         return None
     first = min(r["step"] for r in records)
     first_end = max(r["time"] for r in records if r["step"] == first)
     rest = [r for r in records if r["step"] > first]
     span = max((r["time"] for r in rest), default=first_end) - first_end
-    return len(rest) * per_record / span if rest and span > 0 else None
+    return sum(per_worker[r["worker"]] for r in rest) / span if rest and span > 0 else None
 
 
 def tta_with_losses(evals: list[dict], target: float | None,

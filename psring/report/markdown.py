@@ -35,6 +35,7 @@ from psring.errors import ConfigError
 from psring.predict.costmodel import Calibration, find_calibration
 from psring.records.runlog import PHASES, atomic_write_bytes, read_manifest
 from psring.report.aggregate import (
+    FAULT_AXIS,
     Setting,
     Spread,
     add_time_to_accuracy,
@@ -363,8 +364,8 @@ def _faults_section(sw: _Sweep) -> list[str]:
     for r in rows:
         s, clean = r["setting"], r["clean"]
         table.append([
-            make_label(s, False, {k: v for k, v in s.varied.items() if k != "fault"}),
-            r["fault"] + (f" (went on without {', '.join(r['lost_workers'])})"
+            make_label(s, False, {k: v for k, v in s.varied.items() if k != FAULT_AXIS}),
+            str(r["fault"]) + (f" (went on without {', '.join(r['lost_workers'])})"
                           if r["lost_workers"] else ""),
             _fmt(r["recovery_s"], digits=2), _fmt(r["steps_redone"]),
             _fmt(r["lost_s"], digits=2),
