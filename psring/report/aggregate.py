@@ -410,7 +410,7 @@ def fault_rows(settings: list, grid: dict[str, list], target: float | None) -> l
             "recovery_s": over("recovery_s"), "steps_redone": over("steps_redone"),
             "lost_s": over("lost_s"), "before": over("samples_per_s_before"),
             "after": over("samples_per_s_after"),
-            "lost_workers": sorted({w for g in got for w in g.get("lost_workers", [])}),
+            "lost_workers": sorted({w for g in got for w in g.get("lost", [])}),
             "tta_s": Spread.of(tta_with_losses(r["evals"], target,
                                                [tuple(x) for x in g.get("losses", [])])
                                for r, g in zip(s.rows, got)),

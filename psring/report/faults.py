@@ -14,9 +14,9 @@ Per run (from faults.jsonl, restarts.jsonl, steps.jsonl and evals.jsonl):
   at or past the one it stopped completed by a worker: a restart's start, the steps it
   redoes and that step again; for a run that goes on without the lost worker, how long
   the survivors stalled;
-- ``steps_redone`` and ``lost_s``: each restart's, as psring.report.runs.fault_summary
-  counts them (from the last step logged before the failure to the same step logged
-  again after it);
+- ``steps_redone`` and ``lost_s``: each restart's, as :func:`fault_summary` counts them
+  for ``psring report``'s line too (from the last step logged before the failure to the
+  same step logged again after it);
 - ``samples_per_s_before`` / ``_after``: every worker's steps before the fault, and
   after the recovery (a run that lost a worker goes on with fewer), on the wall clock;
 - time to the target accuracy with the faults' cost (``tta_with_losses``): the clock at
@@ -46,26 +46,34 @@ def restart_losses(restarts: list[dict], records: list[dict]) -> list[tuple[floa
     return out
 
 
-def effects(run_dir: Path, records: list[dict], cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """What the run's faults cost it (the module docstring); None for a run without
-    a fault placed or a restart."""
-    fired = [f for f in read_steps(run_dir, FAULTS) if "fault" in f]
-    restarts = read_steps(run_dir, RESTARTS)
-    if not fired and not restarts:
+def fault_summary(run_dir: Path, records: list[dict]) -> dict[str, Any] | None:
+    """The faults a run met and its restarts (None: neither), from faults.jsonl and
+    restarts.jsonl and the run's step ``records``: the faults' flags (``fired``), the
+    processes it went on without (``lost``), the restarts, the steps redone, and the
+    seconds lost (``lost_s``; each restart's in ``losses``, restart_losses's)."""
+    logged, restarts = read_steps(run_dir, FAULTS), read_steps(run_dir, RESTARTS)
+    if not logged and not restarts:
         return None
     losses = restart_losses(restarts, records)
-    out: dict[str, Any] = {
-        "faults": [f["fault"] for f in fired],
-        "lost_workers": [f["lost"] for f in read_steps(run_dir, FAULTS) if "lost" in f],
-        "restarts": len(restarts),
-        "steps_redone": sum(r["steps_redone"] for r in restarts),
-        "lost_s": sum(lost for _, lost in losses),
-        "fault_step": None, "recovery_s": None,
-        "samples_per_s_before": None, "samples_per_s_after": None,
-        "losses": losses,
-    }
+    return {"fired": [f["fault"] for f in logged if "fault" in f],
+            "lost": [f["lost"] for f in logged if "lost" in f], "restarts": len(restarts),
+            "steps_redone": sum(r["steps_redone"] for r in restarts),
+            "lost_s": sum(lost for _, lost in losses), "losses": losses,
+            "first": next((f for f in logged if "fault" in f), None)}
+
+
+def effects(run_dir: Path, records: list[dict], cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """What the run's faults cost it (the module docstring): fault_summary's figures
+    and the recovery, the fault's step and the throughput before and after; None for a
+    run without a fault placed or a restart."""
+    out = fault_summary(run_dir, records)
+    if out is None:
+        return None
+    out.update({"fault_step": None, "recovery_s": None,
+                "samples_per_s_before": None, "samples_per_s_after": None})
+    fired = out.pop("first")
     if fired:
-        t_fault, step = fired[0]["time"], int(fired[0].get("step", 0))
+        t_fault, step = fired["time"], int(fired.get("step", 0))
         out["fault_step"] = step
         after = [r["time"] for r in records if r["time"] > t_fault and r["step"] >= step]
         if after:

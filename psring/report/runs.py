@@ -21,16 +21,14 @@ from typing import Any
 from psring.errors import ConfigError
 from psring.records.merge import missing_ranks
 from psring.records.runlog import (
-    FAULTS,
     PHASES,
-    RESTARTS,
     iter_run_dirs,
     read_evals,
     read_manifest,
     read_steps,
     warmup_steps,
 )
-from psring.report.faults import restart_losses
+from psring.report.faults import fault_summary
 from psring.strategies import STRATEGIES
 from psring.train.evaluate import time_to_accuracy
 from psring.train.shares import shares_of
@@ -162,21 +160,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         # who started the workers, and where (torchrun: every rank's host)
         "launch": manifest.get("launch") or {},
         "speedup_vs_single": None,
-        "faults": fault_summary(run_dir),
+        "faults": fault_summary(run_dir, records),
     }
-
-
-def fault_summary(run_dir: Path) -> dict[str, Any] | None:
-    """The faults a run met and its restarts (None: neither): the faults' flags, the
-    restarts, the steps redone, and the seconds lost, each restart's from the last step
-    logged before the failure to the same step logged again after it."""
-    fired, restarts = read_steps(run_dir, FAULTS), read_steps(run_dir, RESTARTS)
-    if not fired and not restarts:
-        return None
-    lost = sum(s for _, s in restart_losses(restarts, read_steps(run_dir)))
-    return {"fired": [f["fault"] for f in fired if "fault" in f],
-            "lost": [f["lost"] for f in fired if "lost" in f], "restarts": len(restarts),
-            "steps_redone": sum(r["steps_redone"] for r in restarts), "lost_s": lost}
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:

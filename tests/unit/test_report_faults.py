@@ -48,7 +48,7 @@ def test_a_run_that_goes_on_without_a_worker_is_timed_by_its_survivors(tmp_path)
     write(tmp_path / FAULTS, [{"time": 4.2, "fault": "--kill-worker 1:4", "step": 4},
                               {"time": 4.3, "lost": "worker 1", "exit": "SIGKILL"}])
     got = effects(tmp_path, records, {"batch_size": 9, "workers": 3})
-    assert got["lost_workers"] == ["worker 1"] and got["restarts"] == 0
+    assert got["lost"] == ["worker 1"] and got["restarts"] == 0
     assert got["recovery_s"] == pytest.approx(10.0 - 4.2) and got["lost_s"] == 0
     assert got["samples_per_s_before"] == pytest.approx(3 * 3 * 3 / 3.0)
     assert got["samples_per_s_after"] == pytest.approx(2 * 3 * 3 / 3.0)  # two left
@@ -68,7 +68,7 @@ def test_each_fault_case_is_set_beside_its_fault_free_setting():
             "fault": [{"fault": "none"}, {"fault": "worker", "kill_worker": "1:5"}]}
     evals = [{"step": 6, "accuracy": 0.95, "train_s": 2.0, "time": 20.0}]
     run = {"fault_effects": {"recovery_s": 1.5, "steps_redone": 2, "lost_s": 3.0,
-                             "losses": [[10.0, 3.0]], "lost_workers": []}, "evals": evals}
+                             "losses": [[10.0, 3.0]], "lost": []}, "evals": evals}
 
     def setting(setup, fault, rows):
         return SimpleNamespace(varied={"setup": setup, "fault": fault}, rows=rows)
