@@ -358,6 +358,10 @@ def _init_process_group(backend: str, rank: int, world: int, timeout: float,
     import torch.distributed as dist
 
     store = getattr(launch, "store", None)
+    if store is not None:
+        # this attempt's keys: a launch torchrun restarted keeps its store, and gloo
+        # would read the last attempt's workers' addresses from it
+        store = dist.PrefixStore(launch.key("pg/"), store)
     kwargs = {"store": store} if store is not None else {}
     try:
         dist.init_process_group(backend, rank=rank, world_size=world,

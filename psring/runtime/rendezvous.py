@@ -47,6 +47,8 @@ GRACE_S = 10.0
 BEAT_S = 1.0
 #: a store operation of the watchdog or of a failing worker waits at most this long
 STORE_OP_S = 2.0
+#: the store's key with the newest attempt of the launch any rank began
+NEWEST = "psring/newest"
 
 
 def under_torchrun(env: dict[str, str] | os._Environ = os.environ) -> bool:
@@ -86,6 +88,18 @@ class Launch:
     def describe(self) -> dict[str, Any]:
         """For the manifest."""
         return {"launcher": self.kind, "run_id": self.run_id}
+
+    @property
+    def attempt(self) -> int:
+        """Which start of the launch this is: 1, or 1 + the restarts before it (torchrun's
+        --max-restarts; psring run's restarts are new launches)."""
+        return 1
+
+    def mark(self, name: str) -> None:
+        """Tell the others that ``name`` is done (:meth:`wait_mark`)."""
+
+    def wait_mark(self, name: str, what: str) -> None:
+        """Wait up to --timeout for another rank's :meth:`mark` of ``name``."""
 
     def close(self) -> None:
         pass
@@ -173,6 +187,22 @@ class Rendezvous(Launch):
         os.environ[RUN_ENV] = self.run_id  # psring.records.runlog.run_id: servers, shared memory
         self.stage("joined")
 
+    @property
+    def attempt(self) -> int:
+        return int(self.ns.split("/")[1]) if self.ns else 1
+
+    def mark(self, name: str) -> None:
+        self.store.set(self.key(f"mark/{name}"), "1")
+
+    def wait_mark(self, name: str, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check([self.key(f"mark/{name}")]):
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise PsringError(f"worker {self.rank}: waited --timeout {self.timeout:g} s "
+                                  f"for {what}. {self.explain()}")
+            time.sleep(0.05)
+
     def _missing(self, keys: list[str]) -> str:
         here = [r for r, k in enumerate(keys) if self.store.check([k])]
         gone = [r for r in range(self.world) if r not in here]
@@ -199,6 +229,18 @@ class Rendezvous(Launch):
             return None
         return (f"worker {self.rank}: stopping, because worker {f.get('rank')} on "
                 f"{f.get('host')} failed: {f.get('error')}")
+
+    def _superseded(self, store) -> str | None:
+        """A newer attempt of the launch began: torchrun restarted a worker elsewhere
+        (one that died without a word, killed), and this attempt can never finish."""
+        if not store.check([NEWEST]):
+            return None
+        newest = int(store.get(NEWEST))
+        if newest <= self.attempt:
+            return None
+        return (f"worker {self.rank}: stopping, because torchrun restarted the workers of "
+                f"another host (attempt {newest} of the launch began): a worker of this "
+                f"attempt died (see the other hosts' output).")
 
     # -- progress and failure -----------------------------------------------------------
     def stage(self, what: str, step: int | None = None, waiting: bool = True) -> None:
@@ -253,7 +295,7 @@ class Rendezvous(Launch):
                 if stage != last_sent:
                     client.set(self.key(f"stage/{self.rank}"), json.dumps(stage))
                     last_sent = stage
-                self._peer_failure = self._failure(client)
+                self._peer_failure = self._failure(client) or self._superseded(client)
                 if self.peers:
                     keys = [self.key(f"stage/{r}") for r in range(self.world)]
                     seen = {r: json.loads(v) for r, v in enumerate(client.multi_get(keys))}
@@ -383,7 +425,9 @@ def _attempt(store: Any, rank: int) -> str:
     it across rounds), and TORCHELASTIC_RESTART_COUNT is each agent's own count (a
     membership change does not raise it). Every rank of a new round starts once, so
     counting this rank's starts in the store gives all ranks the same number."""
-    return f"psring/{store.add(f'psring/starts/{rank}', 1)}/"
+    attempt = store.add(f"psring/starts/{rank}", 1)
+    store.set(NEWEST, str(attempt))  # (ranks of older attempts watch it: _superseded)
+    return f"psring/{attempt}/"
 
 
 def _failure_value(rank: int, host: str | None, message: str) -> str:
