@@ -31,8 +31,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,21 +71,57 @@ def _sha256(path: Path) -> str:
 def save(run_dir: Path, step: int, tensors: dict[str, torch.Tensor],
          meta: dict[str, Any] | None = None, keep: int = KEEP) -> Path:
     """Write the checkpoint of ``step`` (all tensors moved to the CPU) and prune old
-    ones. Safe against a crash at any point: the commit mark is written last."""
-    d = Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
-    if d.exists():
-        shutil.rmtree(d)  # an uncommitted leftover of a crashed attempt at this step
-    d.mkdir(parents=True)
+    ones. Safe against a crash at any point, and against another writer of the same
+    directory (hosts of a torchrun launch sharing one ``--out``): the checkpoint is
+    built in a directory of its own, its commit mark written last, then renamed into
+    place whole."""
+    root = Path(run_dir) / CHECKPOINTS
+    d = root / f"step-{step:08d}"
+    tmp = root / f".{d.name}.{socket.gethostname()}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     buf = io.BytesIO()
     torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, buf)
     data = buf.getvalue()
-    atomic_write_bytes(d / STATE, data)
-    atomic_write_json(d / COMMIT, {
+    atomic_write_bytes(tmp / STATE, data)
+    atomic_write_json(tmp / COMMIT, {
         "format": FORMAT, "step": step, "meta": meta or {},
         "files": {STATE: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}})
-    for old in _candidates(run_dir)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+    _put_in_place(tmp, d)
+    _prune(root, keep)
     return d
+
+
+def _put_in_place(tmp: Path, d: Path) -> None:
+    """Rename the finished ``tmp`` to ``d``. A ``d`` already there is a checkpoint of
+    the same step that a resume went back past (an older one was agreed on, or this
+    one was refused): the new one replaces it."""
+    if d.exists():
+        old = d.with_name(f".{d.name}.{os.getpid()}.old")
+        try:
+            d.rename(old)
+        except FileNotFoundError:
+            pass  # (another writer of the directory moved it first)
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        tmp.rename(d)
+    except OSError:
+        if not (d / COMMIT).exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another writer put the same step in place
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Keep the ``keep`` newest checkpoints; drop older ones and what crashed writers
+    left of them (a writer still at work is at a step no older than the kept ones)."""
+    kept = _candidates(root.parent)
+    for old in kept[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    if len(kept) >= keep:
+        oldest = kept[keep - 1].name
+        for left in root.glob(".step-*"):
+            if left.name[1:len(oldest) + 1] < oldest:
+                shutil.rmtree(left, ignore_errors=True)
 
 
 def _candidates(run_dir: Path) -> list[Path]:
@@ -97,6 +135,21 @@ def _candidates(run_dir: Path) -> list[Path]:
 
 def verify(d: Path) -> Checkpoint:
     """Load and check one checkpoint directory; ConfigError says what is wrong."""
+    step, info = _checked(d)
+    state = d / STATE
+    try:
+        tensors = torch.load(state, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to load is a refusal
+        raise ConfigError(f"{state} cannot be loaded with weights_only=True ({e})") from None
+    if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+        raise ConfigError(f"{state} does not hold a flat dict of tensors")
+    return Checkpoint(step, tensors, info.get("meta", {}), d)
+
+
+def _checked(d: Path) -> tuple[int, dict[str, Any]]:
+    """The step and commit mark of ``d``, its file matching the recorded size and
+    SHA-256 (not yet loaded); ConfigError says what is wrong."""
     commit = d / COMMIT
     if not commit.exists():
         raise ConfigError(f"{d}: no {COMMIT} (the write was interrupted before its commit mark)")
@@ -116,14 +169,25 @@ def verify(d: Path) -> Checkpoint:
         raise ConfigError(f"{state} does not match the SHA-256 recorded in {COMMIT} "
                           f"({size} bytes, {expected.get('bytes')} recorded): torn or "
                           f"tampered with")
-    try:
-        tensors = torch.load(state, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to load is a refusal
-        raise ConfigError(f"{state} cannot be loaded with weights_only=True ({e})") from None
-    if not isinstance(tensors, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
-        raise ConfigError(f"{state} does not hold a flat dict of tensors")
-    return Checkpoint(step, tensors, info.get("meta", {}), d)
+    return step, info
+
+
+def usable_steps(run_dir: Path) -> list[int]:
+    """The steps of the checkpoints in ``run_dir`` whose files match their commit
+    marks, newest first (what a host of a restarted torchrun launch can resume from)."""
+    steps = []
+    for d in _candidates(run_dir):
+        try:
+            steps.append(_checked(d)[0])
+        except ConfigError:
+            continue
+    return steps
+
+
+def at(run_dir: Path, step: int) -> Checkpoint:
+    """The checkpoint of ``step`` in ``run_dir``, verified (ConfigError if it is not
+    there or does not verify)."""
+    return verify(Path(run_dir) / CHECKPOINTS / f"step-{step:08d}")
 
 
 def latest(run_dir: Path, log=None) -> Checkpoint | None:
