@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from psring.cluster import netif
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
-from psring.runtime import rendezvous
+from psring.runtime import elastic, rendezvous
 from psring.runtime.allocator import keep_freed_memory
 from psring.runtime.process import die_with_parent, set_process_name, worker_threads
 from psring.train import device as psring_device
@@ -111,6 +111,7 @@ def worker_config(args: argparse.Namespace, world: int) -> RunConfig:
                           "does this for you; under torchrun each host writes its own "
                           "workers' steps there, and `psring merge` joins the hosts' "
                           "directories).")
+    elastic.check(cfg)
     return cfg
 
 
@@ -150,6 +151,8 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     ctx, threads = _context(cfg, rank, world, local_rank, local_world, log)
     strategy_cls = STRATEGIES.get(cfg.strategy)
     launch, net = _join(ctx, prefix)
+    # who writes checkpoints; after a restart by torchrun, the one every host resumes from
+    elastic.after_join(ctx, launch, strategy_cls.caps.uses_servers)
     launch.stage("building the model", waiting=False)  # (a data download has no deadline)
     work = build_workload(cfg)
     if rank == 0:
@@ -223,7 +226,8 @@ def _join(ctx: WorkerContext, prefix: str) -> tuple[rendezvous.Launch, netif.Cho
     os.environ.update(net.env)
     record = {"host": ctx.host, "address": net.address, "interface": net.interface,
               "node": _env_int("GROUP_RANK", 0), "local_rank": ctx.local_rank,
-              "pid": os.getpid(), "out": str(ctx.run_dir.resolve())}
+              "pid": os.getpid(), "out": str(ctx.run_dir.resolve()),
+              **elastic.offer(ctx.cfg, ctx.local_rank, ctx.run_dir)}
     launch = rendezvous.join(ctx.rank, ctx.world, ctx.cfg.timeout, record, ctx.log, prefix)
     # node 0 with MASTER_ADDR loopback learns its interface from its peers' addresses
     net = netif.after_join(net, launch.peers, ctx.host, cuda=cuda)

@@ -53,12 +53,14 @@ def checkpoint_due(cfg, done: int) -> bool:
 def save_checkpoint(ctx: WorkerContext, strategy: Strategy, model: nn.Module,
                     optimizer: SGD | None, done: int, clock: TrainingClock) -> None:
     """Every worker takes the state at the same step (a strategy may communicate for
-    it: ps fetches its servers' shards); rank 0 writes it. Outside the step's timing:
-    a checkpoint is not part of training's cost."""
+    it: ps fetches its servers' shards); rank 0 writes it, and under torchrun each other
+    host's run directory's writer its own (psring.runtime.elastic), where the state is
+    every worker's. Outside the step's timing: a checkpoint is not part of training's
+    cost."""
     train_s = clock.elapsed()
     with clock.paused():
         state = strategy.checkpoint_state(model, optimizer)
-        if ctx.rank == 0:
+        if ctx.rank == 0 or (ctx.writes_checkpoints and state):
             checkpoint.save(ctx.run_dir, done, state,
                             {"strategy": ctx.cfg.strategy, "workers": ctx.world,
                              "train_s": train_s})

@@ -284,7 +284,9 @@ class Faults:
         "when a worker or server dies and the run cannot go on without it, restart the "
         "whole run from its last complete "
         "checkpoint (--checkpoint-every; from the start when none is written yet), at "
-        "most K times; each restart is logged in DIR/restarts.jsonl. 0 = fail-stop"))
+        "most K times; each restart is logged in DIR/restarts.jsonl. 0 = fail-stop. "
+        "Under torchrun give torchrun --max-restarts K too: its restarts then resume "
+        "from the newest checkpoint every host holds"))
     backup_workers: int = field(default=0, metadata=_flag(
         "ps: each step the servers take the gradients of the first N - B workers to "
         "finish pushing it (the same workers for every key) and drop the others' "

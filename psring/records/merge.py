@@ -26,8 +26,10 @@ from typing import Any
 from psring.errors import ConfigError
 from psring.records.runlog import (
     EVALS,
+    FAULTS,
     MANIFEST,
     MODEL,
+    RESTARTS,
     STEPS,
     WORKERS,
     atomic_write_json,
@@ -75,6 +77,7 @@ def merge(dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
                for p in paths for rec in read_steps(p, SERVERS)}
     if servers:
         _write_lines(out / SERVERS, sorted(servers.values(), key=lambda r: r.get("time", 0)))
+    _merge_faults(paths, out)
     for name in RANK0_FILES:
         if (head / name).exists():
             shutil.copy2(head / name, out / name)
@@ -82,6 +85,22 @@ def merge(dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
         {w["rank"] for w in read_steps(p, WORKERS) if w.get("run") == run})} for p in paths]
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
+
+
+def _merge_faults(paths: list[Path], out: Path) -> None:
+    """Every host's faults, and the restarts once each: each host's directory records
+    a restart of the launch (psring.runtime.elastic), the one that had got furthest
+    stands for it."""
+    fired = {json.dumps(rec, sort_keys=True): rec for p in paths for rec in read_steps(p, FAULTS)}
+    if fired:
+        _write_lines(out / FAULTS, sorted(fired.values(), key=lambda r: r.get("time", 0)))
+    restarts: dict[int, dict] = {}
+    for rec in (r for p in paths for r in read_steps(p, RESTARTS)):
+        seen = restarts.get(rec.get("attempt"))
+        if seen is None or rec.get("reached", 0) > seen.get("reached", 0):
+            restarts[rec.get("attempt")] = rec
+    if restarts:
+        _write_lines(out / RESTARTS, [restarts[a] for a in sorted(restarts)])
 
 
 def _distinct_dirs(dirs: list[str | Path]) -> list[Path]:

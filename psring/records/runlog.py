@@ -109,6 +109,21 @@ def append_record(path: Path, record: dict) -> None:
         log.close()
 
 
+def truncate_records(path: Path, before: int) -> None:
+    """Keep the records (steps.jsonl, evals.jsonl) whose ``step`` is before ``before``
+    (the checkpoint a resumed run continues from): what came after is run again."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < before:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by the crash
+    atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+
+
 def read_steps(run_dir: Path, name: str = STEPS) -> list[dict]:
     path = Path(run_dir) / name
     if not path.exists():

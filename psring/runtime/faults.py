@@ -36,6 +36,7 @@ from typing import Any
 
 from psring.errors import PsringError
 from psring.records.runlog import (
+    EVALS,
     FAULTS,
     RESTARTS,
     STEPS,
@@ -225,22 +226,36 @@ def restart(cfg: Any, run_dir: Path, attempt: int, cause: str,
     cfg = without(cfg, fired)
     from psring.train import checkpoint
 
-    progress = Progress(run_dir / STEPS)
-    progress.read()
     ckpt = checkpoint.latest(run_dir, log=lambda m: print(f"psring: {m}", file=sys.stderr))
     if ckpt is not None and ckpt.step >= cfg.steps:
         return None
-    start = ckpt.step if ckpt is not None else 0
-    append_record(run_dir / RESTARTS, {
-        "attempt": attempt, "time": time.time(), "cause": cause.splitlines()[0],
-        "resumed_from": start, "reached": progress.reached, "reached_at": progress.time,
-        "steps_redone": max(0, progress.reached - start)})
-    print(f"psring: restart {attempt} of {cfg.max_restarts}: "
-          + (f"from the checkpoint at step {start}" if ckpt else "from the start (no "
-             "checkpoint yet)") + f"; {cause.splitlines()[0]}", file=sys.stderr, flush=True)
+    record_restart(run_dir, attempt, cfg.max_restarts, cause,
+                   ckpt.step if ckpt is not None else None)
     if ckpt is not None:
         return cfg.replace(out=str(run_dir), resume=str(run_dir))
-    for name in (STEPS, "evals.jsonl"):  # nothing to keep: the run starts over
+    clear_records(run_dir)
+    return cfg.replace(out=str(run_dir), resume="")
+
+
+def record_restart(run_dir: Path, attempt: int, limit: int, cause: str,
+                   start: int | None) -> None:
+    """Restart ``attempt`` (of at most ``limit``) in restarts.jsonl, and said: the step
+    it resumes from (None: from the start, no checkpoint yet), how far the run had got
+    (its steps.jsonl, before it is cut back), the steps redone."""
+    progress = Progress(run_dir / STEPS)
+    progress.read()
+    cause = cause.splitlines()[0]
+    append_record(run_dir / RESTARTS, {
+        "attempt": attempt, "time": time.time(), "cause": cause,
+        "resumed_from": start or 0, "reached": progress.reached, "reached_at": progress.time,
+        "steps_redone": max(0, progress.reached - (start or 0))})
+    print(f"psring: restart {attempt} of {limit}: "
+          + (f"from the checkpoint at step {start}" if start is not None else "from the "
+             "start (no checkpoint yet)") + f"; {cause}", file=sys.stderr, flush=True)
+
+
+def clear_records(run_dir: Path) -> None:
+    """A run that starts over keeps no step or evaluation records."""
+    for name in (STEPS, EVALS):
         atomic_write_bytes(run_dir / name, b"")
         (run_dir / name).unlink()
-    return cfg.replace(out=str(run_dir), resume="")

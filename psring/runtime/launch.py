@@ -26,7 +26,13 @@ from typing import Callable, Iterator
 from psring.cluster.emulate import network_for
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError, PsringError, RunFailed
-from psring.records.runlog import EVALS, STEPS, atomic_write_bytes, atomic_write_json, count_lines
+from psring.records.runlog import (
+    EVALS,
+    STEPS,
+    atomic_write_json,
+    count_lines,
+    truncate_records,
+)
 from psring.runtime import faults
 from psring.runtime.process import (
     ProcessSpec,
@@ -95,21 +101,6 @@ def resume_config(resume_dir: str, given: dict) -> RunConfig:
     return validate(RunConfig(**values))
 
 
-def _truncate_steps(path: Path, before: int) -> None:
-    """Keep the records (steps.jsonl, evals.jsonl) whose ``step`` is before ``before``
-    (the checkpoint a resumed run continues from): what came after is run again."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] < before:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a line torn by the crash
-    atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
-
-
 def prepare(cfg: RunConfig) -> tuple[str, int]:
     """Resolve the run directory and the rendezvous port, checking both up front."""
     out = cfg.out or default_out(cfg)
@@ -139,10 +130,10 @@ def prepare(cfg: RunConfig) -> tuple[str, int]:
             raise ConfigError(f"--resume {cfg.resume}: its last checkpoint is at step "
                               f"{ckpt.step} and the run has {cfg.steps} steps: nothing to "
                               f"do (pass a larger --steps to train on).")
-        _truncate_steps(Path(out, STEPS), ckpt.step)
+        truncate_records(Path(out, STEPS), ckpt.step)
         # evaluations of the model after the checkpoint's step are made again; the one
         # at that step (made before the checkpoint was written) stands
-        _truncate_steps(Path(out, EVALS), ckpt.step + 1)
+        truncate_records(Path(out, EVALS), ckpt.step + 1)
     elif Path(out, STEPS).exists():
         raise ConfigError(f"run directory {out} already holds a run (steps.jsonl); pass a new "
                           f"--out, or remove the old one.")

@@ -85,6 +85,9 @@ class WorkerContext:
     host: str = ""
     #: --compute device: the device stand-in (psring.train.device.DeviceCompute), else None
     stand_in: Any = None
+    #: under torchrun, this rank writes its host's run directory's checkpoints too (the
+    #: lowest rank there: psring.runtime.elastic); rank 0 always writes them
+    writes_checkpoints: bool = False
 
 
 @dataclass

@@ -88,7 +88,9 @@ class ParameterServer(Strategy):
         self.buckets = GradientBuckets(params, cap, first,
                                        scale=1.0 / (ctx.world - self.backups),
                                        launch=self._push, stats_of=lambda: self.stats)
-        resume = ctx.resume.tensors if ctx.resume is not None else None
+        # (under torchrun a host other than rank 0's holds no copy of the servers' state:
+        # its resume is a step only, its parameters come with the first pull)
+        resume = ctx.resume.tensors if ctx.resume is not None and ctx.resume.tensors else None
         total = self._flatten(resume)
         cuda = ctx.device.type == "cuda"
         self.host_buckets = [torch.empty(b.numel, pin_memory=True) if cuda else None
@@ -107,7 +109,8 @@ class ParameterServer(Strategy):
         self.step = 0
         self._staleness = -1
         # resuming: the servers start at the checkpoint's version, with its momentum
-        self.version0 = int(resume["ps/version"]) if resume is not None else 0
+        self.version0 = int(resume["ps/version"]) if resume is not None else \
+            ctx.resume.step if ctx.resume is not None and self.mode == "sync" else 0
         self.pulled = self.version0  # the version of the parameters last pulled
         if ctx.rank == 0:
             self._initialize_servers(resume)

@@ -11,8 +11,10 @@ import pytest
 
 from psring.config import RunConfig
 from psring.runtime import faults
+from psring.train import checkpoint
 from tests.helpers import (
     SMALL,
+    Node,
     assert_no_processes,
     cli_here,
     load_model,
@@ -20,6 +22,9 @@ from tests.helpers import (
     psring,
     psring_together,
     read_steps,
+    start_server_process,
+    user_env,
+    wait_all,
 )
 
 
@@ -203,3 +208,69 @@ def test_backup_workers_drop_the_last_worker_and_go_on_past_a_lost_one(tmp_path)
     chosen = {(r["server"], r["step"]): r["chosen"] for r in took if "chosen" in r}
     assert all(len(c) == 2 for c in chosen.values()) and len(chosen) >= 2 * 12
     assert_no_processes(backed)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_torchrun_restarts_resume_every_host_from_its_own_checkpoint(tmp_path, small_runs,
+                                                                     strategy):
+    """Two torchrun nodes (each its own --out, as hosts have), torchrun's and psring's
+    --max-restarts: worker 1 is killed at step 5; torchrun restarts both workers (node
+    0's sees the newer attempt begin: a ps worker waits on its servers, not on worker
+    1), every host resumes from step 3, and the run ends as the uninterrupted one.
+    allreduce: each host from its own checkpoint; ps (a standalone server, as
+    docs/multihost.md runs it): rank 0 re-initializes the server from node 0's."""
+    server, extra = None, []
+    if strategy == "ps":
+        server, addr = start_server_process()
+        extra = ["--server-addrs", addr]
+    try:
+        dirs = _torchrun_two_nodes(tmp_path, ["--strategy", strategy, *extra, *SMALL,
+                                              "--checkpoint-every", "3", "--max-restarts",
+                                              "1", "--kill-worker", "1:5"])
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+    for out in dirs:
+        (restart,) = [json.loads(x) for x in (out / faults.RESTARTS).read_text().splitlines()]
+        assert restart["resumed_from"] == 3 and restart["steps_redone"] >= 2, restart
+        assert sorted(r["step"] for r in read_steps(out)) == list(range(12))
+    assert "worker-1 killed by --kill-worker 1:5" in (dirs[1] / faults.RESTARTS).read_text()
+    # each host wrote its own checkpoints where its state is its own (ps: in the server)
+    assert checkpoint.usable_steps(dirs[0]) == [12, 9]
+    assert checkpoint.usable_steps(dirs[1]) == ([12, 9] if strategy == "allreduce" else [])
+    diff = max_rel_diff(load_model(dirs[0]), load_model(small_runs["allreduce"]))
+    # (allreduce is psring run's allreduce bit for bit; ps sums in another order)
+    assert diff == 0.0 if strategy == "allreduce" else diff < 1e-5, diff
+    merged = tmp_path / "merged"
+    psring("merge", *dirs, "--out", merged)
+    assert "1 restart(s) from checkpoints" in cli_here("report", merged).stdout
+    assert_no_processes(tmp_path)
+
+
+def _torchrun_two_nodes(tmp_path, worker_args: list[str]) -> list:
+    """docs/multihost.md's command on two torchrun nodes of this machine (one thread a
+    worker, as psring run gives 2 workers on 2 cores), torchrun restarting once; both
+    must succeed. Their run directories."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from psring.runtime.process import free_port
+
+    port, dirs, nodes = free_port("127.0.0.1"), [tmp_path / "host0", tmp_path / "host1"], []
+    for i, out in enumerate(dirs):
+        log = tmp_path / f"node{i}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--node-rank",
+                 str(i), "--nproc-per-node", "1", "--max-restarts", "1", "--master-addr",
+                 "127.0.0.1", "--master-port", str(port), "--rdzv-conf", "timeout=60",
+                 "-m", "psring.workers", *worker_args, "--threads", "1", "--timeout", "30",
+                 "--out", str(out)],
+                env=user_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        nodes.append(Node(proc, log))
+    wait_all(nodes, nodes[0].started + 120)
+    assert [n.proc.returncode for n in nodes] == [0, 0], [n.output[-3000:] for n in nodes]
+    return dirs
