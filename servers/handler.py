@@ -45,7 +45,17 @@ from typing import Any
 
 import torch
 
-from psring.comm.protocol import DTYPE_NAMES, DTYPES, MODES, UPDATES, Message, encode, error_frames
+from psring.comm.protocol import (
+    DTYPE_NAMES,
+    DTYPES,
+    MODES,
+    SNAPSHOT_NEWEST,
+    SNAPSHOT_NOW,
+    UPDATES,
+    Message,
+    encode,
+    error_frames,
+)
 from psring.servers.store import ShardStore
 
 #: pulls held back at once, beyond which new ones are refused (bounded memory)
@@ -118,10 +128,12 @@ class _Run:
     acks: dict[int, "OrderedDict[int, _Ack]"] = field(default_factory=dict)
     acked_seq: dict[int, int] = field(default_factory=dict)  # worker -> highest acked seq
     # checkpoints: keep a copy of the shard when the version becomes a multiple of
-    # snapshot_every (or snapshot_last): (version, params, momentum or None)
+    # snapshot_every (or snapshot_last): version -> (params, momentum or None), the
+    # last KEPT_COPIES of them (with backups worker 0 asks for the newest copy, then the
+    # other shards for that one, which they may have passed meanwhile)
     snapshot_every: int = 0
     snapshot_last: int = 0
-    snapshot: tuple | None = None
+    snapshots: dict[int, tuple] = field(default_factory=dict)
     started: bool = False  # every worker has asked for parameters once
     #: init's `group`: workers // group push each range, worker w in place w // group
     group: int = 1
@@ -143,6 +155,19 @@ class _Run:
         if not self.backups:
             return list(range(self.pushers))
         return list(self.chosen) if self.chosen is not None else None
+
+
+#: copies of the shard kept for checkpoints
+KEPT_COPIES = 2
+
+
+def _keep_copy(st: _Run, version: int) -> None:
+    """A copy of the shard (parameters and momentum) at ``version``; the oldest beyond
+    KEPT_COPIES dropped."""
+    buf = st.store.buf
+    st.snapshots[version] = (st.store.params.clone(), buf.clone() if buf is not None else None)
+    for old in sorted(st.snapshots)[:-KEPT_COPIES]:
+        del st.snapshots[old]
 
 
 class Handler:
@@ -507,43 +532,45 @@ class Handler:
         version, taken without stopping anyone."""
         v = st.version
         if st.snapshot_every and (v % st.snapshot_every == 0 or v == st.snapshot_last):
-            buf = st.store.buf
-            st.snapshot = (v, st.store.params.clone(), buf.clone() if buf is not None else None)
+            _keep_copy(st, v)
 
     def _snapshot(self, peer: bytes, msg: Message, t0: float) -> list[Reply]:
         st = self._current(msg)
         if len(msg.tensors) != 0:
             raise RequestError("a snapshot request carries no tensors")
         v = msg.header["version"]
-        if v == -1:  # now (async: no version boundary is shared by all shards anyway)
-            buf = st.store.buf
-            st.snapshot = (st.version, st.store.params.clone(),
-                           buf.clone() if buf is not None else None)
-            return [self._state_reply(st, peer, msg, t0)]
-        if st.snapshot is not None and st.snapshot[0] == v:
-            return [self._state_reply(st, peer, msg, t0)]
-        if v < -1 or v <= st.version:
+        if v == SNAPSHOT_NOW:  # (async: no version boundary is shared by all shards anyway)
+            _keep_copy(st, st.version)
+            v = st.version
+        elif v == SNAPSHOT_NEWEST and st.snapshots:
+            v = max(st.snapshots)
+        if v in st.snapshots:
+            return [self._state_reply(st, peer, msg, t0, v)]
+        if v < 0 or v <= st.version:
             raise RequestError(f"no copy of version {v} is kept (the server is at version "
-                               f"{st.version}; it copies versions that are multiples of "
-                               f"{st.snapshot_every} and {st.snapshot_last})")
+                               f"{st.version} and keeps {sorted(st.snapshots) or 'none'}; it "
+                               f"copies versions that are multiples of {st.snapshot_every} "
+                               f"and {st.snapshot_last})")
         if len(self.snapshot_waits) >= MAX_DEFERRED:
             raise RequestError(f"{self.name} already holds {MAX_DEFERRED} snapshot requests")
         self.snapshot_waits.append(_Deferred(peer, msg, t0))
         return []
 
-    def _state_reply(self, st: _Run, peer: bytes, msg: Message, t0: float) -> Reply:
-        version, params, buf = st.snapshot
+    def _state_reply(self, st: _Run, peer: bytes, msg: Message, t0: float,
+                     version: int) -> Reply:
+        params, buf = st.snapshots[version]
         tensors = [params] if buf is None else [params, buf]
         return self._reply(peer, msg, "state", {"version": version}, tensors, t0=t0)
 
     def _release_snapshots(self) -> list[Reply]:
         st = self.state
-        if st is None or not self.snapshot_waits or st.snapshot is None:
+        if st is None or not self.snapshot_waits or not st.snapshots:
             return []
         out, keep = [], []
         for d in self.snapshot_waits:
-            if d.msg.header["run"] == st.run and d.msg.header["version"] == st.snapshot[0]:
-                out.append(self._state_reply(st, d.peer, d.msg, d.since))
+            if d.msg.header["run"] == st.run and d.msg.header["version"] in st.snapshots:
+                out.append(self._state_reply(st, d.peer, d.msg, d.since,
+                                             d.msg.header["version"]))
             else:
                 keep.append(d)
         self.snapshot_waits = keep

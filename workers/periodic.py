@@ -61,6 +61,6 @@ def save_checkpoint(ctx: WorkerContext, strategy: Strategy, model: nn.Module,
     with clock.paused():
         state = strategy.checkpoint_state(model, optimizer)
         if ctx.rank == 0 or (ctx.writes_checkpoints and state):
-            checkpoint.save(ctx.run_dir, done, state,
+            checkpoint.save(ctx.run_dir, strategy.checkpoint_step(done, state), state,
                             {"strategy": ctx.cfg.strategy, "workers": ctx.world,
                              "train_s": train_s})

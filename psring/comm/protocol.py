@@ -74,6 +74,12 @@ _LIST = (list,)
 #: fields every message has
 COMMON = {"v": _INT, "op": _STR, "run": _STR, "worker": _INT, "seq": _INT, "shard": _INT}
 
+#: a snapshot request's `version`: a copy of the shard as it is now (async)
+SNAPSHOT_NOW = -1
+#: a snapshot request's `version`: the newest copy the server keeps (backups: worker 0
+#: may trail the servers' version)
+SNAPSHOT_NEWEST = -2
+
 #: op -> {field: accepted types}; a message must have exactly COMMON + these fields
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # worker 0 -> server: take this shard [lo, hi) of the flat parameters and the run's
@@ -108,7 +114,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # (ascending) and drops the others'
     "choose": {"step": _INT, "workers": _LIST, "tensors": (list,)},
     # worker 0 -> server: the shard's copy taken at `version` (sync: answered once it
-    # exists), or at once of the shard as it is now (`version` -1; async)
+    # exists; the server keeps its last two), at once of the shard as it is now
+    # (SNAPSHOT_NOW; async), or the newest copy it keeps (SNAPSHOT_NEWEST; with backups)
     "snapshot": {"version": _INT, "tensors": (list,)},
     # server -> worker replies; `dropped`: the push came too late for its step (backups)
     # and was thrown away

@@ -199,10 +199,6 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
         raise ConfigError("--backup-workers averages whichever N - B workers come first, "
                           "and --worker-batch weighs each worker by its own share: the two "
                           "do not make the global batch's mean. Drop one of them.")
-    if cfg.backup_workers and (cfg.checkpoint_every or cfg.resume):
-        raise ConfigError("--backup-workers with checkpoints is not built yet (a dropped "
-                          "worker's steps and the servers' versions part ways): drop "
-                          "--checkpoint-every/--resume/--max-restarts, or --backup-workers.")
     if cfg.kill_server and not caps.uses_servers:
         raise ConfigError(f"--kill-server kills a parameter server; {cfg.strategy!r} uses "
                           f"none: drop --kill-server, or use --kill-worker.")

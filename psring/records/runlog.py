@@ -111,13 +111,16 @@ def append_record(path: Path, record: dict) -> None:
 
 def truncate_records(path: Path, before: int) -> None:
     """Keep the records (steps.jsonl, evals.jsonl) whose ``step`` is before ``before``
-    (the checkpoint a resumed run continues from): what came after is run again."""
+    (the checkpoint a resumed run continues from): what came after is run again. A
+    record that names the servers' version it was for (ps with backup workers, where a
+    late worker trails them) is kept only if that version is before it too."""
     if not path.exists():
         return
     kept = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line)["step"] < before:
+            r = json.loads(line)
+            if max(r["step"], r.get("version", -1)) < before:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a line torn by the crash

@@ -265,6 +265,12 @@ class Strategy:
                     state["momentum/" + name] = buf.detach().cpu().clone()
         return state
 
+    def checkpoint_step(self, done: int, state: dict[str, torch.Tensor]) -> int:
+        """The step a checkpoint of ``state``, taken after ``done`` steps of this worker's
+        loop, resumes at: ``done``, unless the strategy's state may be ahead of worker
+        0's loop (ps with backup workers: the servers go on without a late worker)."""
+        return done
+
     def restore_checkpoint(self, model: nn.Module, optimizer: SGD | None,
                            state: dict[str, torch.Tensor]) -> None:
         """Put a checkpoint back, after setup(): what checkpoint_state took."""

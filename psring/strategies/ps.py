@@ -40,7 +40,13 @@ from torch import nn
 
 from psring.comm.compress import wire_dtype
 from psring.comm.partition import even_split, overlaps
-from psring.comm.protocol import DTYPE_NAMES, Message, load_secret
+from psring.comm.protocol import (
+    DTYPE_NAMES,
+    SNAPSHOT_NEWEST,
+    SNAPSHOT_NOW,
+    Message,
+    load_secret,
+)
 from psring.comm.psclient import PSClient, Replies
 from psring.errors import PsringError
 from psring.records.runlog import run_id
@@ -361,10 +367,18 @@ class ParameterServer(Strategy):
         mode, as it is now): parameters, momentum, version."""
         # the loop's step numbers are absolute (a resumed run continues them), and so are
         # the servers' versions: after step s a synchronous server is at version s + 1
-        version = self.step + 1 if self.mode == "sync" else -1
+        version = self.step + 1 if self.mode == "sync" else SNAPSHOT_NOW
+        msgs = []
+        if self.backups:
+            # the servers go on without a late worker: worker 0 may trail them. Shard 0's
+            # newest copy, then that version from the others (shard 0 chooses each
+            # step's workers first: the others are at its version or behind it)
+            msgs = self.client.wait([self.client.send(0, "snapshot", {"version": SNAPSHOT_NEWEST})],
+                                    f"{what}: the servers' newest copy")
+            version = msgs[0].header["version"]
         keys = [self.client.send(k, "snapshot", {"version": version})
-                for k in range(len(self.ranges))]
-        msgs = self.client.wait(keys, f"{what} of version {version}")
+                for k in range(len(msgs), len(self.ranges))]
+        msgs += self.client.wait(keys, f"{what} of version {version}")
         params = torch.empty_like(self.host_flat, pin_memory=False)
         momentum = torch.empty_like(params) if len(msgs[0].tensors) == 2 else None
         for (lo, hi), m in zip(self.ranges, msgs):
@@ -376,6 +390,11 @@ class ParameterServer(Strategy):
         if momentum is not None:
             state["ps/momentum"] = momentum
         return state
+
+    def checkpoint_step(self, done: int, state: dict[str, torch.Tensor]) -> int:
+        """With backups, the servers' version the state is of (worker 0 may trail it:
+        the run resumes there)."""
+        return int(state["ps/version"]) if self.backups and state else done
 
     def restore_checkpoint(self, model, optimizer, state) -> None:
         """The parameters were put back in setup() (the servers were initialized from the

@@ -40,8 +40,6 @@ from tests.helpers import (
     (["--workers", 2, "--strategy", "ps", "--backup-workers", 1, "--worker-batch", "24,8"],
      "Drop one of them"),
     (["--workers", 2, "--backup-workers", 1], "use --strategy ps"),
-    (["--workers", 2, "--strategy", "ps", "--backup-workers", 1, "--checkpoint-every", 2],
-     "not built yet"),
     (["--workers", 2, "--kill-server", "0:3"], "'allreduce' uses none"),
     (["--workers", 2, "--strategy", "ps", "--server-addrs", "tcp://127.0.0.1:5999",
       "--kill-server", "0:3"], "drop one of the two"),
@@ -208,6 +206,31 @@ def test_backup_workers_drop_the_last_worker_and_go_on_past_a_lost_one(tmp_path)
     chosen = {(r["server"], r["step"]): r["chosen"] for r in took if "chosen" in r}
     assert all(len(c) == 2 for c in chosen.values()) and len(chosen) >= 2 * 12
     assert_no_processes(backed)
+
+
+@pytest.mark.timeout(120)
+def test_backup_workers_take_checkpoints_and_restart_after_a_lost_server(tmp_path):
+    """ps, 3 workers, --backup-workers 1, worker 0 three times slower (the servers go on
+    without it, so it trails their version): checkpoints are of the servers' version,
+    server 1 killed at step 13 restarts the run from the newest one; each of the
+    servers' steps took two workers once, and no worker logs a step twice (the trailing
+    one skips those of its steps the servers had already passed)."""
+    out = tmp_path / "run"
+    res = psring("run", "--strategy", "ps", "--workers", 3, *SMALL, "--batch-size", 48,
+                 "--steps", 24, "--servers", 2, "--backup-workers", 1, "--slow-worker", "0:3",
+                 "--checkpoint-every", 3, "--kill-server", "1:13", "--max-restarts", 1,
+                 "--out", out, timeout=100)
+    (restart,) = [json.loads(x) for x in (out / faults.RESTARTS).read_text().splitlines()]
+    assert restart["resumed_from"] % 3 == 0 and restart["resumed_from"] >= 12, restart
+    steps = read_steps(out)
+    for v in range(24):
+        assert sum(not r["dropped"] for r in steps if r["version"] == v) == 2, v
+    for w in range(3):
+        mine = [r["step"] for r in steps if r["worker"] == w]
+        assert len(mine) == len(set(mine)) and mine[-1] == 23, (w, mine)
+    assert checkpoint.usable_steps(out)[0] == 24
+    assert "1 restart(s) from checkpoints" in res.stdout
+    assert_no_processes(out)
 
 
 @pytest.mark.timeout(150)
