@@ -129,8 +129,9 @@ class _Run:
     acked_seq: dict[int, int] = field(default_factory=dict)  # worker -> highest acked seq
     # checkpoints: keep a copy of the shard when the version becomes a multiple of
     # snapshot_every (or snapshot_last): version -> (params, momentum or None), the
-    # last KEPT_COPIES of them (with backups worker 0 asks for the newest copy, then the
-    # other shards for that one, which they may have passed meanwhile)
+    # last one, or with backups the last BACKUP_COPIES (worker 0 asks every shard for
+    # its newest copy and then for the oldest of those: the shards may be a few
+    # versions apart, each waiting to learn whom a step took)
     snapshot_every: int = 0
     snapshot_last: int = 0
     snapshots: dict[int, tuple] = field(default_factory=dict)
@@ -157,16 +158,16 @@ class _Run:
         return list(self.chosen) if self.chosen is not None else None
 
 
-#: copies of the shard kept for checkpoints
-KEPT_COPIES = 2
+#: copies of the shard kept for checkpoints with backup workers (else one)
+BACKUP_COPIES = 4
 
 
 def _keep_copy(st: _Run, version: int) -> None:
     """A copy of the shard (parameters and momentum) at ``version``; the oldest beyond
-    KEPT_COPIES dropped."""
+    those kept dropped."""
     buf = st.store.buf
     st.snapshots[version] = (st.store.params.clone(), buf.clone() if buf is not None else None)
-    for old in sorted(st.snapshots)[:-KEPT_COPIES]:
+    for old in sorted(st.snapshots)[:-(BACKUP_COPIES if st.backups else 1)]:
         del st.snapshots[old]
 
 
@@ -546,7 +547,8 @@ class Handler:
             v = max(st.snapshots)
         if v in st.snapshots:
             return [self._state_reply(st, peer, msg, t0, v)]
-        if v < 0 or v <= st.version:
+        # (SNAPSHOT_NEWEST before any copy: held until the first, like a later version)
+        if v < SNAPSHOT_NEWEST or SNAPSHOT_NEWEST < v < 0 or 0 <= v <= st.version:
             raise RequestError(f"no copy of version {v} is kept (the server is at version "
                                f"{st.version} and keeps {sorted(st.snapshots) or 'none'}; it "
                                f"copies versions that are multiples of {st.snapshot_every} "
@@ -568,9 +570,10 @@ class Handler:
             return []
         out, keep = [], []
         for d in self.snapshot_waits:
-            if d.msg.header["run"] == st.run and d.msg.header["version"] in st.snapshots:
-                out.append(self._state_reply(st, d.peer, d.msg, d.since,
-                                             d.msg.header["version"]))
+            v = d.msg.header["version"]
+            v = max(st.snapshots) if v == SNAPSHOT_NEWEST else v
+            if d.msg.header["run"] == st.run and v in st.snapshots:
+                out.append(self._state_reply(st, d.peer, d.msg, d.since, v))
             else:
                 keep.append(d)
         self.snapshot_waits = keep

@@ -202,8 +202,9 @@ def _context(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world
 
 
 def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, log: logging.Logger):
-    """--resume: the run directory's latest complete checkpoint (else None)."""
-    if not cfg.resume:
+    """--resume: the run directory's latest complete checkpoint (else None). Under
+    torchrun the hosts agree on one after joining (psring.runtime.elastic)."""
+    if not cfg.resume or rendezvous.under_torchrun():
         return None
     from psring.train import checkpoint
 

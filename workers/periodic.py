@@ -63,4 +63,4 @@ def save_checkpoint(ctx: WorkerContext, strategy: Strategy, model: nn.Module,
         if ctx.rank == 0 or (ctx.writes_checkpoints and state):
             checkpoint.save(ctx.run_dir, strategy.checkpoint_step(done, state), state,
                             {"strategy": ctx.cfg.strategy, "workers": ctx.world,
-                             "train_s": train_s})
+                             "train_s": train_s, "loop_step": done})

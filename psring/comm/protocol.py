@@ -114,8 +114,9 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # (ascending) and drops the others'
     "choose": {"step": _INT, "workers": _LIST, "tensors": (list,)},
     # worker 0 -> server: the shard's copy taken at `version` (sync: answered once it
-    # exists; the server keeps its last two), at once of the shard as it is now
-    # (SNAPSHOT_NOW; async), or the newest copy it keeps (SNAPSHOT_NEWEST; with backups)
+    # exists; the server keeps its last one, with backups a few), at once of the shard
+    # as it is now (SNAPSHOT_NOW; async), or the newest copy it keeps (SNAPSHOT_NEWEST,
+    # answered once there is one; with backups)
     "snapshot": {"version": _INT, "tensors": (list,)},
     # server -> worker replies; `dropped`: the push came too late for its step (backups)
     # and was thrown away

@@ -8,7 +8,7 @@ torchrun's elastic agents restart every worker of a launch when one fails (torch
 ``--max-restarts``); the same flag given to psring's workers makes the restarted workers
 resume from the run's last checkpoint instead of starting the run over. Each host keeps
 its own run directory (``--out``), so each writes its own checkpoints: the lowest rank
-of every run directory writes them (:func:`writes_checkpoints`) when its strategy's
+of every run directory writes them (:func:`writer_of`) when its strategy's
 state is its own (a replicated model and momentum); a parameter server's state is in
 the servers and is fetched by rank 0 alone, so only rank 0's directory holds it. On a
 restart (:func:`after_join`):
@@ -56,7 +56,8 @@ def check(cfg: Any) -> None:
 def offer(cfg: Any, local_rank: int, run_dir: Path) -> dict[str, Any]:
     """What a worker adds to its rendezvous record: a host's first worker, where restarts
     may resume, lists the checkpoints of its run directory that verify."""
-    if not cfg.max_restarts or local_rank != 0 or not rendezvous.under_torchrun():
+    if not (cfg.max_restarts or cfg.resume) or local_rank != 0 \
+            or not rendezvous.under_torchrun():
         return {}
     from psring.train import checkpoint
 
@@ -70,11 +71,12 @@ def writer_of(rank: int, peers: list[dict], host: str, out: str) -> int:
     return min(same, default=0 if not peers else rank)
 
 
-def agreed_step(peers: list[dict]) -> int | None:
-    """The checkpoint step every directory that holds checkpoints has (the newest
-    such); None when rank 0's has none (the run starts over)."""
-    offers = {p["rank"]: p.get(OFFER) or [] for p in peers}
-    if not offers.get(0):
+def agreed_step(peers: list[dict], uses_servers: bool) -> int | None:
+    """The newest checkpoint step every run directory holds; None (the run starts
+    over) when rank 0's holds none, or another's none where the state is every
+    worker's (not in servers: there only rank 0's directory has it)."""
+    offers = {p["rank"]: p[OFFER] for p in peers if OFFER in p}
+    if not offers.get(0) or not uses_servers and not all(offers.values()):
         return None
     held = [set(v) for v in offers.values() if v]
     common = set.intersection(*held)
@@ -88,14 +90,33 @@ def agreed_step(peers: list[dict]) -> int | None:
 
 
 def after_join(ctx: Any, launch: Any, uses_servers: bool) -> None:
-    """Set ``ctx.writes_checkpoints`` and, when torchrun restarted the launch,
-    ``ctx.resume``: the agreed checkpoint, this rank's directory prepared."""
+    """Set ``ctx.writes_checkpoints`` and, when torchrun restarted the launch (or it
+    was started with --resume), ``ctx.resume``: the agreed checkpoint, this rank's
+    directory prepared. (psring run's --resume is its launcher's: launch.prepare.)"""
     me = next((p for p in launch.peers if p.get("rank") == ctx.rank), {})
     writer = writer_of(ctx.rank, launch.peers, me.get("host"), me.get("out"))
     ctx.writes_checkpoints = writer == ctx.rank
-    if launch.attempt == 1:
-        return
     cfg, restart = ctx.cfg, launch.attempt - 1
+    if restart == 0 and not (cfg.resume and launch.peers):
+        return
+    if restart:
+        _check_restart(cfg, restart)
+    step = agreed_step(launch.peers, uses_servers)
+    if step is None and not restart:
+        raise ConfigError(f"--resume {cfg.resume}: the hosts' run directories hold no "
+                          f"checkpoint to resume from together (every host's --out needs "
+                          f"one of the same step, rank 0's at least): start the run "
+                          f"without --resume.")
+    if ctx.writes_checkpoints:
+        _prepare(ctx.run_dir, restart, cfg.max_restarts, step)
+        launch.mark(f"prepared/{ctx.rank}")
+    else:
+        launch.wait_mark(f"prepared/{writer}", f"rank {writer} to prepare the run "
+                                                f"directory {ctx.run_dir} to resume")
+    ctx.resume = _load(ctx, step, writer, launch.peers, uses_servers)
+
+
+def _check_restart(cfg: Any, restart: int) -> None:
     if not cfg.max_restarts:
         raise ConfigError(
             f"torchrun restarted this launch (restart {restart}), but its workers were not "
@@ -106,20 +127,13 @@ def after_join(ctx: Any, launch: Any, uses_servers: bool) -> None:
         raise PsringError(f"torchrun restarted this launch {restart} times, more than the "
                           f"workers' --max-restarts {cfg.max_restarts}: pass torchrun and "
                           f"the workers the same K.")
-    step = agreed_step(launch.peers)
-    if ctx.writes_checkpoints:
-        _prepare(ctx.run_dir, restart, cfg.max_restarts, step)
-        launch.mark(f"prepared/{ctx.rank}")
-    else:
-        launch.wait_mark(f"prepared/{writer}", f"rank {writer} to prepare the run "
-                                                f"directory {ctx.run_dir} for restart {restart}")
-    ctx.resume = _load(ctx, step, writer, launch.peers, uses_servers)
 
 
 def _prepare(run_dir: Path, restart: int, limit: int, step: int | None) -> None:
     """The directory's records cut back to ``step`` (all of them for None), the restart
-    in restarts.jsonl."""
-    faults.record_restart(run_dir, restart, limit, _cause(run_dir, restart), step)
+    (if this is one: else --resume) in restarts.jsonl."""
+    if restart:
+        faults.record_restart(run_dir, restart, limit, _cause(run_dir, restart), step)
     if step is None:
         faults.clear_records(run_dir)
         return

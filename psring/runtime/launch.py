@@ -132,8 +132,10 @@ def prepare(cfg: RunConfig) -> tuple[str, int]:
                               f"do (pass a larger --steps to train on).")
         truncate_records(Path(out, STEPS), ckpt.step)
         # evaluations of the model after the checkpoint's step are made again; the one
-        # at that step (made before the checkpoint was written) stands
-        truncate_records(Path(out, EVALS), ckpt.step + 1)
+        # at that step (made before the checkpoint was written) stands. (With backup
+        # workers the checkpoint is of the servers' version, which worker 0's loop,
+        # where rank 0 evaluates, may trail: what it evaluated after it goes.)
+        truncate_records(Path(out, EVALS), ckpt.meta.get("loop_step", ckpt.step) + 1)
     elif Path(out, STEPS).exists():
         raise ConfigError(f"run directory {out} already holds a run (steps.jsonl); pass a new "
                           f"--out, or remove the old one.")

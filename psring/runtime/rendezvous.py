@@ -426,7 +426,13 @@ def _attempt(store: Any, rank: int) -> str:
     membership change does not raise it). Every rank of a new round starts once, so
     counting this rank's starts in the store gives all ranks the same number."""
     attempt = store.add(f"psring/starts/{rank}", 1)
-    store.set(NEWEST, str(attempt))  # (ranks of older attempts watch it: _superseded)
+    # (ranks of older attempts watch it: _superseded); it only grows, whoever is late
+    seen = ""
+    while not seen or int(seen) < attempt:
+        now = store.compare_set(NEWEST, seen, str(attempt)).decode()
+        if now in (seen, str(attempt)) or int(now) >= attempt:
+            break
+        seen = now
     return f"psring/{attempt}/"
 
 

@@ -368,17 +368,17 @@ class ParameterServer(Strategy):
         # the loop's step numbers are absolute (a resumed run continues them), and so are
         # the servers' versions: after step s a synchronous server is at version s + 1
         version = self.step + 1 if self.mode == "sync" else SNAPSHOT_NOW
-        msgs = []
         if self.backups:
-            # the servers go on without a late worker: worker 0 may trail them. Shard 0's
-            # newest copy, then that version from the others (shard 0 chooses each
-            # step's workers first: the others are at its version or behind it)
-            msgs = self.client.wait([self.client.send(0, "snapshot", {"version": SNAPSHOT_NEWEST})],
-                                    f"{what}: the servers' newest copy")
-            version = msgs[0].header["version"]
-        keys = [self.client.send(k, "snapshot", {"version": version})
-                for k in range(len(msgs), len(self.ranges))]
-        msgs += self.client.wait(keys, f"{what} of version {version}")
+            # the servers go on without a late worker: worker 0 may trail them. Every
+            # shard's newest copy, then the oldest of those from the shards past it
+            # (they keep a few: psring.servers.handler.BACKUP_COPIES)
+            msgs = self._snapshots(SNAPSHOT_NEWEST, range(len(self.ranges)), what)
+            version = min(m.header["version"] for m in msgs)
+            again = [k for k, m in enumerate(msgs) if m.header["version"] != version]
+            for k, m in zip(again, self._snapshots(version, again, what)):
+                msgs[k] = m
+        else:
+            msgs = self._snapshots(version, range(len(self.ranges)), what)
         params = torch.empty_like(self.host_flat, pin_memory=False)
         momentum = torch.empty_like(params) if len(msgs[0].tensors) == 2 else None
         for (lo, hi), m in zip(self.ranges, msgs):
@@ -390,6 +390,10 @@ class ParameterServer(Strategy):
         if momentum is not None:
             state["ps/momentum"] = momentum
         return state
+
+    def _snapshots(self, version: int, shards, what: str) -> list[Message]:
+        keys = [self.client.send(k, "snapshot", {"version": version}) for k in shards]
+        return self.client.wait(keys, f"{what} of version {version}") if keys else []
 
     def checkpoint_step(self, done: int, state: dict[str, torch.Tensor]) -> int:
         """With backups, the servers' version the state is of (worker 0 may trail it:

@@ -97,7 +97,7 @@ def _put_in_place(tmp: Path, d: Path) -> None:
     the same step that a resume went back past (an older one was agreed on, or this
     one was refused): the new one replaces it."""
     if d.exists():
-        old = d.with_name(f".{d.name}.{os.getpid()}.old")
+        old = d.with_name(f".{d.name}.{socket.gethostname()}.{os.getpid()}.old")
         try:
             d.rename(old)
         except FileNotFoundError:

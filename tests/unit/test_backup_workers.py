@@ -122,3 +122,32 @@ def test_without_backups_commits_are_refused_and_acks_unchanged():
     assert ack.op == "ack" and ack.header["dropped"] is False  # (the field's default)
     (r,) = commit(h, 0, step=1)
     assert "backup workers" in decode(r.frames).header["message"]
+
+
+def test_with_backups_the_last_copies_are_kept_and_the_newest_served_on_request():
+    """Worker 0 may trail servers that go on without it: it asks every shard for its
+    newest copy (SNAPSHOT_NEWEST; held until there is one), then for the oldest of
+    those, which a shard a few versions on still keeps (BACKUP_COPIES)."""
+    from psring.comm.protocol import SNAPSHOT_NEWEST
+    from psring.servers.handler import BACKUP_COPIES
+
+    h = Handler()
+    h.handle(b"w0", req("init", lo=0, hi=N, workers=2, mode="sync", lr=1.0, momentum=0.0,
+                        weight_decay=0.0, max_staleness=-1, backups=1, snapshot_every=1,
+                        snapshot_last=9, tensors=[torch.zeros(N)]))
+    assert h.handle(b"w0", req("snapshot", seq=500, version=SNAPSHOT_NEWEST)) == []  # held
+    for step in range(6):  # worker 1 alone: each step takes the first commit
+        push(h, 1, step=step)
+        out = commit(h, 1, step=step)
+        if step == 0:  # version 1, the first copy: the held request is answered
+            (first,) = [decode(r.frames) for r in out if decode(r.frames).op == "state"]
+            assert first.header["version"] == 1
+    assert sorted(h.state.snapshots) == list(range(7 - BACKUP_COPIES, 7))
+    (r,) = h.handle(b"w0", req("snapshot", seq=501, version=SNAPSHOT_NEWEST))
+    newest = decode(r.frames)
+    assert newest.header["version"] == 6
+    assert torch.equal(newest.tensors[0], torch.full((N,), -12.0))
+    (r,) = h.handle(b"w0", req("snapshot", seq=502, version=3))
+    assert torch.equal(decode(r.frames).tensors[0], torch.full((N,), -6.0))
+    (r,) = h.handle(b"w0", req("snapshot", seq=503, version=2))  # dropped
+    assert "keeps [3, 4, 5, 6]" in decode(r.frames).header["message"]

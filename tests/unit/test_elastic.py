@@ -24,15 +24,21 @@ def _peer(rank: int, host: str, out: str, steps: list[int] | None = None) -> dic
 
 
 def test_every_host_resumes_from_the_newest_step_they_all_hold():
-    assert elastic.agreed_step([_peer(0, "a", "/r", [9, 6]), _peer(1, "b", "/r", [9, 6])]) == 9
+    def agreed(a, b, servers=False):
+        return elastic.agreed_step([_peer(0, "a", "/r", a), _peer(1, "b", "/r", b),
+                                    _peer(2, "b", "/r")], servers)  # (rank 2 offers nothing)
+
+    assert agreed([9, 6], [9, 6]) == 9
     # host b crashed while writing step 9: both go back to 6
-    assert elastic.agreed_step([_peer(0, "a", "/r", [9, 6]), _peer(1, "b", "/r", [6, 3])]) == 6
+    assert agreed([9, 6], [6, 3]) == 6
     # a parameter server's state is rank 0's alone: the other hosts hold none
-    assert elastic.agreed_step([_peer(0, "a", "/r", [9, 6]), _peer(1, "b", "/r", [])]) == 9
+    assert agreed([9, 6], [], servers=True) == 9
+    # a replicated state: host b died writing its first checkpoint: start over
+    assert agreed([3], []) is None
     # no checkpoint where rank 0 is: the run starts over
-    assert elastic.agreed_step([_peer(0, "a", "/r", []), _peer(1, "b", "/r", [3])]) is None
+    assert agreed([], [3]) is None
     with pytest.raises(PsringError, match="no checkpoint of one step in common"):
-        elastic.agreed_step([_peer(0, "a", "/r", [12, 9]), _peer(1, "b", "/r", [6, 3])])
+        agreed([12, 9], [6, 3])
 
 
 def test_the_lowest_rank_of_each_run_directory_writes_it():
@@ -95,6 +101,26 @@ def test_a_restart_cuts_the_records_back_and_resumes_from_the_agreed_checkpoint(
     assert restart["cause"].startswith("torchrun restarted the launch (restart 1)")
 
 
+def test_the_other_ranks_of_a_directory_wait_for_its_writer_and_resume_too(tmp_path):
+    """Two workers of one host (one --out): rank 2 waits for rank 1's mark, then loads
+    the same checkpoint; under torchrun --resume takes the same path, without a restart
+    in restarts.jsonl."""
+    checkpoint.save(tmp_path, 4, {"model/w": torch.ones(2)})
+    append_record(tmp_path / STEPS, {"worker": 1, "step": 5, "time": 1.0})
+    peers = [_peer(0, "a", "/host-a", [4]), _peer(1, "b", str(tmp_path), [4]),
+             _peer(2, "b", str(tmp_path))]
+    launch = _Launch(1, peers)
+    waiting = _ctx(2, tmp_path, resume=str(tmp_path))
+    with pytest.raises(AssertionError, match="rank 1 to prepare"):
+        elastic.after_join(waiting, launch, uses_servers=False)  # (not marked yet)
+    writer = _ctx(1, tmp_path, resume=str(tmp_path))
+    elastic.after_join(writer, launch, uses_servers=False)
+    elastic.after_join(waiting, launch, uses_servers=False)
+    assert launch.marks == ["prepared/1"] and not waiting.writes_checkpoints
+    assert writer.resume.step == waiting.resume.step == 4
+    assert read_steps(tmp_path) == [] and read_steps(tmp_path, RESTARTS) == []
+
+
 def test_a_restart_without_psrings_flag_or_past_it_is_refused(tmp_path):
     peers = [_peer(0, "a", str(tmp_path), [])]
     with pytest.raises(ConfigError, match="not given --max-restarts"):
@@ -112,8 +138,10 @@ def test_a_host_without_the_servers_state_resumes_at_the_agreed_step(tmp_path):
     ctx = _ctx(1, tmp_path, max_restarts=1)
     elastic.after_join(ctx, launch, uses_servers=True)
     assert ctx.resume.step == 6 and ctx.resume.tensors == {}
-    with pytest.raises(PsringError, match="holds no checkpoint of step 6"):
-        elastic.after_join(_ctx(1, tmp_path, max_restarts=1), launch, uses_servers=False)
+    # where the state is every worker's, a host without it makes the run start over
+    ctx = _ctx(1, tmp_path, max_restarts=1)
+    elastic.after_join(ctx, launch, uses_servers=False)
+    assert ctx.resume is None
 
 
 def test_writers_sharing_a_directory_and_a_step_written_again(tmp_path):

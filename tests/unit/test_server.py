@@ -229,31 +229,6 @@ def test_snapshots_are_taken_at_the_version_boundary_and_served():
     assert decode(r.frames).op == "error"
 
 
-def test_the_last_two_copies_are_kept_and_the_newest_served_on_request():
-    """With backups worker 0 may trail the servers: it asks shard 0 for its newest copy
-    (SNAPSHOT_NEWEST), then the others for that version, which they keep though they may
-    have taken one more meanwhile."""
-    from psring.comm.protocol import SNAPSHOT_NEWEST
-
-    h = Handler()
-    h.handle(b"w0", req("init", lo=0, hi=3, workers=1, mode="sync", lr=0.5, momentum=0.0,
-                        weight_decay=0.0, max_staleness=-1, snapshot_every=1,
-                        snapshot_last=9, tensors=[torch.zeros(3)]))
-    seq = iter(range(10, 1000))
-    (r,) = h.handle(b"w0", req("snapshot", seq=next(seq), version=SNAPSHOT_NEWEST))
-    assert decode(r.frames).op == "error"  # no copy yet
-    for step in range(3):
-        h.handle(b"w0", req("push", seq=next(seq), step=step, offset=0,
-                            tensors=[torch.ones(3)]))
-    (r,) = h.handle(b"w0", req("snapshot", seq=next(seq), version=SNAPSHOT_NEWEST))
-    newest = decode(r.frames)
-    assert newest.header["version"] == 3 and torch.equal(newest.tensors[0], torch.full((3,), -1.5))
-    (r,) = h.handle(b"w0", req("snapshot", seq=next(seq), version=2))
-    assert torch.equal(decode(r.frames).tensors[0], torch.full((3,), -1.0))
-    (r,) = h.handle(b"w0", req("snapshot", seq=next(seq), version=1))  # dropped: two kept
-    assert "keeps [2, 3]" in decode(r.frames).header["message"]
-
-
 def test_init_from_a_checkpoint_sets_version_and_momentum():
     h = Handler()
     h.handle(b"w0", req("init", lo=0, hi=4, workers=1, mode="sync", lr=0.1, momentum=0.9,
