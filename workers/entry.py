@@ -125,12 +125,12 @@ def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
     import torch
 
     from psring.train.data import worker_batch
-    from psring.train.models import loss_of
+    from psring.train.models import loss_for
 
     # batch norm's running statistics must not count the discarded pass
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     x, y = worker_batch(ds, cfg.batch_size, 0, rank, world, cfg.worker_batches)
-    loss_of(model(x.to(device)), y.to(device)).backward()
+    loss_for(model)(model(x.to(device)), y.to(device)).backward()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for k, v in model.named_buffers():

@@ -46,7 +46,7 @@ from psring.strategies.base import Strategy, WorkerContext
 from psring.train.checkpoint import Checkpoint
 from psring.train.data import Dataset, Split, worker_batch
 from psring.train.evaluate import is_due
-from psring.train.models import loss_of
+from psring.train.models import loss_for
 from psring.train.optim import SGD
 from psring.workers.periodic import checkpoint_due, evaluation, save_checkpoint
 from psring.workers.timing import GradientClock, PhaseTimer, TrainingClock, now
@@ -171,7 +171,7 @@ class StepRunner:
         # stands for: every duration is recorded on that cluster's clock, divided by S
         self.scale = 1.0 / stand_in.time_scale if stand_in is not None else 1.0
         # a device's loss is part of its forward: the stand-in's costs the host nothing
-        self.loss_fn = stand_in.loss if stand_in is not None else loss_of
+        self.loss_fn = stand_in.loss if stand_in is not None else loss_for(model)
         self.sizes = cfg.worker_batches
         # --worker-batch: this worker's mean loss over its n samples, weighed by
         # n / (B / N): every synchronous strategy averages N workers' gradients, so the

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from psring.train.data import Dataset
-from psring.train.models import loss_and_correct
+from psring.train.models import loss_and_correct, loss_for
 
 #: rows per forward pass when evaluating (memory, not results, depends on it)
 EVAL_BATCH = 256
@@ -34,11 +34,12 @@ def evaluate(model: nn.Module, ds: Dataset, device: torch.device) -> tuple[float
     was_training = model.training
     model.eval()
     loss_sum, correct, predictions = 0.0, 0, 0
+    loss_fn = loss_for(model)
     try:
         for a in range(0, len(ds), EVAL_BATCH):
             x = ds.x[a:a + EVAL_BATCH].to(device)
             y = ds.y[a:a + EVAL_BATCH].to(device)
-            loss, right = loss_and_correct(model(x), y)
+            loss, right = loss_and_correct(model(x), y, loss_fn)
             n = y.numel()
             loss_sum += float(loss) * n
             correct += int(right)

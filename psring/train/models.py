@@ -87,16 +87,28 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def loss_and_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy, and the number of correct predictions, for a classifier's
-    ``(batch, classes)`` or a sequence model's ``(batch, positions, vocab)`` output."""
+def loss_and_correct(out: torch.Tensor, y: torch.Tensor, loss: Loss | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean loss (``loss``, default cross-entropy), and the number of correct
+    predictions, for a classifier's ``(batch, classes)`` or a sequence model's
+    ``(batch, positions, vocab)`` output."""
     predicted = out.reshape(-1, out.shape[-1]).argmax(dim=1)
-    return loss_of(out, y), (predicted == y.reshape(-1)).sum()
+    return (loss or loss_of)(out, y), (predicted == y.reshape(-1)).sum()
+
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The training loss: cross-entropy over the output's last dimension."""
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def loss_for(model: nn.Module) -> Loss:
+    """The loss a model trains on: its own ``loss(out, y)`` method where it defines one
+    (the linear SVM's hinge loss), else cross-entropy (:func:`loss_of`)."""
+    own = getattr(model, "loss", None)
+    return own if callable(own) and not isinstance(own, nn.Module) else loss_of
 
 
 def _skip_dynamo(mode_cls: Any) -> None:

@@ -1,6 +1,6 @@
-"""psring's own two models, the regimes' ends: ``mlp`` (communication-bound: each
-weight is used once per sample) and ``cnn`` (compute-bound: conv weights are reused at
-every pixel)."""
+"""psring's own models: the regimes' ends, ``mlp`` (communication-bound: each weight
+is used once per sample) and ``cnn`` (compute-bound: conv weights are reused at every
+pixel); and ``svm``, the seeds' parallel linear SVM (hinge loss)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,31 @@ def cnn(s: ModelSettings) -> tuple[nn.Module, Inputs]:
             side //= 2
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, s.classes)]
     return nn.Sequential(*layers), Inputs.vector(s.features, s.classes)
+
+
+class LinearSVM(nn.Module):
+    """A linear SVM: a weight vector and a bias per class, scored one against the rest,
+    trained on the multi-class hinge loss (Weston and Watkins: the mean over the other
+    classes of max(0, 1 - (score of the true class - score of another)); with two
+    classes, half the binary hinge loss max(0, 1 - y f(x)) of the score difference).
+    Its L2 regularisation is --weight-decay. The loop finds the loss through
+    :meth:`loss` (psring.train.models.loss_for)."""
+
+    def __init__(self, features: int, classes: int):
+        super().__init__()
+        self.linear = nn.Linear(features, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    @staticmethod
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.multi_margin_loss(out, y)
+
+
+@MODELS.register("svm")
+def svm(s: ModelSettings) -> tuple[nn.Module, Inputs]:
+    if s.classes < 2:
+        raise ConfigError(f"--model svm separates classes: --classes must be 2 or more "
+                          f"(got {s.classes}).")
+    return LinearSVM(s.features, s.classes), Inputs.vector(s.features, s.classes)

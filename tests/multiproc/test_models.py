@@ -54,6 +54,19 @@ def test_every_model_runs_forward_and_backward_at_cpu_size():
         assert flops_per_sample(model, inputs) > 0
 
 
+def test_the_linear_svm_trains_on_its_hinge_loss():
+    from psring.train.models import loss_for, loss_of
+
+    model, inputs = build_model("svm", ModelSettings(features=8, classes=3), 0)
+    assert inputs.kind == "vector" and parameter_count(model) == 8 * 3 + 3
+    out, y = torch.tensor([[2.0, 0.5, 1.5]]), torch.tensor([0])
+    # Weston-Watkins: mean over the other classes of max(0, 1 - (2.0 - score))
+    assert loss_for(model)(out, y).item() == pytest.approx((0.0 + 0.5) / 3)
+    assert loss_for(torch.nn.Linear(2, 2)) is loss_of  # others: cross-entropy
+    with pytest.raises(ConfigError, match="--classes must be 2 or more"):
+        build_model("svm", ModelSettings(classes=1), 0)
+
+
 def test_model_factory_errors_name_the_fix(monkeypatch):
     monkeypatch.setitem(MODELS._items, "broken-for-test", lambda s: torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="must return"):
@@ -77,6 +90,7 @@ CPU_SIZES = {
     "vgg11": ["--width", "8"], "vgg16": ["--width", "8"],
     "mlstm": ["--width", "32", "--seq-len", "8"],
     "gpt": ["--width", "32", "--depth", "1", "--seq-len", "8"],
+    "svm": [],
 }
 #: batch norm's batch statistics depend on each worker's slice of the batch, so these
 #: do not end with single's parameters (docs/models.md); they are checked for training
@@ -86,7 +100,7 @@ BATCH_DEPENDENT = {"resnet18", "resnet50"}
 @pytest.mark.timeout(300)
 # one model of each builder through the CLI (resnet50 and vgg16 are resnet18's and
 # vgg11's builders at other depths; every model's forward and backward is checked above)
-@pytest.mark.parametrize("model", ["resnet18", "vgg11", "mlstm", "gpt"])
+@pytest.mark.parametrize("model", ["resnet18", "vgg11", "mlstm", "gpt", "svm"])
 def test_model_trains_under_single_allreduce_and_ps(tmp_path, model):
     args = ["--model", model, *CPU_SIZES[model], "--batch-size", "8", "--steps", "3",
             "--samples", "64", "--eval-samples", "16", "--eval-every", "3", "--lr", "0.05"]
@@ -102,6 +116,8 @@ def test_model_trains_under_single_allreduce_and_ps(tmp_path, model):
         evals = read_evals(out)
         assert [e["step"] for e in evals] == [0, 3]
         assert all(0 <= e["accuracy"] <= 1 and e["loss"] > 0 for e in evals)
+        if model == "svm":  # its own loss, the hinge: about 1 at the start, not ln(10)
+            assert evals[0]["loss"] < 1.2 and evals[-1]["loss"] < evals[0]["loss"], evals
     init = build_model(model, _settings(args), 0)[0].state_dict()
     for strategy, params in runs.items():  # training moved the parameters
         assert max_rel_diff(params, init) > 1e-4, strategy
