@@ -28,7 +28,7 @@ def assert_clean_error(proc, needle):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, needle", [
     (["--strategy", "warp-drive"], "valid strategy names are: single, allreduce, ddp"),
-    (["--model", "bert"], "valid model names are: mlp, cnn, resnet18"),
+    (["--model", "bert"], "valid model names are: mlp, cnn, svm, resnet18"),
     (["--model", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'"),
     (["--model", "vgg16", "--image-size", "16"], "--image-size must be at least 32"),
     (["--target-accuracy", "90"], "fraction of the held-out rows"),
