@@ -210,25 +210,26 @@ def test_backup_workers_drop_the_last_worker_and_go_on_past_a_lost_one(tmp_path)
 
 @pytest.mark.timeout(120)
 def test_backup_workers_take_checkpoints_and_restart_after_a_lost_server(tmp_path):
-    """ps, 3 workers, --backup-workers 1, worker 0 three times slower (the servers go on
-    without it, so it trails their version): checkpoints are of the servers' version,
-    server 1 killed at step 13 restarts the run from the newest one; each of the
-    servers' steps took two workers once, and no worker logs a step twice (the trailing
-    one skips those of its steps the servers had already passed)."""
+    """ps, 3 workers, --backup-workers 1, worker 0 twice as slow (the servers go on
+    without it, so its loop trails their version): checkpoints are of the servers'
+    version, server 1 killed as worker 0 begins its step 6 restarts the run from the
+    newest one; each of the servers' steps took two workers once, and no worker logs a
+    step twice (the trailing one skips those of its steps the servers had passed).
+    (Killed early: were the servers done by then, there would be nothing to restart.)"""
     out = tmp_path / "run"
     res = psring("run", "--strategy", "ps", "--workers", 3, *SMALL, "--batch-size", 48,
-                 "--steps", 24, "--servers", 2, "--backup-workers", 1, "--slow-worker", "0:3",
-                 "--checkpoint-every", 3, "--kill-server", "1:13", "--max-restarts", 1,
+                 "--steps", 30, "--servers", 2, "--backup-workers", 1, "--slow-worker", "0:2",
+                 "--checkpoint-every", 2, "--kill-server", "1:6", "--max-restarts", 1,
                  "--out", out, timeout=100)
     (restart,) = [json.loads(x) for x in (out / faults.RESTARTS).read_text().splitlines()]
-    assert restart["resumed_from"] % 3 == 0 and restart["resumed_from"] >= 12, restart
+    assert restart["resumed_from"] % 2 == 0 and 6 <= restart["resumed_from"] < 30, restart
     steps = read_steps(out)
-    for v in range(24):
+    for v in range(30):
         assert sum(not r["dropped"] for r in steps if r["version"] == v) == 2, v
     for w in range(3):
         mine = [r["step"] for r in steps if r["worker"] == w]
-        assert len(mine) == len(set(mine)) and mine[-1] == 23, (w, mine)
-    assert checkpoint.usable_steps(out)[0] == 24
+        assert len(mine) == len(set(mine)) and mine[-1] == 29, (w, mine)
+    assert checkpoint.usable_steps(out)[0] == 30
     assert "1 restart(s) from checkpoints" in res.stdout
     assert_no_processes(out)
 
