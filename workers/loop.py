@@ -45,6 +45,7 @@ from psring.runtime import faults
 from psring.strategies.base import Strategy, WorkerContext
 from psring.train.checkpoint import Checkpoint
 from psring.train.data import Dataset, Split, worker_batch
+from psring.train.elimination import Elimination
 from psring.train.evaluate import is_due
 from psring.train.models import loss_for
 from psring.train.optim import SGD
@@ -112,11 +113,15 @@ def _steps(run: StepRunner, split: Split, log: StepLog | None,
     if first_step == 0 and is_due(0, cfg.steps, every):
         carried = evaluation(ctx, strategy, model, split, 0, clock, evals)  # the start
     stops = faults.stops_at(cfg, ctx.rank)  # --kill-worker: where the launcher kills it
+    kept = Elimination(split.train, cfg.eliminate_every)  # --eliminate-every
     for step in range(first_step, cfg.steps):
         if step in stops:
             faults.stop_here(cfg, ctx.rank, step)
+        run.data = kept.before_step(step, model, ctx.device, resumed=step == first_step)
         clock.begin(carried)
         record = run.step(step, carried)
+        if cfg.eliminate_every:
+            record["active"] = round(kept.fraction, 4)
         carried = 0.0
         if log is not None:
             log.write(record)

@@ -66,6 +66,9 @@ class RunConfig(*reversed(SECTIONS)):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag_name(name)} must be at least 1 "
                                   f"(got {getattr(self, name)}).")
+        if self.eliminate_every < 0:
+            raise ConfigError(f"--eliminate-every must be >= 0 (0 = off; got "
+                              f"{self.eliminate_every}).")
         if self.classes < 2:
             raise ConfigError(f"--classes must be at least 2 (got {self.classes}).")
         if self.width < 0 or self.depth < 0 or self.threads < 0:

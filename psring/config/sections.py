@@ -295,9 +295,22 @@ class Faults:
 
 
 #: the sections in the order of their fields (RunConfig's, the manifests')
+@dataclass(frozen=True)
+class Sampling:
+    """Which training samples the batches are drawn from (after the sections above:
+    manifests keep their order)."""
+
+    title: ClassVar[str] = "data"
+    eliminate_every: int = field(default=0, metadata=_flag(
+        "sample elimination for margin classifiers (--model svm): every K steps each "
+        "worker scores the training set, and samples whose margin is 1 or more leave "
+        "the batches until the next check brings back those that fell inside it. "
+        "0 = off"))
+
+
 SECTIONS: tuple[type, ...] = (Parallelism, Model, Data, Evaluation, Optimization, TorchDevice,
                               Buckets, Servers, Gradients, ClusterFlags, Run, DeviceMode, Tracing,
-                              Faults)
+                              Faults, Sampling)
 
 
 def own_fields(section: type) -> list[str]:

@@ -253,6 +253,11 @@ def _check_model(cfg: RunConfig, strategy_cls: Any) -> None:
                 f"on torch's meta device (shapes only) to check it before starting any "
                 f"process: a factory must build from the settings it is given, without "
                 f"reading tensor values.") from None
-    from psring.train import device
+    from psring.train import device, elimination
 
+    if meta is not None:
+        elimination.check_model(meta, cfg.eliminate_every)
+    if cfg.eliminate_every and cfg.compute == "device":
+        raise ConfigError("--eliminate-every scores the training set with the model, and "
+                          "--compute device computes nothing: drop one of them.")
     device.check(cfg, strategy_cls, meta)  # (a data file's model: in the worker)

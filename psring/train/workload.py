@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from psring.train import data as datasets
+from psring.train.elimination import check_model
 from psring.train.models import Inputs, ModelSettings, build_model, meta_build
 
 
@@ -38,6 +39,7 @@ def model_settings(cfg) -> tuple[ModelSettings, datasets.Dataset | None]:
 def build_workload(cfg) -> Workload:
     settings, loaded = model_settings(cfg)
     model, inputs = build_model(cfg.model, settings, cfg.seed)
+    check_model(model, cfg.eliminate_every)  # (psring run checked a synthetic set's)
     if loaded is None:
         # A device's forward reads only the batch's shape (psring.train.device): one worker's
         # batch of rows stands for the data set. --samples rows of 224 x 224 images

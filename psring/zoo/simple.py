@@ -77,6 +77,13 @@ class LinearSVM(nn.Module):
     def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.multi_margin_loss(out, y)
 
+    @staticmethod
+    def margins(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each sample's margin: its true class's score less the best other one (1 or
+        more: a zero hinge loss; --eliminate-every, psring.train.elimination)."""
+        true = out.gather(1, y[:, None]).squeeze(1)
+        return true - out.scatter(1, y[:, None], float("-inf")).max(dim=1).values
+
 
 @MODELS.register("svm")
 def svm(s: ModelSettings) -> tuple[nn.Module, Inputs]:

@@ -193,3 +193,45 @@ def test_a_broken_user_factory_is_refused_before_any_process_starts(tmp_path, mo
     with pytest.raises(ConfigError, match="does not take the inputs its factory declares"):
         validate(RunConfig(model="usermodels:wrong_shape"))
     assert validate(RunConfig(model="usermodels:fine")).model == "usermodels:fine"
+
+
+def test_sample_elimination_keeps_the_samples_inside_the_margin():
+    from psring.train.data import Dataset
+    from psring.train.elimination import Elimination, check_model
+
+    model, _ = build_model("svm", ModelSettings(features=2, classes=2), 0)
+    with torch.no_grad():
+        model.linear.weight.copy_(torch.tensor([[1.0, 0.0], [-1.0, 0.0]]))
+        model.linear.bias.zero_()
+    # margins 2x for class 0 at x = (x, 0): 4, 1, 0.4, -2
+    train = Dataset(torch.tensor([[2.0, 0], [0.5, 0], [0.2, 0], [-1.0, 0]]),
+                    torch.tensor([0, 0, 0, 0]), 2)
+    kept = Elimination(train, every=5)
+    assert kept.before_step(0, model, torch.device("cpu")) is train  # no check at 0
+    assert kept.before_step(5, model, torch.device("cpu")).x[:, 0].tolist() == \
+        pytest.approx([0.2, -1.0])
+    assert kept.fraction == 0.5
+    assert len(kept.before_step(6, model, torch.device("cpu"))) == 2  # until the next check
+    with torch.no_grad():  # the model moves: a sample eliminated falls inside the margin
+        model.linear.weight.mul_(0.5)
+    assert len(kept.before_step(7, model, torch.device("cpu"), resumed=True)) == 3
+    with pytest.raises(ConfigError, match="use --model svm"):
+        check_model(torch.nn.Linear(2, 2), 5)
+
+
+@pytest.mark.timeout(120)
+def test_sample_elimination_under_a_synchronous_strategy_stays_single(tmp_path):
+    """Every worker scores the same parameters at a check, so keeps the same samples:
+    allreduce and ps still end with single's parameters."""
+    args = ["--model", "svm", "--batch-size", "16", "--steps", "12", "--samples", "256",
+            "--eliminate-every", "3", "--lr", "0.05"]
+    runs = (("single", 1), ("allreduce", 2), ("ps", 2))
+    psring_together(*(["run", "--strategy", s, "--workers", w, *args, "--out", tmp_path / s]
+                      for s, w in runs), timeout=100)
+    single = load_model(tmp_path / "single")
+    for s in ("allreduce", "ps"):
+        assert max_rel_diff(load_model(tmp_path / s), single) < 1e-4, s
+    steps = [json.loads(x) for x in (tmp_path / "ps" / "steps.jsonl").read_text().splitlines()]
+    active = {r["step"]: r["active"] for r in steps}
+    assert active[0] == 1.0 and min(active.values()) < 1.0  # samples left at a check
+    assert_no_processes(tmp_path)
