@@ -548,7 +548,7 @@ class Handler:
         if v in st.snapshots:
             return [self._state_reply(st, peer, msg, t0, v)]
         # (SNAPSHOT_NEWEST before any copy: held until the first, like a later version)
-        if v < SNAPSHOT_NEWEST or SNAPSHOT_NEWEST < v < 0 or 0 <= v <= st.version:
+        if v != SNAPSHOT_NEWEST and (v < 0 or v <= st.version):
             raise RequestError(f"no copy of version {v} is kept (the server is at version "
                                f"{st.version} and keeps {sorted(st.snapshots) or 'none'}; it "
                                f"copies versions that are multiples of {st.snapshot_every} "

@@ -120,8 +120,7 @@ def _steps(run: StepRunner, split: Split, log: StepLog | None,
         run.data = kept.before_step(step, model, ctx.device, resumed=step == first_step)
         clock.begin(carried)
         record = run.step(step, carried)
-        if cfg.eliminate_every:
-            record["active"] = round(kept.fraction, 4)
+        record.update(kept.describe())
         carried = 0.0
         if log is not None:
             log.write(record)

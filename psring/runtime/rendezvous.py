@@ -176,12 +176,7 @@ class Rendezvous(Launch):
         s.set(self.key(f"stage/{self.rank}"), json.dumps(self._stage))
         s.set(self.key(f"rank/{self.rank}"), json.dumps(self.record))
         keys = [self.key(f"rank/{r}") for r in range(self.world)]
-        deadline = time.monotonic() + self.timeout
-        while not s.check(keys):
-            self._raise_if_failed()
-            if time.monotonic() > deadline:
-                raise PsringError(self._missing(keys))
-            time.sleep(0.05)
+        self._wait_for(keys, lambda: self._missing(keys))
         self.run_id = s.get(self.key("run")).decode()
         self.peers = [json.loads(v) for v in s.multi_get(keys)]
         os.environ[RUN_ENV] = self.run_id  # psring.records.runlog.run_id: servers, shared memory
@@ -195,12 +190,18 @@ class Rendezvous(Launch):
         self.store.set(self.key(f"mark/{name}"), "1")
 
     def wait_mark(self, name: str, what: str) -> None:
+        self._wait_for([self.key(f"mark/{name}")],
+                       lambda: f"worker {self.rank}: waited --timeout {self.timeout:g} s for "
+                               f"{what}. {self.explain()}")
+
+    def _wait_for(self, keys: list[str], missing: Callable[[], str]) -> None:
+        """Until every key is in the store: at most --timeout (then a PsringError saying
+        ``missing()``), stopping at once when another rank publishes its failure."""
         deadline = time.monotonic() + self.timeout
-        while not self.store.check([self.key(f"mark/{name}")]):
+        while not self.store.check(keys):
             self._raise_if_failed()
             if time.monotonic() > deadline:
-                raise PsringError(f"worker {self.rank}: waited --timeout {self.timeout:g} s "
-                                  f"for {what}. {self.explain()}")
+                raise PsringError(missing())
             time.sleep(0.05)
 
     def _missing(self, keys: list[str]) -> str:

@@ -114,9 +114,7 @@ class ParameterServer(Strategy):
         self._early_recv = 0  # bytes of the next step's pull received early (set-up, eval_model)
         self.step = 0
         self._staleness = -1
-        # resuming: the servers start at the checkpoint's version, with its momentum
-        self.version0 = int(resume["ps/version"]) if resume is not None else \
-            ctx.resume.step if ctx.resume is not None and self.mode == "sync" else 0
+        self.version0 = self._start_version(resume)
         self.pulled = self.version0  # the version of the parameters last pulled
         if ctx.rank == 0:
             self._initialize_servers(resume)
@@ -129,6 +127,15 @@ class ParameterServer(Strategy):
         self.pull.wait()
         self._early_recv = self.client.bytes_recv - recv
         return model
+
+    def _start_version(self, resume: dict[str, torch.Tensor] | None) -> int:
+        """The servers' version the run starts at: the checkpoint's (its momentum too);
+        a worker that holds no copy of it (under torchrun, a host other than rank 0's)
+        resumes at the agreed step, which a synchronous server's version equals."""
+        if resume is not None:
+            return int(resume["ps/version"])
+        sync_resume = self.ctx.resume is not None and self.mode == "sync"
+        return self.ctx.resume.step if sync_resume else 0
 
     def _flatten(self, resume: dict[str, torch.Tensor] | None) -> int:
         """The flat vector in bucket order: bucket i is one contiguous range of it. On a

@@ -24,6 +24,7 @@ from torch import nn
 
 from psring.errors import ConfigError
 from psring.train.data import Dataset
+from psring.train.evaluate import in_eval_mode, rows
 
 #: rows scored per forward pass at a check (memory, not results, depends on it)
 CHECK_BATCH = 4096
@@ -46,9 +47,10 @@ class Elimination:
         self.train, self.every = train, every
         self.active = train
 
-    @property
-    def fraction(self) -> float:
-        return len(self.active) / len(self.train)
+    def describe(self) -> dict[str, float]:
+        """For a step's record: the fraction of the samples its batch was drawn from
+        (nothing when elimination is off)."""
+        return {"active": round(len(self.active) / len(self.train), 4)} if self.every else {}
 
     @torch.no_grad()
     def before_step(self, step: int, model: nn.Module, device: torch.device,
@@ -64,12 +66,6 @@ class Elimination:
         return self.active
 
     def _inside_margin(self, model: nn.Module, device: torch.device) -> torch.Tensor:
-        was_training = model.training
-        model.eval()
-        try:
-            parts = [model.margins(model(self.train.x[a:a + CHECK_BATCH].to(device)),
-                                   self.train.y[a:a + CHECK_BATCH].to(device)).cpu() < 1
-                     for a in range(0, len(self.train), CHECK_BATCH)]
-        finally:
-            model.train(was_training)
-        return torch.cat(parts)
+        with in_eval_mode(model):
+            return torch.cat([model.margins(model(x), y).cpu() < 1
+                              for x, y in rows(self.train, CHECK_BATCH, device)])

@@ -15,7 +15,8 @@ and reports say "not reached".
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,22 +32,34 @@ EVAL_BATCH = 256
 def evaluate(model: nn.Module, ds: Dataset, device: torch.device) -> tuple[float, float]:
     """(mean loss, accuracy) of ``model`` on every row of ``ds``, in eval mode (batch
     norm uses its running statistics); the model's mode is restored."""
-    was_training = model.training
-    model.eval()
     loss_sum, correct, predictions = 0.0, 0, 0
     loss_fn = loss_for(model)
-    try:
-        for a in range(0, len(ds), EVAL_BATCH):
-            x = ds.x[a:a + EVAL_BATCH].to(device)
-            y = ds.y[a:a + EVAL_BATCH].to(device)
+    with in_eval_mode(model):
+        for x, y in rows(ds, EVAL_BATCH, device):
             loss, right = loss_and_correct(model(x), y, loss_fn)
             n = y.numel()
             loss_sum += float(loss) * n
             correct += int(right)
             predictions += n
+    return loss_sum / predictions, correct / predictions
+
+
+@contextlib.contextmanager
+def in_eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside, its own mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
     finally:
         model.train(was_training)
-    return loss_sum / predictions, correct / predictions
+
+
+def rows(ds: Dataset, batch: int, device: torch.device
+         ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Every row of ``ds``, ``batch`` at a time, on ``device``."""
+    for a in range(0, len(ds), batch):
+        yield ds.x[a:a + batch].to(device), ds.y[a:a + batch].to(device)
 
 
 def is_due(done: int, steps: int, interval: int) -> bool:

@@ -210,7 +210,7 @@ def test_sample_elimination_keeps_the_samples_inside_the_margin():
     assert kept.before_step(0, model, torch.device("cpu")) is train  # no check at 0
     assert kept.before_step(5, model, torch.device("cpu")).x[:, 0].tolist() == \
         pytest.approx([0.2, -1.0])
-    assert kept.fraction == 0.5
+    assert kept.describe() == {"active": 0.5}
     assert len(kept.before_step(6, model, torch.device("cpu"))) == 2  # until the next check
     with torch.no_grad():  # the model moves: a sample eliminated falls inside the margin
         model.linear.weight.mul_(0.5)
