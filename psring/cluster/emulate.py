@@ -9,9 +9,11 @@ Each emulated host is a Linux network namespace with one interface, ``eth0``, ad
 in 198.18.0.0/15 (RFC 2544's range for benchmarking network devices). Its other end is a
 port of one bridge, the switch, which lives in a namespace of its own. Both ends of
 every veth pair are shaped with ``tbf`` to the link's rate (``--link``), so a host sends
-and receives at most RATE at once, as a full-duplex NIC does; ``--delay`` adds a
-``netem`` delay where the kernel has netem. Traffic between processes of one host stays
-on that host's loopback. docs/emulation.md has the picture and what is not emulated.
+and receives at most RATE at once, as a full-duplex NIC does. With ``--delay`` or
+``--loss`` a host's link is two TAP devices and a forwarder process between them that
+delays and drops (psring.cluster.link; no netem needed), tbf still shaping both ends.
+Traffic between processes of one host stays on that host's loopback. docs/emulation.md
+has the picture and what is not emulated.
 
 Lifetime, which is the point of the design: nothing is named and nothing is mounted.
 The *agent* (``python -m psring.cluster.emulate agent``, a service of the run's supervisor)
@@ -47,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from psring.cluster.link import LossModel, forward, open_tap
 from psring.cluster.netns import (
     CLONE_NEWNET,
     CLONE_NEWUSER,
@@ -58,6 +61,7 @@ from psring.cluster.netns import (
     ns_inode,
     port_bytes,
     setns_fd,
+    tcp_counters,
 )
 from psring.cluster.spec import NETWORK, Cluster
 from psring.errors import PsringError
@@ -83,7 +87,7 @@ READY_TIMEOUT_S = 30.0
 GSO_BURST = 72 * 1024
 
 
-def tbf_params(bits: float) -> tuple[int, int]:
+def tbf_params(bits: float, limit: int | None = None) -> tuple[int, int]:
     """(burst, limit) bytes of the token bucket that shapes a link of ``bits``/s.
 
     burst: 1 ms of the rate, and never less than 72 KiB, one of veth's largest GSO
@@ -98,11 +102,11 @@ def tbf_params(bits: float) -> tuple[int, int]:
     TCP's loss recovery instead of the link; with a deep queue, a link shared by several
     flows (a parameter server's) is a work-conserving pipe of RATE, as the cost model
     assumes. The price is queueing delay under load, which a real shallow-buffered
-    switch would not add (docs/emulation.md)."""
+    switch would not add (docs/emulation.md). ``limit`` (--link-buffer) replaces it: a
+    shallow port that drops when full, for incast."""
     bytes_per_s = bits / 8
     burst = max(GSO_BURST, int(bytes_per_s * 1e-3))
-    limit = max(4 * 2**20, int(bytes_per_s * 0.1))
-    return burst, limit
+    return burst, limit or max(4 * 2**20, int(bytes_per_s * 0.1))
 
 
 class EmulationError(PsringError):
@@ -222,17 +226,32 @@ def _run(argv: list[str], stdin: str, what: str) -> None:
 
 
 def _shaping(dev: str, plan: dict) -> list[str]:
-    """tc batch lines shaping ``dev``'s egress: netem (delay) and/or tbf (rate)."""
-    lines = []
-    parent = "root handle 1:"
-    if plan["delay"]:
-        lines.append(f"qdisc add dev {dev} root handle 1: netem delay {plan['delay_us']}us")
-        parent = "parent 1:1 handle 10:"
-    if plan["link_bits"]:
-        burst, limit = tbf_params(plan["link_bits"])
-        lines.append(f"qdisc add dev {dev} {parent} tbf rate {int(plan['link_bits'])}bit "
-                     f"burst {burst} limit {limit}")
-    return lines
+    """tc batch lines shaping ``dev``'s egress with tbf to the link's rate."""
+    if not plan["link_bits"]:
+        return []
+    burst, limit = tbf_params(plan["link_bits"], plan.get("buffer_bytes"))
+    return [f"qdisc add dev {dev} root handle 1: tbf rate {int(plan['link_bits'])}bit "
+            f"burst {burst} limit {limit}"]
+
+
+#: frames a TAP device queues for its forwarder (the kernel's default is 1000): room
+#: for the forwarder's pauses, so that only tbf's queue and the loss model drop
+TAP_QUEUE = 20000
+
+
+def _frames(dev: str, plan: dict) -> list[str]:
+    """ip batch lines that make a veth hand its queue Ethernet frames, not 64 KiB GSO
+    packets, where the queue is shallow (--link-buffer): a switch port's buffer holds
+    frames, and a drop loses one, not 44. (A TAP link never offers GSO; its own queue
+    is made long instead.)"""
+    if user_space(plan):
+        return [f"link set dev {dev} txqueuelen {TAP_QUEUE}"]
+    return [f"link set dev {dev} gso_max_segs 1"] if plan.get("buffer_bytes") else []
+
+
+def user_space(plan: dict) -> bool:
+    """Do the links need the forwarder (psring.cluster.link): loss or delay?"""
+    return bool(plan.get("loss") or plan.get("delay_us"))
 
 
 def _no_ipv6() -> None:
@@ -245,22 +264,11 @@ def _no_ipv6() -> None:
             pass  # a kernel without IPv6
 
 
-def _check_netem(tc: str, plan: dict) -> None:
-    """--delay needs netem: try it on the switch's loopback before building anything."""
-    if not plan["delay"]:
-        return
-    try:
-        _run([tc, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1us"], "",
-             "a netem probe")
-    except EmulationError as e:
-        raise EmulationError(
-            f"--delay {plan['delay']} needs the kernel's netem queueing discipline "
-            f"(sch_netem), which this kernel does not have ({str(e).rsplit(': ', 1)[-1]}), "
-            f"so propagation delay cannot be emulated here: drop --delay (the links' "
-            f"bandwidth is still emulated, and the cost model can add a delay on paper), "
-            f"or run on a kernel built with CONFIG_NET_SCH_NETEM (modprobe sch_netem)."
-        ) from None
-    _run([tc, "qdisc", "del", "dev", "lo", "root"], "", "removing the netem probe")
+def _link_socket() -> socket.socket:
+    """An rtnetlink socket of this namespace that hears its links go up and down."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)  # NETLINK_ROUTE
+    sock.bind((0, 1))  # RTMGRP_LINK
+    return sock
 
 
 class Agent:
@@ -269,6 +277,11 @@ class Agent:
         self.state_path = state_path
         self.holders: list[tuple[int, int]] = []
         self.state: dict[str, Any] = {}
+        #: user-space links: each host's (switch port, eth0) TAP fds until forked
+        self.taps: dict[str, list[int]] | None = {} if user_space(plan) else None
+        self.forwarders: list[int] = []
+        #: rtnetlink sockets opened inside each host's namespace (watch)
+        self.host_socks: list[socket.socket] = []
 
     def build(self) -> None:
         """Build the cluster; ``self.state`` records each namespace as soon as it exists
@@ -282,7 +295,6 @@ class Agent:
             "link": plan["link"], "link_bits": plan["link_bits"], "delay": plan["delay"],
             "hosts": [], "events": []}
         _no_ipv6()
-        _check_netem(tc, plan)
         for h in plan["hosts"]:
             pid, ctrl = _spawn_holder([c for _, c in self.holders])
             self.holders.append((pid, ctrl))
@@ -291,9 +303,13 @@ class Agent:
         lines = ["link set dev lo up", f"link add name {BRIDGE} type bridge",
                  f"link set dev {BRIDGE} up"]
         for h in self.state["hosts"]:
-            lines += [f"link add name {h['port']} type veth peer name {HOST_IFACE} "
-                      f"netns {h['pid']}",
-                      f"link set dev {h['port']} master {BRIDGE}", f"link set dev {h['port']} up"]
+            if self.taps is not None:  # the port's wire is a TAP; eth0's comes later
+                self.taps[h["name"]] = [self._tap(h["port"])]
+            else:
+                lines.append(f"link add name {h['port']} type veth peer name {HOST_IFACE} "
+                             f"netns {h['pid']}")
+            lines += [f"link set dev {h['port']} master {BRIDGE}", *_frames(h["port"], plan),
+                      f"link set dev {h['port']} up"]
         _run([ip, "-batch", "-"], "\n".join(lines) + "\n", "the switch")
         shaping = [ln for h in self.state["hosts"] for ln in _shaping(h["port"], plan)]
         if shaping:
@@ -312,14 +328,61 @@ class Agent:
                                              "namespace") from None
         finally:
             os.close(switch)
+        if self.taps is not None:
+            self._start_forwarders()
         self.state["ready"] = True
         self._save()
+
+    def _tap(self, name: str) -> int:
+        try:
+            return open_tap(name)
+        except OSError as e:
+            raise EmulationError(
+                f"--loss and --delay need TAP devices (/dev/net/tun), which this machine "
+                f"refused ({e.strerror}); load the tun module (modprobe tun) or run "
+                f"without --loss/--delay.") from None
+
+    def _start_forwarders(self) -> None:
+        """One forwarder per host between its two TAPs (psring.cluster.link); the agent
+        then closes its own copies, so a forwarder that dies takes its link down."""
+        plan, out = self.plan, self.state_path.parent / "links"
+        model = LossModel(plan["loss"], plan["loss_burst"])
+        ctrl = [c for _, c in self.holders]
+        for h in self.state["hosts"]:
+            port_fd, host_fd = self.taps[h["name"]]
+            others = [fd for fds in self.taps.values() for fd in fds
+                      if fd not in (port_fd, host_fd)]
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    for fd in [*others, *ctrl]:
+                        os.close(fd)
+                    kill_with_parent()
+                    forward(h["name"], host_fd, port_fd, model, plan["delay_us"] / 1e6,
+                            plan["seed"], out)
+                except BaseException as e:  # noqa: BLE001 - a forked child must not return
+                    print(f"[cluster] {h['name']}'s forwarder failed: {e!r}", flush=True)
+                    code = 1
+                finally:
+                    os._exit(code)
+            self.forwarders.append(pid)
+            h["forwarder_pid"] = pid
+        for fds in self.taps.values():
+            for fd in fds:
+                os.close(fd)
+        self.taps.clear()
 
     def _configure_host(self, h: dict, ip: str, tc: str) -> None:
         """Inside host ``h``'s namespace: loopback, its address, its side of the link."""
         _no_ipv6()
-        _run([ip, "-batch", "-"], f"link set dev lo up\naddr add {h['address']}/"
-             f"{NETWORK.prefixlen} dev {HOST_IFACE}\nlink set dev {HOST_IFACE} up\n", h["name"])
+        if self.taps is not None:
+            self.taps[h["name"]].append(self._tap(HOST_IFACE))
+        self.host_socks.append(_link_socket())  # bound here: it hears this host's links
+        lines = ["link set dev lo up",
+                 f"addr add {h['address']}/{NETWORK.prefixlen} dev {HOST_IFACE}",
+                 *_frames(HOST_IFACE, self.plan), f"link set dev {HOST_IFACE} up"]
+        _run([ip, "-batch", "-"], "\n".join(lines) + "\n", h["name"])
         shaping = _shaping(HOST_IFACE, self.plan)
         if shaping:
             _run([tc, "-batch", "-"], "\n".join(shaping) + "\n", f"{h['name']}'s link")
@@ -328,26 +391,31 @@ class Agent:
         atomic_write_json(self.state_path, self.state)
 
     def watch(self) -> None:
-        """Until stopped: record links going down and up (rtnetlink events on the
-        switch's ports), so a failed run can say which host was cut off."""
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)  # NETLINK_ROUTE
-        sock.bind((0, 1))  # RTMGRP_LINK
-        ports = {h["port"]: h for h in self.state["hosts"]}
-        up = {p: True for p in ports}
+        """Until stopped: record links going down and up, so a failed run can say which
+        host was cut off: rtnetlink events of the switch's ports and of each host's eth0
+        (a TAP link's two ends go down apart; psring.cluster.link)."""
+        switch = _link_socket()
+        host_of = {h["port"]: h for h in self.state["hosts"]}
+        socks = {switch.fileno(): (switch, None), **{
+            s.fileno(): (s, h) for h, s in zip(self.state["hosts"], self.host_socks)}}
+        up = {h["name"]: True for h in self.state["hosts"]}
         while True:
-            ready, _, _ = select.select([sock], [], [], 5.0)
-            if not ready:
-                continue
-            for name, is_up in link_events(sock.recv(65536)):
-                if name in ports and is_up != up[name]:
-                    up[name] = is_up
-                    h = ports[name]
-                    event = {"time": time.time(), "host": h["name"], "address": h["address"],
-                             "link": "up" if is_up else "down"}
-                    self.state["events"].append(event)
-                    self._save()
-                    print(f"[cluster] {h['name']} ({h['address']}): link "
-                          f"{event['link']}", flush=True)
+            ready, _, _ = select.select(list(socks), [], [], 5.0)
+            for fd in ready:
+                sock, on_host = socks[fd]
+                for name, is_up in link_events(sock.recv(65536)):
+                    h = on_host if on_host is not None and name == HOST_IFACE \
+                        else host_of.get(name) if on_host is None else None
+                    if h is not None and is_up != up[h["name"]]:
+                        up[h["name"]] = is_up
+                        self._link_event(h, is_up)
+
+    def _link_event(self, h: dict, is_up: bool) -> None:
+        event = {"time": time.time(), "host": h["name"], "address": h["address"],
+                 "link": "up" if is_up else "down"}
+        self.state["events"].append(event)
+        self._save()
+        print(f"[cluster] {h['name']} ({h['address']}): link {event['link']}", flush=True)
 
     def record_link_bytes(self) -> None:
         """Each host link's byte counters, as the switch's port saw them (to the host =
@@ -360,10 +428,13 @@ class Agent:
         for port, (rx, tx) in port_bytes(set(ports)).items():
             counts[ports[port]] = {"from_host": rx, "to_host": tx}
         self.state["link_bytes"] = counts
+        # how each host's TCP met the links: retransmissions, timeouts (incast, loss)
+        self.state["tcp"] = {h["name"]: tcp_counters(h["pid"]) for h in self.state["hosts"]}
         self._save()
 
     def close(self) -> None:
         self.record_link_bytes()  # before the hosts (and their links) go
+        self._stop_forwarders()
         for pid, ctrl in self.holders:
             try:
                 os.close(ctrl)
@@ -371,6 +442,27 @@ class Agent:
                 os.waitpid(pid, 0)
             except OSError:
                 pass
+
+
+    def _stop_forwarders(self) -> None:
+        """SIGTERM: each forwarder writes its drop trace and record, then exits."""
+        for pid in self.forwarders:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for pid in self.forwarders:
+            while time.monotonic() < deadline:
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        break
+                except ChildProcessError:
+                    break
+                time.sleep(0.01)
+            else:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+        self.forwarders.clear()
 
 
 def agent_main(plan_json: str, state_path: str) -> int:
@@ -482,7 +574,9 @@ class EmulatedCluster(Network):
                            "processes": h.processes} for h in p.host_list],
                 "link": p.link, "delay": p.delay,
                 # shaped as the cluster it stands for, slowed by --time-scale
-                "link_bits": p.emulated_link_bits, "delay_us": round(p.emulated_delay_s * 1e6)}
+                "link_bits": p.emulated_link_bits, "delay_us": round(p.emulated_delay_s * 1e6),
+                "loss": p.loss, "loss_burst": p.loss_burst, "seed": p.seed,
+                "buffer_bytes": p.buffer_bytes}
         return ProcessSpec("cluster", [sys.executable, "-m", "psring.cluster.emulate", "agent",
                                        json.dumps(plan), str(self.state_path)], service=True)
 
@@ -575,14 +669,15 @@ class EmulatedCluster(Network):
 
 
 @contextlib.contextmanager
-def standalone(hosts: int, link: str = "", delay: str = "",
-               log_dir: Path | None = None) -> Iterator[EmulatedCluster]:
+def standalone(hosts: int, link: str = "", delay: str = "", log_dir: Path | None = None,
+               loss: float = 0.0, loss_burst: float = 1.0,
+               seed: int = 0) -> Iterator[EmulatedCluster]:
     """An emulated cluster outside a run (calibration, benchmarks): its agent is
     supervised here and stopped on exit; ``cluster.command(host, argv)`` runs a program
     on a host, ``enter(cluster.host(name), cluster.mode)`` moves a fresh process there."""
     with tempfile.TemporaryDirectory(prefix="psring-cluster-") as tmp:
         d = Path(log_dir) if log_dir else Path(tmp)
-        cluster = EmulatedCluster(Cluster.bare(hosts, link, delay), d)
+        cluster = EmulatedCluster(Cluster.bare(hosts, link, delay, loss, loss_burst, seed), d)
         sup = Supervisor(d / "logs")
         try:
             cluster.start(sup)

@@ -141,3 +141,25 @@ def port_bytes(names: set[str]) -> dict[str, tuple[int, int]]:
         if name.strip() in names and len(f) >= 9:
             out[name.strip()] = (int(f[0]), int(f[8]))
     return out
+
+
+#: TCP's counters of a namespace that say how it met loss (/proc/PID/net/snmp, netstat)
+TCP_COUNTERS = ("OutSegs", "RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPFastRetrans",
+                "TCPSackRecovery", "TCPSpuriousRTOs")
+
+
+def tcp_counters(pid: int | str) -> dict[str, int]:
+    """TCP_COUNTERS of the network namespace process ``pid`` is in (procfs shows the
+    reading process the namespace of the pid it names); {} if unreadable."""
+    out: dict[str, int] = {}
+    for table in ("snmp", "netstat"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()
+        except OSError:
+            return {}
+        # pairs of lines: "Tcp: Name1 Name2 ..." then "Tcp: 1 2 ..."
+        for names, values in zip(lines[::2], lines[1::2]):
+            for k, v in zip(names.split()[1:], values.split()[1:]):
+                if k in TCP_COUNTERS and names.split()[0] in ("Tcp:", "TcpExt:"):
+                    out[k] = int(v)
+    return out

@@ -36,7 +36,8 @@ PLACEMENTS = ("colocated", "own-hosts")
 #: before a setting existed: every run then was on this machine
 DEFAULTS: Mapping[str, Any] = {"workers": 1, "hosts": 1, "workers_per_host": 0, "link": "",
                                "delay": "", "servers": 1, "server_placement": "colocated",
-                               "master_addr": "127.0.0.1", "time_scale": 1.0}
+                               "master_addr": "127.0.0.1", "time_scale": 1.0,
+                               "loss": 0.0, "loss_burst": 1.0, "link_buffer": "", "seed": 0}
 
 #: tc(8)'s rate units, in bits per second (tc compares them case-insensitively)
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -46,6 +47,8 @@ _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
                "tibps": 8 * 2**40}
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3,
                "msecs": 1e-3, "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
+#: tc(8)'s sizes, in bytes (its k and kb are 1024)
+_SIZE_UNITS = {"b": 1, "k": 1024, "kb": 1024, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
 _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]+)\s*"
 #: slower links would make every run take minutes; faster ones only measure the CPU
 MIN_RATE_BITS = 1e6
@@ -75,6 +78,20 @@ def parse_delay(text: str, flag: str = "--delay") -> float:
         raise ConfigError(f"{flag} {text!r} is not a time: give a number and a unit, "
                           f"e.g. 100us, 2ms (s, ms, us).")
     return float(m.group(1)) * _TIME_UNITS[unit]
+
+
+def parse_size(text: str, flag: str = "--link-buffer") -> int:
+    """Bytes of a tc size (``64kb``, ``1mb``, ``1500b``)."""
+    m = re.fullmatch(_NUMBER, text or "")
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _SIZE_UNITS:
+        raise ConfigError(f"{flag} {text!r} is not a size: give a number and one of tc's "
+                          f"units, e.g. 64kb, 512kb, 1mb (b, kb, mb; k = 1024).")
+    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size < 3000:
+        raise ConfigError(f"{flag} {text!r} is {size} bytes; a link's queue holds at least "
+                          f"two full-size frames (3000 bytes).")
+    return size
 
 
 def format_rate(bits: float) -> str:
@@ -149,8 +166,16 @@ class Cluster:
     workers_per_host: int = 0
     #: each host link's rate, as tc reads it ('1gbit'); '': unshaped
     link: str = ""
-    #: one-way delay added to each link direction ('1ms'; netem); '': none
+    #: one-way delay added to each link direction ('1ms'; psring.cluster.link); '': none
     delay: str = ""
+    #: fraction of IPv4 packets each link direction drops (psring.cluster.link)
+    loss: float = 0.0
+    #: mean length of a run of lost packets; 1 = independent losses
+    loss_burst: float = 1.0
+    #: bytes each link's queue holds before it drops ('64kb'); '': deep (tbf_params)
+    link_buffer: str = ""
+    #: seeds the links' loss models (the run's --seed)
+    seed: int = 0
     #: parameter servers the run starts (0: a strategy without them)
     servers: int = 0
     placement: str = "colocated"
@@ -195,12 +220,28 @@ class Cluster:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
                 or not 0 < scale < float("inf"):
             raise ConfigError(f"--time-scale must be a positive number (got {scale!r}).")
-        self.link_bits, self.delay_s  # noqa: B018 - parse now: errors at construction
-        if (self.link or self.delay) and not self.emulated:
+        self.link_bits, self.delay_s, self.buffer_bytes  # noqa: B018 - errors now
+        self._check_loss()
+        if (self.link or self.delay or self.loss or self.link_buffer) and not self.emulated:
             raise ConfigError(
-                "--link and --delay shape the links between emulated hosts, and with --hosts "
-                "1 (and servers, if any, colocated) nothing crosses one; give --hosts 2 or "
-                "more, or --server-placement own-hosts.")
+                "--link, --delay, --loss and --link-buffer shape the links between emulated "
+                "hosts, and with --hosts 1 (and servers, if any, colocated) nothing crosses "
+                "one; give --hosts 2 or more, or --server-placement own-hosts.")
+        if self.link_buffer and not self.link:
+            raise ConfigError("--link-buffer is the queue of a shaped link: give --link "
+                              "RATE too (an unshaped link queues nothing).")
+
+    def _check_loss(self) -> None:
+        loss, burst = self.loss, self.loss_burst
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0 <= loss < 1:
+            raise ConfigError(f"--loss is the fraction of packets each link direction drops, "
+                              f"in [0, 1): e.g. 0.01 for 1% (got {loss!r}).")
+        if isinstance(burst, bool) or not isinstance(burst, (int, float)) \
+                or not 1 <= burst < float("inf"):
+            raise ConfigError(f"--loss-burst is the mean number of packets lost in a row, "
+                              f">= 1 (1 = independent losses; got {burst!r}).")
+        if burst != 1 and not loss:
+            raise ConfigError("--loss-burst shapes the losses of --loss: give --loss too.")
 
     # -- from what a run records -----------------------------------------------------
     @classmethod
@@ -215,11 +256,13 @@ class Cluster:
         return cls(workers=v["workers"], hosts=v["hosts"],
                    workers_per_host=v["workers_per_host"], link=v["link"], delay=v["delay"],
                    servers=servers, placement=placement, local_address=v["master_addr"],
-                   time_scale=v["time_scale"])
+                   time_scale=v["time_scale"], loss=v["loss"], loss_burst=v["loss_burst"],
+                   link_buffer=v["link_buffer"], seed=v["seed"])
 
     @classmethod
     def of(cls, hosts: int = 1, workers_per_host: int = 1, link_bits: float | None = None,
-           delay_s: float = 0.0, servers: int = 1, placement: str = "colocated") -> "Cluster":
+           delay_s: float = 0.0, servers: int = 1, placement: str = "colocated",
+           loss: float = 0.0) -> "Cluster":
         """A cluster in numbers, for prediction (the simulator, ``psring advise``): hosts
         of ``workers_per_host`` workers each, links of ``link_bits``/s (None: unshaped)."""
         if isinstance(workers_per_host, bool) or not isinstance(workers_per_host, int) \
@@ -235,12 +278,14 @@ class Cluster:
                    workers_per_host=workers_per_host if hosts > 1 else 0,
                    link=format_rate(link_bits) if link_bits and multi else "",
                    delay=f"{delay_s * 1e6:g}us" if delay_s and multi else "",
-                   servers=servers, placement=placement)
+                   servers=servers, placement=placement, loss=loss if multi else 0.0)
 
     @classmethod
-    def bare(cls, hosts: int, link: str = "", delay: str = "") -> "Cluster":
+    def bare(cls, hosts: int, link: str = "", delay: str = "", loss: float = 0.0,
+             loss_burst: float = 1.0, seed: int = 0) -> "Cluster":
         """``hosts`` emulated hosts, one process slot each (calibration, benchmarks)."""
-        return cls(workers=hosts, hosts=hosts, link=link, delay=delay)
+        return cls(workers=hosts, hosts=hosts, link=link, delay=delay, loss=loss,
+                   loss_burst=loss_burst, seed=seed)
 
     def replace(self, **changes: Any) -> "Cluster":
         return dataclasses.replace(self, **changes)
@@ -253,6 +298,10 @@ class Cluster:
     @cached_property
     def delay_s(self) -> float:
         return parse_delay(self.delay) if self.delay else 0.0
+
+    @cached_property
+    def buffer_bytes(self) -> int | None:
+        return parse_size(self.link_buffer) if self.link_buffer else None
 
     @property
     def emulated_link_bits(self) -> float | None:
@@ -327,6 +376,8 @@ class Cluster:
                 "hosts": [dataclasses.asdict(h) for h in self.host_list],
                 "worker_hosts": len({*self.worker_host}), "link": self.link or None,
                 "link_bits_per_s": self.link_bits, "delay": self.delay or None,
+                "loss": self.loss, "loss_burst": self.loss_burst,
+                "link_buffer_bytes": self.buffer_bytes,
                 "server_placement": self.placement if self.servers else None,
                 "time_scale": self.time_scale,
                 "emulated_link_bits_per_s": self.emulated_link_bits}
@@ -342,6 +393,12 @@ class Cluster:
         text += f", {self.link or 'unshaped'} links"
         if self.delay:
             text += f", {self.delay} delay"
+        if self.link_buffer:
+            text += f", {self.link_buffer} queues"
+        if self.loss:
+            text += f", {self.loss:.3g} loss"
+            if self.loss_burst != 1:
+                text += f" (bursts of {self.loss_burst:g})"
         if self.time_scale != 1:
             text += f", time scale {self.time_scale:g}"
         if self.servers:

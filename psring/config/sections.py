@@ -194,7 +194,7 @@ class ClusterFlags:
         "10gbit, ...; empty = unshaped (as fast as the CPU moves packets)"))
     delay: str = field(default="", metadata=_flag(
         "one-way delay added to each direction of every emulated link, e.g. 100us, 2ms "
-        "(needs the kernel's netem)"))
+        "(a user-space link: psring.cluster.link)"))
     server_placement: Literal["colocated", "own-hosts"] = field(
         default="colocated", metadata=_flag(
             "ps/async-ps/byteps with --hosts: colocated (servers spread over the workers' "
@@ -294,7 +294,6 @@ class Faults:
         "its share, and the run goes on past up to B lost workers. 0 = wait for all"))
 
 
-#: the sections in the order of their fields (RunConfig's, the manifests')
 @dataclass(frozen=True)
 class Sampling:
     """Which training samples the batches are drawn from (after the sections above:
@@ -308,9 +307,29 @@ class Sampling:
         "0 = off"))
 
 
+@dataclass(frozen=True)
+class Links:
+    """Emulated links under pressure: loss and shallow queues (after the sections above:
+    manifests keep their order)."""
+
+    title: ClassVar[str] = "links"
+    loss: float = field(default=0.0, metadata=_flag(
+        "fraction of IPv4 packets each direction of every emulated link drops, in [0, 1), "
+        "e.g. 0.01; seeded by --seed, so runs of one seed drop the same packet numbers "
+        "(a user-space link; the drops are logged in DIR/links)"))
+    loss_burst: float = field(default=1.0, metadata=_flag(
+        "mean number of packets --loss drops in a row: 1 = independent losses, more = "
+        "bursts (a Gilbert-Elliott chain with --loss as its long-run rate)"))
+    link_buffer: str = field(default="", metadata=_flag(
+        "bytes each emulated link's queue holds before it drops (tc's sizes: 64kb, 1mb); "
+        "a shallow switch port, for incast; empty = deep (100 ms of the rate, at least "
+        "4 MiB: no drops)"))
+
+
+#: the sections in the order of their fields (RunConfig's, the manifests')
 SECTIONS: tuple[type, ...] = (Parallelism, Model, Data, Evaluation, Optimization, TorchDevice,
                               Buckets, Servers, Gradients, ClusterFlags, Run, DeviceMode, Tracing,
-                              Faults, Sampling)
+                              Faults, Sampling, Links)
 
 
 def own_fields(section: type) -> list[str]:

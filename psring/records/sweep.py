@@ -307,7 +307,8 @@ def _applies(values: dict[str, Any], strategy: Any, from_cases: set[str]) -> boo
 def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
     """Emulation settings that cannot apply to a point are dropped (psring.cluster.spec): a
     strategy of one host runs on one; no more hosts than workers; servers are placed
-    only where there are servers; links and delays only where traffic crosses hosts."""
+    only where there are servers; links, their delay, loss and queues only where traffic
+    crosses hosts."""
     workers = values.get("workers", 1)
     per_host = values.get("workers_per_host", 0)
     hosts = derived_hosts(workers, values.get("hosts", 1), per_host)
@@ -324,8 +325,7 @@ def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
     # hosts beyond one, or servers on hosts of their own: Cluster.emulated's rule
     own = strategy.caps.uses_servers and values.get("server_placement") == "own-hosts"
     if values["hosts"] == 1 and not own:
-        values["link"] = ""
-        values["delay"] = ""
+        values.update(link="", delay="", loss=0.0, loss_burst=1.0, link_buffer="")
     elif values.get("transport") == "ipc":  # hosts talk over their links
         values["transport"] = "auto"
 

@@ -1,13 +1,14 @@
 """Summaries of run directories: ``psring report DIR [DIR...] [--json]``.
 
-For each run: samples/s, step time p50/p95, the share of the step spent computing
-(data + forward + backward + update) versus blocked on communication, the speedup
-over a ``single`` run of the same workload when one is among the directories given,
-and the last held-out accuracy with the time to ``--target-accuracy`` (evals.jsonl).
-The first steps (warm-up: allocator, connection set-up) are left out of the figures.
-A run that met faults (--kill-worker, --kill-server) or restarted (--max-restarts)
-gets a line under the table: the faults, the restarts, the steps redone and the time
-lost (from the last step logged before a failure to the same step logged again).
+For each run: samples/s, step time p50/p95 (and p99 in --json), the share of the step
+spent computing (data + forward + backward + update) versus blocked on communication,
+the speedup over a ``single`` run of the same workload when one is among the directories
+given, and the last held-out accuracy with the time to ``--target-accuracy``
+(evals.jsonl). The first steps (warm-up: allocator, connection set-up) are left out of
+the figures. A run that met faults (--kill-worker, --kill-server) or restarted
+(--max-restarts) gets a line under the table: the faults, the restarts, the steps redone
+and the time lost (from the last step logged before a failure to the same step logged
+again).
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "samples_per_s": samples_per_s,
         "step_p50_s": statistics.median(step_times),
         "step_p95_s": percentile(step_times, 95),
+        "step_p99_s": percentile(step_times, 99),
         "compute_share": 1.0 - phase_share["comm_s"],
         "comm_share": phase_share["comm_s"],
         "phase_share": phase_share,

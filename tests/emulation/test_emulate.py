@@ -38,7 +38,6 @@ from tests.helpers import (
     load_model,
     max_rel_diff,
     needs_emulation,
-    netem_available,
     process_named,
     psring,
     read_steps,
@@ -233,23 +232,6 @@ def test_bad_cluster_flags_are_one_paragraph_and_exit_2(tmp_path, args, needle):
     proc = cli_here("run", *args, "--out", tmp_path / "r")
     assert_paragraph(proc, needle)
     assert not (tmp_path / "r" / "steps.jsonl").exists()
-
-
-@needs_emulation
-@pytest.mark.timeout(120)
-def test_delay_needs_netem(tmp_path):
-    out = tmp_path / "r"
-    proc = psring("run", "--strategy", "allreduce", "--workers", "2", "--hosts", "2",
-                  "--link", "1gbit", "--delay", "1ms", *SMALL, "--steps", "3", "--out", out,
-                  check=False, timeout=100)
-    if netem_available():  # a kernel with netem: the delay is applied and the run works
-        assert proc.returncode == 0, proc.stderr
-    else:
-        assert_paragraph(proc, "--delay 1ms needs the kernel's netem", "drop --delay")
-        assert not (out / "steps.jsonl").exists()
-    assert_no_processes(out)
-    if (out / "cluster.json").exists():
-        assert_cluster_gone(out)
 
 
 def _blocked_dirs(paths: list[Path]) -> dict[Path, set[str]]:

@@ -25,7 +25,6 @@ from tests.helpers.emulation import (
     emulation_unavailable,
     leftovers,
     needs_emulation,
-    netem_available,
 )
 from tests.helpers.multihost import Hosts, Node, emulated_hosts, next_port, user_env, wait_all
 from tests.helpers.runs import (
@@ -55,7 +54,7 @@ __all__ = [
     "PSRING", "SMALL", "TESTS", "Hosts", "LiveServer", "Node", "RawClient",
     "assert_cluster_gone", "assert_evals", "assert_no_processes", "cli_here", "cluster_state",
     "cut_link", "emulated_hosts", "emulation_unavailable", "env_with_plugins", "interruptible",
-    "leftovers", "live_processes", "load_model", "max_rel_diff", "netem_available",
+    "leftovers", "live_processes", "load_model", "max_rel_diff",
     "needs_emulation", "next_port", "once_across_workers", "ops", "pid_alive",
     "process_named", "processes_mentioning", "psring", "psring_together", "read_evals",
     "read_steps", "req", "rss_kib",

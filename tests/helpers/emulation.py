@@ -41,16 +41,6 @@ needs_emulation = pytest.mark.skipif(emulation_unavailable() is not None,
                                      reason=str(emulation_unavailable()))
 
 
-@functools.lru_cache(maxsize=None)
-def netem_available() -> bool:
-    """Does the kernel have netem (tried in a throwaway namespace)?"""
-    argv = ["unshare", "--net"] if os.geteuid() == 0 else \
-        ["unshare", "--user", "--net", "--map-root-user"]
-    proc = subprocess.run([*argv, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
-                           "delay", "1ms"], capture_output=True, text=True, timeout=10)
-    return proc.returncode == 0
-
-
 def cluster_state(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "cluster.json").read_text())
 

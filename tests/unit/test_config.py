@@ -99,7 +99,8 @@ MANIFEST_ORDER = [
     "delay", "server_placement", "slow_worker", "out", "timeout", "master_addr",
     "master_port", "threads", "checkpoint_every", "resume", "compute", "device_profile",
     "device_speed", "time_scale", "device_link", "trace", "kill_worker", "kill_server",
-    "max_restarts", "backup_workers", "eliminate_every"]
+    "max_restarts", "backup_workers", "eliminate_every", "loss", "loss_burst",
+    "link_buffer"]
 
 
 def test_derived_values_come_from_derived_and_reach_the_manifest():
@@ -132,7 +133,7 @@ def test_run_help_groups_the_flags_by_section(capsys):
     titles = [line[:-1] for line in text.splitlines() if line.endswith(":")
               and not line.startswith(" ")]
     assert titles == ["options", "strategy", "model", "data", "evaluation", "optimization",
-                      "device", "gradients", "servers", "cluster", "run", "faults"]
+                      "device", "gradients", "servers", "cluster", "run", "faults", "links"]
     device = text[text.index("\ndevice:"):text.index("\ngradients:")]
     assert "--compute" in device and "--device-link" in device and "--lr" not in device
     assert "--trace" in text[text.index("\nrun:"):]

@@ -1,0 +1,273 @@
+"""User-space links: loss and delay on an emulated host's link without the kernel's netem.
+
+    psring run --strategy allreduce --workers 4 --hosts 2 --link 100mbit --loss 0.01
+    psring run --strategy ps --workers 4 --hosts 2 --link 100mbit --delay 2ms \\
+        --loss 0.01 --loss-burst 4
+
+A host whose link has ``--loss`` or ``--delay`` is joined to the switch by two TAP
+devices instead of a veth pair: ``eth0`` inside the host, ``psr-hN`` on the switch's
+bridge. A *forwarder* (one process per host, forked by the cluster's agent) copies
+Ethernet frames between the two devices' file descriptors, and on the way drops IPv4
+frames by a seeded loss model and holds every frame back by the delay. tbf still shapes
+both devices' egress in the kernel, as it shapes the veths, so the rate, the queue and
+TCP's view of it all stay the kernel's: TCP sees a dropped segment as a real loss and
+retransmits it.
+
+The loss model is per link direction (``up``: what the host sends; ``down``: what it
+receives) and seeded by the run's --seed, the host and the direction, so two runs with
+the same seed drop the same packet numbers: the n-th IPv4 frame of a direction is
+dropped or not whatever its timing. Each forwarder writes what it dropped
+(``links/<host>.<direction>.drops``: little-endian uint64 packet numbers) and what it
+carried (``links/<host>.json``: frames, bytes, drops, how late delayed frames left, CPU
+seconds) into the run directory. Non-IPv4 frames (ARP) are never dropped nor counted.
+
+Pure Python on purpose (no extension to build): a frame costs a few microseconds of a
+core, which caps a link (docs/emulation.md, "Loss and delay").
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import fcntl
+import json
+import os
+import random
+import resource
+import select
+import signal
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from psring.records.runlog import atomic_write_json
+
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
+#: the directions of a host's link, from the host's side
+DIRECTIONS = ("up", "down")
+#: bytes read per frame: an Ethernet frame of any MTU psring sets, with room
+_FRAME = 65536
+#: frames taken from one side before looking at the other: neither direction starves
+_BATCH = 64
+#: lateness histogram's bucket edges, microseconds
+_LATE_EDGES_US = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+def open_tap(name: str) -> int:
+    """A TAP device ``name`` in this process's network namespace; the returned fd is its
+    wire (the device vanishes when the last fd closes). Non-blocking."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TAP | IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+# -- the loss model -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LossModel:
+    """Which packets a link direction drops: independent (``burst`` 1) or in bursts, by
+    a Gilbert-Elliott chain (good state: no loss; bad: every packet lost) whose mean
+    bad spell is ``burst`` packets and whose long-run loss is ``rate``."""
+
+    rate: float
+    burst: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rate < 1:
+            raise ValueError(f"a loss rate is in [0, 1) (got {self.rate!r})")
+        if not self.burst >= 1:
+            raise ValueError(f"a mean loss burst is >= 1 packet (got {self.burst!r})")
+
+    def dropper(self, seed: str) -> "Dropper":
+        return Dropper(self, seed)
+
+
+class Dropper:
+    """One direction's decisions, packet by packet, from its own seeded generator."""
+
+    def __init__(self, model: LossModel, seed: str):
+        self.rng = random.Random(seed)
+        self.rate = model.rate
+        self.bursty = model.burst > 1
+        # Gilbert: leave the bad state with 1/burst; enter it so that P(bad) = rate
+        self.leave = 1 / model.burst
+        self.enter = model.rate * self.leave / (1 - model.rate)
+        self.bad = False
+
+    def drop(self) -> bool:
+        if not self.rate:
+            return False
+        u = self.rng.random()
+        if not self.bursty:
+            return u < self.rate
+        self.bad = u >= self.leave if self.bad else u < self.enter
+        return self.bad
+
+
+def link_seed(seed: int, host: str, direction: str) -> str:
+    """The seed of one link direction's loss model: the run's seed, the host, the way."""
+    return f"psring-link:{seed}:{host}:{direction}"
+
+
+# -- the forwarder ------------------------------------------------------------------------
+
+def _is_ipv4(frame: bytes) -> bool:
+    return len(frame) >= 34 and frame[12:14] == b"\x08\x00"
+
+
+class Direction:
+    """Frames one way: read from ``src``, maybe dropped, held ``delay_s``, written to
+    ``dst``; with what it did, for the link's record."""
+
+    def __init__(self, name: str, src: int, dst: int, dropper: Dropper, delay_s: float,
+                 trace: Path):
+        self.name, self.src, self.dst = name, src, dst
+        self.dropper, self.delay_s = dropper, delay_s
+        self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.trace = open(trace, "wb")
+        self.pending: list[int] = []
+        self.packets = self.bytes = self.dropped = self.dropped_bytes = 0
+        self.frames_lost = 0  # frames the far device refused (it was down)
+        self.late = [0] * (len(_LATE_EDGES_US) + 1)
+        self.late_max_us = 0.0
+
+    def take(self, now: float) -> None:
+        """Read what ``src`` has (up to a batch), decide, queue."""
+        for _ in range(_BATCH):
+            try:
+                frame = os.read(self.src, _FRAME)
+            except BlockingIOError:
+                return
+            if _is_ipv4(frame):
+                n = self.packets
+                self.packets += 1
+                self.bytes += len(frame)
+                if self.dropper.drop():
+                    self.dropped += 1
+                    self.dropped_bytes += len(frame)
+                    self.pending.append(n)
+                    continue
+            if self.delay_s:
+                self.queue.append((now + self.delay_s, frame))
+            else:
+                self._send(frame)
+
+    def release(self, now: float) -> None:
+        """Write the queued frames that are due."""
+        q = self.queue
+        while q and q[0][0] <= now:
+            due, frame = q.popleft()
+            late_us = (now - due) * 1e6
+            self.late[bisect.bisect_left(_LATE_EDGES_US, late_us)] += 1
+            self.late_max_us = max(self.late_max_us, late_us)
+            self._send(frame)
+
+    def due(self) -> float | None:
+        return self.queue[0][0] if self.queue else None
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            os.write(self.dst, frame)
+        except OSError:  # the device is down (a cut host) or its queue is full
+            self.frames_lost += 1
+
+    def flush_trace(self) -> None:
+        if self.pending:
+            self.trace.write(struct.pack(f"<{len(self.pending)}Q", *self.pending))
+            self.trace.flush()
+            self.pending.clear()
+
+    def record(self) -> dict:
+        return {"packets": self.packets, "bytes": self.bytes, "dropped": self.dropped,
+                "dropped_bytes": self.dropped_bytes, "refused": self.frames_lost,
+                "delay_s": self.delay_s, "late_us_edges": list(_LATE_EDGES_US),
+                "late_us_counts": self.late, "late_us_max": round(self.late_max_us, 1)}
+
+
+class Forwarder:
+    """Both directions of one host's link, in one thread: no lock, no GIL contention."""
+
+    #: seconds between writes of the drop traces (and on exit)
+    FLUSH_S = 0.5
+
+    def __init__(self, host: str, host_fd: int, port_fd: int, model: LossModel,
+                 delay_s: float, seed: int, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.host, self.out = host, out
+        self.ways = [Direction(d, src, dst, model.dropper(link_seed(seed, host, d)), delay_s,
+                               out / f"{host}.{d}.drops")
+                     for d, src, dst in (("up", host_fd, port_fd), ("down", port_fd, host_fd))]
+        self.started = time.monotonic()
+        self.stopping = False
+
+    def run(self) -> None:
+        # select, not poll: its timeout has microseconds, poll's whole milliseconds
+        # (each delayed frame would leave up to 1 ms late)
+        by_fd = {w.src: w for w in self.ways}
+        fds = list(by_fd)
+        flushed = time.monotonic()
+        while not self.stopping:
+            now = time.monotonic()
+            dues = [d for w in self.ways if (d := w.due()) is not None]
+            wait = min(max(0.0, min(dues) - now), 0.2) if dues else 0.2
+            try:
+                ready, _, _ = select.select(fds, [], [], wait)
+            except InterruptedError:
+                continue
+            now = time.monotonic()
+            for fd in ready:
+                by_fd[fd].take(now)
+            for w in self.ways:
+                w.release(now)
+            if now - flushed > self.FLUSH_S:
+                self.save()
+                flushed = now
+
+    def save(self) -> None:
+        for w in self.ways:
+            w.flush_trace()
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        atomic_write_json(self.out / f"{self.host}.json", {
+            "host": self.host, "seconds": round(time.monotonic() - self.started, 3),
+            "cpu_s": round(use.ru_utime + use.ru_stime, 3),
+            **{w.name: w.record() for w in self.ways}})
+
+
+def forward(host: str, host_fd: int, port_fd: int, model: LossModel, delay_s: float,
+            seed: int, out: Path) -> None:
+    """A forked forwarder's life: forward until SIGTERM, then write its record."""
+    fw = Forwarder(host, host_fd, port_fd, model, delay_s, seed, out)
+
+    def stop(*_: object) -> None:
+        fw.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        fw.run()
+    finally:
+        fw.save()
+
+
+def read_trace(path: Path) -> list[int]:
+    """The packet numbers a direction dropped (its ``.drops`` file)."""
+    data = Path(path).read_bytes()
+    return list(struct.unpack(f"<{len(data) // 8}Q", data[: len(data) // 8 * 8]))
+
+
+def read_links(run_dir: Path) -> dict[str, dict]:
+    """Each host link's record (``links/<host>.json``) of a run, by host."""
+    out = {}
+    for p in sorted((Path(run_dir) / "links").glob("*.json")):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        out[rec.get("host", p.stem)] = rec
+    return out
