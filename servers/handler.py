@@ -370,6 +370,8 @@ class Handler:
         fields = {"version": st.version, "staleness": staleness}
         if dropped:  # (only then: without backups the ack is as it always was)
             fields["dropped"] = True
+        if "delivered" in h:  # a lossy_push's (psring.comm.lossy): what arrived of it
+            fields["delivered"] = h["delivered"]
         ack = self._reply(peer, msg, "ack", fields, t0=t0, staleness=staleness,
                           **({"dropped": True} if dropped else {}))
         self._remember(st, h, grad.numel(), ack.frames)

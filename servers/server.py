@@ -8,7 +8,8 @@ server goes on serving everyone else. With a shared secret every message must be
 signed: one that is not (or badly) is dropped unanswered and counted. Binding anything
 but loopback (or ipc://) without a secret is refused. libzmq drops the connection of
 a peer that sends a frame above ``max_frame_bytes`` (ZMQ_MAXMSGSIZE); the server keeps
-serving the others.
+serving the others. A TCP endpoint also gets a UDP socket of the same address and
+port, for the gradient datagrams of bounded-loss pushes (psring.comm.lossy).
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ from __future__ import annotations
 import json
 import os
 import resource
+import socket
 import time
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
 
+import torch
 import zmq
 
 from psring.cluster.netns import inside_cluster
 from psring.cluster.spec import in_network
+from psring.comm.lossy import Ingress
 from psring.comm.protocol import (
     HOW_TO_SET_A_SECRET,
     MAX_HEADER_BYTES,
@@ -33,6 +37,7 @@ from psring.comm.protocol import (
     AuthenticationError,
     ProtocolError,
     decode,
+    encode,
     error_frames,
     is_local,
 )
@@ -45,6 +50,12 @@ POLL_MS = 100
 DEFAULT_MAX_FRAME_BYTES = 2**30
 #: what a run's frames may carry beyond its shard's bytes (header, signature)
 FRAME_SLACK = 2**20
+#: bytes of datagrams the kernel may hold for the server's UDP socket (bounded-loss
+#: pushes): a round's bursts from every worker, not dropped for want of room
+UDP_BUFFER_BYTES = 32 << 20
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+#: datagrams read in one go before the ROUTER socket is looked at again
+UDP_BATCH = 1024
 #: records per second, per kind, of refused or dropped messages (each carries the
 #: running count), so a flood of garbage can't flood the log
 NOTES_PER_S = 10
@@ -108,6 +119,27 @@ def default_io_threads() -> int:
     return min(MAX_IO_THREADS, os.cpu_count() or 1)
 
 
+def _udp_socket(endpoint: str) -> socket.socket | None:
+    """A non-blocking UDP socket on a tcp:// endpoint's address and port (None for
+    ipc://, or where the port is taken for UDP: bounded-loss pushes then get an error)."""
+    u = urlparse(endpoint)
+    if u.scheme != "tcp" or u.hostname is None:
+        return None
+    family = socket.AF_INET6 if ":" in u.hostname else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        try:  # (root may go beyond net.core.rmem_max, which is 208 KiB by default)
+            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, UDP_BUFFER_BYTES)
+        except OSError:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_BUFFER_BYTES)
+        s.bind((u.hostname, u.port))
+    except OSError:
+        s.close()
+        return None
+    s.setblocking(False)
+    return s
+
+
 class Server:
     """``secret``: the shared secret (psring.comm.protocol.load_secret); with one, only
     signed requests are served and every reply is signed. ``max_frame_bytes``: the
@@ -152,6 +184,8 @@ class Server:
             raise ConfigError(f"the server cannot bind {bind}: {e.strerror}; pick another "
                               f"port (or :0 for a free one).") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.udp = _udp_socket(self.endpoint)
+        self.ingress = Ingress(secret)
         self.handler = Handler(name, key=secret)
         self.log = RequestLog(log_path)
         self.invalid = 0  # answered with an error: malformed, or the handler failed
@@ -161,17 +195,35 @@ class Server:
     @property
     def stats(self) -> dict[str, int]:
         return {**self.handler.counts, "invalid": self.invalid,
-                "unauthenticated": self.unauthenticated}
+                "unauthenticated": self.unauthenticated,
+                **({k: v for k, v in self.ingress.counts.items() if v} if self.udp else {})}
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        if self.udp is not None:
+            poller.register(self.udp.fileno(), zmq.POLLIN)
         while not should_stop():
-            if not poller.poll(POLL_MS):
+            ready = dict(poller.poll(POLL_MS))
+            if not ready:
                 self.log.flush()
                 continue
-            frames = self.sock.recv_multipart(copy=False)
-            self.serve_one(frames)
+            if self.udp is not None and self.udp.fileno() in ready:
+                self.read_datagrams(UDP_BATCH)
+            if self.sock in ready:
+                self.serve_one(self.sock.recv_multipart(copy=False))
+
+    def read_datagrams(self, most: int | None = None) -> None:
+        """Hand the datagrams waiting on the UDP socket to the ingress (all, or up to
+        ``most``)."""
+        n = 0
+        while most is None or n < most:
+            try:
+                data = self.udp.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            self.ingress.datagram(data)
+            n += 1
 
     def _note(self, record: dict) -> None:
         """Log a refused or dropped message, at most NOTES_PER_S records per kind."""
@@ -202,6 +254,10 @@ class Server:
                                                           key=self.secret)], copy=False)
             return
         try:
+            if msg.op == "lossy_push":
+                msg = self._lossy(peer, msg)
+                if msg is None:
+                    return
             replies = self.handler.handle(peer, msg)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
             self.invalid += 1
@@ -218,6 +274,28 @@ class Server:
             self.sock.send_multipart([reply.peer, *reply.frames], copy=False)
             self.log.add(reply.record)
 
+    def _lossy(self, peer: bytes, msg):
+        """A lossy_push: the push its datagrams make (psring.comm.lossy), or None when a
+        resend was asked for instead. Every datagram that came before it is read first:
+        the lossy_push is its push's deadline."""
+        if self.udp is None:
+            raise ProtocolError("this server has no UDP port (its endpoint is not "
+                                "tcp://): bounded-loss pushes need one")
+        self.read_datagrams()
+        done = self.ingress.complete(msg)
+        if not isinstance(done, tuple):
+            return done
+        need, missing = done
+        h = msg.header
+        frames = encode("resend", {"run": h["run"], "worker": h["worker"], "seq": h["seq"],
+                                   "shard": h["shard"], "need": need},
+                        [torch.tensor(missing, dtype=torch.int32)], self.secret)
+        self.sock.send_multipart([peer, *frames], copy=False)
+        self.log.add({"time": time.time(), "server": self.handler.name, "op": "resend",
+                      "worker": h["worker"], "step": h["step"], "offset": h["offset"],
+                      "missing": len(missing), "need": need})
+        return None
+
     def close(self) -> None:
         if hasattr(self, "log"):
             # peak memory (Linux reports ru_maxrss in KiB): the load tests bound it
@@ -226,4 +304,6 @@ class Server:
                           **self.stats, "max_rss_mb": round(peak_mb, 1)})
             self.log.close()
         self.sock.close(linger=0)
+        if getattr(self, "udp", None) is not None:
+            self.udp.close()
         self.ctx.term()

@@ -31,12 +31,14 @@ import os
 import secrets
 import struct
 import sys
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 from urllib.parse import urlparse
 
 import msgpack
+import numpy as np
 import torch
 
 from psring.errors import ConfigError
@@ -52,6 +54,8 @@ MAX_TENSORS = 16
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    # (only a resend's packet numbers: every other op checks for its float dtype)
+    "int32": torch.int32,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -102,6 +106,13 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # in the run's wire dtype (init's `wire_dtype`: float32, or float16 / bfloat16 with
     # --compress); pulls are answered in it too, the server keeps float32
     "push": {"step": _INT, "offset": _INT, "tensors": (list,)},
+    # worker -> server (--loss-tolerance F > 0): the gradient for flat elements
+    # [offset, offset+numel) of step `step` went as `packets` datagrams of transfer
+    # `transfer` (DATAGRAM, in `dtype`) ahead of this message; sum what arrived if at
+    # most the fraction `tolerance` of the elements is missing (scaled by numel /
+    # delivered: unbiased), else answer `resend`. Each attempt has a seq of its own.
+    "lossy_push": {"step": _INT, "offset": _INT, "numel": _INT, "packets": _INT,
+                   "dtype": _STR, "tolerance": _NUM, "transfer": _INT, "tensors": (list,)},
     # worker -> server: send me the shard once its version is >= `min_version`; with
     # `hi` > 0 only flat elements [lo, hi) of it (byteps: the part a worker pushed)
     "pull": {"min_version": _INT, "lo": _INT, "hi": _INT, "tensors": (list,)},
@@ -120,7 +131,14 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "snapshot": {"version": _INT, "tensors": (list,)},
     # server -> worker replies; `dropped`: the push came too late for its step (backups)
     # and was thrown away
-    "ack": {"version": _INT, "staleness": _INT, "dropped": _BOOL, "tensors": (list,)},
+    # `delivered`: of a lossy_push, the elements that arrived and were summed (-1: a
+    # reliable push)
+    "ack": {"version": _INT, "staleness": _INT, "dropped": _BOOL, "delivered": _INT,
+            "tensors": (list,)},
+    # answer to a lossy_push whose missing part is beyond its tolerance: send at least
+    # `need` of the missing packets (tensor frame: their numbers, int32) again, then
+    # the lossy_push again (a new seq: pushes are acknowledged in seq order)
+    "resend": {"need": _INT, "tensors": (list,)},
     # answer to commit: the workers step `step` takes (ascending; those of the server's
     # current step, [] for a step already over), and whether this one is among them
     "chosen": {"step": _INT, "workers": _LIST, "taken": _BOOL, "tensors": (list,)},
@@ -138,12 +156,12 @@ OPTIONAL: dict[str, dict[str, Any]] = {
     "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0, "wire_dtype": "float32",
              "group": 1, "update": "sgd", "backups": 0},
     "pull": {"lo": 0, "hi": 0},
-    "ack": {"dropped": False},
+    "ack": {"dropped": False, "delivered": -1},
 }
 
-REQUESTS = ("init", "push", "pull", "leave", "snapshot", "commit", "choose")
+REQUESTS = ("init", "push", "lossy_push", "pull", "leave", "snapshot", "commit", "choose")
 #: the ops a worker accepts in reply (psring.comm.psclient)
-REPLIES = ("ack", "params", "ok", "error", "state", "chosen")
+REPLIES = ("ack", "params", "ok", "error", "state", "chosen", "resend")
 MODES = ("sync", "async")
 #: what a server does with the summed gradients (init's `update`)
 UPDATES = ("sgd", "sum")
@@ -402,3 +420,123 @@ def error_frames(message: str, request: dict[str, Any] | None = None,
     return encode("error", {"run": pick("run", _STR, ""), "worker": pick("worker", _INT, -1),
                             "seq": pick("seq", _INT, -1), "shard": pick("shard", _INT, -1),
                             "message": message[:1000]}, key=key)
+
+
+# ----------------------------------------------------------------- gradient datagrams
+# --loss-tolerance: a push's gradient travels as UDP datagrams to the server's port (the
+# same number as its TCP endpoint), each self-describing:
+#
+#     magic "PSRG", version, dtype code (WIRE_CODES), worker, shard, run tag (CRC-32 of
+#     the run id), transfer (the lossy_push's `transfer`), packet number, packets,
+#     elements
+#     then the elements (packet i holds [i * per, i * per + n) of the pushed range,
+#     per = DATAGRAM_PAYLOAD // itemsize), then with a shared secret 16 bytes of
+#     HMAC-SHA256 over all of the above
+#
+# A datagram that breaks a rule is dropped and counted by the server, never answered.
+DATAGRAM_MAGIC = b"PSRG"
+DATAGRAM_VERSION = 1
+_DATAGRAM = struct.Struct("<4sBBHHIQIII")
+DATAGRAM_HEADER = _DATAGRAM.size
+_DATAGRAM_NP = np.dtype([("magic", "S4"), ("version", "u1"), ("code", "u1"),
+                         ("worker", "<u2"), ("shard", "<u2"), ("tag", "<u4"),
+                         ("transfer", "<u8"), ("index", "<u4"), ("packets", "<u4"),
+                         ("n", "<u4")])
+#: element bytes per datagram: header + payload + signature fit one 1500-byte
+#: Ethernet frame's UDP payload (1472), divisible by every wire dtype's size
+DATAGRAM_PAYLOAD = 1408
+DATAGRAM_SIGNATURE = 16
+#: dtype codes of the datagrams' elements
+WIRE_CODES = ("float32", "float16", "bfloat16")
+#: the most packets one transfer may have (a 1 GiB float32 range is 762,601)
+MAX_PACKETS = 2**24
+_DATAGRAM_TAG = b"psring-datagram-hmac-sha256-v1"
+
+
+def per_datagram(dtype: str) -> int:
+    """Elements of ``dtype`` each datagram carries (the last of a transfer fewer)."""
+    return DATAGRAM_PAYLOAD // DTYPES[dtype].itemsize
+
+
+def run_tag(run: str) -> int:
+    return zlib.crc32(run.encode())
+
+
+class Datagram(NamedTuple):
+    worker: int
+    shard: int
+    run_tag: int
+    transfer: int
+    index: int
+    packets: int
+    dtype: str
+    payload: memoryview
+
+
+def _datagram_mac(key: bytes, body: memoryview) -> bytes:
+    return hmac.new(key, _DATAGRAM_TAG + bytes(body), hashlib.sha256).digest()[
+        :DATAGRAM_SIGNATURE]
+
+
+def encode_datagram(d: Datagram, key: bytes | None = None) -> bytes:
+    n = len(d.payload) // DTYPES[d.dtype].itemsize
+    body = _DATAGRAM.pack(DATAGRAM_MAGIC, DATAGRAM_VERSION, WIRE_CODES.index(d.dtype),
+                          d.worker, d.shard, d.run_tag, d.transfer, d.index, d.packets,
+                          n) + bytes(d.payload)
+    return body + _datagram_mac(key, memoryview(body)) if key else body
+
+
+def encode_datagrams(worker: int, shard: int, tag: int, transfer: int, dtype: str,
+                     raw: np.ndarray, key: bytes | None = None) -> list[memoryview]:
+    """All datagrams of one transfer: ``raw``, the range's bytes (uint8), cut into
+    DATAGRAM_PAYLOAD pieces, each behind its header (built at once, not one by one)."""
+    itemsize = DTYPES[dtype].itemsize
+    count = max(1, -(-len(raw) // DATAGRAM_PAYLOAD))
+    buf = np.zeros((count, DATAGRAM_HEADER + DATAGRAM_PAYLOAD), np.uint8)
+    sizes = np.full(count, DATAGRAM_PAYLOAD, np.int64)
+    sizes[-1] = len(raw) - DATAGRAM_PAYLOAD * (count - 1)
+    head = np.zeros(count, _DATAGRAM_NP)
+    head["magic"], head["version"], head["code"] = DATAGRAM_MAGIC, DATAGRAM_VERSION, \
+        WIRE_CODES.index(dtype)
+    head["worker"], head["shard"], head["tag"], head["transfer"] = worker, shard, tag, \
+        transfer
+    head["index"], head["packets"], head["n"] = np.arange(count), count, sizes // itemsize
+    buf[:, :DATAGRAM_HEADER] = head.view(np.uint8).reshape(count, DATAGRAM_HEADER)
+    body = np.zeros(count * DATAGRAM_PAYLOAD, np.uint8)
+    body[:len(raw)] = raw
+    buf[:, DATAGRAM_HEADER:] = body.reshape(count, DATAGRAM_PAYLOAD)
+    flat = memoryview(buf).cast("B")
+    width = DATAGRAM_HEADER + DATAGRAM_PAYLOAD
+    out = [flat[i * width:i * width + DATAGRAM_HEADER + int(sizes[i])] for i in range(count)]
+    if key:
+        out = [memoryview(bytes(d) + _datagram_mac(key, d)) for d in out]
+    return out
+
+
+def decode_datagram(data: bytes | memoryview, key: bytes | None = None) -> Datagram:
+    """Validate one datagram; ProtocolError (AuthenticationError for a signature) on
+    any violation."""
+    buf = memoryview(data)
+    if key is not None:
+        if len(buf) < DATAGRAM_HEADER + DATAGRAM_SIGNATURE:
+            raise AuthenticationError("datagram too short to be signed")
+        body, sig = buf[:-DATAGRAM_SIGNATURE], bytes(buf[-DATAGRAM_SIGNATURE:])
+        if not hmac.compare_digest(_datagram_mac(key, body), sig):
+            raise AuthenticationError("datagram with a bad signature")
+        buf = body
+    if len(buf) < DATAGRAM_HEADER:
+        raise ProtocolError(f"datagram of {len(buf)} bytes is shorter than its header")
+    magic, version, code, worker, shard, tag, transfer, index, packets, n = \
+        _DATAGRAM.unpack_from(buf)
+    if magic != DATAGRAM_MAGIC or version != DATAGRAM_VERSION:
+        raise ProtocolError("not a psring gradient datagram of this version")
+    if code >= len(WIRE_CODES):
+        raise ProtocolError(f"datagram dtype code {code} is unknown")
+    dtype = WIRE_CODES[code]
+    payload = buf[DATAGRAM_HEADER:]
+    if not 0 < n <= per_datagram(dtype) or n * DTYPES[dtype].itemsize != len(payload):
+        raise ProtocolError(f"datagram claims {n} {dtype} elements, carries "
+                            f"{len(payload)} bytes")
+    if not index < packets <= MAX_PACKETS:
+        raise ProtocolError(f"datagram {index} of {packets} packets")
+    return Datagram(worker, shard, tag, transfer, index, packets, dtype, payload)

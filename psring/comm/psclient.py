@@ -10,13 +10,18 @@ socket per server, requests matched to replies by (shard, seq), replies validate
 
 from __future__ import annotations
 
+import collections
+import os
 import threading
 import time
 from typing import Callable
 
+import torch
 import zmq
 
+from psring.comm.lossy import LossySender
 from psring.comm.protocol import (
+    DTYPE_NAMES,
     REPLIES,
     AuthenticationError,
     Message,
@@ -32,7 +37,7 @@ class PSClient:
     With ``secret`` requests are signed and replies verified."""
 
     def __init__(self, addrs: list[str], run: str, worker: int, timeout: float,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, pace_bits: float | None = None):
         self.addrs = addrs
         self.run = run
         self.worker = worker
@@ -62,9 +67,23 @@ class PSClient:
         self._streams: dict[tuple[int, int], list] = {}
         self.bytes_sent = 0
         self.bytes_recv = 0
+        # bounded-loss pushes (send_lossy): a datagram sender per shard, the pushes
+        # not yet acknowledged (key -> [transfer, lossy_push header]), packets resent;
+        # pushes whose datagrams are out, and a pipe that wakes a waiting poll for them
+        self._senders: dict[int, LossySender] = {}
+        self.pace_bits = pace_bits  # the datagrams' pace: the host's link rate
+        self._ready: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._lossy: dict[tuple[int, int], tuple] = {}
+        #: a resent lossy push's new (shard, seq) -> the push's first key
+        self._attempts: dict[tuple[int, int], tuple[int, int]] = {}
+        self.resent = 0
+        self.lossy_elements = self.lossy_delivered = 0
 
     def send(self, shard: int, op: str, fields: dict, tensors=()) -> tuple[int, int]:
         with self.lock:
+            self._send_ready()  # (keep each server's requests in the order they were made)
             self.seq += 1
             frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
                                  "shard": shard, **fields}, tensors, self.key)
@@ -72,6 +91,81 @@ class PSClient:
             self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
             self.pending.add((shard, self.seq))
             return shard, self.seq
+
+    def push(self, shard: int, fields: dict, grad: torch.Tensor,
+             tolerance: float = 0.0) -> tuple[int, int]:
+        """A gradient push: reliable (a ``push`` message), or with ``tolerance`` > 0 a
+        bounded-loss one (:meth:`send_lossy`)."""
+        if tolerance:
+            return self.send_lossy(shard, fields, grad, tolerance)
+        return self.send(shard, "push", fields, [grad])
+
+    def lossy_counts(self) -> tuple[int, int]:
+        """(elements pushed by bounded-loss pushes, elements of them delivered) so far."""
+        return self.lossy_elements, self.lossy_delivered
+
+    def delivered_since(self, mark: tuple[int, int]) -> float | None:
+        """The fraction of the bounded-loss pushes' elements delivered since ``mark``
+        (lossy_counts), None when there were none."""
+        pushed = self.lossy_elements - mark[0]
+        return (self.lossy_delivered - mark[1]) / pushed if pushed else None
+
+    def send_lossy(self, shard: int, fields: dict, grad: torch.Tensor,
+                   tolerance: float) -> tuple[int, int]:
+        """A push whose gradient goes as datagrams (psring.comm.lossy), at most the
+        fraction ``tolerance`` of it allowed to be lost; answered by an ack like a push
+        (its ``delivered`` says how much arrived), after as many resends as it takes."""
+        with self.lock:
+            sender = self._senders.get(shard)
+            if sender is None:
+                sender = self._senders[shard] = LossySender(
+                    self.addrs[shard], self.run, self.worker, self.key, self._datagrams_sent,
+                    self.pace_bits)
+            self.seq += 1
+            key = (shard, self.seq)
+            header = {"run": self.run, "worker": self.worker, "seq": self.seq,
+                      "shard": shard, **fields, "numel": grad.numel(), "packets": 0,
+                      "dtype": DTYPE_NAMES[grad.dtype], "tolerance": tolerance,
+                      "transfer": self.seq}
+            self._lossy[key] = [None, header]
+            transfer = sender.send(self.seq, shard, grad, token=key)
+            self._lossy[key][0] = transfer
+            header["packets"] = len(transfer.packets)
+            self.bytes_sent += grad.numel() * grad.element_size()
+            self.lossy_elements += grad.numel()
+            self.pending.add(key)
+            return key
+
+    def _datagrams_sent(self, key: object) -> None:
+        """(A sender's thread) a job's datagrams are out: whoever holds the lock next
+        sends its lossy_push (a ZeroMQ socket is used under the lock only)."""
+        self._ready.append(key)
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already: the poll wakes anyway
+
+    def _send_ready(self) -> None:
+        """Under the lock: the lossy_push of every push whose datagrams are out."""
+        while self._ready:
+            key = self._ready.popleft()
+            if key in self._lossy:
+                self.socks[key[0]].send_multipart(
+                    encode("lossy_push", self._lossy[key][1], (), self.key))
+
+    def _resend(self, key: tuple[int, int], msg: Message) -> None:
+        """The server misses more of a lossy push than it may: send the packets it
+        asks for again, then the lossy_push under a new seq (a server acknowledges a
+        worker's pushes in seq order, and a later push may have been acknowledged
+        meanwhile), which answers to the push's first key."""
+        transfer, header = self._lossy[key]
+        missing = msg.tensors[0].tolist() if msg.tensors else []
+        self.seq += 1
+        header["seq"] = self.seq
+        self._attempts[(key[0], self.seq)] = key
+        sent = self._senders[key[0]].resend(transfer, missing, msg.header["need"], key)
+        self.resent += sent
+        self.bytes_sent += sent * transfer.per * transfer.grad.element_size()
 
     def pull(self, shard: int, min_version: int, numel: int,
              on_piece: Callable[[Message], None], **fields: int) -> tuple[int, int]:
@@ -100,8 +194,13 @@ class PSClient:
                     f"secret drops unsigned messages unanswered: --secret-file or "
                     f"PSRING_SECRET), or raise --timeout.")
             with self.lock:
+                self._send_ready()
                 for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
-                    self._receive(sock)
+                    if sock == self._wake_r:  # a lossy push's datagrams are out
+                        os.read(self._wake_r, 4096)
+                    else:
+                        self._receive(sock)
+                self._send_ready()
         return [self.replies.pop(k) for k in keys]
 
     def _receive(self, sock: zmq.Socket) -> None:
@@ -121,9 +220,16 @@ class PSClient:
         if msg.op == "error":
             raise PsringError(f"parameter server {self.addrs[shard]} refused a request of "
                               f"worker {self.worker}: {h['message']}")
-        key = (shard, h["seq"])
+        key = self._attempts.pop((shard, h["seq"]), (shard, h["seq"]))
         if h["run"] != self.run or h["worker"] != self.worker or key not in self.pending:
             return  # a late answer meant for an earlier run, or for nothing asked
+        if key in self._lossy:
+            if msg.op == "resend":
+                self._resend(key, msg)
+                return
+            del self._lossy[key]  # answered: its datagrams are not needed again
+            if msg.op == "ack":
+                self.lossy_delivered += max(0, h["delivered"])
         self.bytes_recv += sum(t.numel() * t.element_size() for t in msg.tensors)
         stream = self._streams.get(key)
         if stream is None:
@@ -142,6 +248,10 @@ class PSClient:
 
     def close(self) -> None:
         with self.lock:  # (never under a send of another thread)
+            for sender in self._senders.values():
+                sender.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             for s in self.socks:
                 s.close(linger=0)
             self.ctx.term()

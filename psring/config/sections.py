@@ -324,6 +324,14 @@ class Links:
         "bytes each emulated link's queue holds before it drops (tc's sizes: 64kb, 1mb); "
         "a shallow switch port, for incast; empty = deep (100 ms of the rate, at least "
         "4 MiB: no drops)"))
+    loss_tolerance: float = field(default=0.0, metadata=_flag(
+        "ps, async-ps, byteps: push gradients as UDP datagrams and let each push lose at "
+        "most this fraction of its elements (DLCP's bounded loss): the servers sum what "
+        "arrived, scaled to stay unbiased, and ask for the rest again only beyond the "
+        "bound; pulls stay reliable. allreduce: a transpose all-reduce whose scatter "
+        "goes as datagrams under the same bound and whose all-gather is reliable "
+        "(OptiReduce's). The delivered fraction is logged per step. 0 = every byte "
+        "over TCP"))
 
 
 #: the sections in the order of their fields (RunConfig's, the manifests')

@@ -199,6 +199,8 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
         raise ConfigError("--backup-workers averages whichever N - B workers come first, "
                           "and --worker-batch weighs each worker by its own share: the two "
                           "do not make the global batch's mean. Drop one of them.")
+    if cfg.loss_tolerance:
+        _check_loss_tolerance(cfg, caps)
     if cfg.kill_server and not caps.uses_servers:
         raise ConfigError(f"--kill-server kills a parameter server; {cfg.strategy!r} uses "
                           f"none: drop --kill-server, or use --kill-worker.")
@@ -213,6 +215,30 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
                           f"{HOW_TO_SET_A_SECRET}.")
     if caps.uses_servers and cfg.secret_file:
         load_secret(cfg.secret_file)  # a missing or too short file fails here, early
+
+
+def _check_loss_tolerance(cfg: RunConfig, caps: Any) -> None:
+    f = cfg.loss_tolerance
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+        raise ConfigError(f"--loss-tolerance is the fraction of a push's gradient that may "
+                          f"be lost, in [0, 1): e.g. 0.01 (got {f!r}; 0 = reliable).")
+    if not caps.loss_tolerant:
+        from psring.strategies import STRATEGIES
+
+        able = [n for n in STRATEGIES.names() if STRATEGIES.get(n).caps.loss_tolerant]
+        raise ConfigError(f"--loss-tolerance covers the gradient pushes of "
+                          f"{', '.join(able)}; {cfg.strategy!r} has none: use one of "
+                          f"those, or drop --loss-tolerance.")
+    if not caps.uses_servers and (cfg.reduce != "sum" or cfg.compress != "none"
+                                  or cfg.device_link):
+        raise ConfigError("--loss-tolerance with allreduce reduces each bucket by a "
+                          "transpose all-reduce of float32 sums over datagrams "
+                          "(psring.comm.transpose), which --reduce adasum, --compress and "
+                          "--device-link do not fit: drop those, or --loss-tolerance.")
+    if cfg.transport == "ipc" or any(a.startswith("ipc://") for a in cfg.server_addr_list):
+        raise ConfigError("--loss-tolerance sends gradients as UDP datagrams to the "
+                          "servers' address and port, which an ipc:// server has not: "
+                          "use --transport tcp (or auto), or tcp:// --server-addrs.")
 
 
 def _check_transport(cfg: RunConfig, caps: Any) -> None:

@@ -168,8 +168,8 @@ def local_ipc(cfg: RunConfig) -> bool:
     """Whether psring's own servers are reached over Unix domain sockets (--transport)."""
     from psring.comm.protocol import ABSTRACT_IPC
 
-    if cfg.transport == "auto":
-        return ABSTRACT_IPC and not cfg.cluster.emulated
+    if cfg.transport == "auto":  # (--loss-tolerance: datagrams need a UDP port)
+        return ABSTRACT_IPC and not cfg.cluster.emulated and not cfg.loss_tolerance
     return cfg.transport == "ipc"
 
 

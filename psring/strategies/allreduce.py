@@ -9,6 +9,9 @@ implementation of the same algorithm.
 ``--device-link`` (device mode): the ring runs as point-to-point sends whose hops
 inside a host take the device interconnect's time (psring.comm.hostring).
 
+``--loss-tolerance F`` reduces each bucket by a transpose all-reduce whose datagrams may
+lose at most F of each shard (psring.comm.transpose), on the communication thread.
+
 ``--reduce adasum`` combines the buckets by Adasum instead (psring.comm.adasum: recursive
 vector halving over point-to-point swaps, each parameter's tensor on its own; no
 pre-division), on one communication thread per worker so that buckets still go out
@@ -16,19 +19,24 @@ while backward runs, as Horovod's background thread does.
 
     psring run --strategy allreduce --workers 2 --bucket-mb 25 [--compress fp16]
     psring run --strategy allreduce --workers 4 --reduce adasum
+    psring run --strategy allreduce --workers 2 --hosts 2 --link 100mbit --loss 0.01 \\
+        --loss-tolerance 0.02
 """
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ContextManager
 
 import torch
 from torch import nn
 
+from psring.cluster.netif import is_loopback, source_address
 from psring.comm import adasum, interconnect
 from psring.comm.compress import CastBack, wire_dtype
 from psring.comm.hostring import flat_ring
+from psring.comm.transpose import TransposeAllReduce
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
 
@@ -60,7 +68,8 @@ class AllReduce(Strategy):
     name = "allreduce"
     caps = Capabilities(
         uses_process_group=True, supports_compression=True, reductions=("sum", "adasum"),
-        cost_model="ring", waits_for=RING_WAITS_FOR, inside_host="ring-hops")
+        cost_model="ring", waits_for=RING_WAITS_FOR, inside_host="ring-hops",
+        loss_tolerant=True)
 
     def setup(self, model: nn.Module) -> nn.Module:
         cap, first = bucket_caps(self.ctx.cfg.bucket_mb)
@@ -70,6 +79,9 @@ class AllReduce(Strategy):
             self.comm = self._adasum_comm()
         # --device-link: the ring's hops inside a host timed (collective, like the above)
         self.ring = flat_ring(self.ctx) if self.caps.inside_host == "ring-hops" else None
+        # --loss-tolerance: a transpose all-reduce over datagrams (collective set-up too)
+        self.tar = self._transpose() if self.caps.loss_tolerant and \
+            self.ctx.cfg.loss_tolerance else None
         self.buckets = GradientBuckets(
             list(model.parameters()), cap, first, scale=self._scale(),
             launch=self._launch, stats_of=lambda: self.stats)
@@ -83,6 +95,17 @@ class AllReduce(Strategy):
                                  self.ctx.world)
         return model
 
+    def _transpose(self) -> TransposeAllReduce:
+        """The bounded-loss all-reduce (psring.comm.transpose), its datagrams sent from
+        the address this host reaches the rendezvous from, at the link's pace."""
+        cfg = self.ctx.cfg
+        master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        address = "127.0.0.1" if is_loopback(master) else (source_address(master) or master)
+        self._delivered_at = (0, 0)
+        return TransposeAllReduce(self.ctx.rank, self.ctx.world, address, cfg.loss_tolerance,
+                                  pace_bits=cfg.cluster.emulated_link_bits,
+                                  timeout=cfg.timeout)
+
     def _adasum_comm(self) -> adasum.TorchComm:
         return adasum.TorchComm()
 
@@ -92,6 +115,8 @@ class AllReduce(Strategy):
         return 1.0 if self.adasum else 1.0 / self.ctx.world
 
     def _launch(self, bucket: Bucket) -> Handle:
+        if self.tar is not None:
+            return self._on_thread(self.tar.all_reduce, bucket.buffer)
         if self.adasum:
             counts = [p.numel() for p in bucket.params]
             return self._on_thread(adasum.reduce, bucket.buffer, counts, self.comm)
@@ -122,7 +147,18 @@ class AllReduce(Strategy):
     def finish_backward(self) -> Handle:
         self.stats.bytes_sent = self.stats.bytes_recv = self._bytes
         # once every bucket is averaged, param.grad points at the buffers (no copy back)
-        return WaitAll(self.buckets.finish(), then=self.buckets.assign_grads)
+        if self.tar is None:
+            return WaitAll(self.buckets.finish(), then=self.buckets.assign_grads)
+        return WaitAll(self.buckets.finish(), then=self._assign_and_account)
+
+    def _assign_and_account(self) -> None:
+        """(--loss-tolerance) what of the step's shards reached their owners."""
+        self.buckets.assign_grads()
+        got, sent = self.tar.delivered, self.tar.expected
+        if sent > self._delivered_at[1]:
+            self.stats.extra["delivered"] = round(
+                (got - self._delivered_at[0]) / (sent - self._delivered_at[1]), 6)
+        self._delivered_at = (got, sent)
 
     def close(self) -> None:
         if hasattr(self, "buckets"):
@@ -131,6 +167,8 @@ class AllReduce(Strategy):
             self.pool.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "ring", None) is not None:
             self.ring.close()
+        if getattr(self, "tar", None) is not None:
+            self.tar.close()
 
     @classmethod
     def bytes_per_step(cls, param_bytes: int, world: int,

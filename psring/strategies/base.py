@@ -166,6 +166,9 @@ class Capabilities:
     #: server's worker's copies of gradients to host memory and parameters back, at the
     #: host's PCIe: psring.comm.interconnect.on_host), "" (none: the flag is refused)
     inside_host: Literal["", "collectives", "ring-hops", "host-copies"] = ""
+    #: --loss-tolerance F: its gradient pushes can go as datagrams of which at most F
+    #: may be lost (psring.comm.lossy); its pulls stay reliable
+    loss_tolerant: bool = False
     #: the devices its workers compute on (--device; auto picks CUDA where torch sees a
     #: GPU and it is listed): hogwild's workers share the model in CPU memory
     devices: tuple[str, ...] = ("cpu", "cuda")

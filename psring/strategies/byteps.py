@@ -138,7 +138,8 @@ class BytePS(ParameterServer):
         self.ranges = even_split(total, len(cfg.server_addr_list))
         self.parts = [_Part() for _ in self.buckets.buckets]
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
-                               timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
+                               timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
+                               pace_bits=cfg.cluster.emulated_link_bits)
         self.wire_dtype = torch.float32
         self.finished = False
         self._early_recv = 0
@@ -280,8 +281,8 @@ class BytePS(ParameterServer):
                     data = part.staged = data[:n].cpu()
                 elif self.ctx.stand_in is not None:  # (device mode: that copy's time)
                     self.ctx.stand_in.copy("d2h", n * 4)
-                keys = [self.client.send(k, "push", {"step": self.step, "offset": a},
-                                         [data[a - s:b - s]])
+                keys = [self.client.push(k, {"step": self.step, "offset": a},
+                                         data[a - s:b - s], self.ctx.cfg.loss_tolerance)
                         for k, a, b in partitions(s, s + n, self.ranges)]
                 part.acks = Replies(self.client, keys, "a gradient push")
             except BaseException as e:  # noqa: BLE001 -- raised where the part is waited for
@@ -383,6 +384,7 @@ class BytePS(ParameterServer):
         self.step = step
         sent, recv = self.client.bytes_sent, self.client.bytes_recv
         self._bytes_at_start = (sent, recv - self._early_recv)
+        self._lossy_at_start = self.client.lossy_counts()
         self._early_recv = 0
         self.parts = [_Part() for _ in self.buckets.buckets]
         self.pull_keys = []
@@ -403,6 +405,9 @@ class BytePS(ParameterServer):
         # the pull of this step's result is waited for in the next begin_step (updates
         # on the servers): its bytes are counted there
         self.stats.bytes_recv = self.client.bytes_recv - recv0
+        delivered = self.client.delivered_since(self._lossy_at_start)
+        if delivered is not None:  # --loss-tolerance: what of the gradients arrived
+            self.stats.extra["delivered"] = round(delivered, 6)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
         if not self.update_on_worker:

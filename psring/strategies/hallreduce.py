@@ -54,7 +54,7 @@ class HierarchicalAllReduce(AllReduce):
     # Adasum); every host holds as many workers (shard l lives on every host); three
     # collectives a bucket, G rings across the hosts (docs/cost-model.md)
     caps = replace(AllReduce.caps, supports_compression=False, needs_equal_hosts=True,
-                   inside_host="collectives", cost_model="hring")
+                   inside_host="collectives", cost_model="hring", loss_tolerant=False)
 
     def setup(self, model: nn.Module) -> nn.Module:
         g, self.hosts, _, local = host_layout(self.ctx, "hallreduce")

@@ -80,7 +80,7 @@ class ParameterServer(Strategy):
     name = "ps"
     caps = Capabilities(uses_servers=True, supports_compression=True,
                         update_sites=("server",), cost_model="ps", inside_host="host-copies",
-                        supports_backups=True)
+                        supports_backups=True, loss_tolerant=True)
     mode: ClassVar[str] = "sync"
     #: --backup-workers B (ps; set in setup): a step sums the first N - B workers'
     backups: int = 0
@@ -109,7 +109,8 @@ class ParameterServer(Strategy):
                              for b in self.buckets.buckets]
         self.ranges = even_split(total, len(cfg.server_addr_list))
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
-                               timeout=cfg.timeout, secret=load_secret(cfg.secret_file))
+                               timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
+                               pace_bits=cfg.cluster.emulated_link_bits)
         self.finished = False  # the last step's pushes were acknowledged
         self._early_recv = 0  # bytes of the next step's pull received early (set-up, eval_model)
         self.step = 0
@@ -279,8 +280,9 @@ class ParameterServer(Strategy):
             self.ctx.stand_in.copy("d2h", bucket.nbytes)
         if self.wire_buckets[bucket.index] is not None:  # --compress
             data = self.wire_buckets[bucket.index].copy_(data)
-        keys = [self.client.send(k, "push", {"step": self.push_step, "offset": s},
-                                 [data[s - start:e - start]])
+        tolerance = self.ctx.cfg.loss_tolerance
+        keys = [self.client.push(k, {"step": self.push_step, "offset": s},
+                                 data[s - start:e - start], tolerance)
                 for k, s, e in overlaps(start, start + bucket.numel, self.ranges)]
         return Replies(self.client, keys, "a gradient push", self._on_acks)
 
@@ -299,6 +301,7 @@ class ParameterServer(Strategy):
         self._staleness = -1
         sent, recv = self.client.bytes_sent, self.client.bytes_recv
         self._bytes_at_start = (sent, recv - self._early_recv)
+        self._lossy_at_start = self.client.lossy_counts()
         self._early_recv = 0
         return self.pull
 
@@ -337,6 +340,9 @@ class ParameterServer(Strategy):
         sent0, recv0 = self._bytes_at_start
         self.stats.bytes_sent = self.client.bytes_sent - sent0
         self.stats.bytes_recv = self.client.bytes_recv - recv0
+        delivered = self.client.delivered_since(self._lossy_at_start)
+        if delivered is not None:  # --loss-tolerance: what of the gradients arrived
+            self.stats.extra["delivered"] = round(delivered, 6)
         if self.mode == "async":
             self.stats.extra["staleness"] = self._staleness
 

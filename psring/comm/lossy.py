@@ -1,0 +1,255 @@
+"""Bounded-loss pushes (--loss-tolerance F): gradients as UDP datagrams, at most the
+fraction F of each allowed to be lost. Both sides: the sender a worker uses, and the
+:class:`Ingress` that collects datagrams into pushes (a parameter server's,
+servers.server; a transpose all-reduce's, psring.comm.transpose).
+
+    sender = LossySender("tcp://198.18.0.3:5555", run="r1", worker=0, on_sent=ready)
+    transfer = sender.send(transfer_id, shard=0, grad=flat_gradient_range, token=key)
+    ...  # ready(key): send the lossy_push; the server answers ack, or resend
+    sender.resend(transfer, missing, need, token=key)
+
+Datagrams leave in layer order: a push's range is a piece of the flat parameters in
+the model's order, so its first packets are of the layers the next forward needs first.
+A resend picks, of the missing packets, the ``need`` of the largest magnitude (their
+L2 norm): what the bound leaves out is what matters least (DLCP's priorities by layer
+and magnitude; the emulated links drop at random, so the order decides only what is
+sent first and what is sent again).
+
+The socket is blocking with a modest send buffer (below tbf's queue): a datagram waits
+while the host's queue holds a buffer's worth, so the sender keeps pace with its link
+instead of overflowing the queue, as TCP's small queues do for TCP. The waiting is the
+sender thread's, never the training loop's.
+
+The receiving side: when a push's end marker arrives (a lossy_push; the datagrams sent
+ahead of it on the same path have arrived or are lost: it is the push's deadline),
+:meth:`Ingress.complete` makes it a plain push of what arrived, the missing elements
+zero and the rest scaled by numel / delivered (an unbiased estimate of the gradient
+when packets are lost at random: DLCP's bounded loss), if at most the fraction F is
+missing; else it says which packets to send again. Datagrams are validated (and with a
+shared secret authenticated) before use; what is kept waiting is bounded
+(MAX_HELD_BYTES, oldest transfers dropped first).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+from urllib.parse import urlparse
+
+import torch
+
+from psring.comm.protocol import (
+    DTYPE_NAMES,
+    DTYPES,
+    Datagram,
+    Message,
+    ProtocolError,
+    decode_datagram,
+    encode_datagrams,
+    per_datagram,
+    run_tag,
+)
+
+#: bytes each datagram's frame adds: Ethernet 14, IPv4 20, UDP 8
+FRAME_OVERHEAD = 42
+#: bytes of datagrams the kernel holds for the socket before a send waits
+SEND_BUFFER_BYTES = 1 << 20
+
+
+@dataclass
+class Transfer:
+    """One push's datagrams, kept until the server acknowledges it."""
+
+    packets: list[memoryview]
+    grad: torch.Tensor
+    per: int
+    numel: int
+    dtype: str
+
+
+class LossySender:
+    """Datagrams to one server, sent by a thread of their own so that a push from a
+    gradient hook never waits for the link; ``on_sent(token)`` runs in that thread
+    once a job's datagrams are all handed to the kernel (the client then sends the
+    lossy_push behind them)."""
+
+    def __init__(self, endpoint: str, run: str, worker: int, key: bytes | None = None,
+                 on_sent: Callable[[object], None] = lambda token: None,
+                 pace_bits: float | None = None):
+        u = urlparse(endpoint)
+        if u.scheme != "tcp" or u.hostname is None or u.port is None:
+            raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
+        self.addr = (u.hostname, u.port)
+        self.tag, self.worker, self.key, self.on_sent = run_tag(run), worker, key, on_sent
+        #: the link's rate (bit/s) the datagrams leave at, as frames; None: unpaced
+        self.pace_bits = pace_bits
+        family = socket.AF_INET6 if ":" in u.hostname else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        self.datagrams = 0
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, daemon=True,
+                                       name=f"datagrams-{endpoint}")
+        self.thread.start()
+
+    def send(self, transfer_id: int, shard: int, grad: torch.Tensor,
+             token: object = None) -> Transfer:
+        """Cut ``grad`` (1-d, contiguous, CPU) into datagrams and queue them all."""
+        dtype = DTYPE_NAMES[grad.dtype]
+        packets = encode_datagrams(self.worker, shard, self.tag, transfer_id, dtype,
+                                   grad.reshape(-1).view(torch.uint8).numpy(), self.key)
+        t = Transfer(packets, grad, per_datagram(dtype), grad.numel(), dtype)
+        self.jobs.put((t, range(len(packets)), token))
+        return t
+
+    def resend(self, t: Transfer, missing: list[int], need: int,
+               token: object = None) -> int:
+        """Queue again ``need`` of the ``missing`` packets (at least one), those of the
+        largest L2 norm first; returns how many."""
+        chosen = self.choose(t, missing, need)
+        self.jobs.put((t, chosen, token))
+        return len(chosen)
+
+    @staticmethod
+    def choose(t: Transfer, missing: list[int], need: int) -> list[int]:
+        """The ``need`` largest missing packets, and a quarter more (at most all of
+        them): some of a resend is lost again, and each round costs a round trip."""
+        valid = [i for i in missing if 0 <= i < len(t.packets)]
+        if not valid:
+            return []
+        g = t.grad.float()
+        norms = {i: float(g[i * t.per:(i + 1) * t.per].norm()) for i in valid}
+        take = max(1, need + (need + 3) // 4)
+        return sorted(sorted(valid, key=norms.__getitem__, reverse=True)[:take])
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            t, which, token = job
+            self._out(t, which)
+            self.on_sent(token)
+
+    def _out(self, t: Transfer, which) -> None:
+        send, addr, rate = self.sock.sendto, self.addr, self.pace_bits
+        t0, bits = time.perf_counter(), 0
+        for k, i in enumerate(which):
+            try:
+                send(t.packets[i], addr)
+            except OSError:
+                pass  # (ENOBUFS, a refused port): a lost datagram, as on the wire
+            self.datagrams += 1
+            if rate:  # at the link's pace: a burst beyond it would only queue, or drop
+                bits += (len(t.packets[i]) + FRAME_OVERHEAD) * 8
+                if k % 16 == 15 and (ahead := bits / rate - (time.perf_counter() - t0)) > 1e-3:
+                    time.sleep(ahead)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=5.0)
+        self.sock.close()
+
+
+# -- the receiving side: a server's (servers.server), or a transpose all-reduce's ---------
+
+#: bytes of datagrams kept waiting for their lossy_push, over all transfers
+MAX_HELD_BYTES = 1 << 30
+
+
+@dataclass
+class _Arriving:
+    packets: int
+    dtype: str
+    got: dict[int, memoryview] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class Ingress:
+    """The datagrams of transfers in progress, by (worker, transfer id)."""
+
+    def __init__(self, key: bytes | None = None):
+        self.key = key
+        self.transfers: OrderedDict[tuple[int, int], _Arriving] = OrderedDict()
+        self.held = 0
+        self.counts = {"datagrams": 0, "bad_datagrams": 0, "evicted": 0}
+
+    def datagram(self, data: bytes) -> None:
+        """Keep one datagram (or count it as bad and drop it)."""
+        try:
+            d = decode_datagram(data, self.key)
+        except ProtocolError:
+            self.counts["bad_datagrams"] += 1
+            return
+        self.counts["datagrams"] += 1
+        self.keep(d)
+
+    def keep(self, d: Datagram) -> None:
+        """Keep one packet of a transfer: a datagram's, or one sent again over a
+        reliable channel (psring.comm.transpose)."""
+        key = (d.worker, d.transfer)
+        t = self.transfers.get(key)
+        if t is None:
+            t = self.transfers[key] = _Arriving(d.packets, d.dtype)
+        if (t.packets, t.dtype) != (d.packets, d.dtype) or d.index in t.got:
+            self.counts["bad_datagrams"] += 1  # disagrees with its transfer, or twice
+            return
+        t.got[d.index] = d.payload
+        t.nbytes += len(d.payload)
+        self.held += len(d.payload)
+        while self.held > MAX_HELD_BYTES and len(self.transfers) > 1:
+            _, old = self.transfers.popitem(last=False)
+            self.held -= old.nbytes
+            self.counts["evicted"] += 1
+
+    def complete(self, msg: Message, tag: int | None = None) -> Message | tuple[int, list]:
+        """A lossy_push's gradient as a push Message, or (need, missing packet numbers)
+        when more than its tolerance is missing. ProtocolError for a lossy_push that
+        its datagrams contradict."""
+        h = msg.header
+        numel, packets, dtype = h["numel"], h["packets"], h["dtype"]
+        if dtype not in ("float32", "float16", "bfloat16") or numel <= 0 \
+                or packets != math.ceil(numel / per_datagram(dtype)):
+            raise ProtocolError(f"lossy_push of {numel} {dtype} elements in {packets} "
+                                f"packets")
+        if not 0 <= h["tolerance"] < 1:
+            raise ProtocolError(f"lossy_push tolerance {h['tolerance']!r} outside [0, 1)")
+        t = self.transfers.get((h["worker"], h["transfer"])) or _Arriving(packets, dtype)
+        if (t.packets, t.dtype) != (packets, dtype):
+            raise ProtocolError("lossy_push disagrees with its datagrams' packets or dtype")
+        if tag is not None and tag != run_tag(h["run"]):
+            raise ProtocolError("lossy_push of another run")
+        per = per_datagram(dtype)
+        itemsize = DTYPES[dtype].itemsize
+        if any(len(p) != min(per, numel - i * per) * itemsize for i, p in t.got.items()):
+            raise ProtocolError("a datagram's elements do not fit its place in the push")
+        missing = [i for i in range(packets) if i not in t.got]
+        lost = sum(min(per, numel - i * per) for i in missing)
+        if lost > h["tolerance"] * numel:
+            # the fewest packets that bring the missing part within the tolerance
+            excess = lost - math.floor(h["tolerance"] * numel)
+            return min(len(missing), math.ceil(excess / per)), missing
+        grad = self._assemble(t, numel, per, DTYPES[dtype], lost)
+        self.transfers.pop((h["worker"], h["transfer"]), None)
+        self.held -= t.nbytes
+        header = {"v": h["v"], "op": "push", "run": h["run"], "worker": h["worker"],
+                  "seq": h["seq"], "shard": h["shard"], "step": h["step"],
+                  "offset": h["offset"], "tensors": [[dtype, [numel]]],
+                  "delivered": numel - lost}
+        return Message(header, [grad])
+
+    @staticmethod
+    def _assemble(t: _Arriving, numel: int, per: int, dtype: torch.dtype,
+                  lost: int) -> torch.Tensor:
+        step = per * torch.empty((), dtype=dtype).element_size()
+        data = bytearray(numel * step // per)  # a missing packet's place stays zero
+        view = memoryview(data)
+        for i, payload in t.got.items():  # (each checked to fill its place exactly)
+            view[i * step:i * step + len(payload)] = payload
+        grad = torch.frombuffer(data, dtype=dtype)
+        if lost:  # unbiased: each element arrived with probability delivered / numel
+            grad.mul_(numel / (numel - lost))
+        return grad

@@ -1,0 +1,227 @@
+"""Bounded-loss pushes (--loss-tolerance): the datagram format, the server's ingress and
+the worker's sender, in one process (the runs are in tests/emulation/test_links.py).
+
+What is checked: datagrams round-trip and every broken one is refused (signed ones
+authenticated); a push whose datagrams all arrive is the gradient exactly; one missing
+at most its tolerance is summed with the missing elements zero and the rest scaled,
+unbiased over random losses; one missing more asks for the fewest packets that bring
+it within the bound, and the sender resends the largest first; held datagrams are
+bounded."""
+
+from __future__ import annotations
+
+import math
+import queue
+import random
+import socket
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from psring.comm import lossy, protocol
+from psring.comm.lossy import Ingress
+from psring.comm.protocol import Datagram, Message, ProtocolError
+
+KEY = b"k" * 32
+
+
+def packets_of(grad: torch.Tensor, transfer: int = 7, worker: int = 1,
+               key: bytes | None = None) -> list[bytes]:
+    dtype = protocol.DTYPE_NAMES[grad.dtype]
+    per = protocol.per_datagram(dtype)
+    raw = grad.view(torch.uint8).numpy()
+    size = grad.element_size()
+    count = math.ceil(grad.numel() / per)
+    return [protocol.encode_datagram(Datagram(
+        worker, 0, protocol.run_tag("r"), transfer, i, count, dtype,
+        memoryview(raw[i * per * size:min(grad.numel(), (i + 1) * per) * size])), key)
+        for i in range(count)]
+
+
+def lossy_push(grad: torch.Tensor, tolerance: float, transfer: int = 7,
+               worker: int = 1) -> Message:
+    dtype = protocol.DTYPE_NAMES[grad.dtype]
+    return Message({"v": protocol.VERSION, "op": "lossy_push", "run": "r", "worker": worker,
+                    "seq": transfer, "shard": 0, "step": 3, "offset": 100,
+                    "numel": grad.numel(),
+                    "packets": math.ceil(grad.numel() / protocol.per_datagram(dtype)),
+                    "dtype": dtype, "tolerance": tolerance, "transfer": transfer,
+                    "tensors": []})
+
+
+def test_a_datagram_round_trips_and_fits_one_ethernet_frame():
+    grad = torch.randn(1000)
+    ps = packets_of(grad)
+    assert len(ps) == 3 and max(map(len, ps)) <= 1472 - protocol.DATAGRAM_SIGNATURE
+    d = protocol.decode_datagram(ps[2])
+    assert (d.worker, d.transfer, d.index, d.packets, d.dtype) == (1, 7, 2, 3, "float32")
+    assert torch.equal(torch.frombuffer(bytearray(d.payload), dtype=torch.float32),
+                       grad[704:])
+    signed = packets_of(grad, key=KEY)[0]
+    assert protocol.decode_datagram(signed, KEY).index == 0
+
+
+@pytest.mark.parametrize("breakage", ["short", "magic", "dtype", "length", "index"])
+def test_a_broken_datagram_is_refused(breakage):
+    good = bytearray(packets_of(torch.randn(500))[0])
+    bad = {"short": good[:10], "magic": b"XXXX" + good[4:],
+           "dtype": good[:5] + b"\x09" + good[6:], "length": good[:-4],
+           "index": good[:22] + (99).to_bytes(4, "little") + good[26:]}[breakage]
+    with pytest.raises(ProtocolError):
+        protocol.decode_datagram(bytes(bad))
+
+
+def test_a_signed_datagram_is_authenticated():
+    signed = bytearray(packets_of(torch.randn(500), key=KEY)[0])
+    with pytest.raises(protocol.AuthenticationError):
+        protocol.decode_datagram(packets_of(torch.randn(500))[0], KEY)  # unsigned
+    signed[40] ^= 1
+    with pytest.raises(protocol.AuthenticationError):
+        protocol.decode_datagram(bytes(signed), KEY)
+    ing = Ingress(KEY)
+    ing.datagram(bytes(signed))
+    assert ing.counts["bad_datagrams"] == 1 and not ing.transfers
+
+
+def test_a_complete_push_is_the_gradient_exactly():
+    grad = torch.randn(5000)
+    ing = Ingress()
+    for p in reversed(packets_of(grad)):  # (in any order)
+        ing.datagram(p)
+    push = ing.complete(lossy_push(grad, 0.01))
+    assert push.op == "push" and push.header["delivered"] == 5000
+    assert (push.header["step"], push.header["offset"], push.header["seq"]) == (3, 100, 7)
+    assert torch.equal(push.tensors[0], grad)
+    assert not ing.transfers and ing.held == 0
+
+
+def test_a_push_missing_within_its_tolerance_is_scaled_and_zero_where_missing():
+    grad = torch.randn(352 * 20)  # 20 full packets
+    ing = Ingress()
+    for i, p in enumerate(packets_of(grad)):
+        if i != 4:
+            ing.datagram(p)
+    push = ing.complete(lossy_push(grad, 0.05))  # 1 of 20 missing: exactly the bound
+    got = push.tensors[0]
+    assert push.header["delivered"] == 352 * 19
+    assert torch.all(got[4 * 352:5 * 352] == 0)
+    assert torch.allclose(got[:4 * 352], grad[:4 * 352] * 20 / 19)
+
+
+def test_a_push_missing_more_asks_for_the_fewest_packets_then_takes_them():
+    grad = torch.randn(352 * 20)
+    ps = packets_of(grad)
+    ing = Ingress()
+    for i, p in enumerate(ps):
+        if i not in (1, 2, 3, 9):
+            ing.datagram(p)
+    need, missing = ing.complete(lossy_push(grad, 0.05))
+    assert missing == [1, 2, 3, 9] and need == 3  # 4 missing, 1 allowed
+    sender = lossy.Transfer([memoryview(p) for p in ps], grad, 352, grad.numel(), "float32")
+    grad[9 * 352] = 100.0  # packet 9 has the largest norm: resent first
+    chosen = sorted(missing, key=lambda i: float(grad[i * 352:(i + 1) * 352].norm()),
+                    reverse=True)[:need]
+    assert 9 in chosen
+    for i in chosen:
+        ing.datagram(sender.packets[i])
+    assert ing.complete(lossy_push(grad, 0.05)).header["delivered"] == 352 * 19
+
+
+def test_the_sender_sends_every_datagram_then_says_so_and_resends_the_largest():
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5.0)
+    done = queue.SimpleQueue()
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
+                               on_sent=done.put)
+    grad = torch.zeros(352 * 6)
+    grad[352 * 4] = 5.0
+    grad[352 * 2] = 3.0
+    t = sender.send(9, 0, grad, token="first")
+    assert done.get(timeout=5) == "first"
+    ing = Ingress()
+    for _ in range(6):
+        ing.datagram(rx.recv(2048))
+    assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=9, worker=0)).tensors[0],
+                       grad)
+    # need 3, and a quarter more for what is lost again: 4 and 2 (the largest), then
+    # two of the zero packets
+    assert lossy.LossySender.choose(t, [0, 1, 2, 4, 5], need=3) == [0, 1, 2, 4]
+    assert lossy.LossySender.choose(t, [0, 2, 4, 5], need=1) == [2, 4]
+    assert sender.resend(t, [0, 2, 4, 5], need=1, token="again") == 2
+    assert done.get(timeout=5) == "again"
+    got = sorted(protocol.decode_datagram(rx.recv(2048)).index for _ in range(2))
+    assert got == [2, 4]
+    sender.close()
+    rx.close()
+    assert not sender.thread.is_alive()
+
+
+def test_the_ingress_is_unbiased_over_random_losses():
+    grad = torch.randn(352 * 10)
+    rng = random.Random(0)
+    total = torch.zeros_like(grad)
+    trials = 3000
+    ps = packets_of(grad)
+    for _ in range(trials):
+        ing = Ingress()
+        kept = [p for p in ps if rng.random() > 0.2]
+        for p in kept or ps[:1]:
+            ing.datagram(p)
+        total += ing.complete(lossy_push(grad, 0.99)).tensors[0]
+    mean = total / trials
+    # each packet arrives w.p. 0.8; the mean of the scaled pushes is the gradient
+    assert float((mean - grad).abs().mean()) < 0.05 * float(grad.abs().mean()) + 0.03
+
+
+def test_a_lossy_push_its_datagrams_contradict_is_refused():
+    grad = torch.randn(1000)
+    ing = Ingress()
+    for p in packets_of(grad):
+        ing.datagram(p)
+    bad = lossy_push(grad, 0.0)
+    bad.header["packets"] = 4
+    with pytest.raises(ProtocolError):
+        ing.complete(bad)
+    bad = lossy_push(grad, 1.5)
+    with pytest.raises(ProtocolError):
+        ing.complete(bad)
+
+
+def test_datagrams_held_are_bounded(monkeypatch):
+    monkeypatch.setattr(lossy, "MAX_HELD_BYTES", 10_000)
+    ing = Ingress()
+    for transfer in range(20):  # pushes whose lossy_push never comes
+        for p in packets_of(torch.randn(1000), transfer=transfer)[:2]:
+            ing.datagram(p)
+    assert ing.held <= 10_000 + 1408 and ing.counts["evicted"] > 0
+
+
+def test_a_push_without_tolerance_is_todays_reliable_push(monkeypatch):
+    from psring.comm.psclient import PSClient
+
+    client = PSClient(["tcp://127.0.0.1:9"], "r", 0, timeout=1)
+    calls = []
+    monkeypatch.setattr(client, "send", lambda *a: calls.append(a) or (0, 1))
+    monkeypatch.setattr(client, "send_lossy", lambda *a: calls.append(("lossy", *a)))
+    grad = torch.ones(4)
+    client.push(0, {"step": 2, "offset": 0}, grad, 0.0)
+    client.push(0, {"step": 2, "offset": 0}, grad, 0.01)
+    assert calls[0] == (0, "push", {"step": 2, "offset": 0}, [grad])
+    assert calls[1][0] == "lossy" and calls[1][-1] == 0.01
+    client.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=1600), flip=st.integers(0, 1599))
+def test_any_bytes_decode_to_a_datagram_or_a_protocol_error(data, flip):
+    good = bytearray(packets_of(torch.randn(400))[0])
+    good[flip % len(good)] ^= 0xFF
+    for raw in (data, bytes(good)):
+        try:
+            d = protocol.decode_datagram(raw)
+        except ProtocolError:
+            continue
+        assert d.index < d.packets and len(d.payload) > 0
