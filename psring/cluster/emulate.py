@@ -346,7 +346,10 @@ class Agent:
         """One forwarder per host between its two TAPs (psring.cluster.link); the agent
         then closes its own copies, so a forwarder that dies takes its link down."""
         plan, out = self.plan, self.state_path.parent / "links"
-        model = LossModel(plan["loss"], plan["loss_burst"])
+        # a burst's spell in frame times of the link (unshaped: about what a
+        # forwarder moves, 1 Gbit/s)
+        model = LossModel(plan["loss"], plan["loss_burst"],
+                          slot_s=1514 * 8 / (plan["link_bits"] or 1e9))
         ctrl = [c for _, c in self.holders]
         for h in self.state["hosts"]:
             port_fd, host_fd = self.taps[h["name"]]

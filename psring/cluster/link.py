@@ -15,8 +15,9 @@ retransmits it.
 
 The loss model is per link direction (``up``: what the host sends; ``down``: what it
 receives) and seeded by the run's --seed, the host and the direction, so two runs with
-the same seed drop the same packet numbers: the n-th IPv4 frame of a direction is
-dropped or not whatever its timing. Each forwarder writes what it dropped
+the same seed drop the same packet numbers: with independent losses the n-th IPv4
+frame of a direction is dropped or not whatever its timing (bursts also follow the
+link's idle time: LossModel). Each forwarder writes what it dropped
 (``links/<host>.<direction>.drops``: little-endian uint64 packet numbers) and what it
 carried (``links/<host>.json``: frames, bytes, drops, how late delayed frames left, CPU
 seconds) into the run directory. Non-IPv4 frames (ARP) are never dropped nor counted.
@@ -73,10 +74,17 @@ def open_tap(name: str) -> int:
 class LossModel:
     """Which packets a link direction drops: independent (``burst`` 1) or in bursts, by
     a Gilbert-Elliott chain (good state: no loss; bad: every packet lost) whose mean
-    bad spell is ``burst`` packets and whose long-run loss is ``rate``."""
+    bad spell is ``burst`` packets and whose long-run loss is ``rate``.
+
+    The chain steps once per packet and, between packets, once per ``slot_s`` of idle
+    time (a full frame's time at the link's rate): a burst is a spell of the link, not
+    of one sender's packets. Counted in packets only, a sender in retransmission
+    backoff (one packet per timeout) would meet every burst as a run of timeouts: 30 s
+    stalls at 1% loss in bursts of 4, where a link losing 4 frames' time does not."""
 
     rate: float
     burst: float = 1.0
+    slot_s: float = 1514 * 8 / 1e9
 
     def __post_init__(self) -> None:
         if not 0 <= self.rate < 1:
@@ -98,16 +106,33 @@ class Dropper:
         # Gilbert: leave the bad state with 1/burst; enter it so that P(bad) = rate
         self.leave = 1 / model.burst
         self.enter = model.rate * self.leave / (1 - model.rate)
+        self.slot_s = model.slot_s
         self.bad = False
+        self.last: float | None = None
 
-    def drop(self) -> bool:
+    def drop(self, now: float | None = None) -> bool:
+        """Whether the next packet is lost; ``now`` (seconds) lets a bursty chain
+        evolve over the idle time since the last packet."""
         if not self.rate:
             return False
-        u = self.rng.random()
         if not self.bursty:
-            return u < self.rate
+            return self.rng.random() < self.rate
+        if now is not None:
+            if self.last is not None:
+                self._idle(int((now - self.last) / self.slot_s))
+            self.last = now
+        u = self.rng.random()
         self.bad = u >= self.leave if self.bad else u < self.enter
         return self.bad
+
+    def _idle(self, steps: int) -> None:
+        """``steps`` steps of the chain at once: P(bad) relaxes towards the long-run
+        rate geometrically, by (1 - enter - leave) a step."""
+        if steps <= 0:
+            return
+        decay = (1 - self.enter - self.leave) ** steps
+        p_bad = self.rate + ((1.0 if self.bad else 0.0) - self.rate) * decay
+        self.bad = self.rng.random() < p_bad
 
 
 def link_seed(seed: int, host: str, direction: str) -> str:
@@ -148,7 +173,7 @@ class Direction:
                 n = self.packets
                 self.packets += 1
                 self.bytes += len(frame)
-                if self.dropper.drop():
+                if self.dropper.drop(now):
                     self.dropped += 1
                     self.dropped_bytes += len(frame)
                     self.pending.append(n)

@@ -163,7 +163,11 @@ def _measure(d: Path, link: str, delay: str, loss: float, loss_burst: float, see
         if seconds:
             sink = _on(cluster, "host-1", "tcp-sink", peer)
             time.sleep(0.3)
-            n, dt = _client(cluster, "stream", peer, str(seconds))
+            try:
+                n, dt = _client(cluster, "stream", peer, str(seconds))
+            except subprocess.CalledProcessError:  # the stream stalled past its timeout
+                n, dt = 0, float("inf")
+            sink.kill()
             sink.communicate(timeout=30)
             out["goodput_set_mbit"] = round(parse_rate(link) * PAYLOAD_FRACTION / 1e6, 1) \
                 if link else None

@@ -56,6 +56,21 @@ def test_bursty_losses_have_the_rate_and_the_mean_burst():
     assert 3.4 < st.mean(runs) < 4.6
 
 
+def test_a_burst_is_a_spell_of_the_link_not_of_one_senders_packets():
+    # a sender in backoff: one packet a second on a link whose frame takes 0.1 ms; its
+    # packets meet the long-run rate, not bursts that outlast its timeouts
+    d = link.LossModel(0.01, 4, slot_s=1e-4).dropper("c")
+    sparse = [d.drop(float(t)) for t in range(20_000)]
+    assert abs(sum(sparse) / len(sparse) - 0.01) < 0.004
+    runs = "".join("x" if x else "." for x in sparse).split(".")
+    assert max(map(len, runs)) <= 3  # independent: no run of four at 1%
+    # back to back (the link busy), the bursts are there
+    d = link.LossModel(0.01, 4, slot_s=1e-4).dropper("c")
+    dense = [d.drop(i * 1e-4) for i in range(200_000)]
+    lost = "".join("x" if x else "." for x in dense).split(".")
+    assert 3.4 < st.mean(len(r) for r in lost if r) < 4.6
+
+
 def test_a_seed_fixes_each_directions_decisions():
     s = link.link_seed(3, "host-0", "up")
     assert decisions(0.1, 1, s, 500) == decisions(0.1, 1, s, 500)
