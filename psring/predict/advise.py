@@ -117,7 +117,7 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
                         cl = Cluster.of(hosts=base.hosts,
                                         workers_per_host=base.workers // base.hosts,
                                         link_bits=link, delay_s=delay, servers=k,
-                                        placement=place)
+                                        placement=place, loss=base.loss)
                         priced = cal_of(cl) if cal_of else cal
                         play = partial(simulate, profile, cl, cls.caps.cost_model, priced,
                                        compress=comp, bucket_mb=mb, cores=cores,

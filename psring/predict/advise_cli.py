@@ -87,12 +87,15 @@ def add_advise_parser(sub: Any) -> None:
                        "train fastest on a cluster, and why (psring.predict.simulate)")
     add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
                               "features", "batch_size", "hosts", "workers_per_host",
-                              "link", "delay", "seed"))
+                              "link", "delay", "loss", "seed"))
     # the cluster flags mean the cluster to predict (emulated only with --verify)
     for flag, text in (("--hosts", "hosts in the cluster"),
                        ("--workers-per-host", "workers on each host (default 1)"),
                        ("--link", "each host's link rate, e.g. 1gbit, 25gbit, 100gbit"),
-                       ("--delay", "one-way delay of each link, e.g. 50us")):
+                       ("--delay", "one-way delay of each link, e.g. 50us"),
+                       ("--loss", "fraction of packets each link direction drops, e.g. "
+                                  "0.001: TCP's recovery is priced (Mathis's bound, tail "
+                                  "probes)")):
         p._option_string_actions[flag].help = text
     p.add_argument("--workers", type=int, default=0, help="workers in all (default: "
                    "hosts x workers-per-host)")
@@ -166,8 +169,12 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
         from psring.train.shares import check_global_batch
 
         check_global_batch(args.batch_size, n)
+    loss = getattr(args, "loss", 0.0)  # (advise's own flags; --verify's runs lack it)
+    if loss and link is None:
+        raise ConfigError("--loss is the links' loss: give --link RATE too (one host and "
+                          "no link: nothing to lose).")
     return Cluster.of(hosts=args.hosts, workers_per_host=per_host, link_bits=link,
-                      delay_s=delay), n
+                      delay_s=delay, loss=loss), n
 
 
 def _where(hosts: int, per_host: int, link_bits: float | None, delay_s: float) -> str:
@@ -197,7 +204,8 @@ def _device_run(args: argparse.Namespace, cl: Cluster, batch: int, n: int,
     link (where something crosses one), the global batch and the ranked profile."""
     return {"workers": n, "hosts": args.hosts, "workers_per_host": cl.workers_per_host,
             "link": args.link if args.hosts > 1 or cl.placement == "own-hosts" else "",
-            "delay": args.delay, "batch_size": batch, "compute": "device",
+            "delay": args.delay, "loss": getattr(args, "loss", 0.0), "batch_size": batch,
+            "compute": "device",
             "device_profile": str(device_profile)}
 
 
@@ -470,7 +478,8 @@ def advise_command(args: argparse.Namespace) -> int:
                        cores=None, link_bits=link, delay_s=delay, inside=inside,
                        cal_of=verify_clock(cal, args, model, n, device_profile))
     ranking = rank(refine(cands))
-    where = _where(cluster.hosts, n // cluster.hosts, link, delay) + (
+    where = _where(cluster.hosts, n // cluster.hosts, link, delay) + \
+        (f", {cluster.loss:g} of packets lost each way" if cluster.loss else "") + (
         f", device link {args.device_link} inside each host "
         f"({device_link['bytes_per_s'] / 1e9:g} GB/s; to host memory "
         f"{device_link['host_copy_bytes_per_s'] / 1e9:g} GB/s)" if device_link else "") + (

@@ -275,6 +275,18 @@ class Calibration:
         return self.gloo_step("reduce_scatter"), self.gloo_step("all_gather")
 
     def between_hosts(self, comm_model: str, link_bits: float | None,
+                      delay_s: float = 0.0, loss: float = 0.0) -> tuple[float, float, str]:
+        """:meth:`between_clean` on links that drop ``loss`` of each direction's
+        packets: TCP's loss recovery priced by :func:`tcp_under_loss`. (Not priced:
+        bounded-loss pushes, --loss-tolerance, whose datagrams' CPU and resend rounds
+        the calibration does not measure; psring.predict.replay skips those runs.)"""
+        alpha, beta, source = self.between_clean(comm_model, link_bits, delay_s)
+        if not loss:
+            return alpha, beta, source
+        alpha, beta = tcp_under_loss(alpha, beta, loss)
+        return alpha, beta, f"{source}, TCP under {loss:g} loss"
+
+    def between_clean(self, comm_model: str, link_bits: float | None,
                       delay_s: float = 0.0) -> tuple[float, float, str]:
         """(α, β, source) of the transport between two hosts joined by links of
         ``link_bits``/s: measured by ``psring calibrate --hosts 2 --link RATE [--delay D]``
@@ -381,6 +393,31 @@ def find_calibration(*dirs: str | os.PathLike) -> Path | None:
     return p if p.is_file() else None
 
 
+# -- loss on the links ---------------------------------------------------------------------
+
+#: TCP's payload bytes per segment on a 1500-byte MTU with timestamps
+MSS = 1448
+#: what one lost segment costs a bulk TCP flow (Linux: CUBIC, SACK, RACK and tail loss
+#: probes), in round trips: fitted to experiments/loss.toml's ring (2 hosts, 100 Mbit/s,
+#: 4 ms round trip, 0.1-5% loss; docs/prediction.md, "Loss"). SACK keeps the pipe busy
+#: through a loss, so a loss costs a sliver of a round trip, not the round trips of
+#: Mathis et al.'s steady-state bound (which priced the step at 5% loss 8x what was measured)
+LOSS_RTT_PER_SEGMENT = 0.09
+
+
+def tcp_under_loss(alpha: float, beta: float, loss: float) -> tuple[float, float]:
+    """(α, β) of a TCP message crossing two link directions that each drop ``loss`` of
+    the packets independently (psring.cluster.link): each payload segment is lost with
+    p = 1 - (1 - loss)², and each loss costs LOSS_RTT_PER_SEGMENT round trips (2α).
+    An estimate fitted on one cluster: bursts (--loss-burst), much larger windows and
+    retransmission timeouts (a lost retransmission, a whole window lost) are not priced
+    (docs/prediction.md, "Loss")."""
+    p = 1 - (1 - loss) ** 2
+    if p <= 0:
+        return alpha, beta
+    return alpha, beta + p * LOSS_RTT_PER_SEGMENT * 2 * alpha / MSS
+
+
 # -- predictions --------------------------------------------------------------------------
 
 def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibration,
@@ -400,7 +437,8 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
     alpha, beta = cal.link(comm_model)
     if comm_model == "ring":
         if topo is not None and len(set(topo.worker_host)) > 1:
-            alpha, beta, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
+            alpha, beta, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s,
+                                           topo.loss)
             return ring_allreduce(n, M, alpha, beta, cal.gamma)
         return ring_allreduce(n, M, *cal.gloo_step("all_reduce"), 0.0)  # (adds in β)
     if K < 1:
@@ -409,7 +447,8 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
         H = len(set(topo.worker_host)) if topo is not None else 1
         a_link, b_link = alpha, beta
         if H > 1:
-            a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
+            a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s,
+                                           topo.loss)
         G = max(1, n // H)
         return hring_allreduce(G, H, M, a_link, b_link, cal.gamma,
                                host_reduce(G, M, *cal.host_steps()))
@@ -419,7 +458,8 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
         cross, a, b_link = 0.0, alpha, beta
         if topo is not None and topo.multi_host:
             cross = ps_link_load(hosts, list(topo.server_host))
-            a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
+            a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s,
+                                           topo.loss)
             a = a_link if cross > 0 else alpha
         return byteps_sync(len(hosts), M, K, a, b_link, beta, cal.gamma, cross,
                            host_reduce(G, M, *cal.host_steps()))
@@ -428,7 +468,8 @@ def predict_comm(comm_model: str | None, n: int, K: int, M: float, cal: Calibrat
             return ps_sync(n, M, K, alpha, beta, cal.gamma)
         return ps_async(n, M, K, alpha, beta, cal.gamma)
     cross = ps_link_load(list(topo.worker_host), list(topo.server_host))
-    a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s)
+    a_link, b_link, _ = cal.between_hosts(comm_model, topo.link_bits, topo.delay_s,
+                                           topo.loss)
     formula = ps_sync_placed if comm_model == "ps" else ps_async_placed
     return formula(n, M, K, a_link if cross > 0 else alpha, b_link, beta, cal.gamma, cross)
 

@@ -78,7 +78,7 @@ class PSRound:
         self.a_link, self.b_link = self.a_loc, self.b_loc
         if cluster.hosts > 1 or cluster.placement == "own-hosts":
             self.a_link, self.b_link, _ = cal.between_hosts(self.mode, cluster.link_bits,
-                                                            cluster.delay_s)
+                                                            cluster.delay_s, cluster.loss)
         # the α on a step's critical path: a push, then a pull
         crossing = any(h != hk for h in self.whost for hk in self.shost)
         self.latency = 2 * (self.a_link if crossing else self.a_loc) + \

@@ -72,7 +72,8 @@ def replay(run_dir: Any, cal: Calibration, inside: tuple[float, float] | None = 
         prof = _with_host_copies(prof, manifest)
     except (PsringError, KeyError, OSError, ValueError):
         return None
-    if not is_costed(cls.caps.cost_model):
+    if not is_costed(cls.caps.cost_model) or cfg.get("loss_tolerance"):
+        # (bounded-loss pushes: their datagrams' CPU and resend rounds are not priced)
         return None
     # a time-scaled run: this machine's software costs are 1/S on the described clock
     cal = cal.faster(float(cfg.get("time_scale") or 1.0))

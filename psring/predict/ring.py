@@ -77,7 +77,8 @@ def _ring_edge(sim: Sim, G: int) -> tuple[float, float, float, str]:
         # a step lasts as long as its slowest edge: the link the ring crosses hosts on
         # (never faster than loopback: between_hosts keeps β at least loopback's)
         # (and never faster than a device link slower than the host link)
-        a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s)
+        a_link, b_link, _ = cal.between_hosts("ring", cluster.link_bits, cluster.delay_s,
+                                            cluster.loss)
         alpha, beta, edge = max(a_link, alpha), max(b_link, beta), "host links (ring)"
     return alpha, beta, gamma, edge
 

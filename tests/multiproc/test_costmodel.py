@@ -405,6 +405,21 @@ def test_links_cost_their_rate_unless_calibrated():
         cal(links={"1gbit": {"zmq_alpha": 1e-5}})
 
 
+def test_loss_on_the_links_prices_tcps_recovery():
+    from psring.predict.costmodel import LOSS_RTT_PER_SEGMENT, MSS, tcp_under_loss
+
+    c = cal()
+    clean = c.between_hosts("ps", 1e8, delay_s=1e-3)
+    assert c.between_hosts("ps", 1e8, 1e-3, loss=0.0) == clean
+    a1, b1, src = c.between_hosts("ps", 1e8, 1e-3, loss=0.01)
+    a5, b5, _ = c.between_hosts("ps", 1e8, 1e-3, loss=0.05)
+    assert clean[1] < b1 < b5 and a1 == a5 == clean[0] and "TCP under 0.01 loss" in src
+    # each segment lost on either of two directions costs a share of a round trip (2α)
+    p = 1 - 0.95 ** 2
+    assert b5 == pytest.approx(clean[1] + p * LOSS_RTT_PER_SEGMENT * 2 * clean[0] / MSS)
+    assert tcp_under_loss(1e-3, 1e-9, 0.0) == (1e-3, 1e-9)
+
+
 def test_predictions_on_an_emulated_cluster_by_hand():
     from psring.cluster.spec import Cluster, payload_beta
 
