@@ -1,0 +1,24 @@
+"""Bounded-loss gradients (--loss-tolerance) on this machine's loopback, where nothing is
+lost: every datagram arrives, so ps and the transpose all-reduce train single's model.
+(Under loss, on emulated hosts: tests/emulation/test_links.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import SMALL, assert_no_processes, load_model, max_rel_diff, psring
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["ps", "allreduce"])
+def test_bounded_loss_without_loss_trains_singles_model(tmp_path, small_runs, strategy):
+    # (loopback loses nothing: every datagram arrives, the sums are exact)
+    out = tmp_path / f"lossless-{strategy}"
+    psring("run", "--strategy", strategy, "--workers", "2", "--loss-tolerance", "0.05",
+           *SMALL, "--out", out, timeout=100)
+    assert max_rel_diff(load_model(out), load_model(small_runs["single"])) < 1e-4
+    steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert {r["delivered"] for r in steps} == {1.0}
+    assert_no_processes(out)
