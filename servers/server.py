@@ -56,6 +56,8 @@ UDP_BUFFER_BYTES = 32 << 20
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 #: datagrams read in one go before the ROUTER socket is looked at again
 UDP_BATCH = 1024
+#: the most datagrams read before a lossy_push is answered (a flood cannot hold it)
+UDP_DRAIN = 1 << 20
 #: records per second, per kind, of refused or dropped messages (each carries the
 #: running count), so a flood of garbage can't flood the log
 NOTES_PER_S = 10
@@ -281,7 +283,7 @@ class Server:
         if self.udp is None:
             raise ProtocolError("this server has no UDP port (its endpoint is not "
                                 "tcp://): bounded-loss pushes need one")
-        self.read_datagrams()
+        self.read_datagrams(UDP_DRAIN)
         done = self.ingress.complete(msg)
         if not isinstance(done, tuple):
             return done

@@ -359,7 +359,10 @@ class Agent:
             if pid == 0:
                 code = 0
                 try:
-                    for fd in [*others, *ctrl]:
+                    # (the agent's SIGTERM handler raises SystemExit: not in here before
+                    # forward() installs its own, which writes the record first)
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    for fd in [*others, *ctrl, *(sock.fileno() for sock in self.host_socks)]:
                         os.close(fd)
                     kill_with_parent()
                     forward(h["name"], host_fd, port_fd, model, plan["delay_us"] / 1e6,
@@ -401,17 +404,25 @@ class Agent:
         host_of = {h["port"]: h for h in self.state["hosts"]}
         socks = {switch.fileno(): (switch, None), **{
             s.fileno(): (s, h) for h, s in zip(self.state["hosts"], self.host_socks)}}
-        up = {h["name"]: True for h in self.state["hosts"]}
+        # each end of each link apart (a TAP link's two ends go down apart); a host's
+        # link is up while both ends are
+        ends = {(h["name"], end): True for h in self.state["hosts"] for end in ("port", "eth0")}
         while True:
             ready, _, _ = select.select(list(socks), [], [], 5.0)
             for fd in ready:
                 sock, on_host = socks[fd]
                 for name, is_up in link_events(sock.recv(65536)):
-                    h = on_host if on_host is not None and name == HOST_IFACE \
-                        else host_of.get(name) if on_host is None else None
-                    if h is not None and is_up != up[h["name"]]:
-                        up[h["name"]] = is_up
-                        self._link_event(h, is_up)
+                    if on_host is None:
+                        h, end = host_of.get(name), "port"
+                    else:
+                        h, end = (on_host, "eth0") if name == HOST_IFACE else (None, "")
+                    if h is None or ends[(h["name"], end)] == is_up:
+                        continue
+                    was = ends[(h["name"], "port")] and ends[(h["name"], "eth0")]
+                    ends[(h["name"], end)] = is_up
+                    now = ends[(h["name"], "port")] and ends[(h["name"], "eth0")]
+                    if now != was:
+                        self._link_event(h, now)
 
     def _link_event(self, h: dict, is_up: bool) -> None:
         event = {"time": time.time(), "host": h["name"], "address": h["address"],

@@ -242,6 +242,11 @@ class Cluster:
                               f">= 1 (1 = independent losses; got {burst!r}).")
         if burst != 1 and not loss:
             raise ConfigError("--loss-burst shapes the losses of --loss: give --loss too.")
+        if loss > burst / (1 + burst):
+            # (the chain's bad state would have to be entered with probability above 1)
+            raise ConfigError(f"--loss {loss:g} in bursts of {burst:g} cannot be: bursts "
+                              f"of B packets lose at most B / (B + 1) of them; lower --loss "
+                              f"or raise --loss-burst.")
 
     # -- from what a run records -----------------------------------------------------
     @classmethod

@@ -9,16 +9,17 @@ servers.server; a transpose all-reduce's, psring.comm.transpose).
     sender.resend(transfer, missing, need, token=key)
 
 Datagrams leave in layer order: a push's range is a piece of the flat parameters in
-the model's order, so its first packets are of the layers the next forward needs first.
-A resend picks, of the missing packets, the ``need`` of the largest magnitude (their
-L2 norm): what the bound leaves out is what matters least (DLCP's priorities by layer
-and magnitude; the emulated links drop at random, so the order decides only what is
-sent first and what is sent again).
+the model's order, so its first packets are of the layers the next forward needs first
+(DLCP's priority by layer; the emulated links drop at random, so the order decides only
+what arrives first). A resend picks the missing packets it sends again at random, not
+by magnitude as DLCP's priorities would: the receiver's scaling is unbiased only if
+what stays missing is a random part of the push.
 
-The socket is blocking with a modest send buffer (below tbf's queue): a datagram waits
-while the host's queue holds a buffer's worth, so the sender keeps pace with its link
-instead of overflowing the queue, as TCP's small queues do for TCP. The waiting is the
-sender thread's, never the training loop's.
+The sender paces its datagrams at the host link's rate (one token bucket per process,
+:data:`pace`), and its socket's send buffer is below tbf's queue, so it does not
+overflow its own link's queue; it has no congestion control beyond that (incast at a
+server's port drops them: docs/benchmarks.md, "Incast"). The waiting is the sender
+thread's, never the training loop's.
 
 The receiving side: when a push's end marker arrives (a lossy_push; the datagrams sent
 ahead of it on the same path have arrived or are lost: it is the push's deadline),
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import math
 import queue
+import random
 import socket
 import threading
 import time
@@ -47,6 +49,7 @@ import torch
 from psring.comm.protocol import (
     DTYPE_NAMES,
     DTYPES,
+    MAX_PACKETS,
     Datagram,
     Message,
     ProtocolError,
@@ -93,6 +96,7 @@ class LossySender:
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.datagrams = 0
+        self.stopping = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, daemon=True,
                                        name=f"datagrams-{endpoint}")
@@ -110,23 +114,22 @@ class LossySender:
 
     def resend(self, t: Transfer, missing: list[int], need: int,
                token: object = None) -> int:
-        """Queue again ``need`` of the ``missing`` packets (at least one), those of the
-        largest L2 norm first; returns how many."""
+        """Queue again ``need`` of the ``missing`` packets (at least one, chosen at
+        random); returns how many."""
         chosen = self.choose(t, missing, need)
         self.jobs.put((t, chosen, token))
         return len(chosen)
 
     @staticmethod
     def choose(t: Transfer, missing: list[int], need: int) -> list[int]:
-        """The ``need`` largest missing packets, and a quarter more (at most all of
-        them): some of a resend is lost again, and each round costs a round trip."""
-        valid = [i for i in missing if 0 <= i < len(t.packets)]
-        if not valid:
-            return []
-        g = t.grad.float()
-        norms = {i: float(g[i * t.per:(i + 1) * t.per].norm()) for i in valid}
-        take = max(1, need + (need + 3) // 4)
-        return sorted(sorted(valid, key=norms.__getitem__, reverse=True)[:take])
+        """``need`` of the missing packets and a quarter more (at most all of them:
+        some of a resend is lost again, and each round costs a round trip), chosen at
+        random, not by magnitude: the receiver scales what arrived by numel /
+        delivered, which is unbiased only if what stays missing is a random part."""
+        valid = sorted({i for i in missing if 0 <= i < len(t.packets)})
+        take = min(len(valid), max(1, need + (need + 3) // 4))
+        rng = random.Random(len(t.packets) * 1_000_003 + len(valid) * 1009 + need)
+        return sorted(rng.sample(valid, take))
 
     def _loop(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -135,23 +138,45 @@ class LossySender:
             self.on_sent(token)
 
     def _out(self, t: Transfer, which) -> None:
-        send, addr, rate = self.sock.sendto, self.addr, self.pace_bits
-        t0, bits = time.perf_counter(), 0
-        for k, i in enumerate(which):
+        send, addr = self.sock.sendto, self.addr
+        for i in which:
+            if self.stopping:
+                return
             try:
                 send(t.packets[i], addr)
             except OSError:
                 pass  # (ENOBUFS, a refused port): a lost datagram, as on the wire
             self.datagrams += 1
-            if rate:  # at the link's pace: a burst beyond it would only queue, or drop
-                bits += (len(t.packets[i]) + FRAME_OVERHEAD) * 8
-                if k % 16 == 15 and (ahead := bits / rate - (time.perf_counter() - t0)) > 1e-3:
-                    time.sleep(ahead)
+            if self.pace_bits:  # at the link's pace: a burst beyond it queues, or drops
+                pace(self.pace_bits, len(t.packets[i]) + FRAME_OVERHEAD)
 
     def close(self) -> None:
+        self.stopping = True
         self.jobs.put(None)
         self.thread.join(timeout=5.0)
         self.sock.close()
+
+
+class _Pacer:
+    """One token bucket for all of a process's senders (several servers' shards, or a
+    transpose all-reduce's peers share the host's one link): each send takes its
+    frame's time at the link's rate, and a sender ahead of the clock by more than a
+    millisecond sleeps it off."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free_at = 0.0  # when the link would be idle
+
+    def __call__(self, bits_per_s: float, frame_bytes: int) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            self.free_at = max(self.free_at, now) + frame_bytes * 8 / bits_per_s
+            ahead = self.free_at - now
+        if ahead > 1e-3:
+            time.sleep(ahead)
+
+
+pace = _Pacer()
 
 
 # -- the receiving side: a server's (servers.server), or a transpose all-reduce's ---------
@@ -164,6 +189,9 @@ MAX_HELD_BYTES = 1 << 30
 class _Arriving:
     packets: int
     dtype: str
+    #: the run tag and shard its first datagram named (the others must agree)
+    tag: int = -1
+    shard: int = -1
     got: dict[int, memoryview] = field(default_factory=dict)
     nbytes: int = 0
 
@@ -193,9 +221,12 @@ class Ingress:
         key = (d.worker, d.transfer)
         t = self.transfers.get(key)
         if t is None:
-            t = self.transfers[key] = _Arriving(d.packets, d.dtype)
-        if (t.packets, t.dtype) != (d.packets, d.dtype) or d.index in t.got:
-            self.counts["bad_datagrams"] += 1  # disagrees with its transfer, or twice
+            t = self.transfers[key] = _Arriving(d.packets, d.dtype, d.run_tag, d.shard)
+        whole = per_datagram(d.dtype) * DTYPES[d.dtype].itemsize
+        if (t.packets, t.dtype, t.tag, t.shard) != (d.packets, d.dtype, d.run_tag, d.shard) \
+                or d.index in t.got or d.index < d.packets - 1 and len(d.payload) != whole:
+            # disagrees with its transfer, came twice, or a packet but the last not full
+            self.counts["bad_datagrams"] += 1
             return
         t.got[d.index] = d.payload
         t.nbytes += len(d.payload)
@@ -205,23 +236,25 @@ class Ingress:
             self.held -= old.nbytes
             self.counts["evicted"] += 1
 
-    def complete(self, msg: Message, tag: int | None = None) -> Message | tuple[int, list]:
+    def complete(self, msg: Message) -> Message | tuple[int, list]:
         """A lossy_push's gradient as a push Message, or (need, missing packet numbers)
         when more than its tolerance is missing. ProtocolError for a lossy_push that
-        its datagrams contradict."""
+        breaks a rule or that its datagrams contradict (before any memory is taken)."""
         h = msg.header
         numel, packets, dtype = h["numel"], h["packets"], h["dtype"]
         if dtype not in ("float32", "float16", "bfloat16") or numel <= 0 \
+                or not 0 < packets <= MAX_PACKETS \
                 or packets != math.ceil(numel / per_datagram(dtype)):
             raise ProtocolError(f"lossy_push of {numel} {dtype} elements in {packets} "
                                 f"packets")
         if not 0 <= h["tolerance"] < 1:
             raise ProtocolError(f"lossy_push tolerance {h['tolerance']!r} outside [0, 1)")
-        t = self.transfers.get((h["worker"], h["transfer"])) or _Arriving(packets, dtype)
-        if (t.packets, t.dtype) != (packets, dtype):
-            raise ProtocolError("lossy_push disagrees with its datagrams' packets or dtype")
-        if tag is not None and tag != run_tag(h["run"]):
-            raise ProtocolError("lossy_push of another run")
+        t = self.transfers.get((h["worker"], h["transfer"])) or \
+            _Arriving(packets, dtype, run_tag(h["run"]), h["shard"])
+        if (t.packets, t.dtype, t.tag, t.shard) != (packets, dtype, run_tag(h["run"]),
+                                                    h["shard"]):
+            raise ProtocolError("lossy_push disagrees with its datagrams' packets, dtype, "
+                                "run or shard")
         per = per_datagram(dtype)
         itemsize = DTYPES[dtype].itemsize
         if any(len(p) != min(per, numel - i * per) * itemsize for i, p in t.got.items()):

@@ -76,14 +76,14 @@ class PSClient:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._lossy: dict[tuple[int, int], tuple] = {}
-        #: a resent lossy push's new (shard, seq) -> the push's first key
+        #: each sent lossy_push's (shard, seq) -> the push's first key
         self._attempts: dict[tuple[int, int], tuple[int, int]] = {}
         self.resent = 0
         self.lossy_elements = self.lossy_delivered = 0
 
     def send(self, shard: int, op: str, fields: dict, tensors=()) -> tuple[int, int]:
         with self.lock:
-            self._send_ready()  # (keep each server's requests in the order they were made)
+            self._send_ready()  # (lossy_pushes whose datagrams are out go first)
             self.seq += 1
             frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
                                  "shard": shard, **fields}, tensors, self.key)
@@ -144,25 +144,28 @@ class PSClient:
             os.write(self._wake_w, b"!")
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already: the poll wakes anyway
+        except OSError:
+            pass  # (closed: the client is closing)
 
     def _send_ready(self) -> None:
-        """Under the lock: the lossy_push of every push whose datagrams are out."""
+        """Under the lock: the lossy_push of every push whose datagrams are out, each
+        under a seq taken now (a server with a secret takes a worker's requests in seq
+        order: a pull sent while the datagrams were still leaving has a lower one),
+        which answers to the push's first key."""
         while self._ready:
             key = self._ready.popleft()
             if key in self._lossy:
-                self.socks[key[0]].send_multipart(
-                    encode("lossy_push", self._lossy[key][1], (), self.key))
+                self.seq += 1
+                header = self._lossy[key][1]
+                header["seq"] = self.seq
+                self._attempts[(key[0], self.seq)] = key
+                self.socks[key[0]].send_multipart(encode("lossy_push", header, (), self.key))
 
     def _resend(self, key: tuple[int, int], msg: Message) -> None:
         """The server misses more of a lossy push than it may: send the packets it
-        asks for again, then the lossy_push under a new seq (a server acknowledges a
-        worker's pushes in seq order, and a later push may have been acknowledged
-        meanwhile), which answers to the push's first key."""
-        transfer, header = self._lossy[key]
+        asks for again, then (_send_ready) the lossy_push again, under a new seq."""
+        transfer, _ = self._lossy[key]
         missing = msg.tensors[0].tolist() if msg.tensors else []
-        self.seq += 1
-        header["seq"] = self.seq
-        self._attempts[(key[0], self.seq)] = key
         sent = self._senders[key[0]].resend(transfer, missing, msg.header["need"], key)
         self.resent += sent
         self.bytes_sent += sent * transfer.per * transfer.grad.element_size()

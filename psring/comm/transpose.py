@@ -11,7 +11,7 @@ rank that rank's shard of its gradient as UDP datagrams (psring.comm.lossy), all
 marks the end of the sends: what was sent before it and has not arrived is lost. The
 owner keeps each source's shard when at most the fraction F of it is missing (the
 missing elements zero, the rest scaled by numel / delivered: unbiased); beyond F the
-source sends the owner enough of the missing packets again, the largest first, over
+source sends the owner enough of the missing packets again, chosen at random, over
 gloo (reliable: one round, never more). The owner sums the shards and an all-gather
 over gloo, reliable, gives every rank the same result: the replicas cannot drift
 apart, whatever was lost.
@@ -25,12 +25,13 @@ import ipaddress
 import math
 import queue
 import socket
+import time
 
 import torch
 import torch.distributed as dist
 
 from psring.comm.lossy import Ingress, LossySender
-from psring.comm.protocol import VERSION, Datagram, Message, per_datagram
+from psring.comm.protocol import VERSION, Datagram, Message, per_datagram, run_tag
 
 #: bytes of datagrams the kernel may hold for the receiving socket: a bucket's shards
 #: from every peer, not dropped for want of room
@@ -42,7 +43,8 @@ RUN = "transpose"
 
 class TransposeAllReduce:
     def __init__(self, rank: int, world: int, address: str, tolerance: float,
-                 pace_bits: float | None = None, timeout: float = 300.0):
+                 pace_bits: float | None = None, timeout: float = 300.0,
+                 key: bytes | None = None):
         self.rank, self.world, self.tolerance, self.timeout = rank, world, tolerance, timeout
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:  # (root may go beyond net.core.rmem_max)
@@ -52,10 +54,10 @@ class TransposeAllReduce:
         self.sock.bind((address, 0))
         self.sock.setblocking(False)
         peers = self._exchange_addresses(address, self.sock.getsockname()[1])
-        self.ingress = Ingress()
+        self.ingress = Ingress(key)  # (with the run's secret: signed datagrams only)
         self.sent: queue.SimpleQueue = queue.SimpleQueue()
-        self.senders = {p: LossySender(f"tcp://{a}:{port}", RUN, rank, on_sent=self.sent.put,
-                                       pace_bits=pace_bits)
+        self.senders = {p: LossySender(f"tcp://{a}:{port}", RUN, rank, key,
+                                       on_sent=self.sent.put, pace_bits=pace_bits)
                         for p, (a, port) in enumerate(peers) if p != rank}
         self.transfer = 0
         #: elements of this rank's shard that arrived from the others (resends
@@ -76,10 +78,9 @@ class TransposeAllReduce:
         padded = torch.zeros(size * self.world, dtype=torch.float32)
         padded[:buf.numel()] = buf
         shards = padded.view(self.world, size)
-        transfers = {p: s.send(self.transfer, self.rank, shards[p], token=p)
+        transfers = {p: s.send(self.transfer, p, shards[p], token=p)
                      for p, s in self.senders.items()}
-        for _ in transfers:  # (the senders' threads, at the link's pace)
-            self.sent.get(timeout=self.timeout)
+        self._wait_sent(len(transfers))
         dist.barrier()  # everyone's datagrams are out: what is missing now is lost
         self._drain()
         mine = shards[self.rank].clone()
@@ -88,6 +89,20 @@ class TransposeAllReduce:
         gathered = [torch.empty(size, dtype=torch.float32) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
         buf.copy_(torch.cat(gathered)[:buf.numel()])
+
+    def _wait_sent(self, jobs: int) -> None:
+        """Until the senders' threads have sent ``jobs`` shards, reading what the
+        others send meanwhile (the socket's buffer may be small: rmem_max)."""
+        deadline = time.monotonic() + self.timeout
+        while jobs:
+            try:
+                self.sent.get(timeout=0.002)
+                jobs -= 1
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("transpose all-reduce: the datagrams were not sent "
+                                       "within --timeout") from None
+            self._drain()
 
     def _drain(self) -> None:
         while True:
@@ -127,7 +142,8 @@ class TransposeAllReduce:
                       size: int) -> None:
         """Over gloo, every rank taking part asked or not: each owner tells each source
         which packets it misses (``need`` first); each source answers with the ones it
-        chooses, the largest first, as [k, their numbers..., their elements...]."""
+        chooses (at random: LossySender.choose), as [k, their numbers..., their
+        elements...]."""
         empty = torch.empty(0, dtype=torch.float32)
         requests = [torch.tensor([asks[p][0], *asks[p][1]], dtype=torch.float32)
                     if p in asks else empty for p in range(self.world)]
@@ -153,8 +169,8 @@ class TransposeAllReduce:
             n = min(per, size - i * per)
             payload = memoryview(ans[at:at + n].numpy().tobytes())
             at += n
-            self.ingress.keep(Datagram(source, self.rank, 0, self.transfer, i, packets,
-                                       "float32", payload))
+            self.ingress.keep(Datagram(source, self.rank, run_tag(RUN), self.transfer, i,
+                                       packets, "float32", payload))
 
     def close(self) -> None:
         for s in self.senders.values():

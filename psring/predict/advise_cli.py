@@ -94,8 +94,8 @@ def add_advise_parser(sub: Any) -> None:
                        ("--link", "each host's link rate, e.g. 1gbit, 25gbit, 100gbit"),
                        ("--delay", "one-way delay of each link, e.g. 50us"),
                        ("--loss", "fraction of packets each link direction drops, e.g. "
-                                  "0.001: TCP's recovery is priced (Mathis's bound, tail "
-                                  "probes)")):
+                                  "0.001: TCP's recovery is priced (a fitted share of a "
+                                  "round trip per lost segment; docs/prediction.md)")):
         p._option_string_actions[flag].help = text
     p.add_argument("--workers", type=int, default=0, help="workers in all (default: "
                    "hosts x workers-per-host)")

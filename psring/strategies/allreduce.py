@@ -36,6 +36,7 @@ from psring.cluster.netif import is_loopback, source_address
 from psring.comm import adasum, interconnect
 from psring.comm.compress import CastBack, wire_dtype
 from psring.comm.hostring import flat_ring
+from psring.comm.protocol import load_secret
 from psring.comm.transpose import TransposeAllReduce
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
@@ -104,7 +105,7 @@ class AllReduce(Strategy):
         self._delivered_at = (0, 0)
         return TransposeAllReduce(self.ctx.rank, self.ctx.world, address, cfg.loss_tolerance,
                                   pace_bits=cfg.cluster.emulated_link_bits,
-                                  timeout=cfg.timeout)
+                                  timeout=cfg.timeout, key=load_secret(cfg.secret_file))
 
     def _adasum_comm(self) -> adasum.TorchComm:
         return adasum.TorchComm()
