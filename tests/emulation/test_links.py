@@ -110,12 +110,13 @@ def test_a_transpose_all_reduce_under_loss_keeps_its_bound_and_its_replicas_equa
                      batch_size=16, source={"model": "mlp"}).save(tmp_path / "profile")
     out = tmp_path / "lossy-ring"
     psring("run", "--strategy", "allreduce", "--workers", "2", "--hosts", "2", "--link",
-           "1gbit", "--loss", "0.03", "--loss-tolerance", "0.02", *SMALL, "--steps", "6",
+           "1gbit", "--loss", "0.03", "--loss-tolerance", "0.1", *SMALL, "--steps", "6",
            "--compute",
            "device", "--device-profile", tmp_path / "profile", "--out", out, timeout=200)
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     got = [r["delivered"] for r in steps]
-    assert len(got) == 12 and all(0.98 <= d <= 1.0 for d in got) and min(got) < 1.0, got
+    # (a bound of several packets of a shard: a lost packet or two stays missing)
+    assert len(got) == 12 and all(0.9 <= d <= 1.0 for d in got) and min(got) < 1.0, got
     # what was lost differs by rank, yet every replica applied the same all-gathered
     # average: the reduced gradients' digests agree, step by step
     by_step: dict[int, list] = {}
