@@ -54,16 +54,22 @@ _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]+)\s*"
 MIN_RATE_BITS = 1e6
 
 
-def parse_rate(text: str, flag: str = "--link") -> float:
-    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``1.5Gbit``, ``125mbps``)."""
+def _quantity(text: str, units: dict[str, float], refusal: str) -> float:
+    """A number times its unit (tc's syntax, case-insensitive); ConfigError(``refusal``)
+    when ``text`` is no such thing."""
     m = re.fullmatch(_NUMBER, text or "")
     unit = m.group(2).lower() if m else ""
-    if not m or unit not in _RATE_UNITS:
-        raise ConfigError(f"{flag} {text!r} is not a rate: give a number and one of tc's "
-                          f"units, e.g. 100mbit, 1gbit, 10gbit (bit, kbit, mbit, gbit, "
-                          f"tbit are bits per second; bps, kbps, mbps, gbps are bytes per "
-                          f"second; kibit, mibit, ... are binary multiples).")
-    bits = float(m.group(1)) * _RATE_UNITS[unit]
+    if not m or unit not in units:
+        raise ConfigError(refusal)
+    return float(m.group(1)) * units[unit]
+
+
+def parse_rate(text: str, flag: str = "--link") -> float:
+    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``1.5Gbit``, ``125mbps``)."""
+    bits = _quantity(text, _RATE_UNITS, f"{flag} {text!r} is not a rate: give a number and "
+                     f"one of tc's units, e.g. 100mbit, 1gbit, 10gbit (bit, kbit, mbit, "
+                     f"gbit, tbit are bits per second; bps, kbps, mbps, gbps are bytes per "
+                     f"second; kibit, mibit, ... are binary multiples).")
     if bits < MIN_RATE_BITS:
         raise ConfigError(f"{flag} {text!r} is {bits:g} bit/s; emulated links start at "
                           f"1mbit (slower ones make a step take minutes).")
@@ -72,22 +78,15 @@ def parse_rate(text: str, flag: str = "--link") -> float:
 
 def parse_delay(text: str, flag: str = "--delay") -> float:
     """Seconds of a tc time (``100us``, ``2ms``, ``0.5ms``)."""
-    m = re.fullmatch(_NUMBER, text or "")
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _TIME_UNITS:
-        raise ConfigError(f"{flag} {text!r} is not a time: give a number and a unit, "
-                          f"e.g. 100us, 2ms (s, ms, us).")
-    return float(m.group(1)) * _TIME_UNITS[unit]
+    return _quantity(text, _TIME_UNITS, f"{flag} {text!r} is not a time: give a number and "
+                     f"a unit, e.g. 100us, 2ms (s, ms, us).")
 
 
 def parse_size(text: str, flag: str = "--link-buffer") -> int:
     """Bytes of a tc size (``64kb``, ``1mb``, ``1500b``)."""
-    m = re.fullmatch(_NUMBER, text or "")
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _SIZE_UNITS:
-        raise ConfigError(f"{flag} {text!r} is not a size: give a number and one of tc's "
-                          f"units, e.g. 64kb, 512kb, 1mb (b, kb, mb; k = 1024).")
-    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    size = int(_quantity(text, _SIZE_UNITS, f"{flag} {text!r} is not a size: give a number "
+                         f"and one of tc's units, e.g. 64kb, 512kb, 1mb (b, kb, mb; "
+                         f"k = 1024)."))
     if size < 3000:
         raise ConfigError(f"{flag} {text!r} is {size} bytes; a link's queue holds at least "
                           f"two full-size frames (3000 bytes).")

@@ -100,15 +100,20 @@ class PSClient:
             return self.send_lossy(shard, fields, grad, tolerance)
         return self.send(shard, "push", fields, [grad])
 
-    def lossy_counts(self) -> tuple[int, int]:
-        """(elements pushed by bounded-loss pushes, elements of them delivered) so far."""
-        return self.lossy_elements, self.lossy_delivered
+    def mark(self, early_recv: int = 0) -> tuple[int, int, int, int]:
+        """The counters at a step's start, for :meth:`account` at its end; bytes
+        already received for this step (``early_recv``) count in it."""
+        return (self.bytes_sent, self.bytes_recv - early_recv, self.lossy_elements,
+                self.lossy_delivered)
 
-    def delivered_since(self, mark: tuple[int, int]) -> float | None:
-        """The fraction of the bounded-loss pushes' elements delivered since ``mark``
-        (lossy_counts), None when there were none."""
-        pushed = self.lossy_elements - mark[0]
-        return (self.lossy_delivered - mark[1]) / pushed if pushed else None
+    def account(self, stats, mark: tuple[int, int, int, int]) -> None:
+        """A step's bytes into its ``stats`` (psring.strategies.base.StepStats), and
+        with bounded-loss pushes the fraction of their elements delivered."""
+        stats.bytes_sent = self.bytes_sent - mark[0]
+        stats.bytes_recv = self.bytes_recv - mark[1]
+        pushed = self.lossy_elements - mark[2]
+        if pushed:  # --loss-tolerance: what of the gradients arrived
+            stats.extra["delivered"] = round((self.lossy_delivered - mark[3]) / pushed, 6)
 
     def send_lossy(self, shard: int, fields: dict, grad: torch.Tensor,
                    tolerance: float) -> tuple[int, int]:

@@ -382,9 +382,7 @@ class BytePS(ParameterServer):
     # -- the loop's hooks -------------------------------------------------------------
     def begin_step(self, step: int) -> Handle:
         self.step = step
-        sent, recv = self.client.bytes_sent, self.client.bytes_recv
-        self._bytes_at_start = (sent, recv - self._early_recv)
-        self._lossy_at_start = self.client.lossy_counts()
+        self._at_start = self.client.mark(self._early_recv)
         self._early_recv = 0
         self.parts = [_Part() for _ in self.buckets.buckets]
         self.pull_keys = []
@@ -400,14 +398,9 @@ class BytePS(ParameterServer):
 
     def _account(self) -> None:
         self.finished = self.step == self.ctx.cfg.steps - 1
-        sent0, recv0 = self._bytes_at_start
-        self.stats.bytes_sent = self.client.bytes_sent - sent0
-        # the pull of this step's result is waited for in the next begin_step (updates
-        # on the servers): its bytes are counted there
-        self.stats.bytes_recv = self.client.bytes_recv - recv0
-        delivered = self.client.delivered_since(self._lossy_at_start)
-        if delivered is not None:  # --loss-tolerance: what of the gradients arrived
-            self.stats.extra["delivered"] = round(delivered, 6)
+        # (the pull of this step's result is waited for in the next begin_step, updates
+        # on the servers: its bytes are counted there)
+        self.client.account(self.stats, self._at_start)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
         if not self.update_on_worker:

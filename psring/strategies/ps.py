@@ -299,9 +299,7 @@ class ParameterServer(Strategy):
     def begin_step(self, step: int) -> Handle:
         self.step = step
         self._staleness = -1
-        sent, recv = self.client.bytes_sent, self.client.bytes_recv
-        self._bytes_at_start = (sent, recv - self._early_recv)
-        self._lossy_at_start = self.client.lossy_counts()
+        self._at_start = self.client.mark(self._early_recv)
         self._early_recv = 0
         return self.pull
 
@@ -337,12 +335,7 @@ class ParameterServer(Strategy):
     def _account(self) -> None:
         # the last step's pushes are acknowledged: this worker is done (see close)
         self.finished = self.step == self.ctx.cfg.steps - 1
-        sent0, recv0 = self._bytes_at_start
-        self.stats.bytes_sent = self.client.bytes_sent - sent0
-        self.stats.bytes_recv = self.client.bytes_recv - recv0
-        delivered = self.client.delivered_since(self._lossy_at_start)
-        if delivered is not None:  # --loss-tolerance: what of the gradients arrived
-            self.stats.extra["delivered"] = round(delivered, 6)
+        self.client.account(self.stats, self._at_start)
         if self.mode == "async":
             self.stats.extra["staleness"] = self._staleness
 
