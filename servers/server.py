@@ -28,7 +28,7 @@ import zmq
 
 from psring.cluster.netns import inside_cluster
 from psring.cluster.spec import in_network
-from psring.comm.lossy import Ingress
+from psring.comm.lossy import Ingress, drain, receiving_socket
 from psring.comm.protocol import (
     HOW_TO_SET_A_SECRET,
     MAX_HEADER_BYTES,
@@ -53,7 +53,6 @@ FRAME_SLACK = 2**20
 #: bytes of datagrams the kernel may hold for the server's UDP socket (bounded-loss
 #: pushes): a round's bursts from every worker, not dropped for want of room
 UDP_BUFFER_BYTES = 32 << 20
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 #: datagrams read in one go before the ROUTER socket is looked at again
 UDP_BATCH = 1024
 #: the most datagrams read before a lossy_push is answered (a flood cannot hold it)
@@ -122,24 +121,15 @@ def default_io_threads() -> int:
 
 
 def _udp_socket(endpoint: str) -> socket.socket | None:
-    """A non-blocking UDP socket on a tcp:// endpoint's address and port (None for
-    ipc://, or where the port is taken for UDP: bounded-loss pushes then get an error)."""
+    """A UDP socket on a tcp:// endpoint's address and port (None for ipc://, or where
+    the port is taken for UDP: bounded-loss pushes then get an error)."""
     u = urlparse(endpoint)
     if u.scheme != "tcp" or u.hostname is None:
         return None
-    family = socket.AF_INET6 if ":" in u.hostname else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_DGRAM)
     try:
-        try:  # (root may go beyond net.core.rmem_max, which is 208 KiB by default)
-            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, UDP_BUFFER_BYTES)
-        except OSError:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_BUFFER_BYTES)
-        s.bind((u.hostname, u.port))
+        return receiving_socket(u.hostname, u.port, UDP_BUFFER_BYTES)
     except OSError:
-        s.close()
         return None
-    s.setblocking(False)
-    return s
 
 
 class Server:
@@ -215,17 +205,9 @@ class Server:
             if self.sock in ready:
                 self.serve_one(self.sock.recv_multipart(copy=False))
 
-    def read_datagrams(self, most: int | None = None) -> None:
-        """Hand the datagrams waiting on the UDP socket to the ingress (all, or up to
-        ``most``)."""
-        n = 0
-        while most is None or n < most:
-            try:
-                data = self.udp.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            self.ingress.datagram(data)
-            n += 1
+    def read_datagrams(self, most: int) -> None:
+        """Hand up to ``most`` datagrams waiting on the UDP socket to the ingress."""
+        drain(self.udp, self.ingress, most)
 
     def _note(self, record: dict) -> None:
         """Log a refused or dropped message, at most NOTES_PER_S records per kind."""

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from psring.cluster.link import LossModel, forward, open_tap
+from psring.cluster.link import FRAME_BITS, LossModel, forward, open_tap
 from psring.cluster.netns import (
     CLONE_NEWNET,
     CLONE_NEWUSER,
@@ -349,7 +349,7 @@ class Agent:
         # a burst's spell in frame times of the link (unshaped: about what a
         # forwarder moves, 1 Gbit/s)
         model = LossModel(plan["loss"], plan["loss_burst"],
-                          slot_s=1514 * 8 / (plan["link_bits"] or 1e9))
+                          slot_s=FRAME_BITS / (plan["link_bits"] or 1e9))
         ctrl = [c for _, c in self.holders]
         for h in self.state["hosts"]:
             port_fd, host_fd = self.taps[h["name"]]

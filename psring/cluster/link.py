@@ -46,6 +46,8 @@ from psring.records.runlog import atomic_write_json
 
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
+#: bits of a full Ethernet frame on a 1500-byte MTU (the loss model's time slot)
+FRAME_BITS = 1514 * 8
 #: the directions of a host's link, from the host's side
 DIRECTIONS = ("up", "down")
 #: bytes read per frame: an Ethernet frame of any MTU psring sets, with room
@@ -84,7 +86,7 @@ class LossModel:
 
     rate: float
     burst: float = 1.0
-    slot_s: float = 1514 * 8 / 1e9
+    slot_s: float = FRAME_BITS / 1e9
 
     def __post_init__(self) -> None:
         if not 0 <= self.rate < 1:

@@ -181,6 +181,42 @@ pace = _Pacer()
 
 # -- the receiving side: a server's (servers.server), or a transpose all-reduce's ---------
 
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+
+
+def receiving_socket(host: str, port: int, buffer_bytes: int) -> socket.socket:
+    """A non-blocking UDP socket bound to (``host``, ``port``; 0: any free one) whose
+    kernel buffer holds ``buffer_bytes`` of datagrams (root may go beyond
+    net.core.rmem_max, 208 KiB by default; others get what it allows). OSError when
+    the port cannot be bound."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, buffer_bytes)
+        except OSError:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    s.setblocking(False)
+    return s
+
+
+def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None) -> int:
+    """Hand the datagrams waiting on ``sock`` to ``ingress`` (all, or up to ``most``);
+    returns how many."""
+    n = 0
+    while most is None or n < most:
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            break
+        ingress.datagram(data)
+        n += 1
+    return n
+
+
 #: bytes of datagrams kept waiting for their lossy_push, over all transfers
 MAX_HELD_BYTES = 1 << 30
 

@@ -24,19 +24,24 @@ from __future__ import annotations
 import ipaddress
 import math
 import queue
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 
-from psring.comm.lossy import Ingress, LossySender
-from psring.comm.protocol import VERSION, Datagram, Message, per_datagram, run_tag
+from psring.comm.lossy import Ingress, LossySender, drain, receiving_socket
+from psring.comm.protocol import (
+    Datagram,
+    Message,
+    decode,
+    encode,
+    per_datagram,
+    run_tag,
+)
 
 #: bytes of datagrams the kernel may hold for the receiving socket: a bucket's shards
 #: from every peer, not dropped for want of room
 RECEIVE_BUFFER_BYTES = 64 << 20
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 #: the run id the datagrams carry (the group's own: every rank the same)
 RUN = "transpose"
 
@@ -46,13 +51,7 @@ class TransposeAllReduce:
                  pace_bits: float | None = None, timeout: float = 300.0,
                  key: bytes | None = None):
         self.rank, self.world, self.tolerance, self.timeout = rank, world, tolerance, timeout
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:  # (root may go beyond net.core.rmem_max)
-            self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER_BYTES)
-        except OSError:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-        self.sock.bind((address, 0))
-        self.sock.setblocking(False)
+        self.sock = receiving_socket(address, 0, RECEIVE_BUFFER_BYTES)
         peers = self._exchange_addresses(address, self.sock.getsockname()[1])
         self.ingress = Ingress(key)  # (with the run's secret: signed datagrams only)
         self.sent: queue.SimpleQueue = queue.SimpleQueue()
@@ -82,7 +81,7 @@ class TransposeAllReduce:
                      for p, s in self.senders.items()}
         self._wait_sent(len(transfers))
         dist.barrier()  # everyone's datagrams are out: what is missing now is lost
-        self._drain()
+        drain(self.sock, self.ingress)
         mine = shards[self.rank].clone()
         for part in self._complete(transfers, size):
             mine += part
@@ -102,24 +101,16 @@ class TransposeAllReduce:
                 if time.monotonic() > deadline:
                     raise TimeoutError("transpose all-reduce: the datagrams were not sent "
                                        "within --timeout") from None
-            self._drain()
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            self.ingress.datagram(data)
+            drain(self.sock, self.ingress)
 
     def _header(self, source: int, numel: int) -> Message:
-        """The end marker of ``source``'s shard of this transfer, as a server gets it."""
+        """The end marker of ``source``'s shard of this transfer, as a server gets it
+        (made by the protocol module, and checked by it, as one from the wire)."""
         packets = math.ceil(numel / per_datagram("float32"))
-        return Message({"v": VERSION, "op": "lossy_push", "run": RUN, "worker": source,
-                        "seq": self.transfer, "shard": self.rank, "step": 0, "offset": 0,
-                        "numel": numel, "packets": packets, "dtype": "float32",
-                        "tolerance": self.tolerance, "transfer": self.transfer,
-                        "tensors": []})
+        return decode(encode("lossy_push", {
+            "run": RUN, "worker": source, "seq": self.transfer, "shard": self.rank,
+            "step": 0, "offset": 0, "numel": numel, "packets": packets, "dtype": "float32",
+            "tolerance": self.tolerance, "transfer": self.transfer}))
 
     def _complete(self, transfers: dict, size: int) -> list[torch.Tensor]:
         """Each other rank's part of this rank's shard, within the bound after one
