@@ -90,11 +90,12 @@ class LossySender:
             raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
         self.addr = (u.hostname, u.port)
         self.tag, self.worker, self.key, self.on_sent = run_tag(run), worker, key, on_sent
-        #: the link's rate (bit/s) the datagrams leave at, as frames; None: unpaced
-        self.pace_bits = pace_bits
         family = socket.AF_INET6 if ":" in u.hostname else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        #: the link's rate (bit/s) the datagrams leave at, as frames; None: unpaced
+        #: (also to a server on this host: its datagrams never cross the link)
+        self.pace_bits = None if same_host(self.addr) else pace_bits
         self.datagrams = 0
         self.stopping = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -157,11 +158,28 @@ class LossySender:
         self.sock.close()
 
 
+def same_host(addr: tuple[str, int]) -> bool:
+    """Whether ``addr`` is an address of this network namespace: the route the kernel
+    picks for it leaves from that same address (a UDP connect sends nothing)."""
+    family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(addr)
+        except OSError:
+            return False
+        return probe.getsockname()[0] == addr[0]
+
+
 class _Pacer:
     """One token bucket for all of a process's senders (several servers' shards, or a
     transpose all-reduce's peers share the host's one link): each send takes its
     frame's time at the link's rate, and a sender ahead of the clock by more than a
-    millisecond sleeps it off."""
+    millisecond sleeps it off. A sender behind the clock keeps up to a millisecond of
+    credit: a sleep wakes late, and without it each oversleep would be lost link
+    time (a tenth of the rate at 100 Mbit/s); tbf's burst holds far more."""
+
+    #: seconds of link time a late sender may catch up on
+    CREDIT_S = 1e-3
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -170,7 +188,7 @@ class _Pacer:
     def __call__(self, bits_per_s: float, frame_bytes: int) -> None:
         with self.lock:
             now = time.perf_counter()
-            self.free_at = max(self.free_at, now) + frame_bytes * 8 / bits_per_s
+            self.free_at = max(self.free_at, now - self.CREDIT_S) + frame_bytes * 8 / bits_per_s
             ahead = self.free_at - now
         if ahead > 1e-3:
             time.sleep(ahead)
