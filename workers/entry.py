@@ -148,9 +148,9 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     from psring.train.workload import build_workload
     from psring.workers.manifest import write_manifest
 
-    ctx, threads = _context(cfg, rank, world, local_rank, local_world, log)
+    ctx, threads = worker_context(cfg, rank, world, local_rank, local_world, log)
     strategy_cls = STRATEGIES.get(cfg.strategy)
-    launch, net = _join(ctx, prefix)
+    launch, net = join_run(ctx, prefix)
     # who writes checkpoints; after a restart by torchrun, the one every host resumes from
     elastic.after_join(ctx, launch, strategy_cls.caps.uses_servers)
     launch.stage("building the model", waiting=False)  # (a data download has no deadline)
@@ -165,7 +165,7 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     steps = StepLog(ctx.run_dir)
     try:
         if strategy_cls.caps.uses_process_group:
-            _process_group(ctx, launch, net)
+            start_process_group(ctx, launch, net)
         launch.stage(f"setting up {cfg.strategy}")
         strategy = strategy_cls(ctx)
         log.info("training %s on %s, %d steps, %d threads", cfg.strategy, ctx.device,
@@ -174,10 +174,10 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
         launch.done()
         log.info("done")
     finally:
-        _teardown(steps, strategy, work.model)
+        teardown(steps, strategy, work.model)
 
 
-def _context(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world: int,
+def worker_context(cfg: RunConfig, rank: int, world: int, local_rank: int, local_world: int,
              log: logging.Logger) -> tuple[WorkerContext, int]:
     """This worker's WorkerContext (its device, the run directory, the checkpoint it
     resumes from) and its number of threads, already set for torch."""
@@ -216,7 +216,7 @@ def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, log: logging.Logger):
     return resume
 
 
-def _join(ctx: WorkerContext, prefix: str) -> tuple[rendezvous.Launch, netif.Choice]:
+def join_run(ctx: WorkerContext, prefix: str) -> tuple[rendezvous.Launch, netif.Choice]:
     """Choose the network interface and join the run (psring.runtime.rendezvous); this
     worker's line goes into the run directory's workers.jsonl."""
     from psring.records.runlog import WORKERS, append_record
@@ -283,7 +283,7 @@ def process_group_backend(device_type: str, sharing: int, gpus: int) -> tuple[st
     return "nccl", "one GPU per worker"
 
 
-def _process_group(ctx: WorkerContext, launch: rendezvous.Launch, net: netif.Choice) -> None:
+def start_process_group(ctx: WorkerContext, launch: rendezvous.Launch, net: netif.Choice) -> None:
     """torch.distributed's process group (see :func:`process_group_backend`)."""
     import torch
 
@@ -304,7 +304,7 @@ def _train_and_save(ctx: WorkerContext, strategy: Strategy, work: Workload, step
     from psring.records.runlog import MODEL, save_state_dict
     from psring.workers.loop import train
 
-    with _broken_connections_named(ctx.rank):
+    with broken_connections_named(ctx.rank):
         train(ctx, strategy, work.model, work.data, steps, resume=ctx.resume,
               on_step=lambda r: launch.stage("training", r["step"]))
         if ctx.rank == 0:
@@ -317,7 +317,7 @@ def _train_and_save(ctx: WorkerContext, strategy: Strategy, work: Workload, step
             dist.barrier()
 
 
-def _teardown(steps: StepLog, strategy: Strategy | None, model: nn.Module) -> None:
+def teardown(steps: StepLog, strategy: Strategy | None, model: nn.Module) -> None:
     """Close the step log and the strategy, and leave the process group."""
     import torch.distributed as dist
 
@@ -334,7 +334,7 @@ def _teardown(steps: StepLog, strategy: Strategy | None, model: nn.Module) -> No
 
 
 @contextlib.contextmanager
-def _broken_connections_named(rank: int):
+def broken_connections_named(rank: int):
     """A collective that failed because a peer went says so, in one paragraph."""
     try:
         yield

@@ -245,25 +245,31 @@ class StepRunner:
         return loss.detach()
 
     def _record(self, step: int, timer: PhaseTimer, loss_sum: torch.Tensor) -> dict:
-        """The step's steps.jsonl line: the phases, the strategy's stats (byte counts,
-        bucket times, its own fields), and under --trace the spans and gradient times."""
-        cfg, ctx = self.cfg, self.ctx
-        stats = self.strategy.take_stats()
-        record = {
-            "strategy": cfg.strategy, "worker": ctx.rank, "host": ctx.host, "step": step,
-            "time": time.time(), **timer.phases(),
-            "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv,
-            "loss": float(loss_sum), "backward_end_s": timer.offset(timer.backward_end),
-            **timer.trace(),
-        }
-        if cfg.trace and self.grads is not None:
-            # offsets from the last micro-batch's backward start, in parameter order
-            record["grad_ready_s"] = timer.since_backward(self.grads.ready_at)
-        if stats.bucket_launch:
-            record["bucket_launch_s"] = [timer.offset(t) for t in stats.bucket_launch]
-            record["bucket_done_s"] = [timer.offset(t) for t in stats.bucket_done]
-        record.update({k: round(v * timer.scale, 7) if k.endswith("_s") else v
-                       for k, v in stats.extra.items()})
-        if ctx.stand_in is not None:
-            record.update(ctx.stand_in.record())
-        return record
+        return step_record(self.ctx, self.strategy, timer, step, float(loss_sum), self.grads)
+
+
+def step_record(ctx: WorkerContext, strategy: Strategy, timer: PhaseTimer, step: int,
+                loss: float | None, grads: GradientClock | None = None) -> dict:
+    """A step's steps.jsonl line: the phases, the strategy's stats (byte counts, bucket
+    times, its own fields), and under --trace the spans and gradient times. ``loss``:
+    this worker's own mean loss (None where a user's script did not say it)."""
+    cfg = ctx.cfg
+    stats = strategy.take_stats()
+    record = {
+        "strategy": cfg.strategy, "worker": ctx.rank, "host": ctx.host, "step": step,
+        "time": time.time(), **timer.phases(),
+        "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv,
+        "loss": loss, "backward_end_s": timer.offset(timer.backward_end),
+        **timer.trace(),
+    }
+    if cfg.trace and grads is not None:
+        # offsets from the last micro-batch's backward start, in parameter order
+        record["grad_ready_s"] = timer.since_backward(grads.ready_at)
+    if stats.bucket_launch:
+        record["bucket_launch_s"] = [timer.offset(t) for t in stats.bucket_launch]
+        record["bucket_done_s"] = [timer.offset(t) for t in stats.bucket_done]
+    record.update({k: round(v * timer.scale, 7) if k.endswith("_s") else v
+                   for k, v in stats.extra.items()})
+    if ctx.stand_in is not None:
+        record.update(ctx.stand_in.record())
+    return record

@@ -43,13 +43,23 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
     """``work``: the run's psring.train.workload.Workload; ``launch``: who started the workers
     and where they ran (psring.runtime.rendezvous: under torchrun, every rank's host);
     ``per_host``: workers on each host (LOCAL_WORLD_SIZE)."""
-    model, ds = work.model, work.data.train
+    ds = work.data.train
+    data = {"samples": len(ds), "features": ds.features, "classes": ds.classes,
+            "held_out": len(work.data.held_out), "kind": work.inputs.kind,
+            "shape": list(work.inputs.shape)}
+    return run_facts(cfg, work.model, strategy_cls, threads,
+                     flops_per_sample(work.model, work.inputs), data, launch, per_host)
+
+
+def run_facts(cfg: RunConfig, model, strategy_cls, threads: int, fps: float | None,
+              data: dict, launch: dict | None = None, per_host: int = 1) -> dict:
+    """The manifest of a run of ``model`` (``fps``: its FLOPs per sample, forward and
+    backward; ``data``: what it trained on), psring's loop's or a script's."""
     pbytes = parameter_bytes(model)
     # gradients as they travel: half the bytes with --compress fp16/bf16
     wire = wire_bytes(pbytes, cfg.compress) if strategy_cls.caps.supports_compression else pbytes
     sent, recv = strategy_cls.bytes_per_step(wire, cfg.workers, per_host)
-    fps = flops_per_sample(model, work.inputs)
-    flops_worker_step = fps * cfg.per_worker_batch * cfg.accumulate
+    flops_worker_step = fps * cfg.per_worker_batch * cfg.accumulate if fps else None
     return {
         "config": cfg.to_dict(),
         "versions": versions(),
@@ -66,9 +76,7 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
         "device": cfg.resolved_device,
         # the GPU's name, its driver's CUDA and torch's (CUDA runs): what a profile names
         "accelerator": accelerator() if cfg.resolved_device == "cuda" else None,
-        "data": {"samples": len(ds), "features": ds.features, "classes": ds.classes,
-                 "held_out": len(work.data.held_out), "kind": work.inputs.kind,
-                 "shape": list(work.inputs.shape)},
+        "data": data,
         "parameters": sum(p.numel() for p in model.parameters()),
         "parameter_bytes": pbytes,
         # each trainable parameter's gradient bytes, in model.parameters() order: what
@@ -80,7 +88,8 @@ def build_manifest(cfg: RunConfig, work, strategy_cls, threads: int,
         "flops_per_sample": fps,
         "flops_per_worker_step": flops_worker_step,
         # FLOPs a worker computes per byte it communicates in one optimizer step.
-        "arithmetic_intensity": (flops_worker_step / (sent + recv)) if sent + recv else None,
+        "arithmetic_intensity": (flops_worker_step / (sent + recv))
+        if flops_worker_step and sent + recv else None,
     }
 
 

@@ -1,0 +1,286 @@
+"""``dist.wrap(model, optimizer)``: the run's strategy around a script's model, and the
+optimizer's ``step()`` as the loop's finish -> wait -> update.
+
+    model, optimizer = dist.wrap(model, optimizer)
+    loss.backward()              # gradient hooks start communication (buckets, pushes)
+    optimizer.synchronize()      # optional: the averaged gradients, e.g. to clip them
+    optimizer.step()             # finish_backward -> wait -> the update where it runs
+
+Where the strategy updates on its servers (``ps``; ``byteps`` unless --update-on
+worker) the servers apply SGD with the optimizer's lr, momentum and weight decay, taken
+once here: another optimizer, or one a scheduler changes, is refused with the update
+site to choose. Elsewhere the script's own optimizer steps on every worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from psring.errors import ConfigError, PsringError
+
+
+def wrap(dist, model: nn.Module, optimizer: Any):
+    """See the module's docstring; ``dist`` is the psring.library.session.Distributed."""
+    from psring.workers.timing import GradientClock
+
+    ctx, caps = dist.ctx, dist.strategy_cls.caps
+    model.to(ctx.device)
+    on_server = not caps.local_optimizer(dist.cfg.update_on)
+    if on_server:
+        dist.cfg = ctx.cfg = dist.cfg.replace(**server_sgd(optimizer, model, dist.cfg))
+        dist.server_sgd = _hyper(optimizer.param_groups[0])
+    elif optimizer is None:
+        raise ConfigError(f"{dist.cfg.strategy} updates the parameters on every worker: "
+                          f"pass dist.wrap(model, optimizer).")
+    _make_equal(model)
+    dist.strategy = strategy = dist.strategy_cls(ctx)
+    dist.launch.stage(f"setting up {dist.cfg.strategy}")
+    module = strategy.setup(model)
+    dist.model, dist.module, dist.on_server = model, module, on_server
+    cuda = ctx.device.type == "cuda"
+    dist.sync = torch.cuda.current_stream(ctx.device).synchronize if cuda else (lambda: None)
+    dist.grads = (GradientClock(model, cuda=cuda)
+                  if caps.syncs_inside_backward or dist.cfg.trace else None)
+    sizes = dist.cfg.worker_batches
+    weight = (dist.world * sizes[dist.rank] / dist.cfg.batch_size
+              if dist.cfg.worker_batch else None)
+    module.register_forward_hook(_ForwardTimer(dist, weight))
+    if optimizer is not None:
+        _drive(optimizer, dist)
+    if dist.rank == 0:
+        write_script_manifest(dist)
+    dist.timer = dist._new_timer()
+    dist.launch.stage("training", waiting=False)
+    return module, optimizer
+
+
+def server_sgd(optimizer: Any, model: nn.Module, cfg) -> dict[str, float]:
+    """The servers' SGD settings from the script's optimizer, or a ConfigError naming
+    what the servers cannot do and the update site that can."""
+    from psring.train.optim import SGD
+
+    fix = ("; pass --update-on worker (psring launch, or psring.init(update_on='worker')) "
+           "to run it on every worker" if "worker" in _sites(cfg) else
+           f"; {cfg.strategy} updates only on its servers: use allreduce, or byteps "
+           f"--update-on worker, for this optimizer")
+    if not isinstance(optimizer, (torch.optim.SGD, SGD)):
+        raise ConfigError(f"{cfg.strategy}'s servers apply SGD (lr, momentum, weight "
+                          f"decay); the optimizer is a {type(optimizer).__name__}{fix}.")
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError(f"{cfg.strategy}'s servers apply one lr to every parameter; the "
+                          f"optimizer has {len(optimizer.param_groups)} parameter "
+                          f"groups{fix}.")
+    g = optimizer.param_groups[0]
+    if g.get("nesterov") or g.get("dampening", 0) or g.get("maximize"):
+        raise ConfigError(f"{cfg.strategy}'s servers apply plain SGD with momentum (no "
+                          f"Nesterov, dampening or maximize){fix}.")
+    mine = {id(p) for p in g["params"]}
+    if mine != {id(p) for p in model.parameters() if p.requires_grad}:
+        raise ConfigError(f"{cfg.strategy}'s servers update every trainable parameter of "
+                          f"the model; the optimizer holds another set of them{fix}.")
+    return _hyper(g)
+
+
+def _sites(cfg) -> tuple[str, ...]:
+    from psring.strategies import STRATEGIES
+
+    return STRATEGIES.get(cfg.strategy).caps.update_sites
+
+
+def _hyper(group: dict) -> dict[str, float]:
+    return {"lr": float(group["lr"]), "momentum": float(group.get("momentum", 0.0)),
+            "weight_decay": float(group.get("weight_decay", 0.0))}
+
+
+def _make_equal(model: nn.Module) -> None:
+    """Every worker starts from rank 0's parameters and buffers (Horovod's
+    broadcast_parameters), where the workers share a process group; a parameter
+    server's first pull gives every worker the servers' copy, rank 0's, anyway."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized() or tdist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            tdist.broadcast(t.data, src=0)
+
+
+class _ForwardTimer:
+    """A forward hook on the wrapped module: the forward lap ends when it returns, the
+    loss's lap when backward reaches the output (a hook on its gradient, which also
+    weighs it for uneven batches), and backward's clock starts there."""
+
+    def __init__(self, dist, weight: float | None):
+        self.dist, self.weight = dist, weight
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        dist = self.dist
+        if dist.input_shapes is None:
+            dist.input_shapes = [(tuple(a.shape), a.dtype) for a in args
+                                 if isinstance(a, torch.Tensor)]
+        if dist.current is None:
+            return  # (outside a step: an evaluation)
+        dist.current.timer.lap("forward_s")
+        out = _first_grad_tensor(output)
+        if out is not None:
+            out.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad: torch.Tensor):
+        dist = self.dist
+        if dist.current is not None:
+            timer = dist.current.timer
+            timer.lap("forward_s")  # (the loss's computation)
+            timer.backward_start = timer.mark
+            if dist.grads is not None:
+                dist.grads.start()
+        return grad * self.weight if self.weight is not None else None
+
+
+def _first_grad_tensor(output: Any) -> torch.Tensor | None:
+    """The first tensor in a module's output that gradients flow back through."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    items = output.values() if isinstance(output, dict) else \
+        output if isinstance(output, (list, tuple)) else ()
+    for item in items:
+        found = _first_grad_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+class _Inner:
+    """The script's optimizer as the strategy's update sees it: its own step."""
+
+    def __init__(self, optimizer: Any, step: Any):
+        self.optimizer, self.step = optimizer, step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def _drive(optimizer: Any, dist) -> None:
+    """The optimizer's ``step()`` becomes the strategy's finish -> wait -> update, and
+    ``synchronize()`` the first two alone (on the instance: an LR scheduler made after
+    dist.wrap keeps working with it)."""
+    inner = _Inner(optimizer, optimizer.step)
+
+    def step(closure: Any = None) -> None:
+        if closure is not None:
+            raise PsringError("optimizer.step(closure) re-evaluates the model, which a "
+                              "strategy's communication cannot repeat: call step() "
+                              "without a closure.")
+        scope = _scope(dist, "optimizer.step()")
+        if not scope.synchronized:
+            finish_backward(dist, scope)
+        if dist.on_server:
+            _same_server_sgd(dist, optimizer)
+        dist.strategy.update(None if dist.on_server else inner)
+        scope.timer.lap("update_s")
+        scope.stepped = True
+
+    def synchronize() -> None:
+        if dist.on_server:
+            raise PsringError(
+                f"optimizer.synchronize(): {dist.cfg.strategy} sums the gradients on its "
+                f"servers, which also update the parameters; the workers never see the "
+                f"averaged gradient (to clip it, say). Choose an update on the workers: "
+                f"--update-on worker where the strategy has it (byteps), or allreduce.")
+        finish_backward(dist, _scope(dist, "optimizer.synchronize()"))
+
+    optimizer.step = step
+    optimizer.synchronize = synchronize
+
+
+def _scope(dist, what: str):
+    if dist.current is None:
+        raise PsringError(f"{what} outside `with dist.step(step):`; the step begins "
+                          f"there (a parameter server's pull) and is recorded at its end.")
+    return dist.current
+
+
+def finish_backward(dist, scope) -> None:
+    """The loop's end of backward: its lap, the communication started during it
+    finished and waited for (comm_s)."""
+    timer = scope.timer
+    timer.lap("backward_s")
+    timer.backward_end = timer.mark
+    if dist.grads is not None:
+        dist.grads.settle()
+        if dist.strategy.caps.syncs_inside_backward:
+            timer.blocked_since(dist.grads.last)
+    handle = dist.strategy.finish_backward()
+    timer.lap("backward_s")
+    handle.wait()
+    timer.lap("comm_s")
+    scope.synchronized = True
+
+
+def _same_server_sgd(dist, optimizer: Any) -> None:
+    now = _hyper(optimizer.param_groups[0])
+    if now != dist.server_sgd:
+        changed = ", ".join(f"{k} {dist.server_sgd[k]:g} -> {now[k]:g}" for k in now
+                            if now[k] != dist.server_sgd[k])
+        raise PsringError(
+            f"the optimizer's settings changed ({changed}; an LR scheduler?), but "
+            f"{dist.cfg.strategy}'s servers apply the ones dist.wrap took. Schedules need "
+            f"the update on the workers: --update-on worker where the strategy has it "
+            f"(byteps), or allreduce.")
+
+
+def save_final(dist) -> None:
+    """Rank 0 writes model.pt (as psring run does); every worker waits for the others
+    (rank 0 hosts the rendezvous store: none may leave while another still talks)."""
+    import torch.distributed as tdist
+
+    from psring.records.runlog import MODEL, save_state_dict
+
+    if dist.rank == 0:
+        dist.launch.stage("saving the model", waiting=False)
+        save_state_dict(dist.run_dir / MODEL, dist.strategy.final_state(dist.model))
+        write_script_manifest(dist)  # (now with the inputs seen: FLOPs per sample)
+    if tdist.is_initialized():
+        dist.launch.stage("waiting for the others to finish")
+        tdist.barrier()
+    dist.launch.done()
+
+
+def write_script_manifest(dist) -> None:
+    """manifest.json for a script's run: psring run's facts, the data as the script
+    fed it (the sampler's set, the model's inputs as seen)."""
+    from psring.records.runlog import MANIFEST, atomic_write_json
+    from psring.workers.manifest import run_facts
+
+    flops = _flops_per_sample(dist)
+    data = {"kind": "script", "samples": getattr(dist, "samples", None),
+            "batch_size": getattr(dist, "batch_size", None),
+            "inputs": [list(s) for s, _ in dist.input_shapes or []]}
+    atomic_write_json(dist.run_dir / MANIFEST, run_facts(
+        dist.cfg, dist.model, dist.strategy_cls, dist.threads, flops, data,
+        launch={**dist.launch.describe(), "script": True}, per_host=dist.ctx.local_world))
+
+
+def _flops_per_sample(dist) -> float | None:
+    """The model's FLOPs per sample, forward and backward: the forward's as
+    torch.utils.flop_counter counts them on one sample of the inputs the model saw,
+    times 3 (backward about twice forward; a backward here would fire the strategy's
+    gradient hooks). None before the model has seen an input."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if not dist.input_shapes:
+        return None
+    args = [torch.zeros((1, *shape[1:]), dtype=dtype, device=dist.device)
+            for shape, dtype in dist.input_shapes]
+    training = dist.model.training
+    dist.model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            dist.model(*args)
+    except Exception:  # noqa: BLE001 - a model that needs more than zeros: no count
+        return None
+    finally:
+        dist.model.train(training)
+    return 3.0 * counter.get_total_flops()
