@@ -24,6 +24,10 @@ opt-in and checked:
   Python thread;
 - ``PSRING_FORK=0`` turns it off (benchmarks compare both ways; docs/benchmarks.md).
 
+A user's script (``psring launch -- python train.py``) is forked the same way, run as
+``python train.py`` would run it (``runpy.run_path``, its folder first on sys.path),
+with torch and psring already imported.
+
 Anything else (an in-process ``launch()`` from a test or a notebook, a process placed
 on an emulated host through its setns trampoline, another OS) starts a new interpreter
 as before.
@@ -123,15 +127,26 @@ def _cpu_only_torch() -> bool:
         and getattr(version, "hip", None) is None
 
 
+#: what :func:`target` returns for ``python SCRIPT.py ARGS`` (psring launch's workers)
+SCRIPT = "<script>"
+
+
 def target(argv: list[str]) -> tuple[str, list[str]] | None:
     """``(module, args)`` when ``argv`` is ``python -m MODULE ARGS`` for a module this
-    process can fork now; None to start a new interpreter."""
-    if _baseline_threads is None or not supported() or len(argv) < 3 \
-            or argv[:2] != [sys.executable, "-m"] or argv[2] not in MODULES:
+    process can fork now, ``(SCRIPT, [path, *args])`` for ``python SCRIPT.py ARGS`` (a
+    user's script, psring launch); None to start a new interpreter."""
+    if _baseline_threads is None or not supported() or len(argv) < 2 \
+            or argv[0] != sys.executable:
+        return None
+    if argv[1] == "-m" and len(argv) >= 3 and argv[2] in MODULES:
+        found = argv[2], argv[3:]
+    elif argv[1].endswith(".py") and os.path.isfile(argv[1]):
+        found = SCRIPT, argv[1:]
+    else:
         return None
     if threading.active_count() != 1 or _threads() > _baseline_threads:
         return None  # a thread appeared since preload(): it may hold a lock
-    return argv[2], argv[3:]
+    return found
 
 
 class ForkedProcess:
@@ -178,7 +193,8 @@ def start(module: str, args: list[str], env: Mapping[str, str], log_fd: int,
     pid = os.fork()
     if pid:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        return ForkedProcess(pid, [sys.executable, "-m", module, *args])
+        return ForkedProcess(pid, [sys.executable, *([] if module == SCRIPT else ["-m", module]),
+                                   *args])
     code = 1
     try:
         _become_child(env, log_fd)
@@ -230,9 +246,13 @@ def _become_child(env: Mapping[str, str], log_fd: int) -> None:
 
 
 def _run_main(module: str, args: list[str]) -> int:
-    sys.argv = [module, *args]
+    sys.argv = [module, *args] if module != SCRIPT else list(args)
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module == SCRIPT:  # as `python SCRIPT.py` runs it: its folder first on the path
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return 0
