@@ -4,6 +4,12 @@
     psring compare
     psring report runs/*
 
+Inside your own training script (docs/your-script.md), started by
+``psring launch --strategy ps --workers 2 -- python train.py``::
+
+    dist = psring.init()
+    model, optimizer = dist.wrap(model, optimizer)
+
 From Python (a notebook)::
 
     import psring
@@ -19,7 +25,8 @@ The packages, each with one job (its ``__init__`` says which):
 - ``train``: models, data, the update, evaluation, checkpoints, device mode;
 - ``zoo``: the built-in models;
 - ``records``: run logs, traces, merges, sweeps;
-- ``report``: tables, plots, report.md; ``predict``: cost model, simulator, advise.
+- ``report``: tables, plots, report.md; ``predict``: cost model, simulator, advise;
+- ``library``: the strategies inside a user's own training script.
 
 Names used here are imported on first use, so ``import psring`` imports no torch.
 """
@@ -36,4 +43,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "COST_MODELS": "predict.simulate", "CostModel": "predict.costs",
     "MODELS": "train.models", "build_model": "train.models",
     "summarize_all": "report", "write_report": "report",
+    "init": "library", "launched": "library", "Distributed": "library",
 })

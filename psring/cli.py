@@ -2,6 +2,7 @@
 
     psring run --strategy allreduce --workers 2 --steps 50 --out runs/ar
     psring run --resume runs/ar               (after --checkpoint-every N; continues it)
+    psring launch --strategy ps --workers 2 -- python train.py   (your own script)
     psring report runs/ar runs/single [--json]
     psring sweep experiments/intensity.toml --out runs/intensity   (resumable)
     psring report runs/intensity              (a sweep: report.md and plots)
@@ -51,6 +52,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     print(f"psring: running {cfg.strategy} with {cfg.workers} worker(s)", file=sys.stderr)
     run_dir = launch(cfg, progress=_progress_printer(cfg.steps * cfg.workers))
+    print(render_table(summarize_all([str(run_dir)])))
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    forking.allow()  # (as psring run: a script's workers are forked from here)
+    from psring.config import config_from_args
+    from psring.library.session import script_refusals
+    from psring.report import render_table, summarize_all
+    from psring.runtime.launch import launch
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise ConfigError("psring launch needs the command each worker runs, after --: "
+                          "psring launch --strategy ps --workers 2 -- python train.py")
+    if command[0] in ("python", "python3"):
+        # the interpreter psring runs in (its venv's), whatever PATH says first
+        command = [sys.executable, *command[1:]]
+    cfg = config_from_args(args)
+    script_refusals(cfg)
+    print(f"psring: launching {cfg.workers} worker(s) of {cfg.strategy}: "
+          f"{' '.join(command)}", file=sys.stderr)
+    run_dir = launch(cfg, progress=_progress_printer(cfg.steps * cfg.workers),
+                     command=command)
     print(render_table(summarize_all([str(run_dir)])))
     print(f"run directory: {run_dir}")
     return 0
@@ -254,6 +282,23 @@ def _add_run(sub) -> None:
     run.set_defaults(func=_cmd_run)
 
 
+def _add_launch(sub) -> None:
+    from psring.config import add_config_flags
+
+    la = sub.add_parser(
+        "launch", help="run your own training script as each worker (psring.init() "
+        "in it): psring launch --strategy ps --workers 2 -- python train.py ARGS",
+        description="Start the run's servers, emulated hosts and workers as psring run "
+        "does, each worker running COMMAND (a script that calls psring.init(); "
+        "docs/your-script.md), supervised (fail-stop, nothing left behind), into the "
+        "same run directory. psring run's flags set the run; the model's and data's "
+        "are the script's business.")
+    add_config_flags(la)
+    la.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                    help="what each worker runs, e.g. python train.py --epochs 2")
+    la.set_defaults(func=_cmd_launch)
+
+
 def _add_report(sub) -> None:
     rep = sub.add_parser("report", help="summarize run directories")
     rep.add_argument("dirs", nargs="+", metavar="DIR",
@@ -379,8 +424,8 @@ def _add_strategies(sub) -> None:
 
 
 #: the subcommands, in the order --help lists them
-SUBCOMMANDS = (_add_run, _add_report, _add_merge, _add_sweep, _add_calibrate, _add_compare,
-               _add_trace, _add_server, _add_models, _add_profile, _add_advise,
+SUBCOMMANDS = (_add_run, _add_launch, _add_report, _add_merge, _add_sweep, _add_calibrate,
+               _add_compare, _add_trace, _add_server, _add_models, _add_profile, _add_advise,
                _add_strategies)
 
 

@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from psring.errors import ConfigError, PsringError
+from psring.runtime import launch
 
 if TYPE_CHECKING:  # (imported where used: it imports torch)
     from psring.library.sampler import GlobalBatchSampler
 
-#: the run's flags (a JSON list) that ``psring launch`` gives each process it starts
-ENV = "PSRING_RUN_ARGS"
+#: the run's flags that ``psring launch`` gives each process it starts (a JSON list)
+ENV = launch.ENV
 
 
 def init(strategy: str | None = None, **settings: Any) -> Distributed:
@@ -90,12 +91,10 @@ def _config(strategy: str | None, settings: dict[str, Any]):
         os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
     cfg = RunConfig(**{**settings, "workers": world})
     if not cfg.out:
-        from psring.runtime.launch import default_out
-
         if world > 1:
             raise ConfigError("under torchrun each host writes its workers' records to a "
                               "run directory: pass psring.init(..., out=DIR).")
-        cfg = cfg.replace(out=default_out(cfg))
+        cfg = cfg.replace(out=launch.default_out(cfg))
     return cfg
 
 
@@ -199,7 +198,8 @@ class Distributed:
         length = dataset if isinstance(dataset, int) else len(dataset)
         uneven = self.cfg.worker_batches if self.cfg.worker_batch else None
         self.samples = length
-        self.batch_size = batch_size
+        if not uneven:  # the global batch is the script's (reports count samples by it)
+            self.cfg = self.ctx.cfg = self.cfg.replace(batch_size=batch_size)
         return GlobalBatchSampler(length, batch_size, self.rank, self.world, self.steps,
                                   seed=seed, shuffle=shuffle, uneven=uneven)
 

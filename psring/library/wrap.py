@@ -14,6 +14,9 @@ site to choose. Elsewhere the script's own optimizer steps on every worker.
 
 from __future__ import annotations
 
+import sys
+import types
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,7 +71,7 @@ def server_sgd(optimizer: Any, model: nn.Module, cfg) -> dict[str, float]:
            f"--update-on worker, for this optimizer")
     if not isinstance(optimizer, (torch.optim.SGD, SGD)):
         raise ConfigError(f"{cfg.strategy}'s servers apply SGD (lr, momentum, weight "
-                          f"decay); the optimizer is a {type(optimizer).__name__}{fix}.")
+                          f"decay); the optimizer is {type(optimizer).__name__}{fix}.")
     if len(optimizer.param_groups) != 1:
         raise ConfigError(f"{cfg.strategy}'s servers apply one lr to every parameter; the "
                           f"optimizer has {len(optimizer.param_groups)} parameter "
@@ -168,7 +171,7 @@ def _drive(optimizer: Any, dist) -> None:
     dist.wrap keeps working with it)."""
     inner = _Inner(optimizer, optimizer.step)
 
-    def step(closure: Any = None) -> None:
+    def step(self: Any, closure: Any = None) -> None:
         if closure is not None:
             raise PsringError("optimizer.step(closure) re-evaluates the model, which a "
                               "strategy's communication cannot repeat: call step() "
@@ -191,7 +194,8 @@ def _drive(optimizer: Any, dist) -> None:
                 f"--update-on worker where the strategy has it (byteps), or allreduce.")
         finish_backward(dist, _scope(dist, "optimizer.synchronize()"))
 
-    optimizer.step = step
+    # bound methods, as a scheduler expects (it wraps step.__func__ to count calls)
+    optimizer.step = types.MethodType(step, optimizer)
     optimizer.synchronize = synchronize
 
 
@@ -256,11 +260,13 @@ def write_script_manifest(dist) -> None:
 
     flops = _flops_per_sample(dist)
     data = {"kind": "script", "samples": getattr(dist, "samples", None),
-            "batch_size": getattr(dist, "batch_size", None),
             "inputs": [list(s) for s, _ in dist.input_shapes or []]}
-    atomic_write_json(dist.run_dir / MANIFEST, run_facts(
-        dist.cfg, dist.model, dist.strategy_cls, dist.threads, flops, data,
-        launch={**dist.launch.describe(), "script": True}, per_host=dist.ctx.local_world))
+    facts = run_facts(dist.cfg, dist.model, dist.strategy_cls, dist.threads, flops, data,
+                      launch=dist.launch.describe(), per_host=dist.ctx.local_world)
+    # the model is the script's, not --model's (which it never read)
+    facts["config"]["model"] = f"script {Path(sys.argv[0]).name}"
+    facts["script"] = [Path(sys.argv[0]).name, *sys.argv[1:]]
+    atomic_write_json(dist.run_dir / MANIFEST, facts)
 
 
 def _flops_per_sample(dist) -> float | None:

@@ -150,9 +150,10 @@ def warmup_steps(steps: int) -> int:
 
 
 def read_evals(run_dir: Path) -> list[dict]:
-    """evals.jsonl by step; a resumed run may have evaluated a step twice (before the
-    crash and after the resume): the later record counts."""
-    by_step = {e["step"]: e for e in read_steps(run_dir, EVALS)}
+    """evals.jsonl by step, those with a held-out ``accuracy`` (a script's run may log
+    other metrics: psring.library); a resumed run may have evaluated a step twice
+    (before the crash and after the resume): the later record counts."""
+    by_step = {e["step"]: e for e in read_steps(run_dir, EVALS) if "accuracy" in e}
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -107,7 +107,8 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     # a step's time: when its last worker finished it
     row["curve"] = [] if row["timing_only"] else [
         (s, max(r["time"] for r in by_step[s]) - start,
-         st.fmean(r["loss"] for r in by_step[s])) for s in steps]
+         st.fmean(r["loss"] for r in by_step[s])) for s in steps
+        if all(r["loss"] is not None for r in by_step[s])]  # (a script's may not say)
     row["staleness"] = [r["staleness"] for r in records if "staleness" in r]
     row["evals"] = sorted(read_evals(run_dir), key=lambda e: e["step"])
     row["accuracy_final"] = row["evals"][-1]["accuracy"] if row["evals"] else None

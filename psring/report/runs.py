@@ -111,8 +111,9 @@ def _losses(records: list[dict], last_step: int,
     """The workers' losses at the first step and at the last; none when timing only."""
     if timing_only:  # --compute device: its losses are of made-up gradients
         return [], []
-    return ([r["loss"] for r in records if r["step"] == 0],
-            [r["loss"] for r in records if r["step"] == last_step])
+    # (a script's step may not say its loss: psring.library's s.loss)
+    return ([r["loss"] for r in records if r["step"] == 0 and r["loss"] is not None],
+            [r["loss"] for r in records if r["step"] == last_step and r["loss"] is not None])
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:

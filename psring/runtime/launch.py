@@ -43,6 +43,10 @@ from psring.runtime.process import (
     worker_threads,
 )
 
+#: the run's flags (a JSON list) that ``psring launch`` gives each process it starts, which
+#: ``psring.init()`` reads (psring.library)
+ENV = "PSRING_RUN_ARGS"
+
 #: RunConfig's default rendezvous address
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
@@ -150,8 +154,12 @@ def prepare(cfg: RunConfig) -> tuple[str, int]:
     return out, port
 
 
-def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
-    argv = [sys.executable, "-m", "psring.workers", *cfg.to_argv()]
+def worker_specs(cfg: RunConfig, command: list[str] | None = None) -> list[ProcessSpec]:
+    """One process per worker: psring's own (``python -m psring.workers``), or a user's
+    ``command`` (psring launch), which reads the run's flags from the environment
+    (psring.library.ENV) in ``psring.init()``."""
+    argv = command or [sys.executable, "-m", "psring.workers", *cfg.to_argv()]
+    script = {ENV: json.dumps(cfg.to_argv()), "PYTHONUNBUFFERED": "1"} if command else {}
     specs = []
     for rank in range(cfg.workers):
         local_rank, local_world = cfg.cluster.local_ranks(rank)
@@ -159,7 +167,7 @@ def worker_specs(cfg: RunConfig) -> list[ProcessSpec]:
                "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": cfg.master_addr,
                "MASTER_PORT": str(cfg.master_port),
                # Before torch is imported, so its thread pools are sized right from start.
-               "OMP_NUM_THREADS": str(worker_threads(cfg, cfg.workers))}
+               "OMP_NUM_THREADS": str(worker_threads(cfg, cfg.workers)), **script}
         specs.append(ProcessSpec(f"worker-{rank}", argv, env))
     return specs
 
@@ -211,10 +219,11 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[Pr
     return {"server_addrs": ",".join(addrs), "transport": "auto"}, specs
 
 
-def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Path:
+def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None,
+           command: list[str] | None = None) -> Path:
     """Run ``cfg`` to completion, restarting it from its last checkpoint when a process
     dies (--max-restarts, psring.runtime.faults); return its run directory. Raises
-    RunFailed."""
+    RunFailed. ``command``: each worker runs it, a user's script (psring launch)."""
     cfg = validate(cfg)  # (once per config: psring run has validated it already)
     _check_emulated(cfg)
     # (imported here: psring.train.device imports torch, and psring --help reaches this module)
@@ -226,7 +235,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
     fired: set[faults.Fault] = set()
     for attempt in range(cfg.max_restarts + 1):
         try:
-            return _launch_once(cfg, progress, fired)
+            return _launch_once(cfg, progress, fired, command)
         except RunFailed as e:
             interrupted = e.exit_code in (130, 143)  # the user stopped it: no fault
             try:
@@ -242,7 +251,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -
 
 
 def _launch_once(cfg: RunConfig, progress: Callable[[int, int], None] | None,
-                 fired: set[faults.Fault]) -> Path:
+                 fired: set[faults.Fault], command: list[str] | None = None) -> Path:
     """One attempt at the run: its directory prepared, its processes run to the end."""
     out, port = prepare(cfg)
     run_dir = Path(out)
@@ -266,7 +275,7 @@ def _launch_once(cfg: RunConfig, progress: Callable[[int, int], None] | None,
     cfg = placed.replace(**reach) if reach else placed
     ticker = _Progress(progress, run_dir / STEPS, cfg.steps * cfg.workers)
     injector = faults.Injector(faults.planned(cfg), run_dir, fired)
-    _supervise(cfg, run_dir, net, services, ticker, injector)
+    _supervise(cfg, run_dir, net, services, ticker, injector, command)
     ticker.report()
     if cfg.trace:
         from psring.records.trace import write_trace
@@ -309,7 +318,7 @@ class _Progress:
 
 
 def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Progress,
-               injector: faults.Injector) -> None:
+               injector: faults.Injector, command: list[str] | None = None) -> None:
     """Start the cluster, the services and the workers under one supervisor and wait for
     them: fail-stop on the first failure, every process stopped whatever happens, the
     strategy's leftovers (shared memory) cleaned up. Each tick places the faults due."""
@@ -327,7 +336,7 @@ def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Prog
     with _signals_raise():
         try:
             net.start(sup)
-            for spec in services + worker_specs(cfg):
+            for spec in services + worker_specs(cfg, command):
                 sup.start(net.place(spec))
             sup.wait(tick)
         except RunFailed as e:

@@ -1,0 +1,76 @@
+"""A user's training script for the tests of psring.library (tests/multiproc/
+test_script_runs.py): a regression with its own loss (mean squared error, no classes),
+its own DataLoader, and options that exercise what a strategy can and cannot drive.
+
+    psring launch --strategy ps --workers 2 --steps 8 --out DIR -- \\
+        python tests/helpers/script_train.py [--optimizer adam] [--clip 1] [--schedule]
+    python tests/helpers/script_train.py --alone DIR      # psring.init(strategy="single")
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import psring
+
+
+def data(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 16, generator=g)
+    w = torch.randn(16, 1, generator=g)
+    return TensorDataset(x, torch.tanh(x @ w) + 0.1 * torch.randn(512, 1, generator=g))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--alone", default="", help="run alone (single) into this directory")
+    ap.add_argument("--steps", type=int, default=8, help="(alone) steps")
+    ap.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--schedule", action="store_true", help="a StepLR schedule")
+    ap.add_argument("--fail-rank", type=int, default=-1, help="this rank exits 3 at step 2")
+    ap.add_argument("--batch-size", type=int, default=32)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    dist = (psring.init(strategy="single", steps=args.steps, out=args.alone)
+            if args.alone else psring.init())
+    ds = data()
+    loader = DataLoader(ds, batch_sampler=dist.sampler(ds, args.batch_size, seed=3))
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    optimizer = (torch.optim.Adam(model.parameters(), lr=0.01) if args.optimizer == "adam"
+                 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, optimizer = dist.wrap(model, optimizer)
+    schedule = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+                if args.schedule else None)
+    held_x, held_y = ds.tensors
+    dist.evaluate(0, lambda m: {"mse": nn.functional.mse_loss(m(held_x), held_y).item()})
+    for step, (x, y) in enumerate(loader):
+        if step == 2 and dist.rank == args.fail_rank:
+            print("failing on purpose", file=sys.stderr)
+            return 3
+        with dist.step(step) as s:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if args.clip:
+                optimizer.synchronize()
+                nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            s.loss = loss
+        if schedule is not None:
+            schedule.step()
+    with torch.no_grad():
+        dist.evaluate(dist.steps, lambda m: {"mse": nn.functional.mse_loss(
+            m(held_x), held_y).item()})
+    dist.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""A user's own training script (tests/helpers/script_train.py: a regression, its own
+loss and DataLoader) under psring launch: every synchronous strategy ends with the
+parameters of the same script run alone; what a strategy cannot drive is refused by
+name; a worker that fails stops the run, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import assert_no_processes, load_model, max_rel_diff, psring
+from tests.helpers.runs import PSRING, TESTS, psring_together, read_steps
+
+SCRIPT = ["--", "python", str(TESTS / "helpers" / "script_train.py")]
+STEPS = ("--steps", "8")
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    out = tmp_path_factory.mktemp("script") / "alone"
+    subprocess.run([sys.executable, str(TESTS / "helpers" / "script_train.py"), "--alone",
+                    str(out)], check=True, timeout=120, capture_output=True)
+    return out
+
+
+def _launch(strategy: str, out, *extra: str) -> list:
+    return ["launch", "--strategy", strategy, "--workers", "2", *STEPS, *extra,
+            "--out", out, *SCRIPT]
+
+
+@pytest.mark.timeout(240)
+def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_path, alone):
+    runs = {"allreduce": ("allreduce",), "ps": ("ps", "--servers", "2"),
+            "byteps": ("byteps", "--update-on", "worker"), "ddp": ("ddp",),
+            "uneven": ("allreduce", "--batch-size", "32", "--worker-batch", "8,24")}
+    psring_together(*[_launch(args[0], tmp_path / name, *args[1:])
+                      for name, args in runs.items()], timeout=220)
+    reference = load_model(alone)
+    for name in runs:
+        out = tmp_path / name
+        assert max_rel_diff(load_model(out), reference) < 1e-4, name
+        steps = read_steps(out)
+        assert sorted((r["worker"], r["step"]) for r in steps) == \
+            [(w, s) for w in (0, 1) for s in range(8)]
+        for r in steps:  # the phases are laps of one clock
+            parts = sum(r[p] for p in ("data_s", "forward_s", "backward_s", "comm_s",
+                                       "update_s"))
+            assert parts == pytest.approx(r["step_s"], abs=2e-4), (name, r)
+            assert r["loss"] > 0
+        evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in evals] == [0, 8] and evals[1]["mse"] < evals[0]["mse"]
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["config"]["model"] == "script script_train.py"
+        assert manifest["flops_per_sample"] > 0
+    assert_no_processes(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_clipping_and_a_schedule_run_where_the_workers_update(tmp_path):
+    a, b = tmp_path / "clip", tmp_path / "sched"
+    psring_together(_launch("allreduce", a) + ["--clip", "0.05"],
+                    _launch("byteps", b, "--update-on", "worker") + ["--schedule",
+                                                                    "--optimizer", "adam"],
+                    timeout=110)
+    assert len(read_steps(a)) == len(read_steps(b)) == 16
+    assert_no_processes(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_what_the_servers_cannot_do_is_refused_by_name(tmp_path):
+    cases = {"adam": (["--optimizer", "adam"],
+                      "the optimizer is Adam; ps updates only on its servers"),
+             "clip": (["--clip", "1"],
+                      "optimizer.synchronize(): ps sums the gradients on its servers"),
+             "schedule": (["--schedule"], "lr 0.1 -> 0.05; an LR scheduler?")}
+    procs = {name: subprocess.Popen([*PSRING, *map(str, _launch("ps", tmp_path / name)),
+                                     *extra], stderr=subprocess.PIPE, text=True)
+             for name, (extra, _) in cases.items()}
+    for name, (_, says) in cases.items():
+        _, err = procs[name].communicate(timeout=100)
+        assert procs[name].returncode == 1, err
+        assert says in err
+    assert_no_processes(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_fails_stops_the_run(tmp_path):
+    out = tmp_path / "run"
+    proc = psring(*_launch("allreduce", out, "--timeout", "60"), "--fail-rank", "1",
+                  check=False, timeout=110)
+    assert proc.returncode != 0
+    assert "worker-1 failed (exit code 3)" in proc.stderr
+    assert "failing on purpose" in proc.stderr
+    assert_no_processes(out)
+
+
+@pytest.mark.timeout(60)
+def test_launch_without_a_command_or_with_what_scripts_lack_is_refused(tmp_path, capsys):
+    from psring.cli import main
+
+    for args, says in [([], "needs the command each worker runs"),
+                       (["--compute", "device", *SCRIPT], "--compute device"),
+                       (["--checkpoint-every", "2", *SCRIPT], "--checkpoint-every")]:
+        code = main(["launch", "--strategy", "allreduce", "--out", str(tmp_path / "x"), *args])
+        assert code == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "x" / "steps.jsonl").exists()
