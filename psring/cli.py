@@ -64,15 +64,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from psring.report import render_table, summarize_all
     from psring.runtime.launch import launch
 
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
+    command = _script_command(args.command)
     if not command:
         raise ConfigError("psring launch needs the command each worker runs, after --: "
                           "psring launch --strategy ps --workers 2 -- python train.py")
-    if command[0] in ("python", "python3"):
-        # the interpreter psring runs in (its venv's), whatever PATH says first
-        command = [sys.executable, *command[1:]]
     cfg = config_from_args(args)
     script_refusals(cfg)
     print(f"psring: launching {cfg.workers} worker(s) of {cfg.strategy}: "
@@ -82,6 +77,15 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     print(render_table(summarize_all([str(run_dir)])))
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _script_command(words: list[str]) -> list[str]:
+    """The command after ``--`` (none: []); a leading ``python`` is the interpreter
+    psring runs in (its venv's), whatever PATH says first."""
+    command = list(words[1:] if words[:1] == ["--"] else words)
+    if command[:1] in (["python"], ["python3"]):
+        command = [sys.executable, *command[1:]]
+    return command
 
 
 def _progress_printer(total: int):
@@ -233,8 +237,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     paper = {k: getattr(args, k) for k in PAPER_FLAGS}
     flags = {k: v for k, v in vars(args).items()
-             if k not in ("func", "argv", "command", "out", "on_paper", "host_copy",
+             if k not in ("func", "argv", "command", "out", "on_paper", "host_copy", "script",
                           *PAPER_FLAGS) and v is not None}
+    script = _script_command(args.script)
     host_copy = load_host_copy(args.host_copy) if args.host_copy else None
     if args.out:
         flags["out"] = args.out
@@ -253,9 +258,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             or paper["source"] or paper["update_ms"]:
         raise ConfigError("--forward-ms, --backward-ms, --step-ms, --update-ms and --source "
                           "describe a device on paper: add --on-paper.")
-    print(f"psring: profiling {cfg.model} at batch {cfg.batch_size}, {cfg.steps} steps",
-          file=sys.stderr)
-    prof = take_profile(cfg)
+    what = " ".join(script) if script else f"{cfg.model} at batch {cfg.batch_size}"
+    print(f"psring: profiling {what}, {cfg.steps} steps", file=sys.stderr)
+    prof = take_profile(cfg, command=script)
     if host_copy is not None:
         prof.host_copy = host_copy
         prof.save(cfg.out)
@@ -409,6 +414,10 @@ def _add_profile(sub) -> None:
                     "rates between device and host (benchmarks/gpu_copy.py's JSON), kept in "
                     "the profile: the simulator and device mode charge a parameter "
                     "server's worker for copying each gradient out and parameter back")
+    pr.add_argument("script", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                    help="profile your own training script instead (one that calls "
+                    "psring.init(); docs/your-script.md): psring profile --steps 8 -- "
+                    "python train.py")
     pr.set_defaults(func=_cmd_profile)
 
 

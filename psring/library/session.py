@@ -47,10 +47,15 @@ def init(strategy: str | None = None, **settings: Any) -> Distributed:
     argument given must agree with it); under torchrun, or alone (one worker), the run
     the arguments describe (``strategy`` and any ``psring run`` setting by field name:
     ``out``, ``steps``, ``update_on``, ...)."""
+    import torch
+
     from psring.config import validate
 
-    cfg = validate(_config(strategy, settings))
-    return Distributed.start(cfg)
+    # the script's random numbers stay its own: validating a config builds psring's
+    # model on the meta device, seeded, and would reseed torch's generator
+    with torch.random.fork_rng(devices=[]):
+        cfg = validate(_config(strategy, settings))
+        return Distributed.start(cfg)
 
 
 def _config(strategy: str | None, settings: dict[str, Any]):

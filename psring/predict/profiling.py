@@ -29,10 +29,15 @@ def profile_config(**run_flags: Any):
     return RunConfig(**values)
 
 
-def take_profile(cfg) -> Profile:
+def take_profile(cfg, command: list[str] | None = None) -> Profile:
     """Run ``cfg`` (see :func:`profile_config`), then read and save its profile in the
-    run directory."""
-    run_dir = launch(cfg)
+    run directory. ``command``: a user's script to run instead of psring's loop
+    (psring.library; its model is the script's)."""
+    if command:
+        from psring.library.session import script_refusals
+
+        script_refusals(cfg)
+    run_dir = launch(cfg, command=command or None)
     prof = Profile.from_run(run_dir)
     prof.save(run_dir)
     return prof

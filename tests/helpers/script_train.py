@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     args = ap.parse_args()
 
-    torch.manual_seed(0)
+    torch.manual_seed(5)  # (psring.init must leave the script's generator as it was)
     dist = (psring.init(strategy="single", steps=args.steps, out=args.alone)
             if args.alone else psring.init())
     ds = data()

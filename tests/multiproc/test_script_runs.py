@@ -108,3 +108,38 @@ def test_launch_without_a_command_or_with_what_scripts_lack_is_refused(tmp_path,
         assert code == 2
         assert says in capsys.readouterr().err
     assert not (tmp_path / "x" / "steps.jsonl").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_profile_of_the_script_is_what_advise_reads(tmp_path):
+    from psring.predict.profile import Profile
+
+    out = tmp_path / "profile"
+    psring("profile", "--steps", "8", "--out", out, *SCRIPT, timeout=110)
+    prof = Profile.from_run(out)
+    # the script's model (16 -> 32 -> 1): its four tensors' bytes, not psring's mlp
+    assert prof.param_bytes == [16 * 32 * 4, 32 * 4, 32 * 4, 4]
+    assert prof.batch_size == 32 and all(t >= 0 for t in prof.ready_s)
+    assert (out / "profile.json").exists() and (out / "trace.json").exists()
+    assert_no_processes(out)
+
+
+@pytest.mark.timeout(120)
+def test_the_script_under_torchrun_trains_its_alone_model(tmp_path, alone):
+    import os
+    from pathlib import Path
+
+    from psring.runtime.process import free_port
+
+    out = tmp_path / "torchrun"
+    env = {**os.environ, "PSRING_RUN_ARGS": f"--strategy allreduce --steps 8 --threads 1 "
+                                            f"--timeout 30 --out {out}"}
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1", "--nproc-per-node",
+         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port("127.0.0.1")),
+         str(TESTS / "helpers" / "script_train.py")],
+        env=env, capture_output=True, text=True, timeout=110, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert max_rel_diff(load_model(out), load_model(alone)) < 1e-4
+    assert len(read_steps(out)) == 16
+    assert_no_processes(out)

@@ -89,3 +89,16 @@ def test_the_backward_clock_starts_at_the_first_output_gradients_flow_through():
     assert _first_grad_tensor(y) is y
     assert _first_grad_tensor({"aux": torch.ones(1), "out": [y]}) is y
     assert _first_grad_tensor((torch.ones(1),)) is None
+
+
+def test_init_leaves_the_scripts_random_numbers_alone(monkeypatch, tmp_path):
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", session.ENV):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    dist = session.init(strategy="single", steps=2, seed=4, out=str(tmp_path / "run"))
+    try:
+        assert torch.equal(torch.rand(3), expected)
+    finally:
+        dist.close()
