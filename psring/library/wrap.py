@@ -69,7 +69,7 @@ def server_sgd(optimizer: Any, model: nn.Module, cfg) -> dict[str, float]:
            "to run it on every worker" if "worker" in _sites(cfg) else
            f"; {cfg.strategy} updates only on its servers: use allreduce, or byteps "
            f"--update-on worker, for this optimizer")
-    if not isinstance(optimizer, (torch.optim.SGD, SGD)):
+    if not isinstance(optimizer, (torch.optim.SGD, SGD)):  # (psring's: torch's arithmetic)
         raise ConfigError(f"{cfg.strategy}'s servers apply SGD (lr, momentum, weight "
                           f"decay); the optimizer is {type(optimizer).__name__}{fix}.")
     if len(optimizer.param_groups) != 1:
@@ -274,7 +274,7 @@ def _flops_per_sample(dist) -> float | None:
     torch.utils.flop_counter counts them on one sample of the inputs the model saw,
     times 3 (backward about twice forward; a backward here would fire the strategy's
     gradient hooks). None before the model has seen an input."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from psring.train.models import flop_counter
 
     if not dist.input_shapes:
         return None
@@ -283,7 +283,7 @@ def _flops_per_sample(dist) -> float | None:
     training = dist.model.training
     dist.model.eval()
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), flop_counter() as counter:
             dist.model(*args)
     except Exception:  # noqa: BLE001 - a model that needs more than zeros: no count
         return None

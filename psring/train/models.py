@@ -127,16 +127,21 @@ def _skip_dynamo(mode_cls: Any) -> None:
         setattr(fn, "__dynamo_disable", fn)
 
 
+def flop_counter():
+    """A torch.utils.flop_counter.FlopCounterMode that does not import torch._dynamo."""
+    from torch.utils import flop_counter as fc
+
+    _skip_dynamo(getattr(fc, "_FlopCounterMode", None))
+    return fc.FlopCounterMode(display=False)
+
+
 def _counted_pass(model: nn.Module, inputs: Inputs, batch: int
                   ) -> tuple[int, int, list[int | None]]:
     """One forward and backward of ``batch`` example rows under torch.utils.flop_counter:
     (forward FLOPs, all FLOPs, for each trainable parameter the FLOPs counted when its
     gradient was ready, None if it never was). Leaves no gradients behind."""
-    from torch.utils import flop_counter
-
-    _skip_dynamo(getattr(flop_counter, "_FlopCounterMode", None))
     params = [p for p in model.parameters() if p.requires_grad]
-    counter = flop_counter.FlopCounterMode(display=False)
+    counter = flop_counter()
     at: list[int | None] = [None] * len(params)
 
     def ready(i: int) -> Callable[[torch.Tensor], None]:
