@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import assert_no_processes, load_model, max_rel_diff, psring
+from tests.helpers import assert_no_processes, load_model, max_rel_diff
 from tests.helpers.runs import PSRING, TESTS, psring_together, read_steps
 
 SCRIPT = ["--", "python", str(TESTS / "helpers" / "script_train.py")]
@@ -33,68 +33,69 @@ def _launch(strategy: str, out, *extra: str) -> list:
 
 @pytest.mark.timeout(240)
 def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_path, alone):
+    """(With them, at once: clipping and a schedule where the workers update, and a
+    profile of the script; each launch's start overlaps the others' steps.)"""
+    from psring.predict.profile import Profile
+
     runs = {"allreduce": ("allreduce",), "ps": ("ps", "--servers", "2"),
             "byteps": ("byteps", "--update-on", "worker"), "ddp": ("ddp",),
             "uneven": ("allreduce", "--batch-size", "32", "--worker-batch", "8,24")}
+    others = [_launch("allreduce", tmp_path / "clip") + ["--clip", "0.05"],
+              _launch("byteps", tmp_path / "sched", "--update-on", "worker")
+              + ["--schedule", "--optimizer", "adam"],
+              ["profile", "--steps", "8", "--out", tmp_path / "profile", *SCRIPT]]
     psring_together(*[_launch(args[0], tmp_path / name, *args[1:])
-                      for name, args in runs.items()], timeout=220)
+                      for name, args in runs.items()], *others, timeout=220)
     reference = load_model(alone)
     for name in runs:
         out = tmp_path / name
         assert max_rel_diff(load_model(out), reference) < 1e-4, name
-        steps = read_steps(out)
-        assert sorted((r["worker"], r["step"]) for r in steps) == \
-            [(w, s) for w in (0, 1) for s in range(8)]
-        for r in steps:  # the phases are laps of one clock
-            parts = sum(r[p] for p in ("data_s", "forward_s", "backward_s", "comm_s",
-                                       "update_s"))
-            assert parts == pytest.approx(r["step_s"], abs=2e-4), (name, r)
-            assert r["loss"] > 0
-        evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
-        assert [e["step"] for e in evals] == [0, 8] and evals[1]["mse"] < evals[0]["mse"]
-        manifest = json.loads((out / "manifest.json").read_text())
-        assert manifest["config"]["model"] == "script script_train.py"
-        assert manifest["flops_per_sample"] > 0
+        _check_records(out, name)
+    assert len(read_steps(tmp_path / "clip")) == len(read_steps(tmp_path / "sched")) == 16
+    prof = Profile.from_run(tmp_path / "profile")
+    # the script's model (16 -> 32 -> 1): its four tensors' bytes, not psring's mlp
+    assert prof.param_bytes == [16 * 32 * 4, 32 * 4, 32 * 4, 4]
+    assert prof.batch_size == 32 and all(t >= 0 for t in prof.ready_s)
+    assert (tmp_path / "profile" / "trace.json").exists()
     assert_no_processes(tmp_path)
 
 
-@pytest.mark.timeout(120)
-def test_clipping_and_a_schedule_run_where_the_workers_update(tmp_path):
-    a, b = tmp_path / "clip", tmp_path / "sched"
-    psring_together(_launch("allreduce", a) + ["--clip", "0.05"],
-                    _launch("byteps", b, "--update-on", "worker") + ["--schedule",
-                                                                    "--optimizer", "adam"],
-                    timeout=110)
-    assert len(read_steps(a)) == len(read_steps(b)) == 16
-    assert_no_processes(tmp_path)
+def _check_records(out, name: str) -> None:
+    """Every worker's steps recorded, phases that add up, evaluations, the manifest."""
+    steps = read_steps(out)
+    assert sorted((r["worker"], r["step"]) for r in steps) == \
+        [(w, s) for w in (0, 1) for s in range(8)]
+    for r in steps:  # the phases are laps of one clock
+        parts = sum(r[p] for p in ("data_s", "forward_s", "backward_s", "comm_s",
+                                   "update_s"))
+        assert parts == pytest.approx(r["step_s"], abs=2e-4), (name, r)
+        assert r["loss"] > 0
+    evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 8] and evals[1]["mse"] < evals[0]["mse"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["model"] == "script script_train.py"
+    assert manifest["flops_per_sample"] > 0
 
 
 @pytest.mark.timeout(120)
-def test_what_the_servers_cannot_do_is_refused_by_name(tmp_path):
-    cases = {"adam": (["--optimizer", "adam"],
+def test_what_the_servers_cannot_do_is_refused_and_a_failing_worker_stops_the_run(tmp_path):
+    cases = {"adam": (_launch("ps", tmp_path / "adam") + ["--optimizer", "adam"],
                       "the optimizer is Adam; ps updates only on its servers"),
-             "clip": (["--clip", "1"],
+             "clip": (_launch("ps", tmp_path / "clip") + ["--clip", "1"],
                       "optimizer.synchronize(): ps sums the gradients on its servers"),
-             "schedule": (["--schedule"], "lr 0.1 -> 0.05; an LR scheduler?")}
-    procs = {name: subprocess.Popen([*PSRING, *map(str, _launch("ps", tmp_path / name)),
-                                     *extra], stderr=subprocess.PIPE, text=True)
-             for name, (extra, _) in cases.items()}
+             "schedule": (_launch("ps", tmp_path / "schedule") + ["--schedule"],
+                          "lr 0.1 -> 0.05; an LR scheduler?"),
+             "fails": (_launch("allreduce", tmp_path / "fails", "--timeout", "60")
+                       + ["--fail-rank", "1"], "worker-1 failed (exit code 3)")}
+    procs = {name: subprocess.Popen([*PSRING, *map(str, args)], stderr=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, text=True)
+             for name, (args, _) in cases.items()}
     for name, (_, says) in cases.items():
         _, err = procs[name].communicate(timeout=100)
         assert procs[name].returncode == 1, err
-        assert says in err
+        assert says in err, err
+    assert "failing on purpose" in err  # (the failed worker's last lines)
     assert_no_processes(tmp_path)
-
-
-@pytest.mark.timeout(120)
-def test_a_worker_that_fails_stops_the_run(tmp_path):
-    out = tmp_path / "run"
-    proc = psring(*_launch("allreduce", out, "--timeout", "60"), "--fail-rank", "1",
-                  check=False, timeout=110)
-    assert proc.returncode != 0
-    assert "worker-1 failed (exit code 3)" in proc.stderr
-    assert "failing on purpose" in proc.stderr
-    assert_no_processes(out)
 
 
 @pytest.mark.timeout(60)
@@ -108,20 +109,6 @@ def test_launch_without_a_command_or_with_what_scripts_lack_is_refused(tmp_path,
         assert code == 2
         assert says in capsys.readouterr().err
     assert not (tmp_path / "x" / "steps.jsonl").exists()
-
-
-@pytest.mark.timeout(120)
-def test_a_profile_of_the_script_is_what_advise_reads(tmp_path):
-    from psring.predict.profile import Profile
-
-    out = tmp_path / "profile"
-    psring("profile", "--steps", "8", "--out", out, *SCRIPT, timeout=110)
-    prof = Profile.from_run(out)
-    # the script's model (16 -> 32 -> 1): its four tensors' bytes, not psring's mlp
-    assert prof.param_bytes == [16 * 32 * 4, 32 * 4, 32 * 4, 4]
-    assert prof.batch_size == 32 and all(t >= 0 for t in prof.ready_s)
-    assert (out / "profile.json").exists() and (out / "trace.json").exists()
-    assert_no_processes(out)
 
 
 @pytest.mark.timeout(120)
