@@ -68,11 +68,14 @@ def compare_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 
 #: folders whose tests run one at a time, after the others (``make test``'s second
 #: pytest): emulated clusters build network namespaces and shape links, and time what
-#: crosses them; a test running beside them on the 2 cores would skew what they measure
+#: crosses them; a test running beside them on the 2 cores would skew what they measure.
+#: A test there marked ``untimed`` (it compares parameters, not times or deadlines)
+#: runs with the others.
 SERIAL_FOLDERS = ("emulation",)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if Path(str(item.fspath)).parent.name in SERIAL_FOLDERS:
+        if Path(str(item.fspath)).parent.name in SERIAL_FOLDERS \
+                and item.get_closest_marker("untimed") is None:
             item.add_marker(pytest.mark.serial)

@@ -22,6 +22,7 @@ from tests.helpers import (
 )
 
 
+@pytest.mark.untimed  # (parameters compared, nothing timed)
 @needs_emulation
 @pytest.mark.slow
 @pytest.mark.timeout(300)

@@ -392,6 +392,7 @@ def test_gradients_cross_the_link_at_its_rate(tmp_path, strategy):
     assert medians["1gbit"] < 0.5 * medians["100mbit"], medians
 
 
+@pytest.mark.untimed  # (parameters compared, nothing timed)
 @needs_emulation
 @pytest.mark.slow
 @pytest.mark.timeout(300)

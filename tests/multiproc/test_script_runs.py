@@ -33,8 +33,9 @@ def _launch(strategy: str, out, *extra: str) -> list:
 
 @pytest.mark.timeout(240)
 def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_path, alone):
-    """(With them, at once: clipping and a schedule where the workers update, and a
-    profile of the script; each launch's start overlaps the others' steps.)"""
+    """(With them, at once: the script under torchrun, clipping and a schedule where
+    the workers update, and a profile of the script; each launch's start overlaps the
+    others' steps.)"""
     from psring.predict.profile import Profile
 
     runs = {"allreduce": ("allreduce",), "ps": ("ps", "--servers", "2"),
@@ -44,8 +45,12 @@ def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_p
               _launch("byteps", tmp_path / "sched", "--update-on", "worker")
               + ["--schedule", "--optimizer", "adam"],
               ["profile", "--steps", "8", "--out", tmp_path / "profile", *SCRIPT]]
+    torchrun = _torchrun(tmp_path / "torchrun")
     psring_together(*[_launch(args[0], tmp_path / name, *args[1:])
                       for name, args in runs.items()], *others, timeout=220)
+    _, err = torchrun.communicate(timeout=100)
+    assert torchrun.returncode == 0, err[-3000:]
+    runs["torchrun"] = ("allreduce",)  # (the same script under torchrun: 2 ranks)
     reference = load_model(alone)
     for name in runs:
         out = tmp_path / name
@@ -58,6 +63,23 @@ def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_p
     assert prof.batch_size == 32 and all(t >= 0 for t in prof.ready_s)
     assert (tmp_path / "profile" / "trace.json").exists()
     assert_no_processes(tmp_path)
+
+
+def _torchrun(out) -> subprocess.Popen:
+    """The script under torchrun (one node, two ranks, allreduce), started."""
+    import os
+    from pathlib import Path
+
+    from psring.runtime.process import free_port
+
+    env = {**os.environ, "PSRING_RUN_ARGS": f"--strategy allreduce --steps 8 --threads 1 "
+                                            f"--timeout 60 --out {out}"}
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1", "--nproc-per-node",
+         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port("127.0.0.1")),
+         str(TESTS / "helpers" / "script_train.py")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
 
 
 def _check_records(out, name: str) -> None:
@@ -109,24 +131,3 @@ def test_launch_without_a_command_or_with_what_scripts_lack_is_refused(tmp_path,
         assert code == 2
         assert says in capsys.readouterr().err
     assert not (tmp_path / "x" / "steps.jsonl").exists()
-
-
-@pytest.mark.timeout(120)
-def test_the_script_under_torchrun_trains_its_alone_model(tmp_path, alone):
-    import os
-    from pathlib import Path
-
-    from psring.runtime.process import free_port
-
-    out = tmp_path / "torchrun"
-    env = {**os.environ, "PSRING_RUN_ARGS": f"--strategy allreduce --steps 8 --threads 1 "
-                                            f"--timeout 30 --out {out}"}
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1", "--nproc-per-node",
-         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port("127.0.0.1")),
-         str(TESTS / "helpers" / "script_train.py")],
-        env=env, capture_output=True, text=True, timeout=110, start_new_session=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert max_rel_diff(load_model(out), load_model(alone)) < 1e-4
-    assert len(read_steps(out)) == 16
-    assert_no_processes(out)
