@@ -15,8 +15,8 @@ import sys
 import torch
 
 import psring
-from psring.train.optim import SGD
 from psring.train.models import loss_for
+from psring.train.optim import SGD
 from psring.train.workload import build_workload
 
 

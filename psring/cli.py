@@ -60,7 +60,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_launch(args: argparse.Namespace) -> int:
     forking.allow()  # (as psring run: a script's workers are forked from here)
     from psring.config import config_from_args
-    from psring.library.session import script_refusals
+    from psring.library.start import script_refusals
     from psring.report import render_table, summarize_all
     from psring.runtime.launch import launch
 

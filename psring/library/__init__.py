@@ -18,7 +18,7 @@ strategy around the model and optimizer, ``sampler`` deals out each global batch
 from psring._lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "init": "session", "launched": "session", "Distributed": "session",
-    "StepScope": "session", "ENV": "session",
+    "init": "start", "launched": "start", "ENV": "start",
+    "Distributed": "session", "StepScope": "session",
     "GlobalBatchSampler": "sampler",
 })

@@ -24,7 +24,6 @@ waits for it and applies the update where the strategy says (``--update-on``).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -32,111 +31,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from psring.errors import ConfigError, PsringError
-from psring.runtime import launch
+from psring.errors import PsringError
 
 if TYPE_CHECKING:  # (imported where used: it imports torch)
     from psring.library.sampler import GlobalBatchSampler
-
-#: the run's flags that ``psring launch`` gives each process it starts (a JSON list)
-ENV = launch.ENV
-
-
-def init(strategy: str | None = None, **settings: Any) -> Distributed:
-    """This process's worker of a run: under ``psring launch`` the run it started (any
-    argument given must agree with it); under torchrun, or alone (one worker), the run
-    the arguments describe (``strategy`` and any ``psring run`` setting by field name:
-    ``out``, ``steps``, ``update_on``, ...)."""
-    import torch
-
-    from psring.config import validate
-
-    # the script's random numbers stay its own: validating a config builds psring's
-    # model on the meta device, seeded, and would reseed torch's generator
-    with torch.random.fork_rng(devices=[]):
-        cfg = validate(_config(strategy, settings))
-        return Distributed.start(cfg)
-
-
-def _config(strategy: str | None, settings: dict[str, Any]):
-    from psring.config import RunConfig, config_from_args
-    from psring.runtime import rendezvous
-
-    if strategy is not None:
-        settings = {"strategy": strategy, **settings}
-    world = int(os.environ.get("WORLD_SIZE") or 1)
-    if launched():
-        cfg = config_from_args(_parse_flags(os.environ[ENV]),
-                               **({"workers": world} if rendezvous.under_torchrun() else {}))
-        _agree(cfg, settings)
-        if not cfg.out:
-            raise ConfigError(f"under torchrun each host writes its workers' records to a "
-                              f"run directory: add --out DIR to {ENV}.")
-        return cfg
-    if not settings and not rendezvous.under_torchrun():
-        raise ConfigError(
-            "psring.init() was called outside a launch and without arguments: start the "
-            "script with `psring launch --strategy S --workers N -- python SCRIPT`, under "
-            "torchrun with psring.init(strategy=..., out=DIR), or alone with "
-            "psring.init(strategy='single').")
-    unknown = sorted(set(settings) - set(RunConfig.__dataclass_fields__))
-    if unknown:
-        raise ConfigError(f"psring.init() takes psring run's settings by field name; "
-                          f"{', '.join(unknown)} is not one (psring run --help lists them, "
-                          f"--batch-size as batch_size).")
-    if settings.get("workers", world) != world:
-        raise ConfigError(f"psring.init(workers={settings['workers']}) in a process of a "
-                          f"launch of {world}; start N workers with `psring launch "
-                          f"--workers N -- python SCRIPT` (or torchrun --nproc-per-node N).")
-    if not rendezvous.under_torchrun() and world == 1:
-        # alone: the process group (allreduce of one) meets itself on loopback
-        from psring.runtime.process import free_port
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
-    cfg = RunConfig(**{**settings, "workers": world})
-    if not cfg.out:
-        if world > 1:
-            raise ConfigError("under torchrun each host writes its workers' records to a "
-                              "run directory: pass psring.init(..., out=DIR).")
-        cfg = cfg.replace(out=launch.default_out(cfg))
-    return cfg
-
-
-def launched() -> bool:
-    """Whether this process was given a run's flags: by psring launch, or by the user
-    under torchrun (``PSRING_RUN_ARGS="--strategy allreduce --out runs/x" torchrun ...``)."""
-    return bool(os.environ.get(ENV))
-
-
-def _parse_flags(text: str):
-    """The run's flags as psring launch writes them (a JSON list) or a user does (a
-    shell-quoted string), parsed as psring run parses its own."""
-    import argparse
-    import shlex
-
-    from psring.config import add_config_flags
-
-    argv = json.loads(text) if text.lstrip().startswith("[") else shlex.split(text)
-    parser = argparse.ArgumentParser(prog=f"{ENV}", exit_on_error=False)
-    add_config_flags(parser)
-    try:
-        return parser.parse_args(argv)
-    except (argparse.ArgumentError, SystemExit) as e:
-        raise ConfigError(f"{ENV} holds flags psring run does not take ({e}): "
-                          f"{text[:200]}") from None
-
-
-def _agree(cfg, settings: dict[str, Any]) -> None:
-    """Under psring launch the launch's flags set the run; an argument of the script's
-    that says otherwise is refused rather than silently overruled."""
-    for name, value in settings.items():
-        if getattr(cfg, name, value) != value:
-            raise ConfigError(
-                f"psring.init({name}={value!r}) disagrees with the launch's "
-                f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: psring launch sets "
-                f"the run; drop the argument, or pass the flag to psring launch.")
-
 
 class Distributed:
     """A worker of the run: the sampler, wrap, step, evaluate and finish that a script
@@ -161,7 +59,12 @@ class Distributed:
         self.timer = None
         self.current: StepScope | None = None
         self.closed = False
-        self.input_shapes: list | None = None
+        self.done = 0  # steps recorded: the next step's number
+        self.paused = False  # inside dist.no_sync()
+        self.broken = ""  # why no step may follow (one failed half-way)
+        #: the inputs the model first saw: ([(shape, dtype)], {name: (shape, dtype)})
+        self.inputs: tuple | None = None
+        self.weight: float | None = None  # --worker-batch's weight of this worker
 
     @classmethod
     def start(cls, cfg) -> Distributed:
@@ -171,7 +74,6 @@ class Distributed:
         from psring.strategies import STRATEGIES
         from psring.workers import entry
 
-        script_refusals(cfg)
         rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
         local_world = _env_int("LOCAL_WORLD_SIZE", cfg.workers)
         prefix = f"[worker {rank}/{cfg.workers}]"
@@ -202,9 +104,10 @@ class Distributed:
 
         length = dataset if isinstance(dataset, int) else len(dataset)
         uneven = self.cfg.worker_batches if self.cfg.worker_batch else None
-        self.samples = length
-        if not uneven:  # the global batch is the script's (reports count samples by it)
-            self.cfg = self.ctx.cfg = self.cfg.replace(batch_size=batch_size)
+        if not hasattr(self, "samples"):  # (the first sampler's: the training set's)
+            self.samples = length
+            if not uneven:  # the global batch is the script's (reports count by it)
+                self.cfg = self.ctx.cfg = self.cfg.replace(batch_size=batch_size)
         return GlobalBatchSampler(length, batch_size, self.rank, self.world, self.steps,
                                   seed=seed, shuffle=shuffle, uneven=uneven)
 
@@ -222,15 +125,29 @@ class Distributed:
     # -- steps -----------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[StepScope]:
-        """One optimizer step: begins it (a PS pull), lets the script compute, and once
-        the wrapped optimizer has stepped writes its steps.jsonl record."""
+        """One optimizer step: begins it (a PS pull), lets the script compute, and at
+        its end finishes its communication (if optimizer.step() did not: a skipped
+        update) and writes its steps.jsonl record."""
         scope = self._begin(step)
         try:
             yield scope
-        except BaseException:
+            self._end(scope)
+        except BaseException as e:
             self.current = None
+            self.broken = f"dist.step({step}) failed half-way ({type(e).__name__})"
             raise
-        self._end(scope)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches whose gradients only accumulate: every backward of a step but
+        the last runs inside it (the strategy's own no_sync: its buckets paused, DDP's
+        reducer off)."""
+        with self.strategy.no_sync():
+            self.paused = True
+            try:
+                yield
+            finally:
+                self.paused = False
 
     def _begin(self, step: int) -> StepScope:
         if self.strategy is None:
@@ -239,10 +156,15 @@ class Distributed:
         if self.current is not None:
             raise PsringError(f"dist.step({step}) inside dist.step({self.current.step}): "
                               f"one step at a time.")
-        if not 0 <= step < self.steps:
-            raise PsringError(f"dist.step({step}): the run has {self.steps} steps "
-                              f"(0..{self.steps - 1}); set another number with psring "
-                              f"launch --steps N (or psring.init(steps=N)).")
+        if self.broken:
+            raise PsringError(f"{self.broken}: its communication is not finished, so no "
+                              f"step can follow; let the error end the script.")
+        if step != self.done or step >= self.steps:
+            raise PsringError(
+                f"dist.step({step}): the run's steps are numbered 0..{self.steps - 1} in "
+                f"order, and {self.done} is next (count one global step across epochs; "
+                f"psring launch --steps N, or psring.init(steps=N), sets how many).")
+        self.launch.stage("training", step)
         self.clock.begin(self.carried)
         self.timer.lap("data_s")
         self.strategy.begin_step(step).wait()
@@ -251,16 +173,19 @@ class Distributed:
         return scope
 
     def _end(self, scope: StepScope) -> None:
+        from psring.library.wrap import finish_backward
         from psring.workers.loop import step_record
 
+        finish_backward(self, scope)  # (done, unless optimizer.step() was skipped)
         self.current = None
-        if not scope.stepped:
-            raise PsringError(f"dist.step({scope.step}) ended without optimizer.step(): "
-                              f"call the optimizer dist.wrap returned inside the step.")
+        scope.timer.lap("update_s")  # (what followed the update: zero_grad, say)
         loss = None if scope.loss is None else float(_plain(scope.loss))
-        self.steps_log.write(step_record(self.ctx, self.strategy, scope.timer, scope.step,
-                                         loss, self.grads))
-        self.launch.stage("training", scope.step)
+        record = step_record(self.ctx, self.strategy, scope.timer, scope.step, loss,
+                             self.grads)
+        if not scope.stepped:  # (GradScaler found inf: where the workers update, none)
+            record["updated"] = False
+        self.steps_log.write(record)
+        self.launch.stage("between steps", scope.step, waiting=False)
         self.carried = 0.0
         self.timer = self._new_timer()
         self.done = scope.step + 1
@@ -281,6 +206,7 @@ class Distributed:
 
         if self.model is None or self.current is not None:
             raise PsringError("dist.evaluate() goes between steps, after dist.wrap().")
+        self.launch.stage("evaluating", waiting=False)
         t = now()
         target = self.strategy.eval_model(self.model)
         fetch = now() - t  # the next step would have waited for it: its communication
@@ -288,6 +214,10 @@ class Distributed:
         with self.clock.paused():
             t = now()
             metrics = dict(fn(target))
+            taken = sorted({"step", "train_s", "eval_s", "time"} & set(metrics))
+            if taken:
+                raise PsringError(f"dist.evaluate(): the metric name(s) {', '.join(taken)} "
+                                  f"are the record's own; call them something else.")
             if self.evals is not None:
                 self.evals.write({"step": done, "train_s": round(train_s, 6),
                                   **{k: _plain(v) for k, v in metrics.items()},
@@ -307,6 +237,12 @@ class Distributed:
             return self.run_dir
         try:
             if self.strategy is not None:
+                if self.done != self.steps:
+                    raise PsringError(
+                        f"dist.finish() after {self.done} of the run's {self.steps} steps: "
+                        f"a strategy ends on its last step (its servers' last pull, "
+                        f"gather); pass --steps {self.done} to psring launch (or "
+                        f"psring.init(steps={self.done})), or run them all.")
                 save_final(self)
         finally:
             self.close()
@@ -314,17 +250,18 @@ class Distributed:
 
     def close(self) -> None:
         """Release everything (called by finish; also safe after a failure)."""
+        from psring.runtime import rendezvous
         from psring.workers import entry
 
         if self.closed:
             return
         self.closed = True
-        if self.evals is not None:
-            self.evals.close()
-        entry.teardown(self.steps_log, self.strategy, self.model)
-        from psring.runtime import rendezvous
-
-        rendezvous.current().close()
+        try:
+            if self.evals is not None:
+                self.evals.close()
+            entry.teardown(self.steps_log, self.strategy, self.model)
+        finally:
+            rendezvous.current().close()
 
     def __enter__(self) -> Distributed:
         return self
@@ -338,30 +275,17 @@ class Distributed:
 
 class StepScope:
     """What ``with dist.step(step) as s`` gives: ``s.loss = loss`` puts this worker's
-    loss into the step's record."""
+    loss into the step's record. The rest is the step's state (psring.library.hooks,
+    psring.library.wrap)."""
 
     def __init__(self, step: int, timer):
         self.step, self.timer = step, timer
         self.loss = None
-        self.stepped = False
-        self.synchronized = False
-
-
-def script_refusals(cfg) -> None:
-    """What psring's own loop does that a script's run cannot: refused by name (psring
-    launch before anything starts, psring.init in each worker)."""
-    if cfg.compute == "device":
-        raise ConfigError("--compute device times psring's own models from their "
-                          "profiles; a script's model has none: drop --compute device "
-                          "(your script computes for real).")
-    if cfg.accumulate != 1:
-        raise ConfigError("--accumulate belongs to psring's own loop; in your script, "
-                          "accumulate micro-batches inside one dist.step (use "
-                          "model.no_sync() where the strategy has it).")
-    if cfg.checkpoint_every or cfg.resume or cfg.max_restarts:
-        raise ConfigError("--checkpoint-every, --resume and --max-restarts restart "
-                          "psring's own loop from its checkpoints; a script's run has "
-                          "none yet: drop them.")
+        self.stepped = False  # optimizer.step() ran
+        self.synchronized = False  # the step's communication is finished
+        self.in_backward = False
+        self.sending_backwards = 0  # backwards outside dist.no_sync()
+        self.weighed = False  # a gradient came back through the wrapped module's output
 
 
 def _plain(v: Any) -> Any:

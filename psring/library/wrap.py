@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from psring.errors import ConfigError, PsringError
+from psring.library.hooks import StepHooks
 
 
 def wrap(dist, model: nn.Module, optimizer: Any):
@@ -32,12 +33,12 @@ def wrap(dist, model: nn.Module, optimizer: Any):
     ctx, caps = dist.ctx, dist.strategy_cls.caps
     model.to(ctx.device)
     on_server = not caps.local_optimizer(dist.cfg.update_on)
+    if optimizer is None:
+        raise ConfigError("dist.wrap(model, optimizer) takes the optimizer too: its "
+                          "step() is where the strategy finishes and applies the update.")
     if on_server:
         dist.cfg = ctx.cfg = dist.cfg.replace(**server_sgd(optimizer, model, dist.cfg))
         dist.server_sgd = _hyper(optimizer.param_groups[0])
-    elif optimizer is None:
-        raise ConfigError(f"{dist.cfg.strategy} updates the parameters on every worker: "
-                          f"pass dist.wrap(model, optimizer).")
     _make_equal(model)
     dist.strategy = strategy = dist.strategy_cls(ctx)
     dist.launch.stage(f"setting up {dist.cfg.strategy}")
@@ -45,14 +46,12 @@ def wrap(dist, model: nn.Module, optimizer: Any):
     dist.model, dist.module, dist.on_server = model, module, on_server
     cuda = ctx.device.type == "cuda"
     dist.sync = torch.cuda.current_stream(ctx.device).synchronize if cuda else (lambda: None)
-    dist.grads = (GradientClock(model, cuda=cuda)
-                  if caps.syncs_inside_backward or dist.cfg.trace else None)
+    dist.grads = GradientClock(model, cuda=cuda) if dist.cfg.trace else None
     sizes = dist.cfg.worker_batches
-    weight = (dist.world * sizes[dist.rank] / dist.cfg.batch_size
-              if dist.cfg.worker_batch else None)
-    module.register_forward_hook(_ForwardTimer(dist, weight))
-    if optimizer is not None:
-        _drive(optimizer, dist)
+    dist.weight = (dist.world * sizes[dist.rank] / dist.cfg.batch_size
+                   if dist.cfg.worker_batch else None)
+    StepHooks(dist, module, dist.weight)
+    _drive(optimizer, dist)
     if dist.rank == 0:
         write_script_manifest(dist)
     dist.timer = dist._new_timer()
@@ -111,50 +110,6 @@ def _make_equal(model: nn.Module) -> None:
             tdist.broadcast(t.data, src=0)
 
 
-class _ForwardTimer:
-    """A forward hook on the wrapped module: the forward lap ends when it returns, the
-    loss's lap when backward reaches the output (a hook on its gradient, which also
-    weighs it for uneven batches), and backward's clock starts there."""
-
-    def __init__(self, dist, weight: float | None):
-        self.dist, self.weight = dist, weight
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        dist = self.dist
-        if dist.input_shapes is None:
-            dist.input_shapes = [(tuple(a.shape), a.dtype) for a in args
-                                 if isinstance(a, torch.Tensor)]
-        if dist.current is None:
-            return  # (outside a step: an evaluation)
-        dist.current.timer.lap("forward_s")
-        out = _first_grad_tensor(output)
-        if out is not None:
-            out.register_hook(self._backward_begins)
-
-    def _backward_begins(self, grad: torch.Tensor):
-        dist = self.dist
-        if dist.current is not None:
-            timer = dist.current.timer
-            timer.lap("forward_s")  # (the loss's computation)
-            timer.backward_start = timer.mark
-            if dist.grads is not None:
-                dist.grads.start()
-        return grad * self.weight if self.weight is not None else None
-
-
-def _first_grad_tensor(output: Any) -> torch.Tensor | None:
-    """The first tensor in a module's output that gradients flow back through."""
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    items = output.values() if isinstance(output, dict) else \
-        output if isinstance(output, (list, tuple)) else ()
-    for item in items:
-        found = _first_grad_tensor(item)
-        if found is not None:
-            return found
-    return None
-
-
 class _Inner:
     """The script's optimizer as the strategy's update sees it: its own step."""
 
@@ -177,8 +132,10 @@ def _drive(optimizer: Any, dist) -> None:
                               "strategy's communication cannot repeat: call step() "
                               "without a closure.")
         scope = _scope(dist, "optimizer.step()")
-        if not scope.synchronized:
-            finish_backward(dist, scope)
+        if scope.stepped:
+            raise PsringError(f"optimizer.step() twice in dist.step({scope.step}): one "
+                              f"update a step.")
+        finish_backward(dist, scope)
         if dist.on_server:
             _same_server_sgd(dist, optimizer)
         dist.strategy.update(None if dist.on_server else inner)
@@ -207,15 +164,22 @@ def _scope(dist, what: str):
 
 
 def finish_backward(dist, scope) -> None:
-    """The loop's end of backward: its lap, the communication started during it
-    finished and waited for (comm_s)."""
+    """The loop's end of backward (once a step): the communication started during it
+    finished and waited for (comm_s). Where the strategy waits inside backward (DDP),
+    what came after the backward's end was that wait."""
+    if scope.synchronized:
+        return
+    if scope.in_backward:
+        raise PsringError("optimizer.step() inside backward (a gradient hook?): call it "
+                          "after loss.backward() returns.")
+    if dist.weight is not None and scope.sending_backwards and not scope.weighed:
+        raise PsringError(
+            "--worker-batch weighs the gradient flowing back through the output of the "
+            "module dist.wrap returned, and this step's backward never reached it: call "
+            "that module (not its submodules) for the loss.")
     timer = scope.timer
-    timer.lap("backward_s")
-    timer.backward_end = timer.mark
-    if dist.grads is not None:
-        dist.grads.settle()
-        if dist.strategy.caps.syncs_inside_backward:
-            timer.blocked_since(dist.grads.last)
+    timer.lap("comm_s" if dist.strategy.caps.syncs_inside_backward
+              and scope.sending_backwards else "backward_s")
     handle = dist.strategy.finish_backward()
     timer.lap("backward_s")
     handle.wait()
@@ -260,7 +224,7 @@ def write_script_manifest(dist) -> None:
 
     flops = _flops_per_sample(dist)
     data = {"kind": "script", "samples": getattr(dist, "samples", None),
-            "inputs": [list(s) for s, _ in dist.input_shapes or []]}
+            "inputs": [list(shape) for shape, _ in (dist.inputs or ([], {}))[0]]}
     facts = run_facts(dist.cfg, dist.model, dist.strategy_cls, dist.threads, flops, data,
                       launch=dist.launch.describe(), per_host=dist.ctx.local_world)
     # the model is the script's, not --model's (which it never read)
@@ -276,15 +240,16 @@ def _flops_per_sample(dist) -> float | None:
     gradient hooks). None before the model has seen an input."""
     from psring.train.models import flop_counter
 
-    if not dist.input_shapes:
+    if dist.inputs is None:
         return None
-    args = [torch.zeros((1, *shape[1:]), dtype=dtype, device=dist.device)
-            for shape, dtype in dist.input_shapes]
+    args, kwargs = dist.inputs
+    one = lambda shape, dtype: torch.zeros((1, *shape[1:]), dtype=dtype,  # noqa: E731
+                                           device=dist.device)
     training = dist.model.training
     dist.model.eval()
     try:
         with torch.no_grad(), flop_counter() as counter:
-            dist.model(*args)
+            dist.model(*[one(*a) for a in args], **{k: one(*v) for k, v in kwargs.items()})
     except Exception:  # noqa: BLE001 - a model that needs more than zeros: no count
         return None
     finally:

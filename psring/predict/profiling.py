@@ -34,7 +34,7 @@ def take_profile(cfg, command: list[str] | None = None) -> Profile:
     run directory. ``command``: a user's script to run instead of psring's loop
     (psring.library; its model is the script's)."""
     if command:
-        from psring.library.session import script_refusals
+        from psring.library.start import script_refusals
 
         script_refusals(cfg)
     run_dir = launch(cfg, command=command or None)

@@ -25,8 +25,9 @@ opt-in and checked:
 - ``PSRING_FORK=0`` turns it off (benchmarks compare both ways; docs/benchmarks.md).
 
 A user's script (``psring launch -- python train.py``) is forked the same way, run as
-``python train.py`` would run it (``runpy.run_path``, its folder first on sys.path),
-with torch and psring already imported.
+``python train.py`` would run it (:func:`_run_script`: ``runpy.run_path``, its folder as
+``sys.path[0]``, fresh random generators, its exit handlers), with torch and psring
+already imported.
 
 Anything else (an in-process ``launch()`` from a test or a notebook, a process placed
 on an emulated host through its setns trampoline, another OS) starts a new interpreter
@@ -246,13 +247,42 @@ def _become_child(env: Mapping[str, str], log_fd: int) -> None:
 
 
 def _run_main(module: str, args: list[str]) -> int:
-    sys.argv = [module, *args] if module != SCRIPT else list(args)
+    if module == SCRIPT:
+        return _run_script(args)
+    sys.argv = [module, *args]
     try:
-        if module == SCRIPT:  # as `python SCRIPT.py` runs it: its folder first on the path
-            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
-            runpy.run_path(args[0], run_name="__main__")
-        else:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return 0
+
+
+def _run_script(args: list[str]) -> int:
+    """``python SCRIPT.py ARGS`` as a new interpreter runs it: ``__file__`` absolute,
+    the script's folder as ``sys.path[0]``, the random generators as a new process has
+    them (torch's, Python's and numpy's seeded from fresh entropy, as each is at its
+start; the launcher's are seeded), exit
+    handlers run at the end, and ``sys.exit("message")`` printed."""
+    import atexit
+    import random
+
+    path = os.path.abspath(args[0])
+    sys.argv = [args[0], *args[1:]]
+    sys.path[0] = os.path.dirname(path)
+    atexit._clear()  # (the launcher's are not the script's)
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.modules["torch"].seed()
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    finally:
+        atexit._run_exitfuncs()
+    return code

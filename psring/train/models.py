@@ -69,6 +69,11 @@ def model_factory(name: str) -> Factory:
 def build_model(name: str, settings: ModelSettings, seed: int) -> tuple[nn.Module, Inputs]:
     """Every rank builds the model from the same seed, so all start identical."""
     torch.manual_seed(seed)
+    return _built(name, settings)
+
+
+def _built(name: str, settings: ModelSettings) -> tuple[nn.Module, Inputs]:
+    """The factory's model, checked; the random numbers are whoever's they are."""
     out = model_factory(name)(settings)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)
             and isinstance(out[1], Inputs)):
@@ -199,8 +204,10 @@ def meta_build(name: str, settings: ModelSettings) -> tuple[nn.Module, Inputs]:
     ~0.65 s) out of the launcher of every run. Cached and shared: config validation
     runs on every RunConfig.replace(), and building a ResNet on the meta device still
     takes ~0.7 s of Python; callers must not change it."""
+    # (unseeded: on the meta device nothing is drawn, and a seed here would reseed the
+    # caller's generators, a user script's among them: psring.library validates)
     with torch.device("meta"):
-        model, inputs = build_model(name, settings, 0)
+        model, inputs = _built(name, settings)
         if ":" not in name:
             return model, inputs
         try:

@@ -10,6 +10,7 @@ its own DataLoader, and options that exercise what a strategy can and cannot dri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -26,6 +27,12 @@ def data(seed: int = 0) -> TensorDataset:
     return TensorDataset(x, torch.tanh(x @ w) + 0.1 * torch.randn(512, 1, generator=g))
 
 
+def micro_batches(x, y, k: int):
+    """``k`` equal parts of a batch, the last one flagged."""
+    for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        yield xm, ym, i == k - 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--alone", default="", help="run alone (single) into this directory")
@@ -35,6 +42,10 @@ def main() -> int:
     ap.add_argument("--schedule", action="store_true", help="a StepLR schedule")
     ap.add_argument("--fail-rank", type=int, default=-1, help="this rank exits 3 at step 2")
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches a step, all but the last under dist.no_sync()")
+    ap.add_argument("--forget-no-sync", action="store_true",
+                    help="accumulate without dist.no_sync() (refused)")
     args = ap.parse_args()
 
     torch.manual_seed(5)  # (psring.init must leave the script's generator as it was)
@@ -55,8 +66,11 @@ def main() -> int:
             print("failing on purpose", file=sys.stderr)
             return 3
         with dist.step(step) as s:
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            for xm, ym, last in micro_batches(x, y, args.accumulate):
+                with contextlib.nullcontext() if last or args.forget_no_sync \
+                        else dist.no_sync():
+                    loss = nn.functional.mse_loss(model(xm), ym)
+                    (loss / args.accumulate).backward()
             if args.clip:
                 optimizer.synchronize()
                 nn.utils.clip_grad_norm_(model.parameters(), args.clip)

@@ -39,14 +39,17 @@ def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_p
     from psring.predict.profile import Profile
 
     runs = {"allreduce": ("allreduce",), "ps": ("ps", "--servers", "2"),
-            "byteps": ("byteps", "--update-on", "worker"), "ddp": ("ddp",),
+            "byteps": ("byteps",), "ddp": ("ddp",),
             "uneven": ("allreduce", "--batch-size", "32", "--worker-batch", "8,24")}
+    # two micro-batches a step, the first under dist.no_sync()
+    accumulate = {"allreduce", "ddp"}
     others = [_launch("allreduce", tmp_path / "clip") + ["--clip", "0.05"],
               _launch("byteps", tmp_path / "sched", "--update-on", "worker")
               + ["--schedule", "--optimizer", "adam"],
               ["profile", "--steps", "8", "--out", tmp_path / "profile", *SCRIPT]]
     torchrun = _torchrun(tmp_path / "torchrun")
     psring_together(*[_launch(args[0], tmp_path / name, *args[1:])
+                      + (["--accumulate", "2"] if name in accumulate else [])
                       for name, args in runs.items()], *others, timeout=220)
     _, err = torchrun.communicate(timeout=100)
     assert torchrun.returncode == 0, err[-3000:]
@@ -107,16 +110,25 @@ def test_what_the_servers_cannot_do_is_refused_and_a_failing_worker_stops_the_ru
                       "optimizer.synchronize(): ps sums the gradients on its servers"),
              "schedule": (_launch("ps", tmp_path / "schedule") + ["--schedule"],
                           "lr 0.1 -> 0.05; an LR scheduler?"),
+             "no_sync": (_launch("allreduce", tmp_path / "no_sync")
+                         + ["--accumulate", "2", "--forget-no-sync"],
+                         "a second backward in dist.step(0)"),
              "fails": (_launch("allreduce", tmp_path / "fails", "--timeout", "60")
-                       + ["--fail-rank", "1"], "worker-1 failed (exit code 3)")}
+                       + ["--fail-rank", "1"], "worker-1 failed (exit code 3)"),
+             # forked, as `python script.py` would run it
+             "exits": (["launch", "--strategy", "single", "--out", tmp_path / "exits", "--",
+                        "python", TESTS / "helpers" / "script_exits.py"],
+                       "file absolute: True; path[0] is its folder: True\n"
+                       "a message for the user\nexit handler ran")}
     procs = {name: subprocess.Popen([*PSRING, *map(str, args)], stderr=subprocess.PIPE,
                                     stdout=subprocess.DEVNULL, text=True)
              for name, (args, _) in cases.items()}
+    errs = {}
     for name, (_, says) in cases.items():
-        _, err = procs[name].communicate(timeout=100)
-        assert procs[name].returncode == 1, err
-        assert says in err, err
-    assert "failing on purpose" in err  # (the failed worker's last lines)
+        _, errs[name] = procs[name].communicate(timeout=100)
+        assert procs[name].returncode == 1, errs[name]
+        assert says in errs[name], errs[name]
+    assert "failing on purpose" in errs["fails"]  # (the failed worker's last lines)
     assert_no_processes(tmp_path)
 
 

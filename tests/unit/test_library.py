@@ -10,9 +10,10 @@ from torch import nn
 
 from psring.config import RunConfig
 from psring.errors import ConfigError
-from psring.library import session
+from psring.library import start
+from psring.library.hooks import grad_tensors
 from psring.library.sampler import GlobalBatchSampler, shares
-from psring.library.wrap import _first_grad_tensor, server_sgd
+from psring.library.wrap import server_sgd
 
 
 @pytest.mark.parametrize("sizes", [None, [8, 24], [1, 2, 29]])
@@ -42,25 +43,25 @@ def test_a_batch_that_does_not_split_is_refused():
 
 
 def test_init_outside_a_launch_without_arguments_names_the_fix(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", session.ENV):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", start.ENV):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="psring launch --strategy S --workers N"):
-        session.init()
+        start.init()
     with pytest.raises(ConfigError, match="stps is not one"):
-        session.init(strategy="single", stps=3)
+        start.init(strategy="single", stps=3)
     with pytest.raises(ConfigError, match="workers=2"):
-        session.init(strategy="allreduce", workers=2)
+        start.init(strategy="allreduce", workers=2)
 
 
 def test_the_runs_flags_come_from_the_launch_and_arguments_must_agree(monkeypatch, tmp_path):
-    monkeypatch.setenv(session.ENV, f"--strategy ps --workers 2 --steps 5 --out {tmp_path}")
-    cfg = session._config(None, {})
+    monkeypatch.setenv(start.ENV, f"--strategy ps --workers 2 --steps 5 --out {tmp_path}")
+    cfg = start._config(None, {})
     assert (cfg.strategy, cfg.workers, cfg.steps) == ("ps", 2, 5)
     with pytest.raises(ConfigError, match="disagrees with the launch's --steps 5"):
-        session._config(None, {"steps": 6})
-    monkeypatch.setenv(session.ENV, "--stratgy ps")
+        start._config(None, {"steps": 6})
+    monkeypatch.setenv(start.ENV, "--stratgy ps")
     with pytest.raises(ConfigError, match="flags psring run does not take"):
-        session._config(None, {})
+        start._config(None, {})
 
 
 def test_the_servers_take_sgd_and_refuse_what_they_cannot_apply():
@@ -83,22 +84,50 @@ def test_the_servers_take_sgd_and_refuse_what_they_cannot_apply():
         server_sgd(bad[0][0], model, RunConfig(strategy="ps", workers=2))
 
 
-def test_the_backward_clock_starts_at_the_first_output_gradients_flow_through():
+def test_every_output_gradients_flow_through_is_found():
     x = torch.ones(2, requires_grad=True)
-    y = x * 2
-    assert _first_grad_tensor(y) is y
-    assert _first_grad_tensor({"aux": torch.ones(1), "out": [y]}) is y
-    assert _first_grad_tensor((torch.ones(1),)) is None
+    y, z = x * 2, x * 3
+    assert grad_tensors(y) == [y]
+    assert grad_tensors({"aux": torch.ones(1), "out": [y, (z,)]}) == [y, z]
+    assert grad_tensors((torch.ones(1),)) == []
 
 
 def test_init_leaves_the_scripts_random_numbers_alone(monkeypatch, tmp_path):
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", session.ENV):
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", start.ENV):
         monkeypatch.delenv(name, raising=False)
     torch.manual_seed(11)
     expected = torch.rand(3)
     torch.manual_seed(11)
-    dist = session.init(strategy="single", steps=2, seed=4, out=str(tmp_path / "run"))
+    dist = start.init(strategy="single", steps=2, seed=4, out=str(tmp_path / "run"))
     try:
         assert torch.equal(torch.rand(3), expected)
     finally:
         dist.close()
+
+
+def test_a_scripts_steps_are_numbered_in_order_all_run_and_recorded(monkeypatch, tmp_path):
+    """In-process, alone (single): what the step and finish calls refuse, a skipped
+    update recorded as one, and evaluation names that would overwrite the record's."""
+    import json
+
+    from psring.errors import PsringError
+
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", start.ENV):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    dist = start.init(strategy="single", steps=3, out=str(out))
+    model = nn.Linear(4, 1)
+    model, opt = dist.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(PsringError, match=r"dist.step\(1\).*0 is next"):
+        with dist.step(1):
+            pass
+    with dist.step(0) as s:  # no optimizer.step(): an update skipped (GradScaler's inf)
+        s.loss = model(torch.ones(2, 4)).pow(2).mean()
+        s.loss.backward()
+    with pytest.raises(PsringError, match="the record's own"):
+        dist.evaluate(1, lambda m: {"time": 1.0})
+    with pytest.raises(PsringError, match="after 1 of the run's 3 steps"):
+        dist.finish()
+    records = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0] and records[0]["updated"] is False
+    assert records[0]["loss"] > 0
