@@ -32,6 +32,7 @@ def test_hierarchy_bytes():
     assert hierarchy_bytes(m, 2, 4) == 2 * 3 / 4 * m + 2 * 1 / 2 * m / 4
 
 
+@pytest.mark.untimed  # (parameters compared, nothing timed)
 @needs_emulation
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -57,6 +58,7 @@ def test_hallreduce_trains_singles_model_on_one_host_and_across_two(tmp_path, sm
     assert_cluster_gone(two)
 
 
+@pytest.mark.untimed  # (parameters compared, nothing timed)
 @needs_emulation
 @pytest.mark.slow
 @pytest.mark.timeout(300)

@@ -54,6 +54,7 @@ def test_a_links_delay_and_loss_are_as_set_and_its_drops_the_seeds(tmp_path):
     assert_no_processes(tmp_path)  # the probes on the hosts, the agent, the forwarders
 
 
+@pytest.mark.untimed  # (parameters compared, nothing timed)
 @needs_emulation
 @pytest.mark.timeout(240)
 def test_a_tcp_run_under_loss_and_delay_trains_singles_model(tmp_path, small_runs):
