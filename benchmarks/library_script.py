@@ -32,7 +32,8 @@ def main() -> None:
     model, optimizer = dist.wrap(work.model, optimizer)
     loss_fn = loss_for(work.model)
     for step, rows in enumerate(sampler):
-        xb, yb = x[rows], y[rows]
+        # (unshuffled, a worker's rows are contiguous: a slice, as the loop takes them)
+        xb, yb = x[rows[0]:rows[-1] + 1], y[rows[0]:rows[-1] + 1]
         with dist.step(step) as s:
             loss = loss_fn(model(xb), yb)
             loss.backward()
