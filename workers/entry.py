@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # (imported where used: they import torch)
 _RETAINED: list = []
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
     v = os.environ.get(name)
     return int(v) if v not in (None, "") else default
 
@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description="one psring worker process")
     add_config_flags(parser)
     args = parser.parse_args(argv)
-    rank = _env_int("RANK", 0)
-    world = _env_int("WORLD_SIZE", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", world or 1)
+    rank = env_int("RANK", 0)
+    world = env_int("WORLD_SIZE", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
+    local_world = env_int("LOCAL_WORLD_SIZE", world or 1)
     prefix = f"[worker {rank}/{world or args.workers}]"
     set_process_name(f"worker-{rank}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {prefix} %(message)s",
@@ -226,7 +226,7 @@ def join_run(ctx: WorkerContext, prefix: str) -> tuple[rendezvous.Launch, netif.
     net = netif.choose(os.environ, cuda=cuda)
     os.environ.update(net.env)
     record = {"host": ctx.host, "address": net.address, "interface": net.interface,
-              "node": _env_int("GROUP_RANK", 0), "local_rank": ctx.local_rank,
+              "node": env_int("GROUP_RANK", 0), "local_rank": ctx.local_rank,
               "pid": os.getpid(), "out": str(ctx.run_dir.resolve()),
               **elastic.offer(ctx.cfg, ctx.local_rank, ctx.run_dir)}
     launch = rendezvous.join(ctx.rank, ctx.world, ctx.cfg.timeout, record, ctx.log, prefix)
@@ -298,23 +298,31 @@ def start_process_group(ctx: WorkerContext, launch: rendezvous.Launch, net: neti
 
 def _train_and_save(ctx: WorkerContext, strategy: Strategy, work: Workload, steps: StepLog,
                     launch: rendezvous.Launch) -> None:
-    """loop.train, then rank 0 saves model.pt, then every rank waits for the others."""
-    import torch.distributed as dist
-
-    from psring.records.runlog import MODEL, save_state_dict
+    """loop.train, then :func:`save_and_wait`."""
     from psring.workers.loop import train
 
     with broken_connections_named(ctx.rank):
         train(ctx, strategy, work.model, work.data, steps, resume=ctx.resume,
               on_step=lambda r: launch.stage("training", r["step"]))
-        if ctx.rank == 0:
-            launch.stage("saving the model", waiting=False)
-            save_state_dict(ctx.run_dir / MODEL, strategy.final_state(work.model))
-        if dist.is_initialized():
-            # Rank 0 hosts the rendezvous store: no rank may tear down while another
-            # still talks to it (that aborts the process in C++).
-            launch.stage("waiting for the others to finish")
-            dist.barrier()
+        save_and_wait(ctx, strategy, work.model, launch)
+
+
+def save_and_wait(ctx: WorkerContext, strategy: Strategy, model: nn.Module,
+                  launch: rendezvous.Launch) -> None:
+    """The run's end: rank 0 saves model.pt, then every rank waits for the others
+    (psring's loop, and a script's dist.finish)."""
+    import torch.distributed as dist
+
+    from psring.records.runlog import MODEL, save_state_dict
+
+    if ctx.rank == 0:
+        launch.stage("saving the model", waiting=False)
+        save_state_dict(ctx.run_dir / MODEL, strategy.final_state(model))
+    if dist.is_initialized():
+        # Rank 0 hosts the rendezvous store: no rank may tear down while another
+        # still talks to it (that aborts the process in C++).
+        launch.stage("waiting for the others to finish")
+        dist.barrier()
 
 
 def teardown(steps: StepLog, strategy: Strategy | None, model: nn.Module) -> None:

@@ -49,8 +49,15 @@ from psring.train.elimination import Elimination
 from psring.train.evaluate import is_due
 from psring.train.models import loss_for
 from psring.train.optim import SGD
+from psring.train.shares import gradient_weight
 from psring.workers.periodic import checkpoint_due, evaluation, save_checkpoint
-from psring.workers.timing import GradientClock, PhaseTimer, TrainingClock, now
+from psring.workers.timing import (
+    GradientClock,
+    PhaseTimer,
+    TrainingClock,
+    device_sync,
+    now,
+)
 
 
 def make_optimizer(model: nn.Module, cfg) -> SGD:
@@ -164,24 +171,15 @@ class StepRunner:
         self.ctx, self.cfg, self.strategy = ctx, ctx.cfg, strategy
         self.model, self.module, self.optimizer, self.data = model, module, optimizer, data
         cfg, stand_in = ctx.cfg, ctx.stand_in
-        # On CUDA, kernels run asynchronously: synchronize at phase boundaries so time
-        # lands in the phase that caused it. On CPU this is a no-op.
-        # The compute stream only: a collective on NCCL's own stream is waited for where
-        # the loop waits for its handle (the handle's wait orders this stream after it).
         cuda = ctx.device.type == "cuda"
-        self.sync: Callable[[], None] = (torch.cuda.current_stream(ctx.device).synchronize
-                                         if cuda else (lambda: None))
+        self.sync = device_sync(ctx.device)
         # --time-scale S (device mode) runs the cluster S times slower than the one it
         # stands for: every duration is recorded on that cluster's clock, divided by S
         self.scale = 1.0 / stand_in.time_scale if stand_in is not None else 1.0
         # a device's loss is part of its forward: the stand-in's costs the host nothing
         self.loss_fn = stand_in.loss if stand_in is not None else loss_for(model)
         self.sizes = cfg.worker_batches
-        # --worker-batch: this worker's mean loss over its n samples, weighed by
-        # n / (B / N): every synchronous strategy averages N workers' gradients, so the
-        # average is then the global batch's mean gradient, what single computes
-        self.weight = (ctx.world * self.sizes[ctx.rank] / cfg.batch_size
-                       if cfg.worker_batch else None)
+        self.weight = gradient_weight(cfg, ctx.rank, ctx.world)  # (--worker-batch)
         self.straggler = Straggler(cfg, ctx.rank, self.sync)
         # the last gradient's time splits backward from the wait inside it; --trace
         # records every gradient's

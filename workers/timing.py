@@ -26,6 +26,16 @@ from psring.records.runlog import PHASES
 now = time.perf_counter
 
 
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What a phase boundary runs before reading the clock. On CUDA, kernels run
+    asynchronously: synchronize so time lands in the phase that caused it (the compute
+    stream only: a collective on NCCL's own stream is waited for where its handle is).
+    On the CPU, nothing."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device).synchronize
+    return lambda: None
+
+
 class PhaseTimer:
     """One optimizer step's clock. ``sync`` runs before each clock read (CUDA's
     synchronize: kernels run asynchronously, and their time belongs to the phase that

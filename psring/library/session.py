@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -74,8 +73,8 @@ class Distributed:
         from psring.strategies import STRATEGIES
         from psring.workers import entry
 
-        rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
-        local_world = _env_int("LOCAL_WORLD_SIZE", cfg.workers)
+        rank, local_rank = entry.env_int("RANK", 0), entry.env_int("LOCAL_RANK", 0)
+        local_world = entry.env_int("LOCAL_WORLD_SIZE", cfg.workers)
         prefix = f"[worker {rank}/{cfg.workers}]"
         set_process_name(f"worker-{rank}")
         log = logging.getLogger("psring.worker")
@@ -293,7 +292,3 @@ def _plain(v: Any) -> Any:
     item = getattr(v, "item", None)
     return item() if callable(item) else v  # (.item() of a 0-d tensor: no grad warning)
 
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else default

@@ -46,48 +46,51 @@ def init(strategy: str | None = None, **settings: Any) -> Any:
 
 
 def _config(strategy: str | None, settings: dict[str, Any]):
+    """The run's RunConfig (not yet validated): the launch's, or the arguments'."""
     from psring.config import RunConfig, config_from_args
     from psring.runtime import rendezvous
 
     if strategy is not None:
         settings = {"strategy": strategy, **settings}
-    world = int(os.environ.get("WORLD_SIZE") or 1)
-    if launched():
-        cfg = config_from_args(_parse_flags(os.environ[ENV]),
-                               **({"workers": world} if rendezvous.under_torchrun() else {}))
-        _agree(cfg, settings)
-        if not cfg.out:
-            raise ConfigError(f"under torchrun each host writes its workers' records to a "
-                              f"run directory: add --out DIR to {ENV}.")
-        return cfg
-    if not settings and not rendezvous.under_torchrun():
-        raise ConfigError(
-            "psring.init() was called outside a launch and without arguments: start the "
-            "script with `psring launch --strategy S --workers N -- python SCRIPT`, under "
-            "torchrun with psring.init(strategy=..., out=DIR), or alone with "
-            "psring.init(strategy='single').")
     unknown = sorted(set(settings) - set(RunConfig.__dataclass_fields__))
     if unknown:
         raise ConfigError(f"psring.init() takes psring run's settings by field name; "
                           f"{', '.join(unknown)} is not one (psring run --help lists them, "
                           f"--batch-size as batch_size).")
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if launched():
+        cfg = config_from_args(_parse_flags(os.environ[ENV]),
+                               **({"workers": world} if rendezvous.under_torchrun() else {}))
+        _agree(cfg, settings)
+    elif settings or rendezvous.under_torchrun():
+        cfg = _own_config(settings, world, rendezvous.under_torchrun())
+    else:
+        raise ConfigError(
+            "psring.init() was called outside a launch and without arguments: start the "
+            "script with `psring launch --strategy S --workers N -- python SCRIPT`, under "
+            "torchrun with psring.init(strategy=..., out=DIR), or alone with "
+            "psring.init(strategy='single').")
+    if not cfg.out and world > 1:
+        raise ConfigError(f"under torchrun each host writes its workers' records to a run "
+                          f"directory: add --out DIR to {ENV} (or psring.init(out=DIR)).")
+    return cfg if cfg.out else cfg.replace(out=launch.default_out(cfg))
+
+
+def _own_config(settings: dict[str, Any], world: int, torchrun: bool):
+    """The run psring.init's arguments describe, in a process of ``world`` workers."""
+    from psring.config import RunConfig
+
     if settings.get("workers", world) != world:
         raise ConfigError(f"psring.init(workers={settings['workers']}) in a process of a "
                           f"launch of {world}; start N workers with `psring launch "
                           f"--workers N -- python SCRIPT` (or torchrun --nproc-per-node N).")
-    if not rendezvous.under_torchrun() and world == 1:
+    if not torchrun and world == 1:
         # alone: the process group (allreduce of one) meets itself on loopback
         from psring.runtime.process import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
-    cfg = RunConfig(**{**settings, "workers": world})
-    if not cfg.out:
-        if world > 1:
-            raise ConfigError("under torchrun each host writes its workers' records to a "
-                              "run directory: pass psring.init(..., out=DIR).")
-        cfg = cfg.replace(out=launch.default_out(cfg))
-    return cfg
+    return RunConfig(**{**settings, "workers": world})
 
 
 def launched() -> bool:
@@ -117,12 +120,6 @@ def _parse_flags(text: str):
 def _agree(cfg, settings: dict[str, Any]) -> None:
     """Under psring launch the launch's flags set the run; an argument of the script's
     that says otherwise is refused rather than silently overruled."""
-    from psring.config import RunConfig
-
-    unknown = sorted(set(settings) - set(RunConfig.__dataclass_fields__))
-    if unknown:
-        raise ConfigError(f"psring.init() takes psring run's settings by field name; "
-                          f"{', '.join(unknown)} is not one.")
     for name, value in settings.items():
         if getattr(cfg, name) != value:
             raise ConfigError(

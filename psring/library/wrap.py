@@ -28,7 +28,8 @@ from psring.library.hooks import StepHooks
 
 def wrap(dist, model: nn.Module, optimizer: Any):
     """See the module's docstring; ``dist`` is the psring.library.session.Distributed."""
-    from psring.workers.timing import GradientClock
+    from psring.train.shares import gradient_weight
+    from psring.workers.timing import GradientClock, device_sync
 
     ctx, caps = dist.ctx, dist.strategy_cls.caps
     model.to(ctx.device)
@@ -37,19 +38,17 @@ def wrap(dist, model: nn.Module, optimizer: Any):
         raise ConfigError("dist.wrap(model, optimizer) takes the optimizer too: its "
                           "step() is where the strategy finishes and applies the update.")
     if on_server:
-        dist.cfg = ctx.cfg = dist.cfg.replace(**server_sgd(optimizer, model, dist.cfg))
-        dist.server_sgd = _hyper(optimizer.param_groups[0])
+        dist.server_sgd = server_sgd(optimizer, model, dist.cfg)
+        dist.cfg = ctx.cfg = dist.cfg.replace(**dist.server_sgd)
     _make_equal(model)
     dist.strategy = strategy = dist.strategy_cls(ctx)
     dist.launch.stage(f"setting up {dist.cfg.strategy}")
     module = strategy.setup(model)
-    dist.model, dist.module, dist.on_server = model, module, on_server
-    cuda = ctx.device.type == "cuda"
-    dist.sync = torch.cuda.current_stream(ctx.device).synchronize if cuda else (lambda: None)
-    dist.grads = GradientClock(model, cuda=cuda) if dist.cfg.trace else None
-    sizes = dist.cfg.worker_batches
-    dist.weight = (dist.world * sizes[dist.rank] / dist.cfg.batch_size
-                   if dist.cfg.worker_batch else None)
+    dist.model, dist.on_server = model, on_server
+    dist.sync = device_sync(ctx.device)
+    dist.grads = (GradientClock(model, cuda=ctx.device.type == "cuda")
+                  if dist.cfg.trace else None)
+    dist.weight = gradient_weight(dist.cfg, dist.rank, dist.world)
     StepHooks(dist, module, dist.weight)
     _drive(optimizer, dist)
     if dist.rank == 0:
@@ -200,19 +199,14 @@ def _same_server_sgd(dist, optimizer: Any) -> None:
 
 
 def save_final(dist) -> None:
-    """Rank 0 writes model.pt (as psring run does); every worker waits for the others
-    (rank 0 hosts the rendezvous store: none may leave while another still talks)."""
-    import torch.distributed as tdist
-
-    from psring.records.runlog import MODEL, save_state_dict
+    """model.pt and the others waited for, as psring run's workers end
+    (psring.workers.entry.save_and_wait); rank 0's manifest again, now with the inputs
+    the model saw (its FLOPs per sample)."""
+    from psring.workers.entry import save_and_wait
 
     if dist.rank == 0:
-        dist.launch.stage("saving the model", waiting=False)
-        save_state_dict(dist.run_dir / MODEL, dist.strategy.final_state(dist.model))
-        write_script_manifest(dist)  # (now with the inputs seen: FLOPs per sample)
-    if tdist.is_initialized():
-        dist.launch.stage("waiting for the others to finish")
-        tdist.barrier()
+        write_script_manifest(dist)
+    save_and_wait(dist.ctx, dist.strategy, dist.model, dist.launch)
     dist.launch.done()
 
 

@@ -14,6 +14,16 @@ from pathlib import Path
 from psring.errors import ConfigError
 
 
+def gradient_weight(cfg, rank: int, world: int) -> float | None:
+    """--worker-batch: what this worker's mean loss over its n samples is weighed by,
+    n / (B / N): every synchronous strategy averages N workers' gradients, so the
+    average is then the global batch's mean gradient, what single computes. None with
+    equal shares."""
+    if not cfg.worker_batch:
+        return None
+    return world * cfg.worker_batches[rank] / cfg.batch_size
+
+
 def shares_of(config: dict) -> list[int]:
     """Each worker's samples a micro-batch in a run's recorded config (its manifest's
     ``config``): its --worker-batch, else equal shares of --batch-size."""

@@ -53,6 +53,7 @@ def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_p
                       for name, args in runs.items()], *others, timeout=220)
     _, err = torchrun.communicate(timeout=100)
     assert torchrun.returncode == 0, err[-3000:]
+    assert _session_gone(torchrun.pid)  # (its workers' command lines name no run dir)
     runs["torchrun"] = ("allreduce",)  # (the same script under torchrun: 2 ranks)
     reference = load_model(alone)
     for name in runs:
@@ -83,6 +84,28 @@ def _torchrun(out) -> subprocess.Popen:
          str(TESTS / "helpers" / "script_train.py")],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
+
+
+def _session_gone(sid: int, within: float = 10.0) -> bool:
+    """No live process is left in session ``sid`` (a process started with
+    start_new_session leads its own), polling ``within`` seconds for the reaping."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # (session id; not a zombie)
+                left.append(stat.parent.name)
+        if not left:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _check_records(out, name: str) -> None:
