@@ -4,7 +4,6 @@ its own DataLoader, and options that exercise what a strategy can and cannot dri
 
     psring launch --strategy ps --workers 2 --steps 8 --out DIR -- \\
         python tests/helpers/script_train.py [--optimizer adam] [--clip 1] [--schedule]
-    python tests/helpers/script_train.py --alone DIR      # psring.init(strategy="single")
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ def micro_batches(x, y, k: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--alone", default="", help="run alone (single) into this directory")
-    ap.add_argument("--steps", type=int, default=8, help="(alone) steps")
     ap.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--schedule", action="store_true", help="a StepLR schedule")
@@ -49,8 +46,7 @@ def main() -> int:
     args = ap.parse_args()
 
     torch.manual_seed(5)  # (psring.init must leave the script's generator as it was)
-    dist = (psring.init(strategy="single", steps=args.steps, out=args.alone)
-            if args.alone else psring.init())
+    dist = psring.init()
     ds = data()
     loader = DataLoader(ds, batch_sampler=dist.sampler(ds, args.batch_size, seed=3))
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))

@@ -1,6 +1,6 @@
 """A user's own training script (tests/helpers/script_train.py: a regression, its own
 loss and DataLoader) under psring launch: every synchronous strategy ends with the
-parameters of the same script run alone; what a strategy cannot drive is refused by
+parameters of the same script under single; what a strategy cannot drive is refused by
 name; a worker that fails stops the run, nothing left behind."""
 
 from __future__ import annotations
@@ -18,24 +18,18 @@ SCRIPT = ["--", "python", str(TESTS / "helpers" / "script_train.py")]
 STEPS = ("--steps", "8")
 
 
-@pytest.fixture(scope="module")
-def alone(tmp_path_factory):
-    out = tmp_path_factory.mktemp("script") / "alone"
-    subprocess.run([sys.executable, str(TESTS / "helpers" / "script_train.py"), "--alone",
-                    str(out)], check=True, timeout=120, capture_output=True)
-    return out
-
-
 def _launch(strategy: str, out, *extra: str) -> list:
     return ["launch", "--strategy", strategy, "--workers", "2", *STEPS, *extra,
             "--out", out, *SCRIPT]
 
 
 @pytest.mark.timeout(240)
-def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_path, alone):
-    """(With them, at once: the script under torchrun, Adam with clipping and a
-    schedule where the workers update, and a profile of the script; each launch's start
-    overlaps the others' steps.)"""
+def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_path):
+    """The reference is the script's profile: `single`, one worker, the same seed and
+    steps. (With them, at once: the script under torchrun, Adam with clipping and a
+    schedule where the workers update; each launch's start overlaps the others' steps.
+    The script run with no launch at all, psring.init(strategy="single"):
+    tests/unit/test_library.py.)"""
     from psring.predict.profile import Profile
 
     # (ps with uneven batches: 8 and 24 rows of each global batch of 32)
@@ -55,7 +49,7 @@ def test_the_script_under_each_synchronous_strategy_trains_its_alone_model(tmp_p
     assert torchrun.returncode == 0, err[-3000:]
     assert _session_gone(torchrun.pid)  # (its workers' command lines name no run dir)
     runs["torchrun"] = ("allreduce",)  # (the same script under torchrun: 2 ranks)
-    reference = load_model(alone)
+    reference = load_model(tmp_path / "profile")  # (single, traced)
     for name in runs:
         out = tmp_path / name
         assert max_rel_diff(load_model(out), reference) < 1e-4, name
