@@ -542,7 +542,7 @@ class Handler:
         if len(msg.tensors) != 0:
             raise RequestError("a snapshot request carries no tensors")
         v = msg.header["version"]
-        if v == SNAPSHOT_NOW:  # (async: no version boundary is shared by all shards anyway)
+        if v == SNAPSHOT_NOW:  # (async; or sync between a worker's steps: psring.servers.store)
             _keep_copy(st, st.version)
             v = st.version
         elif v == SNAPSHOT_NEWEST and st.snapshots:

@@ -13,7 +13,11 @@ one is a single fused pass ``buf += g_N; p -= lr*buf``. That keeps one pass, not
 three, between the last gradient arriving and the range being ready to send, and
 frees each pushed frame at once. It is SGD's arithmetic with the additions in another
 order, so it agrees with ``torch.optim.SGD`` to float rounding (a few ulps), not bit
-for bit.
+for bit. The step's sum goes into a second momentum buffer (``buf = m*buf + g_1``
+written out of place, at the same cost), swapped in when the step ends: until then
+``buf`` is the momentum of the version the parameters are at, which a snapshot between
+steps returns (a script's ``optimizer.state_dict()``), whatever the other workers have
+pushed of the next step.
 
 ``update="sum"`` (byteps ``--update-on worker``, BytePS's summation servers): no
 optimizer here; the pushes of a step are only added, and a pull returns the sum (the
@@ -42,9 +46,25 @@ class ShardStore:
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
         # SGD creates the buffer as a clone of the first gradient; 0 * m + g is the same
-        # number, so a zero buffer gives identical results.
-        self.buf = torch.zeros_like(self.params) if self.momentum else None
+        # number, so a zero buffer gives identical results. The second one (a sync step
+        # of several pushers adds into it) is allocated at its first use.
+        self._bufs: list[torch.Tensor | None] | None = \
+            [torch.zeros_like(self.params), None] if self.momentum else None
+        self._cur = 0  # which of the two is the momentum of the current version
+        self._began = False  # a step's sum went into the other one
         self._sum: torch.Tensor | None = None  # the running sum when there is no buf
+
+    @property
+    def buf(self) -> torch.Tensor | None:
+        """The momentum of the version the parameters are at (None: SGD without it)."""
+        return None if self._bufs is None else self._bufs[self._cur]
+
+    def _next_buf(self) -> torch.Tensor:
+        """The buffer this step's pushes are summed into (the momentum of the next version)."""
+        i = 1 - self._cur
+        if self._bufs[i] is None:
+            self._bufs[i] = torch.empty_like(self.params)
+        return self._bufs[i]
 
     @property
     def numel(self) -> int:
@@ -59,8 +79,11 @@ class ShardStore:
         return self.sums[(version - 1) % 2]
 
     def new_step(self, step: int) -> None:
-        """(sum mode) pushes of ``step`` go into its sum from now on."""
+        """Pushes of ``step`` go into its sum from now on (sum mode); a synchronous
+        step's sum is now the momentum of the version it made."""
         self.step = step
+        if self._began:
+            self._cur, self._began = 1 - self._cur, False
 
     def _master(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient pushed in a compressed dtype (--compress), in the store's float32:
@@ -82,8 +105,8 @@ class ShardStore:
     def _acc(self, start: int, n: int) -> torch.Tensor:
         if self.sum_only:
             return self.sums[self.step % 2][start:start + n]
-        if self.buf is not None:
-            return self.buf[start:start + n]
+        if self._bufs is not None:
+            return self._next_buf()[start:start + n]
         if self._sum is None:
             self._sum = torch.empty_like(self.params)
         return self._sum[start:start + n]
@@ -96,8 +119,10 @@ class ShardStore:
         if self.sum_only:
             acc.copy_(grad)
             return
-        if self.momentum:
-            torch.add(grad, acc, alpha=self.momentum, out=acc)
+        if self.momentum:  # (out of place: the current version's momentum stays)
+            torch.add(grad, self.buf[start:start + grad.numel()], alpha=self.momentum,
+                      out=acc)
+            self._began = True
         else:
             acc.copy_(grad)
         if self.weight_decay:

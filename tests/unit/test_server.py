@@ -36,14 +36,20 @@ def test_store_sums_pushes_into_the_update(momentum, weight_decay):
     ref = p0.clone().requires_grad_()
     opt = torch.optim.SGD([ref], lr=0.1, momentum=momentum, weight_decay=weight_decay)
     store = ShardStore(0, 1000, p0, lr=0.1, momentum=momentum, weight_decay=weight_decay)
-    for _ in range(5):
+    for step in range(5):
         g = [torch.randn(1000) for _ in range(3)]
         ref.grad = g[0] + g[1] + g[2]
+        before = None if store.buf is None else store.buf.clone()
         opt.step()
         for a, b in ((0, 300), (300, 1000)):  # two ranges, each pushed by all three
             store.begin(g[0][a:b], a)
             store.add(g[1][a:b], a)
+            if before is not None:  # the version's momentum stays what it was meanwhile
+                assert torch.equal(store.buf, before)
             store.finish(g[2][a:b], a)
+        store.new_step(step + 1)  # (the handler, at the step's end)
+        if momentum:  # then the buffer is the new version's: torch's momentum
+            assert torch.allclose(store.buf, opt.state[ref]["momentum_buffer"], atol=1e-5)
     diff = (store.params - ref.detach()).abs().max() / ref.detach().abs().max()
     assert 0 <= diff < 1e-6
     assert not torch.equal(store.params, p0)
