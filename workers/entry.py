@@ -111,6 +111,9 @@ def worker_config(args: argparse.Namespace, world: int) -> RunConfig:
                           "does this for you; under torchrun each host writes its own "
                           "workers' steps there, and `psring merge` joins the hosts' "
                           "directories).")
+    if cfg.steps < 1:
+        raise ConfigError("a worker of psring's own loop needs --steps N (at least 1; 0 is "
+                          "for a script's run, where the script decides).")
     elastic.check(cfg)
     return cfg
 
@@ -309,12 +312,13 @@ def _train_and_save(ctx: WorkerContext, strategy: Strategy, work: Workload, step
 
 def save_and_wait(ctx: WorkerContext, strategy: Strategy, model: nn.Module,
                   launch: rendezvous.Launch) -> None:
-    """The run's end: rank 0 saves model.pt, then every rank waits for the others
-    (psring's loop, and a script's dist.finish)."""
+    """The run's end: the strategy ends on every rank, rank 0 saves model.pt, then
+    every rank waits for the others (psring's loop, and a script's dist.finish)."""
     import torch.distributed as dist
 
     from psring.records.runlog import MODEL, save_state_dict
 
+    strategy.finish_run(model)
     if ctx.rank == 0:
         launch.stage("saving the model", waiting=False)
         save_state_dict(ctx.run_dir / MODEL, strategy.final_state(model))

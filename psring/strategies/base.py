@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterable, Literal, P
 import torch
 from torch import nn
 
+from psring.errors import PsringError
 from psring.registry import Registry
 from psring.train.optim import SGD
 
@@ -286,6 +287,18 @@ class Strategy:
                     optimizer.state[p]["momentum_buffer"] = buf.to(p.device).clone()
 
     # -- end of run ----------------------------------------------------------------
+    def finish_run(self, model: nn.Module) -> None:
+        """This worker's last step is done (after any number of steps: a script's run
+        ends where the script says): called on every worker before rank 0's
+        final_state, so what the end needs from all of them happens here (a parameter
+        server's last pull, a host's gather). Default: nothing."""
+
+    def server_momentum(self, model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+        """Where the servers update: each parameter's momentum buffer as the servers
+        hold it for the parameters this worker holds (between steps), for a script's
+        ``optimizer.state_dict()``."""
+        raise PsringError(f"{self.name} keeps no optimizer state on servers to fetch.")
+
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The trained parameters as a CPU state_dict (rank 0 saves it as model.pt)."""
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

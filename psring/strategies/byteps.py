@@ -107,9 +107,9 @@ class _StepEnd:
         s.gathered = False
         for h in self.handles:
             h.wait()
-        # (updates on the servers: the last step's parameters are gathered by every
-        # worker here, since final_state runs on rank 0 alone and cannot all-gather)
-        if s.update_on_worker or s.step == s.ctx.cfg.steps - 1:
+        # (updates on the servers: the parameters are gathered when the next step
+        # begins, or by every worker at the run's end: finish_run)
+        if s.update_on_worker:
             s._gather()
         s._account()  # after the gather: its pull's bytes are this step's
 
@@ -147,6 +147,7 @@ class BytePS(ParameterServer):
         self._staleness = -1
         self.version0 = 0
         self.gathered = True  # the parameters hold the pulled values
+        self.pulled = 0  # their version
         if ctx.rank == 0:
             self._initialize_servers(None)
         self._first_pull()
@@ -234,6 +235,13 @@ class BytePS(ParameterServer):
                 a, b = max(s, lo), min(s + self._valid(i, lr), hi)
                 if a < b:
                     yield a, self.bucket_start[i] + lr * self.chunk[i] + (a - s), b - a
+
+    def _in_bucket_order(self, flat: torch.Tensor) -> torch.Tensor:
+        """The servers' columns of parts, in the workers' bucket order."""
+        out = torch.empty_like(flat)
+        for a, src, n in self._spans(0, flat.numel()):
+            out[src:src + n].copy_(flat[a:a + n])
+        return out
 
     def _server_values(self, lo: int, hi: int) -> torch.Tensor:
         """Flat elements [lo, hi) in the servers' order (columns of parts)."""
@@ -375,6 +383,7 @@ class BytePS(ParameterServer):
         if self.update_on_worker:
             self.buckets.assign_grads()
         self.gathered = True
+        self.pulled = self.step + 1  # (the version the parameters are now)
         # where the wait went: the rest of the pull, and the all-gathers not yet done
         self.stats.extra["pull_wait_s"] = round(t1 - t0, 7)
         self.stats.extra["gather_s"] = round(time.perf_counter() - t1, 7)

@@ -37,6 +37,10 @@ def shm_paths(cfg: Any) -> tuple[Path, Path]:  # a RunConfig (see base.WorkerCon
     return root / f"psring-hogwild-{key}.params", root / f"psring-hogwild-{key}.counters"
 
 
+#: a worker's slot in the third set of counters once it finished its last update
+ENDED = 2
+
+
 def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
@@ -74,7 +78,8 @@ class Hogwild(Strategy):
                                       f"{ctx.cfg.timeout:.0f} s.")
                 time.sleep(0.01)
         self.flat = _map(self.params_path, total, torch.float32)
-        # [updates begun per worker..., updates finished per worker..., ready per worker...]
+        # [updates begun per worker..., updates finished per worker..., ready (1) or
+        # ended (2) per worker...]
         self.counters = _map(self.counters_path, 3 * ctx.world, torch.int64)
         off = 0
         for p in params:
@@ -91,9 +96,9 @@ class Hogwild(Strategy):
         w, n = self.ctx.rank, self.ctx.world
         self.counters[2 * n + w] = 1
         deadline = time.monotonic() + self.ctx.cfg.timeout
-        while int(self.counters[2 * n:].sum()) < n:
+        while int((self.counters[2 * n:] > 0).sum()) < n:
             if time.monotonic() > deadline:
-                raise PsringError(f"hogwild: only {int(self.counters[2 * n:].sum())} of {n} "
+                raise PsringError(f"hogwild: only {int((self.counters[2 * n:] > 0).sum())} of {n} "
                                   f"workers mapped the shared model within "
                                   f"{self.ctx.cfg.timeout:.0f} s.")
             time.sleep(0.001)
@@ -112,19 +117,24 @@ class Hogwild(Strategy):
         # parameters this step read, or overlapped this update
         self.stats.extra["staleness"] = int(begun.sum()) - int(begun[w])
 
-    def _finished(self) -> int:
-        """Updates finished by all workers together."""
+    def finish_run(self, model: nn.Module) -> None:
+        """This worker's last update is done: its slot of the third set says so (1 when
+        it mapped the model, 2 when it ended)."""
+        self.counters[2 * self.ctx.world + self.ctx.rank] = ENDED
+
+    def _ended(self) -> int:
+        """Workers that finished their last update."""
         n = self.ctx.world
-        return int(self.counters[n:2 * n].sum())
+        return int((self.counters[2 * n:3 * n] == ENDED).sum())
 
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         # The model is final when every worker has finished its last update.
-        want = self.ctx.world * self.ctx.cfg.steps
+        n = self.ctx.world
         deadline = time.monotonic() + self.ctx.cfg.timeout
-        while self._finished() < want:
+        while self._ended() < n:
             if time.monotonic() > deadline:
-                raise PsringError(f"hogwild: workers finished {self._finished()} of {want} "
-                                  f"updates within {self.ctx.cfg.timeout:.0f} s.")
+                raise PsringError(f"hogwild: {self._ended()} of {n} workers finished their "
+                                  f"last update within {self.ctx.cfg.timeout:.0f} s.")
             time.sleep(0.005)
         return super().final_state(model)
 
@@ -132,8 +142,7 @@ class Hogwild(Strategy):
         # Worker 0 removes the files once the model is final (every worker has finished;
         # their mappings stay valid after an unlink). Under psring run the launcher also
         # removes them whatever happened; under torchrun this is the only cleanup.
-        if self.ctx.rank == 0 and hasattr(self, "counters") and \
-                self._finished() >= self.ctx.world * self.ctx.cfg.steps:
+        if self.ctx.rank == 0 and hasattr(self, "counters") and self._ended() == self.ctx.world:
             self.cleanup_run(self.ctx.cfg)
 
     @classmethod

@@ -267,7 +267,8 @@ class ParameterServer(Strategy):
     def run_over(self) -> bool:
         """(backups) The servers took the run's last step without this worker: the rest
         of its steps have nothing to push."""
-        return bool(self.backups) and self.pulled >= self.ctx.cfg.steps
+        steps = self.ctx.cfg.steps  # (0: a script's run, which the script ends)
+        return bool(self.backups) and bool(steps) and self.pulled >= steps
 
     def _push(self, bucket: Bucket) -> Handle:
         if self.run_over:
@@ -368,12 +369,15 @@ class ParameterServer(Strategy):
                       for k, v in model.named_buffers()})
         return state
 
-    def _servers_state(self, what: str) -> dict[str, torch.Tensor]:
+    def _servers_state(self, what: str, now: bool = False) -> dict[str, torch.Tensor]:
         """Every shard's float32 copy of the version after this step (sync; in async
-        mode, as it is now): parameters, momentum, version."""
+        mode, as it is now): parameters, momentum, version. ``now`` (sync, between
+        steps, this worker's pull waited for): the servers' state as it is, which is
+        that version, since none goes on without this worker's next push (their
+        momentum is double-buffered: psring.servers.store)."""
         # the loop's step numbers are absolute (a resumed run continues them), and so are
         # the servers' versions: after step s a synchronous server is at version s + 1
-        version = self.step + 1 if self.mode == "sync" else SNAPSHOT_NOW
+        version = self.step + 1 if self.mode == "sync" and not now else SNAPSHOT_NOW
         if self.backups:
             # the servers go on without a late worker: worker 0 may trail them. Every
             # shard's newest copy, then the oldest of those from the shards past it
@@ -414,12 +418,46 @@ class ParameterServer(Strategy):
                 if "buffer/" + k in state:
                     v.copy_(state["buffer/" + k])
 
+    def finish_run(self, model: nn.Module) -> None:
+        """The parameters after the last step (its pull), and this worker done: it says
+        goodbye to the servers when it closes."""
+        self.eval_model(model)
+        self.finished = True
+
+    def server_momentum(self, model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+        """The servers' momentum of the version this worker holds (between steps, its
+        pull waited for), each parameter's piece of the flat vector."""
+        if self.mode != "sync" or self.backups:
+            raise PsringError(f"{self.name}'s servers go on without this worker "
+                              f"({'async' if self.mode != 'sync' else '--backup-workers'}): "
+                              f"their momentum belongs to no version it holds.")
+        self.eval_model(model)
+        state = self._servers_state("the optimizer's state", now=True)
+        if int(state["ps/version"]) != self.pulled:
+            raise PsringError(f"worker {self.ctx.rank}: the servers are at version "
+                              f"{int(state['ps/version'])}, this worker at {self.pulled}: "
+                              f"their momentum is not of its parameters.")
+        momentum = state.get("ps/momentum")
+        if momentum is None:  # (SGD without momentum keeps no state)
+            return {}
+        flat, out, off = self._in_bucket_order(momentum), {}, 0
+        for p in (p for b in self.buckets.buckets for p in b.params):
+            out[p] = flat[off:off + p.numel()].view_as(p).to(p.device).clone()
+            off += p.numel()
+        return out
+
+    def _in_bucket_order(self, flat: torch.Tensor) -> torch.Tensor:
+        """The servers' flat vector in the workers' order (ps: the same one)."""
+        return flat
+
     def final_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         self.pull.wait()  # the parameters after the last step
         if self.compressed:
             # the pulled parameters were rounded to the wire dtype: the model is the
             # servers' float32 master copy
-            self.host_flat.copy_(self._servers_state("the final model")["ps/params"])
+            # (a script's run may end before --steps, where no copy was planned)
+            self.host_flat.copy_(self._servers_state(
+                "the final model", now=self.step + 1 != self.ctx.cfg.steps)["ps/params"])
             if self.dev_flat is not self.host_flat:
                 self.dev_flat.copy_(self.host_flat)  # the GPU's parameters are its views
             else:
