@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -175,6 +176,51 @@ _CASCADE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Br
 BLAME_WAIT_S = 2.0
 
 
+#: a line psring's own worker logging writes (psring.workers.entry): kept out of the
+#: stream of a script's output, which is the script's
+_PSRING_LINE = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[worker \d+/\d+\] ")
+
+
+class LogStream:
+    """What workers write to their logs, copied to this process's stdout as it comes
+    (psring launch: the script's prints, as torchrun streams them): the workers in
+    ``ranks``, each line prefixed ``[rank r]`` when ``prefixed``. :meth:`poll` on each of
+    the supervisor's ticks; :meth:`close` once they are done."""
+
+    def __init__(self, log_dir: Path, ranks: list[int], prefixed: bool):
+        self.files = {r: log_dir / f"worker-{r}.log" for r in ranks}
+        self.prefixed = prefixed
+        self.offsets = dict.fromkeys(ranks, 0)
+        self.partial = dict.fromkeys(ranks, b"")
+
+    def poll(self) -> None:
+        for r, path in self.files.items():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[r])
+                    data = f.read()
+            except OSError:
+                continue  # (not started yet)
+            self.offsets[r] += len(data)
+            *lines, self.partial[r] = (self.partial[r] + data).split(b"\n")
+            self._write(r, lines)
+
+    def close(self) -> None:
+        self.poll()
+        for r, rest in self.partial.items():
+            self._write(r, [rest] if rest else [])
+        sys.stdout.flush()
+
+    def _write(self, rank: int, lines: list[bytes]) -> None:
+        prefix = f"[rank {rank}] ".encode() if self.prefixed else b""
+        out = b"".join(prefix + line + b"\n" for line in lines
+                       if not _PSRING_LINE.match(line))
+        if out:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(out)
+            sys.stdout.flush()
+
+
 class Supervisor:
     """``may_lose(child)``: whether the run goes on when that child dies (a strategy
     that survives lost workers, psring.strategies.base.Capabilities.may_lose) — only
@@ -222,12 +268,12 @@ class Supervisor:
                 # has finished dying: give it a moment to be the one named.
                 deadline = time.monotonic() + BLAME_WAIT_S
                 while all(self._cascade(c) for c in failed) and time.monotonic() < deadline \
-                        and any(c.proc.poll() is None for c in self.children):
+                        and any(self._poll(c) is None for c in self.children):
                     time.sleep(POLL_S)
                     failed = self._unexpected()
                 self.stop()
                 raise RunFailed(self._failure_message(failed))
-            if all(c.proc.poll() == 0 for c in self.children
+            if all(self._poll(c) == 0 for c in self.children
                    if not c.spec.service and c not in self.lost):
                 return
             if on_tick is not None:
@@ -247,8 +293,18 @@ class Supervisor:
         return [c for c in failed if c not in self.lost]
 
     def _failed(self) -> list[Child]:
-        return [c for c in self.children if c.proc.poll() not in (None, 0)
+        return [c for c in self.children if self._poll(c) not in (None, 0)
                 or (c.spec.service and c.proc.poll() == 0)]
+
+    @staticmethod
+    def _poll(c: Child) -> int | None:
+        """The child's exit status (None: running). What it left behind in its session
+        (a DataLoader's worker processes, say) is killed before it is reaped: until
+        then the exited child, a zombie, keeps its process group's id, so the group
+        signalled is its own."""
+        if c.proc.returncode is None and _exited(c.proc.pid):
+            _signal_group(c.proc, signal.SIGKILL)
+        return c.proc.poll()
 
     @staticmethod
     def _cascade(c: Child) -> bool:
@@ -272,7 +328,7 @@ class Supervisor:
 
     def stop(self, grace: float = GRACE_S) -> None:
         """SIGTERM every live child's process group, then SIGKILL after ``grace``."""
-        live = [c for c in self.children if c.proc.poll() is None]
+        live = [c for c in self.children if self._poll(c) is None]
         for c in live:
             _signal_group(c.proc, signal.SIGTERM)
             # a stopped child (--kill-worker's, psring.runtime.faults) handles it only
@@ -289,6 +345,15 @@ class Supervisor:
             if c.proc.poll() is None:
                 _signal_group(c.proc, signal.SIGKILL)
                 c.proc.wait()
+
+
+def _exited(pid: int) -> bool:
+    """Whether child ``pid`` has exited and waits to be reaped (waitid's WNOWAIT: it
+    stays a zombie)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # (reaped elsewhere: its ids may be anyone's now)
+        return False
 
 
 def _signal_group(proc: subprocess.Popen | forking.ForkedProcess, sig: int) -> None:
