@@ -59,7 +59,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     forking.allow()  # (as psring run: a script's workers are forked from here)
-    from psring.config import config_from_args
+    from psring.config import config_from_args, given_fields
     from psring.library.start import script_refusals
     from psring.report import render_table, summarize_all
     from psring.runtime.launch import launch
@@ -68,12 +68,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("psring launch needs the command each worker runs, after --: "
                           "psring launch --strategy ps --workers 2 -- python train.py")
-    cfg = config_from_args(args)
+    argv = getattr(args, "argv", None)
+    given = given_fields(argv if argv is not None else sys.argv[1:])
+    # without --steps the script decides how many (0: no cap)
+    cfg = config_from_args(args, **({} if "steps" in given else {"steps": 0}))
     script_refusals(cfg)
     print(f"psring: launching {cfg.workers} worker(s) of {cfg.strategy}: "
           f"{' '.join(command)}", file=sys.stderr)
-    run_dir = launch(cfg, progress=_progress_printer(cfg.steps * cfg.workers),
-                     command=command)
+    run_dir = launch(cfg, command=command, stream=args.stream)
     print(render_table(summarize_all([str(run_dir)])))
     print(f"run directory: {run_dir}")
     return 0
@@ -299,6 +301,10 @@ def _add_launch(sub) -> None:
         "same run directory. psring run's flags set the run; the model's and data's "
         "are the script's business.")
     add_config_flags(la)
+    la.add_argument("--stream", choices=("rank0", "all", "none"), default="rank0",
+                    help="the workers' output on this terminal as they print it: worker "
+                    "0's (default), every worker's with a [rank r] prefix, or none; all of "
+                    "it is in DIR/logs/worker-N.log")
     la.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                     help="what each worker runs, e.g. python train.py --epochs 2")
     la.set_defaults(func=_cmd_launch)

@@ -61,7 +61,10 @@ class RunConfig(*reversed(SECTIONS)):
             check_global_batch(self.batch_size, self.workers)
         elif not self.worker_batch.startswith("proportional:"):  # (read by validate)
             self._check_worker_batch()
-        for name in ("steps", "accumulate", "samples", "features", "classes", "image_size",
+        if self.steps < 0:
+            raise ConfigError(f"--steps must be at least 1 (0: as many as a script trains, "
+                              f"psring launch; got {self.steps}).")
+        for name in ("accumulate", "samples", "features", "classes", "image_size",
                      "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag_name(name)} must be at least 1 "

@@ -99,7 +99,9 @@ class Optimization:
     title: ClassVar[str] = "optimization"
     batch_size: int = field(default=64, metadata=_flag(
         "GLOBAL batch per micro-step, split evenly across the workers"))
-    steps: int = field(default=20, metadata=_flag("optimizer steps to run"))
+    steps: int = field(default=20, metadata=_flag(
+        "optimizer steps to run; under psring launch the most a script's run takes (left "
+        "out there: as many as the script trains)"))
     accumulate: int = field(default=1, metadata=_flag(
         "micro-batches per optimizer step; gradients are synchronized only on the last one"))
     lr: float = field(default=0.05, metadata=_flag("learning rate"))

@@ -213,6 +213,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         speed = f"{r['speedup_vs_single']:.2f}x" if r["speedup_vs_single"] is not None else "-"
         if r.get("timing_only"):
             loss = "timing only"
+        elif r["loss_final"] is None:  # (a script's steps that did not say their loss)
+            loss = "-"
         else:
             loss = (f"{r['loss_first']:.3f}→{r['loss_final']:.3f}"
                     if r["loss_first"] is not None else f"{r['loss_final']:.3f}")

@@ -130,6 +130,9 @@ def _cpu_only_torch() -> bool:
 
 #: what :func:`target` returns for ``python SCRIPT.py ARGS`` (psring launch's workers)
 SCRIPT = "<script>"
+#: a forked script's exit status while its exit handlers run (None: not one, or not yet;
+#: psring.library's handler tells a failure from a missing dist.finish() by it)
+exiting_with: int | None = None
 
 
 def target(argv: list[str]) -> tuple[str, list[str]] | None:
@@ -274,6 +277,7 @@ start; the launcher's are seeded), exit
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     sys.modules["torch"].seed()
+    global exiting_with
     code = 0
     try:
         runpy.run_path(path, run_name="__main__")
@@ -283,6 +287,13 @@ start; the launcher's are seeded), exit
         else:
             print(e.code, file=sys.stderr)
             code = 1
+    except BaseException as e:  # noqa: BLE001 - what the interpreter does with it, below
+        # the interpreter prints an uncaught error and keeps it in sys.last_value before
+        # the exit handlers run (psring.library's tells a failure from a missing finish)
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+        traceback.print_exc()
+        code = 1
     finally:
+        exiting_with = code
         atexit._run_exitfuncs()
     return code

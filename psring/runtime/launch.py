@@ -35,6 +35,7 @@ from psring.records.runlog import (
 )
 from psring.runtime import faults
 from psring.runtime.process import (
+    LogStream,
     ProcessSpec,
     Supervisor,
     check_port_free,
@@ -220,12 +221,16 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[Pr
 
 
 def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None,
-           command: list[str] | None = None) -> Path:
+           command: list[str] | None = None, stream: str = "none") -> Path:
     """Run ``cfg`` to completion, restarting it from its last checkpoint when a process
     dies (--max-restarts, psring.runtime.faults); return its run directory. Raises
-    RunFailed. ``command``: each worker runs it, a user's script (psring launch)."""
+    RunFailed. ``command``: each worker runs it, a user's script (psring launch);
+    ``stream``: whose output goes to stdout as it comes ("rank0", "all", "none")."""
     cfg = validate(cfg)  # (once per config: psring run has validated it already)
     _check_emulated(cfg)
+    if command is None and cfg.steps < 1:
+        raise ConfigError("--steps 0 (as many steps as a script trains) is psring launch's; "
+                          "psring's own loop needs a number of steps: --steps N.")
     # (imported here: psring.train.device imports torch, and psring --help reaches this module)
     from psring.train.device import capacity
 
@@ -235,7 +240,7 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None,
     fired: set[faults.Fault] = set()
     for attempt in range(cfg.max_restarts + 1):
         try:
-            return _launch_once(cfg, progress, fired, command)
+            return _launch_once(cfg, progress, fired, command, stream)
         except RunFailed as e:
             interrupted = e.exit_code in (130, 143)  # the user stopped it: no fault
             try:
@@ -251,7 +256,8 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None,
 
 
 def _launch_once(cfg: RunConfig, progress: Callable[[int, int], None] | None,
-                 fired: set[faults.Fault], command: list[str] | None = None) -> Path:
+                 fired: set[faults.Fault], command: list[str] | None = None,
+                 stream: str = "none") -> Path:
     """One attempt at the run: its directory prepared, its processes run to the end."""
     out, port = prepare(cfg)
     run_dir = Path(out)
@@ -275,7 +281,9 @@ def _launch_once(cfg: RunConfig, progress: Callable[[int, int], None] | None,
     cfg = placed.replace(**reach) if reach else placed
     ticker = _Progress(progress, run_dir / STEPS, cfg.steps * cfg.workers)
     injector = faults.Injector(faults.planned(cfg), run_dir, fired)
-    _supervise(cfg, run_dir, net, services, ticker, injector, command)
+    ranks = {"rank0": [0], "all": list(range(cfg.workers)), "none": []}[stream]
+    output = LogStream(run_dir / "logs", ranks, prefixed=stream == "all")
+    _supervise(cfg, run_dir, net, services, ticker, injector, command, output)
     ticker.report()
     if cfg.trace:
         from psring.records.trace import write_trace
@@ -318,10 +326,12 @@ class _Progress:
 
 
 def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Progress,
-               injector: faults.Injector, command: list[str] | None = None) -> None:
+               injector: faults.Injector, command: list[str] | None = None,
+               output: LogStream | None = None) -> None:
     """Start the cluster, the services and the workers under one supervisor and wait for
     them: fail-stop on the first failure, every process stopped whatever happens, the
-    strategy's leftovers (shared memory) cleaned up. Each tick places the faults due."""
+    strategy's leftovers (shared memory) cleaned up. Each tick places the faults due
+    and copies the workers' new output (``output``)."""
     from psring.strategies import STRATEGIES
 
     caps = STRATEGIES.get(cfg.strategy).caps
@@ -332,6 +342,8 @@ def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Prog
     def tick() -> None:
         ticker.tick()
         injector.tick(sup, net)
+        if output is not None:
+            output.poll()
 
     with _signals_raise():
         try:
@@ -352,4 +364,6 @@ def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Prog
                             f"run in {run_dir} were stopped.", exit_code=143) from None
         finally:
             sup.stop()
+            if output is not None:
+                output.close()
             STRATEGIES.get(cfg.strategy).cleanup_run(cfg)
