@@ -31,15 +31,16 @@ def main() -> None:
                      weight_decay=cfg.weight_decay)
     model, optimizer = dist.wrap(work.model, optimizer)
     loss_fn = loss_for(work.model)
-    for step, rows in enumerate(sampler):
-        # (unshuffled, a worker's rows are contiguous: a slice, as the loop takes them)
-        xb, yb = x[rows[0]:rows[-1] + 1], y[rows[0]:rows[-1] + 1]
-        with dist.step(step) as s:
-            loss = loss_fn(model(xb), yb)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            s.loss = loss
+    while dist.done < dist.steps:  # (epochs of the sampler until --steps)
+        for rows in sampler:
+            # (unshuffled, a worker's rows are contiguous: a slice, as the loop takes them)
+            xb, yb = x[rows[0]:rows[-1] + 1], y[rows[0]:rows[-1] + 1]
+            with dist.step() as s:
+                loss = loss_fn(model(xb), yb)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                s.loss = loss
     dist.finish()
 
 

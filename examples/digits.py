@@ -1,7 +1,7 @@
 """A training script of your own, run under any psring strategy unchanged.
 
     python examples/digits.py                     # alone: psring.init(strategy="single")
-    psring launch --strategy ps --workers 2 --servers 2 --steps 60 --out runs/digits-ps \\
+    psring launch --strategy ps --workers 2 --servers 2 --out runs/digits-ps \\
         -- python examples/digits.py
     psring launch --strategy allreduce --workers 2 --hosts 2 --link 1gbit \\
         -- python examples/digits.py --clip 1.0
@@ -9,8 +9,8 @@
 
 scikit-learn's handwritten digits (1,797 8x8 images, 10 classes; `pip install
 scikit-learn`), a small convolutional network, label smoothing, a DataLoader of its own,
-held-out accuracy every 10 steps (time to accuracy in psring report). Nothing in it
-names a strategy: psring launch's flags choose it (docs/your-script.md).
+its own epochs, held-out accuracy every 10 steps (time to accuracy in psring report).
+Nothing in it names a strategy: psring launch's flags choose it (docs/your-script.md).
 """
 
 from __future__ import annotations
@@ -54,14 +54,16 @@ def accuracy(model: nn.Module, held_out: TensorDataset) -> dict:
     x, y = held_out.tensors
     model.eval()
     with torch.no_grad():
-        logits = model(x)
+        logits = model(x)  # (the wrapped model moves x to its device)
     model.train()
+    y = y.to(logits.device)
     return {"accuracy": (logits.argmax(1) == y).float().mean().item(),
             "loss": nn.functional.cross_entropy(logits, y).item()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=64, help="the global batch")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
@@ -73,30 +75,34 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     # under psring launch the launch's run; alone, one worker of `single`
-    dist = psring.init() if psring.launched() else psring.init(strategy="single", steps=60)
+    dist = psring.init() if psring.launched() else psring.init(strategy="single")
     train, held_out = digits(args.seed)
-    loader = DataLoader(train, batch_sampler=dist.sampler(train, args.batch_size,
-                                                          seed=args.seed))
+    sampler = dist.sampler(train, args.batch_size, seed=args.seed)
+    loader = DataLoader(train, batch_sampler=sampler)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer = dist.wrap(model, optimizer)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.05)
 
     dist.evaluate(0, lambda m: accuracy(m, held_out))
-    for step, (x, y) in enumerate(loader):
-        with dist.step(step) as s:
-            loss = loss_fn(model(x.to(dist.device)), y.to(dist.device))
-            loss.backward()
-            if args.clip:
-                optimizer.synchronize()  # the averaged gradient, then clip it
-                nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            optimizer.step()
-            optimizer.zero_grad()
-            s.loss = loss
-        if (step + 1) % args.eval_every == 0 or step + 1 == dist.steps:
-            metrics = dist.evaluate(step + 1, lambda m: accuracy(m, held_out))
-            if dist.rank == 0:
-                print(f"step {step + 1}: held-out accuracy {metrics['accuracy']:.3f}")
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = dist.to_device((x, y))
+            with dist.step() as s:
+                loss = loss_fn(model(x), y)
+                loss.backward()  # returns with the averaged gradient
+                if args.clip:
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                optimizer.step()
+                optimizer.zero_grad()
+                s.loss = loss
+            if dist.done % args.eval_every == 0:
+                metrics = dist.evaluate(dist.done, lambda m: accuracy(m, held_out))
+                if dist.rank == 0:
+                    print(f"step {dist.done}: held-out accuracy {metrics['accuracy']:.3f}")
+    if dist.done % args.eval_every:
+        dist.evaluate(dist.done, lambda m: accuracy(m, held_out))
     dist.finish()
 
 

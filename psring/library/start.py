@@ -13,43 +13,45 @@ parent, a fault handler, failures told to the other hosts under torchrun.
 
 from __future__ import annotations
 
+import argparse
+import faulthandler
 import json
 import os
+import shlex
+import signal
 import sys
 from typing import Any
 
+import torch
+
+from psring.config import RunConfig, add_config_flags, config_from_args, given_fields, validate
 from psring.errors import ConfigError
-from psring.runtime import launch
+from psring.library.session import Distributed
+from psring.runtime import launch, rendezvous
+from psring.runtime.allocator import keep_freed_memory
+from psring.runtime.process import die_with_parent, free_port
+from psring.strategies import STRATEGIES
 
 #: the run's flags that ``psring launch`` gives each process it starts (a JSON list)
 ENV = launch.ENV
 
 
-def init(strategy: str | None = None, **settings: Any) -> Any:
+def init(strategy: str | None = None, **settings: Any) -> Distributed:
     """This process's worker of a run: under ``psring launch`` the run it started (any
     argument given must agree with it); under torchrun, or alone (one worker), the run
     the arguments describe (``strategy`` and any ``psring run`` setting by field name:
     ``out``, ``steps``, ``update_on``, ...)."""
-    import torch
-
-    from psring.config import validate
-
     # the script's random numbers stay its own, whatever the set-up draws (a seeded
     # model build in validation once reseeded them; tests/unit/test_library.py)
     with torch.random.fork_rng(devices=[]):
         cfg = validate(_config(strategy, settings))
         script_refusals(cfg)
         _harden()
-        from psring.library.session import Distributed
-
         return Distributed.start(cfg)
 
 
-def _config(strategy: str | None, settings: dict[str, Any]):
+def _config(strategy: str | None, settings: dict[str, Any]) -> RunConfig:
     """The run's RunConfig (not yet validated): the launch's, or the arguments'."""
-    from psring.config import RunConfig, config_from_args
-    from psring.runtime import rendezvous
-
     if strategy is not None:
         settings = {"strategy": strategy, **settings}
     unknown = sorted(set(settings) - set(RunConfig.__dataclass_fields__))
@@ -59,8 +61,11 @@ def _config(strategy: str | None, settings: dict[str, Any]):
                           f"--batch-size as batch_size).")
     world = int(os.environ.get("WORLD_SIZE") or 1)
     if launched():
-        cfg = config_from_args(_parse_flags(os.environ[ENV]),
-                               **({"workers": world} if rendezvous.under_torchrun() else {}))
+        flags, given = _parse_flags(os.environ[ENV])
+        cfg = config_from_args(flags, **({"workers": world} if rendezvous.under_torchrun()
+                                         else {}),
+                               # (no --steps: the script decides how many)
+                               **({} if "steps" in given else {"steps": 0}))
         _agree(cfg, settings)
     elif settings or rendezvous.under_torchrun():
         cfg = _own_config(settings, world, rendezvous.under_torchrun())
@@ -70,27 +75,25 @@ def _config(strategy: str | None, settings: dict[str, Any]):
             "script with `psring launch --strategy S --workers N -- python SCRIPT`, under "
             "torchrun with psring.init(strategy=..., out=DIR), or alone with "
             "psring.init(strategy='single').")
+    if rendezvous.under_torchrun():
+        _servers_named(cfg)
     if not cfg.out and world > 1:
         raise ConfigError(f"under torchrun each host writes its workers' records to a run "
                           f"directory: add --out DIR to {ENV} (or psring.init(out=DIR)).")
     return cfg if cfg.out else cfg.replace(out=launch.default_out(cfg))
 
 
-def _own_config(settings: dict[str, Any], world: int, torchrun: bool):
+def _own_config(settings: dict[str, Any], world: int, torchrun: bool) -> RunConfig:
     """The run psring.init's arguments describe, in a process of ``world`` workers."""
-    from psring.config import RunConfig
-
     if settings.get("workers", world) != world:
         raise ConfigError(f"psring.init(workers={settings['workers']}) in a process of a "
                           f"launch of {world}; start N workers with `psring launch "
                           f"--workers N -- python SCRIPT` (or torchrun --nproc-per-node N).")
     if not torchrun and world == 1:
         # alone: the process group (allreduce of one) meets itself on loopback
-        from psring.runtime.process import free_port
-
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
-    return RunConfig(**{**settings, "workers": world})
+    return RunConfig(**{"steps": 0, **settings, "workers": world})  # (steps: the script's)
 
 
 def launched() -> bool:
@@ -99,25 +102,31 @@ def launched() -> bool:
     return bool(os.environ.get(ENV))
 
 
-def _parse_flags(text: str):
+def _parse_flags(text: str) -> tuple[argparse.Namespace, set[str]]:
     """The run's flags as psring launch writes them (a JSON list) or a user does (a
-    shell-quoted string), parsed as psring run parses its own."""
-    import argparse
-    import shlex
-
-    from psring.config import add_config_flags
-
+    shell-quoted string), parsed as psring run parses its own; and which were given."""
     argv = json.loads(text) if text.lstrip().startswith("[") else shlex.split(text)
     parser = argparse.ArgumentParser(prog=f"{ENV}", exit_on_error=False)
     add_config_flags(parser)
     try:
-        return parser.parse_args(argv)
+        return parser.parse_args(argv), given_fields(argv)
     except (argparse.ArgumentError, SystemExit) as e:
         raise ConfigError(f"{ENV} holds flags psring run does not take ({e}): "
                           f"{text[:200]}") from None
 
 
-def _agree(cfg, settings: dict[str, Any]) -> None:
+def _servers_named(cfg: RunConfig) -> None:
+    """Under torchrun nobody starts a parameter-server strategy's servers: they are
+    named, or the run is refused with how to start them."""
+    if STRATEGIES.get(cfg.strategy).caps.uses_servers and not cfg.server_addrs:
+        raise ConfigError(
+            f"{cfg.strategy} under torchrun needs parameter servers of its own, which "
+            f"torchrun does not start: run `psring server --bind tcp://HOST:PORT` (one per "
+            f"server, on hosts the workers reach) and add --server-addrs "
+            f"tcp://HOST:PORT[,...] to {ENV} (docs/multihost.md).")
+
+
+def _agree(cfg: RunConfig, settings: dict[str, Any]) -> None:
     """Under psring launch the launch's flags set the run; an argument of the script's
     that says otherwise is refused rather than silently overruled."""
     for name, value in settings.items():
@@ -128,17 +137,13 @@ def _agree(cfg, settings: dict[str, Any]) -> None:
                 f"the run; drop the argument, or pass the flag to psring launch.")
 
 
-def script_refusals(cfg) -> None:
+def script_refusals(cfg: RunConfig) -> None:
     """What psring's own loop does that a script's run cannot: refused by name (psring
     launch before anything starts, psring.init in each worker)."""
     if cfg.compute == "device":
         raise ConfigError("--compute device times psring's own models from their "
                           "profiles; a script's model has none: drop --compute device "
                           "(your script computes for real).")
-    if cfg.accumulate != 1:
-        raise ConfigError("--accumulate belongs to psring's own loop; in your script, "
-                          "accumulate micro-batches inside one dist.step, all but the "
-                          "last backward under `with dist.no_sync():`.")
     if cfg.checkpoint_every or cfg.resume or cfg.max_restarts:
         raise ConfigError("--checkpoint-every, --resume and --max-restarts restart "
                           "psring's own loop from its checkpoints; a script's run has "
@@ -159,13 +164,6 @@ def _harden() -> None:
     the launcher, no page faults on each step's tensors, a stack dump on ``kill -USR1``,
     and an uncaught error reported to the other ranks (under torchrun they stop at
     once rather than at --timeout)."""
-    import faulthandler
-    import signal
-
-    from psring.runtime import rendezvous
-    from psring.runtime.allocator import keep_freed_memory
-    from psring.runtime.process import die_with_parent
-
     die_with_parent()
     keep_freed_memory()
     if not faulthandler.is_enabled():

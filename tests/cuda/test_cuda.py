@@ -202,3 +202,35 @@ def test_phase_times_mean_the_same_on_cuda(tmp_path):
     assert med("allreduce", "backward_s") == pytest.approx(med("ddp", "backward_s"), rel=0.25)
     compute = {n: med(n, "forward_s") + med(n, "backward_s") for n in ("single", "slow")}
     assert 2.2 < compute["slow"] / compute["single"] < 4.0, compute
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_examples_run_on_cuda_and_train_singles_model(tmp_path):
+    """The three example scripts under psring launch on the GPU (inputs, held-out sets
+    and labels moved by the wrapped model and dist.to_device), each strategy against
+    the same script under single on CUDA; ddp_style with its clip and GradScaler where
+    the workers update."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    runs, pairs = [], []
+    for script, flags in (("digits.py", ["--epochs", "1"]), ("ddp_style.py", []),
+                          ("accelerate_style.py", [])):
+        for strategy, extra in (("single", ["--workers", "1"]), ("allreduce", []),
+                                ("ps", []), ("byteps", ["--update-on", "worker"])):
+            edits = ["--clip", "0", "--no-scaler"] if script == "ddp_style.py" \
+                and strategy == "ps" else []
+            name = f"{script[:-3]}-{strategy}{'-plain' if edits else ''}"
+            runs.append(["launch", "--strategy", strategy, "--workers", "2", *extra,
+                         "--device", "cuda", "--out", tmp_path / name, "--", "python",
+                         examples / script, *flags, *edits])
+            pairs.append((name, f"{script[:-3]}-single"))
+        if script == "ddp_style.py":  # (ps's reference: the same edits off)
+            runs.append(["launch", "--strategy", "single", "--device", "cuda", "--out",
+                         tmp_path / "ddp_style-single-plain", "--", "python",
+                         examples / script, "--clip", "0", "--no-scaler"])
+    psring_together(*runs, timeout=380)
+    for name, ref in pairs:
+        ref = ref + ("-plain" if name.endswith("-plain") else "")
+        assert max_rel_diff(load_model(tmp_path / name), load_model(tmp_path / ref)) < 1e-4
+        assert manifest(tmp_path / name)["device"].startswith("cuda"), name
+    assert_no_processes(str(tmp_path))

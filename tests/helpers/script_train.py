@@ -2,7 +2,7 @@
 test_script_runs.py): a regression with its own loss (mean squared error, no classes),
 its own DataLoader, and options that exercise what a strategy can and cannot drive.
 
-    psring launch --strategy ps --workers 2 --steps 8 --out DIR -- \\
+    psring launch --strategy ps --workers 2 --out DIR -- \\
         python tests/helpers/script_train.py [--optimizer adam] [--clip 1] [--schedule]
 """
 
@@ -39,16 +39,19 @@ def main() -> int:
     ap.add_argument("--schedule", action="store_true", help="a StepLR schedule")
     ap.add_argument("--fail-rank", type=int, default=-1, help="this rank exits 3 at step 2")
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--epochs", type=int, default=1, help="16 steps each")
     ap.add_argument("--accumulate", type=int, default=1,
                     help="micro-batches a step, all but the last under dist.no_sync()")
     ap.add_argument("--forget-no-sync", action="store_true",
                     help="accumulate without dist.no_sync() (refused)")
+    ap.add_argument("--no-finish", action="store_true", help="end without dist.finish()")
     args = ap.parse_args()
 
     torch.manual_seed(5)  # (psring.init must leave the script's generator as it was)
     dist = psring.init()
     ds = data()
-    loader = DataLoader(ds, batch_sampler=dist.sampler(ds, args.batch_size, seed=3))
+    sampler = dist.sampler(ds, args.batch_size, seed=3)
+    loader = DataLoader(ds, batch_sampler=sampler)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = (torch.optim.Adam(model.parameters(), lr=0.01) if args.optimizer == "adam"
                  else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -57,28 +60,31 @@ def main() -> int:
                 if args.schedule else None)
     held_x, held_y = ds.tensors
     dist.evaluate(0, lambda m: {"mse": nn.functional.mse_loss(m(held_x), held_y).item()})
-    for step, (x, y) in enumerate(loader):
-        if step == 2 and dist.rank == args.fail_rank:
-            print("failing on purpose", file=sys.stderr)
-            return 3
-        with dist.step(step) as s:
-            for xm, ym, last in micro_batches(x, y, args.accumulate):
-                with contextlib.nullcontext() if last or args.forget_no_sync \
-                        else dist.no_sync():
-                    loss = nn.functional.mse_loss(model(xm), ym)
-                    (loss / args.accumulate).backward()
-            if args.clip:
-                optimizer.synchronize()
-                nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            optimizer.step()
-            optimizer.zero_grad()
-            s.loss = loss
-        if schedule is not None:
-            schedule.step()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            if dist.done == 2 and dist.rank == args.fail_rank:
+                print("failing on purpose", file=sys.stderr)
+                return 3
+            with dist.step() as s:
+                for xm, ym, last in micro_batches(x, y, args.accumulate):
+                    with contextlib.nullcontext() if last or args.forget_no_sync \
+                            else dist.no_sync():
+                        loss = nn.functional.mse_loss(model(xm), ym)
+                        (loss / args.accumulate).backward()
+                if args.clip:
+                    optimizer.synchronize()  # (Horovod's habit: a no-op now)
+                    nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                optimizer.step()
+                optimizer.zero_grad()
+                s.loss = loss
+            if schedule is not None:
+                schedule.step()
     with torch.no_grad():
-        dist.evaluate(dist.steps, lambda m: {"mse": nn.functional.mse_loss(
+        dist.evaluate(dist.done, lambda m: {"mse": nn.functional.mse_loss(
             m(held_x), held_y).item()})
-    dist.finish()
+    if not args.no_finish:
+        dist.finish()
     return 0
 
 
