@@ -84,8 +84,9 @@ class StepHooks:
     def __init__(self, dist, module: nn.Module, model: nn.Module):
         self.dist = dist
         self.engine = torch.autograd.Variable._execution_engine
-        for m in {id(module): module, id(model): model}.values():
-            m.register_forward_pre_hook(self.inputs_to_device, with_kwargs=True)
+        if dist.device.type != "cpu":  # (on a CPU-only process every tensor is there)
+            for m in {id(module): module, id(model): model}.values():
+                m.register_forward_pre_hook(self.inputs_to_device, with_kwargs=True)
         module.register_forward_pre_hook(self.forward_begins)
         module.register_forward_hook(self.forward_ends, with_kwargs=True)
         for p in model.parameters():

@@ -208,8 +208,10 @@ def _servers_hold_the_state(optimizer: Any, dist) -> None:
     """Where the servers update, the optimizer's state is theirs: ``state_dict()``
     gives their momentum, as of the parameters the worker holds (between steps);
     ``load_state_dict()`` is refused (the servers took the optimizer's state at
-    dist.wrap)."""
-    state_dict_own = optimizer.state_dict
+    dist.wrap). (An optimizer without them, psring's own SGD, gets none.)"""
+    state_dict_own = getattr(optimizer, "state_dict", None)
+    if state_dict_own is None:
+        return
 
     def state_dict(self: Any) -> dict:
         if dist.current is not None:
