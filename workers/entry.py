@@ -35,6 +35,7 @@ from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
 from psring.runtime import elastic, rendezvous
 from psring.runtime.allocator import keep_freed_memory
+from psring.runtime.launch import ENV as RUN_ARGS
 from psring.runtime.process import die_with_parent, set_process_name, worker_threads
 from psring.train import device as psring_device
 
@@ -115,7 +116,24 @@ def worker_config(args: argparse.Namespace, world: int) -> RunConfig:
         raise ConfigError("a worker of psring's own loop needs --steps N (at least 1; 0 is "
                           "for a script's run, where the script decides).")
     elastic.check(cfg)
+    servers_named(cfg)
     return cfg
+
+
+def servers_named(cfg: RunConfig) -> None:
+    """Under torchrun nobody starts a parameter-server strategy's servers: they are
+    named (--server-addrs), or the run is refused with how to start them (psring's
+    workers, and a script's)."""
+    from psring.strategies import STRATEGIES  # (it imports torch)
+
+    if rendezvous.under_torchrun() and not cfg.server_addrs \
+            and STRATEGIES.get(cfg.strategy).caps.uses_servers:
+        raise ConfigError(
+            f"{cfg.strategy} under torchrun needs parameter servers of its own, which "
+            f"torchrun does not start: run `psring server --bind tcp://HOST:PORT` (one per "
+            f"server, on hosts the workers reach) and give their addresses with "
+            f"--server-addrs tcp://HOST:PORT[,...] (in {RUN_ARGS} for a script; "
+            f"docs/multihost.md).")
 
 
 def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:

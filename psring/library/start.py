@@ -30,7 +30,7 @@ from psring.library.session import Distributed
 from psring.runtime import launch, rendezvous
 from psring.runtime.allocator import keep_freed_memory
 from psring.runtime.process import die_with_parent, free_port
-from psring.strategies import STRATEGIES
+from psring.workers import entry
 
 #: the run's flags that ``psring launch`` gives each process it starts (a JSON list)
 ENV = launch.ENV
@@ -75,8 +75,7 @@ def _config(strategy: str | None, settings: dict[str, Any]) -> RunConfig:
             "script with `psring launch --strategy S --workers N -- python SCRIPT`, under "
             "torchrun with psring.init(strategy=..., out=DIR), or alone with "
             "psring.init(strategy='single').")
-    if rendezvous.under_torchrun():
-        _servers_named(cfg)
+    entry.servers_named(cfg)
     if not cfg.out and world > 1:
         raise ConfigError(f"under torchrun each host writes its workers' records to a run "
                           f"directory: add --out DIR to {ENV} (or psring.init(out=DIR)).")
@@ -113,17 +112,6 @@ def _parse_flags(text: str) -> tuple[argparse.Namespace, set[str]]:
     except (argparse.ArgumentError, SystemExit) as e:
         raise ConfigError(f"{ENV} holds flags psring run does not take ({e}): "
                           f"{text[:200]}") from None
-
-
-def _servers_named(cfg: RunConfig) -> None:
-    """Under torchrun nobody starts a parameter-server strategy's servers: they are
-    named, or the run is refused with how to start them."""
-    if STRATEGIES.get(cfg.strategy).caps.uses_servers and not cfg.server_addrs:
-        raise ConfigError(
-            f"{cfg.strategy} under torchrun needs parameter servers of its own, which "
-            f"torchrun does not start: run `psring server --bind tcp://HOST:PORT` (one per "
-            f"server, on hosts the workers reach) and add --server-addrs "
-            f"tcp://HOST:PORT[,...] to {ENV} (docs/multihost.md).")
 
 
 def _agree(cfg: RunConfig, settings: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from psring.library import start
 from psring.library.hooks import grad_tensors, to_device
 from psring.library.sampler import GlobalBatchSampler, shares
 from psring.library.wrap import server_sgd
+from psring.workers import entry
 
 ALONE = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
          "PSRING_RUN_ID", start.ENV)
@@ -114,7 +115,8 @@ def test_the_runs_flags_come_from_the_launch_and_steps_are_a_cap(monkeypatch, tm
         start._config(None, {})
 
 
-def test_a_parameter_server_strategy_under_torchrun_needs_servers_named(monkeypatch, tmp_path):
+def test_a_parameter_server_strategy_under_torchrun_needs_servers_named(monkeypatch,
+                                                                       tmp_path):
     for name in ("PSRING_RUN_ID", start.ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -128,6 +130,8 @@ def test_a_parameter_server_strategy_under_torchrun_needs_servers_named(monkeypa
     monkeypatch.setenv(start.ENV, f"--strategy ps --out {tmp_path} "
                                   f"--server-addrs tcp://127.0.0.1:5555")
     assert start._config(None, {}).server_addrs == "tcp://127.0.0.1:5555"
+    with pytest.raises(ConfigError, match="async-ps under torchrun"):  # (psring's own worker)
+        entry.servers_named(RunConfig(strategy="async-ps", workers=2))
 
 
 def test_the_servers_take_sgd_and_refuse_what_they_cannot_apply():
