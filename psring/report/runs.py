@@ -159,7 +159,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "steps_to_accuracy": tta_step,
         "parameter_bytes": manifest.get("parameter_bytes"),
         "arithmetic_intensity": manifest.get("arithmetic_intensity"),
-        "workload": {k: cfg.get(k) for k in WORKLOAD_KEYS},
+        # (a script's arguments are part of what it trains: --clip 0 is another run)
+        "workload": {**{k: cfg.get(k) for k in WORKLOAD_KEYS},
+                     **({"script": manifest["script"]} if "script" in manifest else {})},
         # who started the workers, and where (torchrun: every rank's host)
         "launch": manifest.get("launch") or {},
         "speedup_vs_single": None,

@@ -38,3 +38,31 @@ def test_a_worker_lost_mid_run_adds_samples_only_while_it_was_there():
     _, rate = _speed(records, cfg)
     # workers 0 and 2 at 3 samples a second throughout; worker 1 for 4 steps of 10
     assert rate == pytest.approx(3.0 + 3.0 + 3.0 * 4 / 10)
+
+
+def test_a_scripts_runs_with_other_arguments_have_their_own_baseline(tmp_path):
+    """Speedups pair a run with the `single` run of the same workload: for a script's
+    runs that includes its arguments (--clip 0 trains another model than --clip 1)."""
+    import json
+
+    from psring.report.runs import summarize_all
+
+    def run(name: str, strategy: str, workers: int, args: list[str], step_s: float) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        cfg = {"strategy": strategy, "workers": workers, "model": "script train.py",
+               "batch_size": 8, "steps": 4, "accumulate": 1, "worker_batch": ""}
+        (d / "manifest.json").write_text(json.dumps({"config": cfg,
+                                                     "script": ["train.py", *args]}))
+        (d / "steps.jsonl").write_text("".join(json.dumps(
+            {"worker": w, "step": s, "time": float(s), "step_s": step_s, "data_s": 0.0,
+             "forward_s": step_s, "backward_s": 0.0, "comm_s": 0.0, "update_s": 0.0,
+             "loss": None}) + "\n" for s in range(4) for w in range(workers)))
+
+    run("single-a", "single", 1, ["--clip", "1"], 1.0)
+    run("single-b", "single", 1, ["--clip", "0"], 0.5)
+    run("ps-b", "ps", 2, ["--clip", "0"], 0.25)
+    rows = {r["run"].rsplit("/", 1)[1]: r for r in summarize_all([str(tmp_path)])}
+    # against single-b (16 samples/s); paired with single-a (8) it would be 4.0
+    assert rows["ps-b"]["speedup_vs_single"] == pytest.approx(2.0)
+    assert rows["single-a"]["speedup_vs_single"] == pytest.approx(1.0)
