@@ -34,13 +34,13 @@ from tests.helpers import (
     cli_here,
     cluster_state,
     cut_link,
-    interruptible,
     load_model,
     max_rel_diff,
     needs_emulation,
     process_named,
     psring,
     read_steps,
+    zygote,
 )
 
 # -- the flags ---------------------------------------------------------------------------
@@ -411,11 +411,10 @@ def test_synchronous_strategies_train_singles_model_under_emulation(tmp_path, sm
 
 
 def _start(out: Path, strategy: str, timeout: float = 300) -> subprocess.Popen:
-    proc = subprocess.Popen([*PSRING, "run", "--strategy", strategy, "--workers", "2",
-                             "--hosts", "2", "--link", "1gbit", *SMALL, "--steps", "100000",
-                             "--timeout", str(timeout), "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=interruptible)
+    proc = zygote.start(["run", "--strategy", strategy, "--workers", "2", "--hosts", "2",
+                         "--link", "1gbit", *SMALL, "--steps", "100000", "--timeout",
+                         timeout, "--out", out], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not (out / "steps.jsonl").exists() or (out / "steps.jsonl").stat().st_size < 2000:
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -4,6 +4,8 @@
 
 - :mod:`tests.helpers.runs`: the psring CLI as a subprocess or in this process, the
   check that a run's processes are gone, and readers of a run's files;
+- :mod:`tests.helpers.zygote`: where those subprocesses come from: forked from one
+  process per session that imported torch and psring once (``zygote.start``);
 - :mod:`tests.helpers.servers`: a parameter server in a thread or a child process and
   a raw client that speaks the wire protocol;
 - :mod:`tests.helpers.emulation`: can this machine build emulated clusters, and is a

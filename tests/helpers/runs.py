@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers import zygote
+
 #: tests/, where the test plugins (tests/plugins) live
 TESTS = Path(__file__).resolve().parents[1]
 PSRING = [sys.executable, "-m", "psring"]
@@ -35,20 +37,35 @@ def env_with_plugins() -> dict[str, str]:
 def psring(*args: str, timeout: float = 120, env: dict | None = None,
            check: bool = True) -> subprocess.CompletedProcess:
     """Run the psring CLI; the run's own hard deadline is ``timeout`` seconds."""
-    proc = subprocess.run([*PSRING, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"psring {' '.join(map(str, args))} exited {proc.returncode}:\n"
-                             f"{proc.stdout}\n{proc.stderr}")
-    return proc
+    p = zygote.start(list(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        _stopped(p)
+    if check and p.returncode != 0:
+        raise AssertionError(f"psring {' '.join(map(str, args))} exited {p.returncode}:\n"
+                             f"{out}\n{err}")
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _stopped(p) -> None:
+    """A command still running (its deadline passed, or the test failed): SIGTERM, so
+    the launcher stops what it started, then SIGKILL."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def psring_together(*runs: list, timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Several psring commands at once, each one's exit checked: for runs whose numbers
     (parameters, records) are compared, never their times; on 2 cores their interpreter
     starts and torch imports overlap with each other's communication waits."""
-    procs = [subprocess.Popen([*PSRING, *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in runs]
+    procs = [zygote.start(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for args in runs]
     deadline = time.monotonic() + timeout  # one deadline for all of them
     done = []
     try:
@@ -64,11 +81,7 @@ def psring_together(*runs: list, timeout: float = 120) -> list[subprocess.Comple
             if p.poll() is None:
                 p.terminate()
         for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            _stopped(p)
     return done
 
 

@@ -13,16 +13,15 @@ import torch
 from psring.errors import ConfigError
 from psring.train import checkpoint
 from tests.helpers import (
-    PSRING,
     SMALL,
     assert_no_processes,
     cli_here,
-    interruptible,
     load_model,
     max_rel_diff,
     psring,
     read_evals,
     read_steps,
+    zygote,
 )
 
 
@@ -106,14 +105,13 @@ def test_sigkilled_run_resumes_to_exactly_the_uninterrupted_parameters(tmp_path,
             "--checkpoint-every", every, "--eval-every", every]
     # the uninterrupted reference runs meanwhile: only its parameters are compared
     ref = tmp_path / "ref"
-    ref_proc = subprocess.Popen([*PSRING, "run", *map(str, args), "--out", str(ref)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ref_proc = zygote.start(["run", *args, "--out", ref], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
     out = tmp_path / "killed"
     # worker 1 slowed (a sleep; the arithmetic is unchanged) so the kill lands mid-run
-    proc = subprocess.Popen([*PSRING, "run", *map(str, args), "--slow-worker", "1:25",
-                             "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+    proc = zygote.start(["run", *args, "--slow-worker", "1:25", "--out", out],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         while not (out / "checkpoints" / f"step-{2 * every:08d}" / "checkpoint.json").exists():
@@ -162,11 +160,10 @@ def test_kills_at_any_moment_never_leave_a_bad_checkpoint_in_use(tmp_path):
     that is used verifies, and a resume from it works."""
     for i, delay in enumerate((0.4, 1.3)):
         out = tmp_path / f"k{i}"
-        proc = subprocess.Popen([*PSRING, "run", "--strategy", "allreduce", "--workers", "2",
-                                 "--width", "1024", "--depth", "3", "--batch-size", "16",
-                                 "--steps", "100000", "--checkpoint-every", "1",
-                                 "--out", str(out)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+        proc = zygote.start(["run", "--strategy", "allreduce", "--workers", "2",
+                             "--width", "1024", "--depth", "3", "--batch-size", "16",
+                             "--steps", "100000", "--checkpoint-every", "1", "--out", out],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 90
             while not list((out / "checkpoints").glob("*/checkpoint.json")):

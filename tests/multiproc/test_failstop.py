@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PSRING, SMALL, assert_no_processes, interruptible, process_named
+from tests.helpers import SMALL, assert_no_processes, process_named, zygote
 
 
 def wait_for_training(proc: subprocess.Popen, out: Path, timeout: float = 60) -> None:
@@ -25,9 +25,8 @@ def start_and_kill(tmp_path: Path, args: list, name: str, sig: int = signal.SIGK
     """Start a long run, wait until it trains, send ``sig`` to one of its processes (by
     name); return (exit code, stderr, seconds it took)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([*PSRING, "run", *map(str, args), "--steps", "1000000",
-                             "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+    proc = zygote.start(["run", *args, "--steps", "1000000", "--out", out],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for_training(proc, out)
         victim = process_named(out, name)

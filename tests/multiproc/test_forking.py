@@ -6,6 +6,7 @@ module refuses to do."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -119,3 +120,40 @@ def test_a_gpu_build_of_torch_never_forks():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=100)
     assert proc.stdout.strip() == "None", proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_tests_forked_commands_behave_as_new_interpreters(tmp_path):
+    """tests/helpers/zygote.py: a command forked for a test sees its own arguments,
+    environment (a plugin on its PYTHONPATH), working directory and streams, exits
+    with its own status, and carries its own command line, as `python -m psring` does."""
+    from tests.helpers import env_with_plugins, processes_mentioning, zygote
+
+    env = env_with_plugins()
+    runs = [(["strategies"], env), (["run", "--strategy", "nonsense", "--out", "x"], None)]
+    codes = []
+    for args, with_env in runs:
+        fresh = subprocess.run([*zygote.PSRING, *args], capture_output=True, text=True,
+                               env=with_env, cwd=tmp_path, timeout=100)
+        forked = zygote.start(args, env=with_env, cwd=str(tmp_path),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert isinstance(forked, zygote.Forked)  # (this machine forks: a CPU build)
+        out, err = forked.communicate(timeout=100)
+        assert (out, err, forked.returncode) == (fresh.stdout, fresh.stderr,
+                                                 fresh.returncode)
+        codes.append(forked.returncode)
+        if args == ["strategies"]:
+            assert "faulty" in out  # (the plugin, from the command's PYTHONPATH)
+    assert codes == [0, 2]
+    long_run = zygote.start(["run", "--strategy", "allreduce", "--workers", "2",
+                             "--steps", "100000", "--out", tmp_path / "long"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "long" / "steps.jsonl").exists():
+        assert long_run.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    # the launcher and its forked workers: three processes that name the run directory
+    assert len(processes_mentioning(str(tmp_path / "long"))) >= 3
+    long_run.terminate()
+    assert long_run.wait(timeout=30) == 143
+    assert_no_processes(str(tmp_path))

@@ -19,8 +19,14 @@ import torch
 
 from psring.report import summarize_all
 from psring.runtime.process import free_port
-from tests.helpers import assert_no_processes, load_model, max_rel_diff, processes_mentioning
-from tests.helpers.runs import PSRING, TESTS, psring_together, read_steps
+from tests.helpers import (
+    assert_no_processes,
+    load_model,
+    max_rel_diff,
+    processes_mentioning,
+    zygote,
+)
+from tests.helpers.runs import TESTS, psring_together, read_steps
 
 EXAMPLES = TESTS.parent / "examples"
 DDP_STYLE = ["--", "python", str(EXAMPLES / "ddp_style.py")]
@@ -179,10 +185,8 @@ def test_what_the_servers_cannot_do_is_refused_and_a_failing_worker_stops_the_ru
                         "python", TESTS / "helpers" / "script_exits.py"],
                        "file absolute: True; path[0] is its folder: True\n"
                        "a message for the user\nexit handler ran")}
-    first = subprocess.Popen([*PSRING, *map(str, loader)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-    procs = {name: subprocess.Popen([*PSRING, *map(str, args)], stderr=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL, text=True)
+    first = zygote.start(loader, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    procs = {name: zygote.start(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
              for name, (args, _) in cases.items()}
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err

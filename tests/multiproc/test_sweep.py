@@ -13,7 +13,12 @@ import pytest
 from psring.errors import ConfigError
 from psring.records.sweep import Sweep
 from psring.report import summarize
-from tests.helpers import PSRING, assert_no_processes, env_with_plugins, interruptible, psring
+from tests.helpers import (
+    assert_no_processes,
+    env_with_plugins,
+    psring,
+    zygote,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = {"model": "mlp", "width": 32, "depth": 1, "features": 16, "samples": 512,
@@ -225,9 +230,8 @@ def test_interrupted_sweep_stops_cleanly_and_resumes(tmp_path):
                                               "steps": [20, 1000000]},
                       base={"batch_size": 16})
     out = tmp_path / "sweep"
-    p = subprocess.Popen([*PSRING, "sweep", str(spec), "--out", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=interruptible)
+    p = zygote.start(["sweep", spec, "--out", out], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE)
     try:
         # wait until the first point is done and the second has started stepping
         deadline = time.monotonic() + 120
