@@ -21,13 +21,13 @@ import sys
 
 from psring.cluster.spec import Cluster
 from psring.predict.costmodel import Calibration
-from psring.predict.profile import Profile
 from psring.predict.simulate import simulate
+from psring.records.profile import Profile
 
 # -- the hardware, on paper ------------------------------------------------------------
 #: GPU clusters: NCCL over RDMA; per-message latency ~10 µs; inside a server PCIe/NVLink
 #: at ~10 GB/s (β 1e-10 s/byte); a GPU adds at several hundred GB/s (γ 2e-12 s/byte).
-#: Between servers the link's nominal rate sets β (psring.cluster.spec.payload_beta: TCP
+#: Between servers the link's nominal rate sets β (psring.units.payload_beta: TCP
 #: payload at a 1500-byte MTU, a conservative reading of RoCE's).
 GPU = Calibration(zmq_alpha=1e-5, zmq_beta=1e-10, dist_alpha=1e-5, dist_beta=1e-10,
                   gamma=2e-12, host="on paper: GPU servers")

@@ -21,12 +21,14 @@ The packages, each with one job (its ``__init__`` says which):
 - ``strategies``: the strategy seam and one module per strategy;
 - ``comm``: the wire protocol, partitions, compression, Adasum, a host's interconnect;
 - ``cluster``: a run's cluster and the emulated one built for it;
-- ``runtime``: the launcher and the processes it supervises;
+- ``runtime``: the processes of a run: supervising, forking, the rendezvous;
 - ``train``: models, data, the update, evaluation, checkpoints, device mode;
 - ``zoo``: the built-in models;
-- ``records``: run logs, traces, merges, sweeps;
+- ``records``: run logs, traces, merges, profiles;
 - ``report``: tables, plots, report.md; ``predict``: cost model, simulator, advise;
-- ``library``: the strategies inside a user's own training script.
+- ``library``: the strategies inside a user's own training script;
+- ``runs``: one run launched, sweeps, ``psring compare``, ``psring profile``;
+- ``commands``: ``psring advise`` and ``psring calibrate``.
 
 Names used here are imported on first use, so ``import psring`` imports no torch.
 """
@@ -37,7 +39,7 @@ __version__ = "0.1.0"
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "RunConfig": "config", "validate": "config", "ConfigError": "errors",
-    "PsringError": "errors", "launch": "runtime.launch", "Cluster": "cluster.spec",
+    "PsringError": "errors", "launch": "runs.launch", "Cluster": "cluster.spec",
     "Strategy": "strategies", "STRATEGIES": "strategies", "StepStats": "strategies",
     "WorkerContext": "strategies", "Capabilities": "strategies",
     "COST_MODELS": "predict.simulate", "CostModel": "predict.costs",

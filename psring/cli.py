@@ -37,12 +37,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     forking.allow()
     from psring.config import config_from_args
     from psring.report import render_table, summarize_all
-    from psring.runtime.launch import launch
+    from psring.runs.launch import launch
 
     if args.resume:
         from psring.config import given_fields
         from psring.config.flags import flag_values
-        from psring.runtime.launch import resume_config
+        from psring.runs.launch import resume_config
 
         argv = getattr(args, "argv", None)
         given = given_fields(argv if argv is not None else sys.argv[1:]) - {"resume"}
@@ -62,7 +62,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from psring.config import config_from_args, given_fields
     from psring.library.start import script_refusals
     from psring.report import render_table, summarize_all
-    from psring.runtime.launch import launch
+    from psring.runs.launch import launch
 
     command = _script_command(args.command)
     if not command:
@@ -104,8 +104,8 @@ def _progress_printer(total: int):
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from psring.records.sweep import is_sweep_dir
     from psring.report import render_table, summarize_all, write_report
+    from psring.runs.sweep import is_sweep_dir
 
     if len(args.dirs) == 1 and is_sweep_dir(args.dirs[0]) and not args.json:
         path, table = write_report(args.dirs[0])
@@ -136,7 +136,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     forking.allow()  # first: its runs' processes are forked from it (see _cmd_run)
     from pathlib import Path
 
-    from psring.records.sweep import Sweep, default_out, format_summary, run_sweep_with_progress
+    from psring.runs.sweep import Sweep, default_out, format_summary, run_sweep_with_progress
 
     sweep = Sweep.load(args.spec)
     if args.repeats is not None:
@@ -158,9 +158,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     # first (see _cmd_run); a calibration that computes in this process leaves threads
     # behind, and its runs' processes then start anew
     forking.allow()
-    from psring.records.compare import run_compare
-    from psring.records.sweep import format_summary
     from psring.report import write_report
+    from psring.runs.compare import run_compare
+    from psring.runs.sweep import format_summary
 
     root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
     print(format_summary(res), file=sys.stderr)
@@ -229,8 +229,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from psring.predict.profile import load_host_copy
-    from psring.predict.profiling import (
+    from psring.records.profile import load_host_copy
+    from psring.runs.profiling import (
         PAPER_FLAGS,
         paper_profile,
         profile_config,
@@ -343,19 +343,19 @@ def _add_sweep(sub) -> None:
 
 
 def _add_calibrate(sub) -> None:
-    from psring.predict.calibrate_cli import add_calibrate_parser
+    from psring.commands.calibrate import add_calibrate_parser
 
     add_calibrate_parser(sub)
 
 
 def _add_compare(sub) -> None:
     cmp_ = sub.add_parser("compare", help="every strategy on a small default workload: "
-                          "a sweep (experiments/compare.toml) and its report")
+                          "a sweep (psring/runs/compare.toml) and its report")
     cmp_.add_argument("--out", default=None, help="sweep directory (default "
                       "runs/compare-<time>); the same --out again resumes")
     cmp_.add_argument("--workers", type=int, default=2, help="workers per distributed run")
     cmp_.add_argument("--repeats", type=int, default=None, help="runs per strategy "
-                      "(default: experiments/compare.toml's)")
+                      "(default: compare.toml's)")
     cmp_.set_defaults(func=_cmd_compare)
 
 
@@ -398,7 +398,7 @@ def _add_profile(sub) -> None:
     from psring.config import add_config_flags
 
     pr = sub.add_parser("profile", help="profile a model for the simulator: one short "
-                        "traced single run -> DIR/profile.json (psring.predict.profile)")
+                        "traced single run -> DIR/profile.json (psring.records.profile)")
     add_config_flags(pr, only=("model", "width", "depth", "classes", "image_size", "seq_len",
                                "features", "batch_size", "threads", "seed", "data",
                                "device"))
@@ -428,7 +428,7 @@ def _add_profile(sub) -> None:
 
 
 def _add_advise(sub) -> None:
-    from psring.predict.advise_cli import add_advise_parser
+    from psring.commands.advise import add_advise_parser
 
     add_advise_parser(sub)
 

@@ -35,7 +35,6 @@ from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
 from psring.runtime import elastic, rendezvous
 from psring.runtime.allocator import keep_freed_memory
-from psring.runtime.launch import ENV as RUN_ARGS
 from psring.runtime.process import die_with_parent, set_process_name, worker_threads
 from psring.train import device as psring_device
 
@@ -132,7 +131,7 @@ def servers_named(cfg: RunConfig) -> None:
             f"{cfg.strategy} under torchrun needs parameter servers of its own, which "
             f"torchrun does not start: run `psring server --bind tcp://HOST:PORT` (one per "
             f"server, on hosts the workers reach) and give their addresses with "
-            f"--server-addrs tcp://HOST:PORT[,...] (in {RUN_ARGS} for a script; "
+            f"--server-addrs tcp://HOST:PORT[,...] (in {rendezvous.RUN_ARGS_ENV} for a script; "
             f"docs/multihost.md).")
 
 

@@ -80,7 +80,7 @@ def run_facts(cfg: RunConfig, model, strategy_cls, threads: int, fps: float | No
         "parameters": sum(p.numel() for p in model.parameters()),
         "parameter_bytes": pbytes,
         # each trainable parameter's gradient bytes, in model.parameters() order: what
-        # psring.predict.profile rebuckets at any bucket size
+        # psring.records.profile rebuckets at any bucket size
         "parameter_sizes": [p.numel() * p.element_size() for p in model.parameters()
                             if p.requires_grad],
         "wire_bytes": wire,

@@ -119,7 +119,7 @@ class GradientClock:
     """When each parameter's gradient became final (one hook per parameter): ``last``
     marks the end of backward's compute for a strategy that waits for communication
     inside backward(); with --trace all of them (``ready_at``, in parameter order) go
-    into the step record, for psring.predict.profile (the simulator rebuckets a
+    into the step record, for psring.records.profile (the simulator rebuckets a
     profile at any bucket size).
 
     On CUDA a hook runs when autograd *queues* the gradient's kernels, long before the

@@ -7,7 +7,7 @@ Builds a two-host cluster (psring.cluster.emulate.standalone) and, from host-0 t
 host-1, measures: the round trip of small UDP datagrams (each crosses four link
 directions, so 4 x the delay is set), the share of a train of UDP datagrams that
 arrives (each crosses two directions: 1 - (1 - loss)^2 is set), and a TCP stream's
-goodput (the rate as set, less the headers: psring.cluster.spec.PAYLOAD_FRACTION).
+goodput (the rate as set, less the headers: psring.units.PAYLOAD_FRACTION).
 With the user-space links, the forwarders' own records say what they dropped and the
 CPU they used. Prints one JSON object; docs/emulation.md shows what it measured here.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from psring.cluster.link import read_links
-from psring.cluster.spec import PAYLOAD_FRACTION, parse_delay, parse_rate
+from psring.units import PAYLOAD_FRACTION, parse_delay, parse_rate
 
 PORT = 47000
 _SELF = [sys.executable, "-m", "psring.cluster.linkcheck"]

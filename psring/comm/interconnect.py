@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from psring.errors import ConfigError
+from psring.units import parse_rate
 
 #: a ring step's start-up on a device interconnect (NCCL's order of magnitude)
 DEVICE_ALPHA_S = 10e-6
@@ -84,8 +85,6 @@ def _rates(text: str) -> tuple[float, float]:
     """(device-to-device, device-to-host) bytes per second of a non-empty --device-link."""
     if text.lower() in LINKS:
         return LINKS[text.lower()][:2]
-    from psring.cluster.spec import parse_rate
-
     try:
         rate = parse_rate(text, "--device-link")
     except ConfigError as e:
@@ -96,7 +95,7 @@ def _rates(text: str) -> tuple[float, float]:
 
 def host_copy(text: str) -> dict[str, Any] | None:
     """A device's copies to and from host memory on the host --device-link ``text``
-    describes, as a profile's ``host_copy`` (:class:`psring.predict.profile.Profile`);
+    describes, as a profile's ``host_copy`` (:class:`psring.records.profile.Profile`);
     None for ''."""
     if not text:
         return None
@@ -135,9 +134,7 @@ def check(cfg: Any, strategy_cls: Any) -> None:
     if why:
         raise ConfigError(f"--device-link times a strategy's traffic among the workers of "
                           f"one host; {cfg.strategy!r} {why}")
-    from psring.cluster.spec import derived_hosts
-
-    check_hosts(cfg.workers, derived_hosts(cfg.workers, cfg.hosts, cfg.workers_per_host))
+    check_hosts(cfg.workers, cfg.cluster.hosts)
 
 
 def not_timed(caps: Any, reduce: str = "sum") -> str:

@@ -21,7 +21,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from psring.cluster.spec import Cluster, derived_hosts
 from psring.config.sections import SECTIONS
 from psring.errors import ConfigError
-from psring.train.shares import check_global_batch, shares_of
+from psring.records.runlog import shares_of
+from psring.train.shares import check_global_batch
 
 
 def flag_name(name: str) -> str:
@@ -42,7 +43,7 @@ class RunConfig(*reversed(SECTIONS)):
     Fields hold what was given. Values derived from others (``hosts`` from
     --workers-per-host, ``servers`` from --server-addrs, ``eval_samples`` in device mode)
     are :meth:`derived`'s, and filled in by :func:`psring.config.validate`, which
-    ``psring run`` and :func:`psring.runtime.launch.launch` call: read them from a
+    ``psring run`` and :func:`psring.runs.launch.launch` call: read them from a
     validated config (or from ``cfg.cluster`` and ``to_dict()``, which derive them)."""
 
     def __post_init__(self) -> None:

@@ -27,13 +27,15 @@ import torch
 from psring.config import RunConfig, add_config_flags, config_from_args, given_fields, validate
 from psring.errors import ConfigError
 from psring.library.session import Distributed
-from psring.runtime import launch, rendezvous
+from psring.records.runlog import default_out
+from psring.runtime import rendezvous
 from psring.runtime.allocator import keep_freed_memory
 from psring.runtime.process import die_with_parent, free_port
+from psring.runtime.rendezvous import RUN_ARGS_ENV
 from psring.workers import entry
 
 #: the run's flags that ``psring launch`` gives each process it starts (a JSON list)
-ENV = launch.ENV
+ENV = RUN_ARGS_ENV
 
 
 def init(strategy: str | None = None, **settings: Any) -> Distributed:
@@ -79,7 +81,7 @@ def _config(strategy: str | None, settings: dict[str, Any]) -> RunConfig:
     if not cfg.out and world > 1:
         raise ConfigError(f"under torchrun each host writes its workers' records to a run "
                           f"directory: add --out DIR to {ENV} (or psring.init(out=DIR)).")
-    return cfg if cfg.out else cfg.replace(out=launch.default_out(cfg))
+    return cfg if cfg.out else cfg.replace(out=default_out(cfg))
 
 
 def _own_config(settings: dict[str, Any], world: int, torchrun: bool) -> RunConfig:

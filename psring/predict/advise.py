@@ -9,7 +9,7 @@ ranked, with the sentence that says what bounds each.
     print(*options(cands, ranking, classes), sep="\n")   # async, compressed: what they change
 
 ``classes`` maps strategy names to their classes (psring.strategies), so this module
-needs neither torch nor the registry. ``psring advise`` (psring.predict.advise_cli)
+needs neither torch nor the registry. ``psring advise`` (psring.commands.advise)
 profiles the model, prints the ranking and with ``--verify`` measures it.
 """
 
@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 from psring.cluster.spec import Cluster
 from psring.predict.costmodel import ps_link_load
-from psring.predict.profile import Profile
 from psring.predict.simulate import COST_MODELS, FLOW_DRAWS, Prediction, simulate
+from psring.records.profile import Profile
 
 BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
 

@@ -2,9 +2,9 @@
 
     psring calibrate [--quick] [--out FILE]
     psring calibrate --hosts 2 --link 1gbit [--quick] [--out FILE]   # across a link
-    python -m psring.predict.calibrate_cli [--quick] [--out FILE]   # without the psring CLI
+    python -m psring.commands.calibrate [--quick] [--out FILE]   # without the psring CLI
 
-(The command is psring.predict.calibrate_cli; this module measures.)
+(The command is psring.commands.calibrate; this module measures.)
 
 Three measurements, one after another (never concurrently: on a small machine they
 would compete for the same cores):
@@ -251,13 +251,13 @@ def _zmq_pingpong(rank: int, addr: str, sizes: list[int], quick: bool,
 def measure_zmq(sizes: list[int], quick: bool, link: "Link | None" = None
                 ) -> tuple[list[list[float]], dict]:
     """(ladder rows, {}) of the ZeroMQ ping-pong across ``link``, or on this host over
-    the transport its runs use between workers and servers (psring.runtime.launch.local_ipc:
+    the transport its runs use between workers and servers (psring.runs.launch.local_ipc:
     Unix sockets on Linux). Either way nothing outside can connect."""
     timeout = QUICK_PAIR_TIMEOUT_S if quick else PAIR_TIMEOUT_S
     if link:
         host, budget, where = link.args()
         addr = f"tcp://{host}:{free_port()}"
-    elif ABSTRACT_IPC:  # as psring.runtime.launch.local_ipc chooses for a run's own servers
+    elif ABSTRACT_IPC:  # as psring.runs.launch.local_ipc chooses for a run's own servers
         addr, budget, where = abstract_ipc_endpoint("psring-calibrate"), None, None
     else:
         addr, budget, where = f"tcp://127.0.0.1:{free_port()}", None, None
@@ -526,7 +526,7 @@ def calibrate_link(link: str, delay: str = "", quick: bool = False,
     """α and β of ZeroMQ and gloo between two emulated hosts joined by ``link``
     (psring.cluster.emulate): the entry ``Calibration.links[rate]``."""
     from psring.cluster.emulate import standalone
-    from psring.cluster.spec import parse_rate
+    from psring.units import parse_rate
 
     say = log or (lambda _msg: None)
     bits = parse_rate(link)

@@ -35,9 +35,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from psring.cluster.spec import Cluster, link_key, payload_beta
+from psring.cluster.spec import Cluster, link_key
 from psring.errors import ConfigError
 from psring.records.runlog import atomic_write_json
+from psring.units import payload_beta
 
 #: the built-in cost models' names (``caps.cost_model``): which α-β-γ formula predicts its
 #: communication; None: it sends nothing (single) or shares memory (hogwild)
@@ -293,7 +294,7 @@ class Calibration:
         when this calibration has that rate (with that delay; a calibration without the
         delay gets 2·delay added to its α); else, on paper, loopback's α plus the delay of the
         two links a message crosses, and the rate's β for TCP payload
-        (psring.cluster.spec.payload_beta). β is never below loopback's: a link faster than
+        (psring.units.payload_beta). β is never below loopback's: a link faster than
         the transport's software does not make it faster. Unshaped links (None): the
         loopback figures."""
         alpha, beta = self.link(comm_model)

@@ -1,8 +1,8 @@
 """The step-time simulator: a whole training step of each strategy, predicted from a
-profile of the model (psring.predict.profile) and a cluster, without running anything.
+profile of the model (psring.records.profile) and a cluster, without running anything.
 
     from psring.predict.costmodel import Calibration, find_calibration
-    from psring.predict.profile import Profile
+    from psring.records.profile import Profile
     from psring.cluster.spec import Cluster
     from psring.predict.simulate import simulate
 

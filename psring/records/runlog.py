@@ -227,3 +227,16 @@ def iter_run_dirs(paths: list[str]) -> Iterator[Path]:
             yield p
         elif p.is_dir():
             yield from sorted(d for d in p.iterdir() if (d / MANIFEST).exists())
+
+
+def default_out(cfg: Any) -> str:
+    """Where a run writes without --out: runs/STRATEGY-wN-TIME in the working directory."""
+    return os.path.join("runs", f"{cfg.strategy}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def shares_of(config: dict) -> list[int]:
+    """Each worker's samples a micro-batch in a run's recorded config (its manifest's
+    ``config``): its --worker-batch, else equal shares of --batch-size."""
+    if config.get("worker_batch"):
+        return [int(v) for v in str(config["worker_batch"]).split(",")]
+    return [config["batch_size"] // config["workers"]] * config["workers"]

@@ -384,7 +384,7 @@ def make_label(s: Setting, with_cluster: bool, varied: dict[str, Any] | None = N
 
 
 #: the sweep's grid key whose cases the report's Faults section compares
-#: (psring.records.sweep: a key that is no flag names cases); its first case is the
+#: (psring.runs.sweep: a key that is no flag names cases); its first case is the
 #: fault-free run the others are set against
 FAULT_AXIS = "fault"
 

@@ -1,6 +1,6 @@
 """What a fault cost a run, read from its logs: what ``psring report SWEEP``'s Faults
 section (psring.report.aggregate.fault_rows, for a grid key ``fault`` that names cases:
-psring.records.sweep, as in experiments/faults.toml) sets beside the fault-free run.
+psring.runs.sweep, as in experiments/faults.toml) sets beside the fault-free run.
 
     from psring.report.faults import effects
     effects(run_dir, records, cfg)
@@ -30,8 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from psring.records.runlog import FAULTS, RESTARTS, read_steps
-from psring.train.shares import shares_of
+from psring.records.runlog import FAULTS, RESTARTS, read_steps, shares_of
 
 
 def restart_losses(restarts: list[dict], records: list[dict]) -> list[tuple[float, float]]:

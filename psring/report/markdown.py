@@ -19,7 +19,7 @@ as the median with the min–max range (psring.report.aggregate). What is in it:
   target, steps to it (statistical efficiency) and time per step (hardware efficiency);
 - training loss vs time and vs step (an EMA, the raw points faint);
 - the staleness distribution of asynchronous runs;
-- with a grid key ``fault`` (cases: psring.records.sweep), each fault case beside the
+- with a grid key ``fault`` (cases: psring.runs.sweep), each fault case beside the
   same setting without it: recovery time, steps redone, time lost, throughput before
   and after, time to accuracy and final accuracy (psring.report.faults).
 """

@@ -23,9 +23,9 @@ from typing import Any
 
 from psring.errors import ConfigError
 from psring.records.runlog import PHASES, read_evals, read_manifest, read_steps, warmup_steps
-from psring.records.sweep import SWEEP_FILE, point_status
 from psring.report.faults import effects
 from psring.report.runs import summarize
+from psring.runs.sweep import SWEEP_FILE, point_status
 from psring.strategies import STRATEGIES
 
 

@@ -27,12 +27,12 @@ from psring.records.runlog import (
     read_evals,
     read_manifest,
     read_steps,
+    shares_of,
     warmup_steps,
 )
 from psring.report.faults import fault_summary
 from psring.strategies import STRATEGIES
 from psring.train.evaluate import time_to_accuracy
-from psring.train.shares import shares_of
 
 #: config keys that define "the same workload" for speedups
 WORKLOAD_KEYS = ("model", "width", "depth", "data", "samples", "features", "classes",

@@ -1,6 +1,6 @@
-"""Running a run: the launcher and the processes it supervises.
+"""The processes of a run (psring.runs.launch starts them): supervising, forking, the
+rendezvous of workers on several hosts.
 
-- ``launch``: a RunConfig in, the run's servers and workers started and waited for;
 - ``process``: the supervisor (fail-stop on the first failure, no orphans);
 - ``forking``: starting those processes as forks of a launcher that imported torch once;
 - ``rendezvous``: workers started by torchrun on several hosts (run id, deadlines);

@@ -1,6 +1,6 @@
 """Processes of a run: start them, watch them, stop them, leave no orphans.
 
-The :class:`Supervisor` is psring's process manager (psring.runtime.launch starts a run's
+The :class:`Supervisor` is psring's process manager (psring.runs.launch starts a run's
 workers and servers with it, psring.cluster.emulate its cluster agent):
 
 - every child runs in its own session (so a terminal's Ctrl-C reaches only the

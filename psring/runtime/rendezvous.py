@@ -39,6 +39,9 @@ from psring.errors import PsringError
 from psring.records.runlog import host_name
 
 RUN_ENV = "PSRING_RUN_ID"
+#: the run's flags a script's worker reads in psring.init() (psring.library): a JSON list
+#: psring launch writes, or a shell string a user gives under torchrun
+RUN_ARGS_ENV = "PSRING_RUN_ARGS"
 #: seconds past --timeout before the watchdog ends a worker that made no progress; and
 #: the time a failing worker has to shut down. torch's own timeouts (the process
 #: group's, the store's) are set to --timeout, so they fire first when they work.

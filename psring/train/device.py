@@ -9,7 +9,7 @@ On the clusters psring answers about, forward and backward run on each worker's 
 accelerator while the host's CPU and NIC move the gradients. On one small machine every
 worker's compute shares its few cores with everything else, so a run of many workers
 measures CPU contention. In device mode each worker's forward, backward and optimizer
-step take the profile's times (psring.predict.profile) divided by ``--device-speed``, as
+step take the profile's times (psring.records.profile) divided by ``--device-speed``, as
 sleeps that leave the cores free, while every byte that moves stays real: gradients
 copied into buckets and frames, gloo, ZeroMQ, the servers' sums and updates, the
 emulated links.
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from psring.errors import ConfigError
-from psring.predict.profile import PROFILE_FILE, Profile
+from psring.records.profile import PROFILE_FILE, Profile
 
 MODES = ("real", "device")
 

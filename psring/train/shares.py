@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from psring.errors import ConfigError
+from psring.records.runlog import read_manifest, read_steps, shares_of, warmup_steps
 
 
 def gradient_weight(cfg, rank: int, world: int) -> float | None:
@@ -24,19 +25,10 @@ def gradient_weight(cfg, rank: int, world: int) -> float | None:
     return world * cfg.worker_batches[rank] / cfg.batch_size
 
 
-def shares_of(config: dict) -> list[int]:
-    """Each worker's samples a micro-batch in a run's recorded config (its manifest's
-    ``config``): its --worker-batch, else equal shares of --batch-size."""
-    if config.get("worker_batch"):
-        return [int(v) for v in str(config["worker_batch"]).split(",")]
-    return [config["batch_size"] // config["workers"]] * config["workers"]
-
-
 def proportional_shares(run_dir: str, batch_size: int, workers: int) -> list[int]:
     """Shares of ``batch_size`` in proportion to each worker's speed in the run in
     ``run_dir``: samples per second, its share there over its median forward + backward
     time a step (warm-up left out), rounded by largest remainder, at least 1 each."""
-    from psring.records.runlog import read_manifest, read_steps, warmup_steps
 
     records = read_steps(Path(run_dir))
     if not records:

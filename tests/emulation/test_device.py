@@ -16,7 +16,7 @@ import torch
 
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError
-from psring.predict.profile import Profile
+from psring.records.profile import Profile
 from psring.train import device
 from psring.train.workload import meta_model
 from tests.helpers import (
@@ -223,7 +223,7 @@ def test_on_paper_gradients_are_ready_when_backwards_flops_reach_them():
     """VGG-16 at ImageNet's image size: the fully connected layers (three quarters of
     the bytes, a few percent of the FLOPs) are ready within backward's first tenth, the
     first convolution at its very end; ready times follow autograd's order."""
-    from psring.predict.profiling import paper_profile, profile_config
+    from psring.runs.profiling import paper_profile, profile_config
 
     cfg = profile_config(model="vgg16", classes=1000, image_size=224, batch_size=64,
                          out="unused")

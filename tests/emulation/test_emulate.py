@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from psring import units
 from psring.cluster import emulate, netns
 from psring.cluster import spec as clusters
 from psring.config import RunConfig, validate
@@ -50,21 +51,21 @@ from tests.helpers import (
     ("100mbit", 1e8), ("1gbit", 1e9), ("1.5Gbit", 1.5e9), ("10gbit", 1e10),
     ("125mbps", 1e9), ("1mibit", 2**20), ("2.5GBIT", 2.5e9)])
 def test_rates_take_tc_syntax(text, bits):
-    assert clusters.parse_rate(text) == pytest.approx(bits)
+    assert units.parse_rate(text) == pytest.approx(bits)
 
 
 @pytest.mark.parametrize("text", ["", "fast", "100", "1gigabit", "100mb", "-1gbit",
                                   "1 gbit extra", "500kbit"])
 def test_a_rate_that_is_not_one_is_refused(text):
     with pytest.raises(ConfigError, match="--link"):
-        clusters.parse_rate(text)
+        units.parse_rate(text)
 
 
 def test_delays_take_tc_syntax():
-    assert clusters.parse_delay("100us") == pytest.approx(1e-4)
-    assert clusters.parse_delay("2ms") == pytest.approx(2e-3)
+    assert units.parse_delay("100us") == pytest.approx(1e-4)
+    assert units.parse_delay("2ms") == pytest.approx(2e-3)
     with pytest.raises(ConfigError, match="--delay"):
-        clusters.parse_delay("2")
+        units.parse_delay("2")
 
 
 def test_token_bucket_is_a_millisecond_of_the_rate_and_the_queue_deep():
@@ -132,7 +133,7 @@ def test_cluster_flags_are_validated(kw, needle):
 
 
 def test_sweeps_drop_cluster_settings_that_cannot_apply(tmp_path):
-    from psring.records.sweep import Sweep
+    from psring.runs.sweep import Sweep
 
     sweep = Sweep(name="t", base={"steps": 2, "link": "1gbit", "hosts": 2,
                                   "server_placement": "own-hosts", "batch_size": 64},
@@ -537,7 +538,7 @@ def test_calibrate_measures_alpha_and_beta_across_an_emulated_link(tmp_path):
     assert "ZeroMQ (200mbit link)" in proc.stdout
     cal = json.loads(out.read_text())
     link = cal["links"]["200mbit"]
-    beta = clusters.payload_beta(2e8)
+    beta = units.payload_beta(2e8)
     # the link, not the loopback, sets β: within 10% of the rate's payload β
     for transport in ("zmq", "dist"):
         assert abs(link[f"{transport}_beta"] / beta - 1) < 0.10, (transport, link)

@@ -103,7 +103,7 @@ def statistics_of(steps: list[dict], step: int) -> float:
 @needs_emulation
 @pytest.mark.timeout(240)
 def test_a_transpose_all_reduce_under_loss_keeps_its_bound_and_its_replicas_equal(tmp_path):
-    from psring.predict.profile import Profile
+    from psring.records.profile import Profile
     from psring.train.workload import meta_model
 
     model, _ = meta_model(RunConfig(model="mlp", width=256, depth=2, features=64))  # SMALL

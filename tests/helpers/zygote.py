@@ -228,7 +228,7 @@ def serve(path: str) -> None:
     forking.allow()  # torch and psring's worker and server code, threads counted
     import psring.cli
     import psring.report
-    import psring.runtime.launch  # noqa: F401
+    import psring.runs.launch  # noqa: F401
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from psring.predict.costmodel import Calibration
-from psring.predict.profile import Profile
+from psring.records.profile import Profile
 from psring.strategies.buckets import GradientBuckets, bucket_caps
 from tests.helpers import assert_no_processes, cli_here, psring
 
@@ -237,9 +237,9 @@ def test_verify_runs_take_the_device_link_where_their_strategy_accepts_it(tmp_pa
     import argparse
 
     from psring.cluster.spec import Cluster
+    from psring.commands.advise import strategy_classes, verify_flags
     from psring.config import RunConfig, validate
     from psring.predict.advise import candidates, rank
-    from psring.predict.advise_cli import strategy_classes, verify_flags
     from psring.train.models import ModelSettings, build_model
 
     model, _ = build_model("mlp", ModelSettings(), 0)

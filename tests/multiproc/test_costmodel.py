@@ -1,5 +1,5 @@
 """The α-β-γ cost model: formulas against hand-worked numbers, the crossover, the
-calibration file, and `python -m psring.predict.calibrate_cli --quick` end to end."""
+calibration file, and `python -m psring.commands.calibrate --quick` end to end."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from psring.commands.calibrate import main as calibrate_main
 from psring.errors import ConfigError, PsringError
 from psring.predict import costmodel as cm
 from psring.predict.calibrate import fit, fit_collectives, run_pair
-from psring.predict.calibrate_cli import main as calibrate_main
 from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
 from psring.strategies import STRATEGIES
 from tests.helpers import assert_no_processes, live_processes
@@ -339,7 +339,7 @@ def test_calibrate_quick_end_to_end(tmp_path):
     out = tmp_path / "cal.json"
     # its own session: every process it starts is found by session id afterwards
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "psring.predict.calibrate_cli", "--quick",
+    proc = subprocess.Popen([sys.executable, "-m", "psring.commands.calibrate", "--quick",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -381,7 +381,7 @@ def test_ps_link_load_by_hand():
 
 
 def test_links_cost_their_rate_unless_calibrated():
-    from psring.cluster.spec import payload_beta
+    from psring.units import payload_beta
 
     c = cal()
     # on paper: loopback's α plus two link delays, the rate's payload β
@@ -421,7 +421,8 @@ def test_loss_on_the_links_prices_tcps_recovery():
 
 
 def test_predictions_on_an_emulated_cluster_by_hand():
-    from psring.cluster.spec import Cluster, payload_beta
+    from psring.cluster.spec import Cluster
+    from psring.units import payload_beta
 
     c = cal()
     bl = payload_beta(1e8)  # 100 Mbit/s

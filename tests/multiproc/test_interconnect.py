@@ -16,7 +16,7 @@ import torch
 from psring.comm import interconnect
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError
-from psring.predict.profile import Profile
+from psring.records.profile import Profile
 from psring.train.workload import meta_model
 from tests.helpers import assert_no_processes, psring, read_steps
 

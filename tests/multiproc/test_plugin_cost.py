@@ -39,7 +39,7 @@ def test_a_plugin_run_is_replayed_with_its_own_cost_model(tmp_path):
         "import json, sys\n"
         "from psring.config import cluster_of\n"
         "from psring.predict.costmodel import Calibration\n"
-        "from psring.predict.profile import Profile\n"
+        "from psring.records.profile import Profile\n"
         "from psring.predict.replay import replay\n"
         "from psring.predict.simulate import simulate\n"
         "from psring.records.runlog import read_manifest\n"
@@ -57,7 +57,7 @@ def test_a_plugin_run_is_replayed_with_its_own_cost_model(tmp_path):
 
 
 def test_advise_ranks_the_plugin_by_its_cost_model(tmp_path):
-    from psring.predict.profile import Profile
+    from psring.records.profile import Profile
 
     KB = 1024
     prof = Profile(param_bytes=[400 * KB, 4 * KB, 900 * KB, 4 * KB],

@@ -47,7 +47,7 @@ def test_every_synchronous_strategy_with_uneven_batches_trains_singles_model(tmp
         assert {r["worker"] for r in records} == {0, 1} and len(records) == 24
     # readers of the run count each worker's own share: a profile of the run is of
     # the larger share's batch, the report's samples/s adds 24 and 8 a step
-    from psring.predict.profile import Profile
+    from psring.records.profile import Profile
     from psring.report.runs import summarize
 
     assert Profile.from_run(tmp_path / "allreduce", worker=None).batch_size == 24

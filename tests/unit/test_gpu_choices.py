@@ -12,7 +12,7 @@ import torch
 from psring.comm.interconnect import Staged
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError
-from psring.predict.profiling import profile_config
+from psring.runs.profiling import profile_config
 from workers.entry import _broken_connection, machine_share, process_group_backend
 
 
@@ -85,7 +85,7 @@ def test_a_profile_reads_only_the_rows_its_steps_need():
 def test_device_mode_spends_a_gpus_host_copies_at_the_time_scale():
     import time
 
-    from psring.predict.profile import Profile
+    from psring.records.profile import Profile
     from psring.train.device import DeviceCompute, DeviceTimes
 
     prof = Profile(param_bytes=[4], ready_s=[0.01], forward_s=0.01, backward_s=0.01,

@@ -12,8 +12,8 @@ import pytest
 from psring.cluster.spec import Cluster
 from psring.errors import ConfigError
 from psring.predict.costmodel import Calibration, ring_allreduce
-from psring.predict.profile import Profile
 from psring.predict.simulate import ring_steps, simulate
+from psring.records.profile import Profile
 
 A, BETA, GAMMA = 1e-3, 1e-9, 1e-10
 A_LINK, B_LINK = 2e-3, 8e-9
@@ -399,7 +399,7 @@ def test_byteps_columns_send_each_local_ranks_part_to_the_servers_holding_it():
 def test_a_device_runs_gradients_are_ready_when_its_profile_said(tmp_path):
     """A device-mode run that records no bucket launches (ddp) is replayed with its
     device profile's ready times, scaled to the run's backward; a real run is not."""
-    from psring.predict.profile import Profile, _ready_from_device
+    from psring.records.profile import Profile, _ready_from_device
 
     Profile.on_paper([400, 100, 500], 0.1, 0.2, shares=[0.9, 0.5, 0.1]).save(tmp_path)
     device = {"compute": "device", "device_profile": str(tmp_path)}
@@ -446,7 +446,7 @@ def test_a_gpu_workers_host_copies_sit_on_a_parameter_servers_step():
 def test_host_copies_are_kept_by_a_profile_and_read_from_gpu_copy_output(tmp_path):
     import json
 
-    from psring.predict.profile import load_host_copy
+    from psring.records.profile import load_host_copy
     from tests.helpers.layout import ROOT
 
     hc = load_host_copy(ROOT / "experiments/profiles/h100/copy_rates.json")

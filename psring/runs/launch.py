@@ -31,6 +31,7 @@ from psring.records.runlog import (
     STEPS,
     atomic_write_json,
     count_lines,
+    default_out,
     truncate_records,
 )
 from psring.runtime import faults
@@ -43,10 +44,7 @@ from psring.runtime.process import (
     server_threads,
     worker_threads,
 )
-
-#: the run's flags (a JSON list) that ``psring launch`` gives each process it starts, which
-#: ``psring.init()`` reads (psring.library)
-ENV = "PSRING_RUN_ARGS"
+from psring.runtime.rendezvous import RUN_ARGS_ENV
 
 #: RunConfig's default rendezvous address
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -71,10 +69,6 @@ def _signals_raise() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def default_out(cfg: RunConfig) -> str:
-    return os.path.join("runs", f"{cfg.strategy}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 LAUNCH = "launch.json"
@@ -158,9 +152,10 @@ def prepare(cfg: RunConfig) -> tuple[str, int]:
 def worker_specs(cfg: RunConfig, command: list[str] | None = None) -> list[ProcessSpec]:
     """One process per worker: psring's own (``python -m psring.workers``), or a user's
     ``command`` (psring launch), which reads the run's flags from the environment
-    (psring.library.ENV) in ``psring.init()``."""
+    (psring.runtime.rendezvous.RUN_ARGS_ENV) in ``psring.init()``."""
     argv = command or [sys.executable, "-m", "psring.workers", *cfg.to_argv()]
-    script = {ENV: json.dumps(cfg.to_argv()), "PYTHONUNBUFFERED": "1"} if command else {}
+    script = {RUN_ARGS_ENV: json.dumps(cfg.to_argv()), "PYTHONUNBUFFERED": "1"} \
+        if command else {}
     specs = []
     for rank in range(cfg.workers):
         local_rank, local_world = cfg.cluster.local_ranks(rank)

@@ -6,7 +6,7 @@ verified.
     psring advise --model vgg11 --width 8 --hosts 2 --link 1gbit --verify
     psring advise --profile runs/prof-r18 --hosts 16 --link 25gbit     (a saved profile)
 
-Without ``--profile`` it first profiles the model (psring.predict.profile: one short traced
+Without ``--profile`` it first profiles the model (psring.records.profile: one short traced
 ``single`` run at the per-worker batch, a few seconds). Then, for every registered
 strategy that can run on the cluster, it simulates each of its settings — bucket size
 (1, 5, 25, 100 MB), parameter servers K (1, 2, 4, 8, up to twice the hosts) placed with
@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from psring.cluster.spec import Cluster, parse_delay, parse_rate
+from psring.cluster.spec import Cluster
 from psring.errors import ConfigError
 from psring.predict.advise import (
     HEADER,
@@ -65,10 +65,11 @@ from psring.predict.advise import (
 )
 from psring.predict.costmodel import Calibration, find_calibration
 from psring.predict.failures import Failures
-from psring.predict.profile import MODEL_KEYS, Profile
-from psring.predict.profiling import profile_config, take_profile
 from psring.predict.simulate import is_costed
+from psring.records.profile import MODEL_KEYS, Profile
 from psring.records.runlog import atomic_write_json
+from psring.runs.profiling import profile_config, take_profile
+from psring.units import parse_delay, parse_rate
 
 # Imported inside the functions that use them: psring.train.models, the strategy
 # registry, calibrate, the launcher and the run report (each imports torch, which
@@ -270,7 +271,7 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
     (psring.train.device.required_time_scale)."""
     from psring.config import RunConfig
     from psring.report import summarize
-    from psring.runtime.launch import launch
+    from psring.runs.launch import launch
     from psring.train.device import required_time_scale
 
     results = []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from psring.predict.calibrate import calibrate
 from psring.predict.costmodel import find_calibration
-from psring.records.sweep import Sweep, SweepResult, run_sweep_with_progress
+from psring.runs.sweep import Sweep, SweepResult, run_sweep_with_progress
 from psring.strategies import STRATEGIES
 
 #: the definition compare runs (shipped beside the package's source in experiments/)

@@ -1,7 +1,7 @@
 """Taking a profile: one short traced ``single`` run, read back as a
-:class:`psring.predict.profile.Profile` (what ``psring profile`` and ``advise`` do).
+:class:`psring.records.profile.Profile` (what ``psring profile`` and ``advise`` do).
 
-Apart from psring.predict.profile so that reading a profile needs neither the run's
+Apart from psring.records.profile so that reading a profile needs neither the run's
 configuration nor the launcher (psring.config validates --device-profile with it).
 """
 
@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 from psring.config import RunConfig
-from psring.predict.profile import MODEL_KEYS, Profile
-from psring.runtime.launch import launch
+from psring.records.profile import MODEL_KEYS, Profile
+from psring.runs.launch import launch
 
 
 def profile_config(**run_flags: Any):
@@ -50,7 +50,7 @@ PAPER_FLAGS = ("forward_ms", "backward_ms", "step_ms", "update_ms", "source")
 def paper_profile_from(settings: dict[str, Any], out: str | os.PathLike) -> Profile:
     """``psring profile --on-paper`` from a dict of its flags (``_`` for ``-``), saved
     atomically as ``out/profile.json``: what a sweep's ``[profiles]`` table builds."""
-    from psring.predict.profile import load_host_copy
+    from psring.records.profile import load_host_copy
 
     paper = {k: settings.get(k) for k in PAPER_FLAGS}
     paper["update_ms"] = paper["update_ms"] or 0.0

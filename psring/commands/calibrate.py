@@ -2,7 +2,7 @@
 
     psring calibrate [--quick] [--out FILE]
     psring calibrate --hosts 2 --link 1gbit [--quick] [--out FILE]   # across a link
-    python -m psring.predict.calibrate_cli [--quick] [--out FILE]   # without the psring CLI
+    python -m psring.commands.calibrate [--quick] [--out FILE]   # without the psring CLI
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from psring.cluster.spec import link_key, parse_delay, parse_rate
+from psring.cluster.spec import link_key
 from psring.errors import ConfigError, run_guarded
 from psring.predict.costmodel import Calibration, default_path
+from psring.units import parse_delay, parse_rate
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

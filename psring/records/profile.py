@@ -2,7 +2,7 @@
 know of it.
 
     psring profile --model resnet18 --batch-size 32 --out runs/prof-r18   # one short run
-    python -c "from psring.predict.profile import Profile; print(Profile.load('runs/prof-r18'))"
+    python -c "from psring.records.profile import Profile; print(Profile.load('runs/prof-r18'))"
 
 A profile is taken from one short ``single`` run with ``--trace``: the loop then stamps
 the moment each parameter's gradient becomes final in backward (``grad_ready_s``), and
@@ -33,10 +33,15 @@ from typing import Any
 
 from psring.comm.partition import bucket_assignment, bucket_caps
 from psring.errors import ConfigError, PsringError
-from psring.records.runlog import atomic_write_json, read_manifest, read_steps, warmup_steps
-from psring.train.shares import shares_of
+from psring.records.runlog import (
+    atomic_write_json,
+    read_manifest,
+    read_steps,
+    shares_of,
+    warmup_steps,
+)
 
-# Taking a profile (a run: psring.config, psring.runtime.launch) is psring.predict.profiling;
+# Taking a profile (a run: psring.config, psring.runs.launch) is psring.runs.profiling;
 # reading and using one (the simulator, advise, replay, --compute device) needs neither.
 
 PROFILE_FILE = "profile.json"

@@ -99,7 +99,7 @@ def _load_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except OSError as e:
         raise ConfigError(f"cannot read sweep definition {path}: {e.strerror}; pass a file "
-                          f"such as experiments/compare.toml.") from None
+                          f"such as experiments/intensity.toml.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"sweep definition {path} is not valid TOML: {e}") from None
 
@@ -172,7 +172,7 @@ class Sweep:
                 and v and all(isinstance(e, dict) for e in v)}
 
     def _check_profiles(self) -> None:
-        from psring.predict.profiling import PAPER_FLAGS
+        from psring.runs.profiling import PAPER_FLAGS
 
         valid = {f.name for f in fields(RunConfig)} | set(PAPER_FLAGS) | {"host_copy"}
         for name, spec in self.profiles.items():
@@ -207,7 +207,7 @@ class Sweep:
 
     def build_profiles(self, out: Path) -> None:
         """Build each [profiles] entry once, in OUT/profiles/NAME (kept on a rerun)."""
-        from psring.predict.profiling import paper_profile_from
+        from psring.runs.profiling import paper_profile_from
 
         for name, spec in self.profiles.items():
             dest = Path(out) / PROFILES_DIR / name
@@ -361,7 +361,7 @@ def run_sweep(sweep: Sweep, out: Path,
     is called once the points are known, ``on_point(point, status, seconds)`` after each
     point (for progress displays)."""
     if launch is None:
-        from psring.runtime.launch import launch
+        from psring.runs.launch import launch
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     points = sweep.points(out)
