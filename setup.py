@@ -16,4 +16,5 @@ for name, where in MAPPED.items():
     packages += [name] + [f"{name}.{sub}" for sub in find_packages(where)]
     package_dir[name] = where
 
-setup(packages=packages, package_dir=package_dir)
+# compare.toml is `psring compare`'s definition (psring.runs.compare)
+setup(packages=packages, package_dir=package_dir, package_data={"psring.runs": ["*.toml"]})

@@ -2,7 +2,7 @@
 
     psring compare [--out DIR] [--workers N] [--repeats R]
 
-Runs ``experiments/compare.toml`` (every registered strategy on one MLP, ``single``
+Runs ``compare.toml`` (beside this module: every registered strategy on one MLP, ``single``
 with 1 worker, the others with N), one point after another so runs don't compete for
 the cores, with a progress bar; then writes the sweep report (report.md and plots)
 into DIR and prints its key table. The cost model's predictions need a calibration:
@@ -21,20 +21,13 @@ from psring.predict.costmodel import find_calibration
 from psring.runs.sweep import Sweep, SweepResult, run_sweep_with_progress
 from psring.strategies import STRATEGIES
 
-#: the definition compare runs (shipped beside the package's source in experiments/)
-SPEC = Path(__file__).resolve().parent.parent / "experiments" / "compare.toml"
+#: the definition compare runs, installed with the package (setup.py's package_data)
+SPEC = Path(__file__).resolve().with_name("compare.toml")
 
 
 def default_sweep(workers: int = 2, repeats: int | None = None) -> Sweep:
-    """compare.toml, or the same definition inline when psring is installed without
-    its experiments/ directory; every registered strategy (plugins included)."""
-    if SPEC.exists():
-        sweep = Sweep.load(SPEC)
-    else:
-        sweep = Sweep(name="compare", description="every strategy on one MLP",
-                      look_at="the key table", repeats=2,
-                      base={"model": "mlp", "width": 1024, "depth": 3, "batch_size": 64,
-                            "steps": 30, "eval_every": 3, "target_accuracy": 0.9})
+    """compare.toml with every registered strategy (plugins included) on ``workers``."""
+    sweep = Sweep.load(SPEC)
     grid = {**sweep.grid, "strategy": list(STRATEGIES), "workers": [workers]}
     return sweep.changed(grid=grid,
                          repeats=repeats if repeats is not None else sweep.repeats)

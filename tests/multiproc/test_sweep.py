@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from psring.errors import ConfigError
-from psring.records.sweep import Sweep
 from psring.report import summarize
+from psring.runs.sweep import Sweep
 from tests.helpers import (
     assert_no_processes,
     env_with_plugins,
@@ -96,7 +96,7 @@ def test_a_key_that_is_no_flag_names_cases_that_apply_where_they_can(tmp_path):
 
 
 def test_profiles_on_paper_are_built_once_and_named_by_the_points_that_use_them(tmp_path):
-    from psring.predict.profile import Profile
+    from psring.records.profile import Profile
 
     sweep = Sweep(name="t", base={"steps": 2, "batch_size": 16, "workers": 2,
                                   "compute": "device", "model": "mlp", "width": 16},
@@ -107,7 +107,7 @@ def test_profiles_on_paper_are_built_once_and_named_by_the_points_that_use_them(
     points = sweep.points(out)
     assert {p.config.device_profile for p in points} == {str(out / "profiles" / "small")}
     launched = []
-    from psring.records.sweep import run_sweep
+    from psring.runs.sweep import run_sweep
     run_sweep(sweep, out, launch=lambda cfg: launched.append(
         Profile.load(cfg.device_profile)))
     assert len(launched) == 2
@@ -269,9 +269,15 @@ def test_interrupted_sweep_stops_cleanly_and_resumes(tmp_path):
 
 
 def test_every_shipped_experiment_is_a_valid_sweep(tmp_path):
+    from psring.runs.compare import SPEC, default_sweep
+
     root = Path(__file__).resolve().parents[2] / "experiments"
-    specs = sorted(root.glob("*.toml"))
+    specs = sorted(root.glob("*.toml")) + [SPEC]
     assert len(specs) >= 6
+    # psring compare runs its own definition (once, a moved path made it run another)
+    mine, theirs = default_sweep(workers=4), Sweep.load(SPEC)
+    assert (mine.description, mine.look_at, mine.base) == \
+        (theirs.description, theirs.look_at, theirs.base) and mine.description.strip()
     for spec in specs:
         sweep = Sweep.load(spec)
         assert sweep.description.strip() and sweep.look_at.strip(), spec
@@ -280,7 +286,7 @@ def test_every_shipped_experiment_is_a_valid_sweep(tmp_path):
 
 
 def test_a_relative_device_profile_is_read_beside_the_definition(tmp_path, monkeypatch):
-    from psring.predict.profile import Profile
+    from psring.records.profile import Profile
     from psring.train.models import ModelSettings, build_model
 
     home = tmp_path / "defs"

@@ -72,6 +72,7 @@ def test_the_wheel_holds_every_package(wheel):
     missing = sorted(e for e in expected if e not in names)
     assert not missing, f"packages missing from {wheel.name}: {missing}"
     assert "psring/zoo/__init__.py" in names
+    assert "psring/runs/compare.toml" in names  # (psring compare's definition)
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"psring"}, tops
 
