@@ -62,6 +62,44 @@ def test_no_import_cycles():
     assert cycles(graph) == []
 
 
+#: modules beside every package (errors users see, the registries, units, lazy
+#: re-exports): the bottom; and the command on top, which imports everything
+FOUNDATION = {"errors", "registry", "_lazy", "plugins", "units"}
+COMMAND = {"cli", "__main__"}
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to for the layering: psring.records.runlog is in
+    records, psring.workers.loop in workers; the foundation and the command apart."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in FOUNDATION:
+        return "foundation"
+    return "command" if parts[1] in COMMAND else parts[1]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each package -> the packages its modules import (a package's own ``__init__``,
+    whose lazy re-exports name its modules, left out)."""
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        a = package_of(module)
+        out.setdefault(a, set())
+        out[a] |= {package_of(d) for d in deps if package_of(d) != a} - {"psring"}
+    return out
+
+
+def test_packages_are_layers_no_two_import_each_other():
+    """Packages by layer (docs/architecture.md): a package imports only packages below
+    it, so the package graph has no cycle, of two packages or more; the foundation
+    imports none, and nothing imports the command."""
+    packages = package_graph(GRAPH.import_graph())
+    assert {"records", "runtime", "runs", "commands", "predict"} <= set(packages)
+    assert cycles(packages) == [], "these packages import each other: move the module " \
+        "that points up to the package of its layer"
+    assert packages["foundation"] <= {"foundation"}
+    assert not any("command" in deps for deps in packages.values())
+
+
 def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
