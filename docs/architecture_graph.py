@@ -46,7 +46,14 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """psring modules ``name`` imports, anywhere in it (function bodies included)."""
     is_pkg = path.name == "__init__.py"
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    # (type-only imports, under `if TYPE_CHECKING:`, never run: no dependency)
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and ast.unparse(block.test) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

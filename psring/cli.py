@@ -22,167 +22,65 @@ non-zero; see psring.errors.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 
-from psring.errors import ConfigError, run_guarded
+from psring.commands.calibrate import add_calibrate_parser
+from psring.config import add_config_flags
+from psring.errors import run_guarded
 from psring.runtime import forking
+from psring.servers.entry import add_server_flags
 
 
+# Each command's module is imported when the command runs, not when its parser is
+# built: `psring --help` imports no torch, and a command that launches runs calls
+# forking.allow() before torch is imported at all (its processes are forked from it;
+# psring.runtime.forking). These are the command's only imports inside functions.
 def _cmd_run(args: argparse.Namespace) -> int:
-    # first, before torch and a user's model are imported: this process only launches,
-    # and its children are forked from it (psring.runtime.forking)
     forking.allow()
-    from psring.config import config_from_args
-    from psring.report import render_table, summarize_all
-    from psring.runs.launch import launch
+    from psring.commands import run
 
-    if args.resume:
-        from psring.config import given_fields
-        from psring.config.flags import flag_values
-        from psring.runs.launch import resume_config
-
-        argv = getattr(args, "argv", None)
-        given = given_fields(argv if argv is not None else sys.argv[1:]) - {"resume"}
-        cfg = resume_config(args.resume, flag_values(args, given))
-        print(f"psring: resuming {cfg.resume}", file=sys.stderr)
-    else:
-        cfg = config_from_args(args)
-    print(f"psring: running {cfg.strategy} with {cfg.workers} worker(s)", file=sys.stderr)
-    run_dir = launch(cfg, progress=_progress_printer(cfg.steps * cfg.workers))
-    print(render_table(summarize_all([str(run_dir)])))
-    print(f"run directory: {run_dir}")
-    return 0
+    return run.run(args)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    forking.allow()  # (as psring run: a script's workers are forked from here)
-    from psring.config import config_from_args, given_fields
-    from psring.library.start import script_refusals
-    from psring.report import render_table, summarize_all
-    from psring.runs.launch import launch
+    forking.allow()  # (a script's workers are forked from here, as psring run's)
+    from psring.commands import run
 
-    command = _script_command(args.command)
-    if not command:
-        raise ConfigError("psring launch needs the command each worker runs, after --: "
-                          "psring launch --strategy ps --workers 2 -- python train.py")
-    argv = getattr(args, "argv", None)
-    given = given_fields(argv if argv is not None else sys.argv[1:])
-    # without --steps the script decides how many (0: no cap)
-    cfg = config_from_args(args, **({} if "steps" in given else {"steps": 0}))
-    script_refusals(cfg)
-    print(f"psring: launching {cfg.workers} worker(s) of {cfg.strategy}: "
-          f"{' '.join(command)}", file=sys.stderr)
-    run_dir = launch(cfg, command=command, stream=args.stream)
-    print(render_table(summarize_all([str(run_dir)])))
-    print(f"run directory: {run_dir}")
-    return 0
-
-
-def _script_command(words: list[str]) -> list[str]:
-    """The command after ``--`` (none: []); a leading ``python`` is the interpreter
-    psring runs in (its venv's), whatever PATH says first."""
-    command = list(words[1:] if words[:1] == ["--"] else words)
-    if command[:1] in (["python"], ["python3"]):
-        command = [sys.executable, *command[1:]]
-    return command
-
-
-def _progress_printer(total: int):
-    """A plain one-line progress display on stderr (only when it is a terminal)."""
-    if not sys.stderr.isatty():
-        return None
-
-    def show(done: int, total: int = total) -> None:
-        print(f"\r  {done}/{total} worker-steps", end="", file=sys.stderr, flush=True)
-        if done >= total:
-            print(file=sys.stderr)
-
-    return lambda done, total: show(done, total)
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    from psring.report import render_table, summarize_all, write_report
-    from psring.runs.sweep import is_sweep_dir
-
-    if len(args.dirs) == 1 and is_sweep_dir(args.dirs[0]) and not args.json:
-        path, table = write_report(args.dirs[0])
-        print(table)
-        print(f"report: {path}")
-        return 0
-    rows = summarize_all(args.dirs)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(render_table(rows))
-    return 0
-
-
-def _cmd_merge(args: argparse.Namespace) -> int:
-    from psring.records.merge import merge
-
-    manifest = merge(args.dirs, args.out)
-    parts = manifest["merged_from"]
-    print(f"merged run {manifest['launch']['run_id']}: "
-          + ", ".join(f"{p['dir']} (rank{'s' * (len(p['ranks']) != 1)} "
-                      f"{', '.join(map(str, p['ranks']))})" for p in parts)
-          + f" -> {args.out}")
-    return 0
+    return run.launch_script(args)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    forking.allow()  # first: its runs' processes are forked from it (see _cmd_run)
-    from pathlib import Path
+    forking.allow()
+    from psring.commands import sweep
 
-    from psring.runs.sweep import Sweep, default_out, format_summary, run_sweep_with_progress
-
-    sweep = Sweep.load(args.spec)
-    if args.repeats is not None:
-        sweep = sweep.changed(repeats=args.repeats)
-    out = Path(args.out) if args.out else default_out(sweep)
-    res = run_sweep_with_progress(sweep, out)
-    print(format_summary(res), file=sys.stderr)
-    if args.report:
-        from psring.report import write_report
-
-        path, table = write_report(out)
-        print(table)
-        print(f"report: {path}")
-    print(f"sweep directory: {out}")
-    return 1 if res.failed else 0
+    return sweep.sweep(args)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    # first (see _cmd_run); a calibration that computes in this process leaves threads
-    # behind, and its runs' processes then start anew
     forking.allow()
-    from psring.report import write_report
-    from psring.runs.compare import run_compare
-    from psring.runs.sweep import format_summary
+    from psring.commands import sweep
 
-    root, res = run_compare(args.out, workers=args.workers, repeats=args.repeats)
-    print(format_summary(res), file=sys.stderr)
-    path, table = write_report(root)
-    print(table)
-    print(f"report: {path}")
-    return 1 if res.failed else 0
+    return sweep.compare(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from psring.commands import records
+
+    return records.report(args)
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from psring.commands import records
+
+    return records.merge(args)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from psring.commands import records
 
-    from psring.records.trace import TRACE, load_trace, render_png, write_trace
-
-    run_dir = Path(args.dir)
-    path = run_dir / TRACE
-    if args.rebuild or not path.exists():
-        write_trace(run_dir)
-    png = render_png(load_trace(path), Path(args.png) if args.png else run_dir / "trace.png",
-                     steps=args.steps)
-    print(f"trace: {path} (open in https://ui.perfetto.dev)\npicture: {png}")
-    return 0
+    return records.trace(args)
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
@@ -192,106 +90,36 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from psring.commands import models
 
-    from psring.train.models import MODELS, ModelSettings, describe
-
-    s = ModelSettings(classes=args.classes, image_size=args.image_size, seq_len=args.seq_len,
-                      features=args.features, width=args.width, depth=args.depth)
-    names = args.model or list(MODELS)
-    table = Table(title=f"psring models: {args.classes} classes, {args.image_size}x"
-                  f"{args.image_size} images, {args.seq_len}-token sequences, "
-                  f"{args.features} features; intensity at batch {args.batch_size}")
-    for col in ("model", "input", "parameters", "gradient MB", "GFLOPs/sample",
-                "FLOPs/byte"):
-        table.add_column(col, justify="left" if col in ("model", "input") else "right")
-    skipped = []
-    for name in names:
-        try:
-            d = describe(name, s, args.batch_size)
-        except ConfigError as e:
-            if args.model:  # asked for by name: its error is the answer
-                raise
-            skipped.append(f"{name}: {e}")  # (inception_v3 at 32 x 32 images)
-            continue
-        i = d["inputs"]
-        table.add_row(name, f"{i.kind} {'x'.join(map(str, i.shape))}", f"{d['parameters']:,}",
-                      f"{d['gradient_bytes'] / 1e6:.2f}",
-                      f"{d['flops_per_sample'] / 1e9:.4g}", f"{d['intensity']:.3g}")
-    Console(width=130).print(table)
-    for line in skipped:
-        print(f"not at these sizes: {line}")
-    print("FLOPs: forward+backward per sample (torch.utils.flop_counter: matmuls, "
-          "convolutions, attention). FLOPs/byte: a batch's FLOPs per byte of float32 "
-          "gradients, the arithmetic intensity a strategy's communication is set against.")
-    return 0
-
-
-def _cmd_profile(args: argparse.Namespace) -> int:
-    from psring.records.profile import load_host_copy
-    from psring.runs.profiling import (
-        PAPER_FLAGS,
-        paper_profile,
-        profile_config,
-        take_profile,
-    )
-
-    paper = {k: getattr(args, k) for k in PAPER_FLAGS}
-    flags = {k: v for k, v in vars(args).items()
-             if k not in ("func", "argv", "command", "out", "on_paper", "host_copy", "script",
-                          *PAPER_FLAGS) and v is not None}
-    script = _script_command(args.script)
-    host_copy = load_host_copy(args.host_copy) if args.host_copy else None
-    if args.out:
-        flags["out"] = args.out
-    from psring.config import validate
-
-    cfg = validate(profile_config(**flags))
-    if args.on_paper:
-        prof = paper_profile(cfg, **paper)
-        prof.host_copy = host_copy
-        path = prof.save(cfg.out)
-        print(prof.describe())
-        print(f"rule: {prof.source['rule']}")
-        print(f"profile: {path}")
-        return 0
-    if any(paper[k] is not None for k in ("forward_ms", "backward_ms", "step_ms")) \
-            or paper["source"] or paper["update_ms"]:
-        raise ConfigError("--forward-ms, --backward-ms, --step-ms, --update-ms and --source "
-                          "describe a device on paper: add --on-paper.")
-    what = " ".join(script) if script else f"{cfg.model} at batch {cfg.batch_size}"
-    print(f"psring: profiling {what}, {cfg.steps} steps", file=sys.stderr)
-    prof = take_profile(cfg, command=script)
-    if host_copy is not None:
-        prof.host_copy = host_copy
-        prof.save(cfg.out)
-    print(prof.describe())
-    print(f"profile: {cfg.out}/profile.json")
-    return 0
+    return models.models(args)
 
 
 def _cmd_strategies(args: argparse.Namespace) -> int:
-    from psring.strategies import STRATEGIES
+    from psring.commands import models
 
-    for name in STRATEGIES:
-        cls = STRATEGIES.get(name)
-        doc = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip()
-        print(f"{name:<10} {doc.splitlines()[0] if doc else ''}")
-    return 0
+    return models.strategies(args)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from psring.commands import profile
+
+    return profile.profile(args)
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    from psring.commands import advise
+
+    return advise.advise_command(args)
 
 
 def _add_run(sub) -> None:
-    from psring.config import add_config_flags
-
     run = sub.add_parser("run", help="train with one strategy; logs to a run directory")
     add_config_flags(run)
     run.set_defaults(func=_cmd_run)
 
 
 def _add_launch(sub) -> None:
-    from psring.config import add_config_flags
-
     la = sub.add_parser(
         "launch", help="run your own training script as each worker (psring.init() "
         "in it): psring launch --strategy ps --workers 2 -- python train.py ARGS",
@@ -343,8 +171,6 @@ def _add_sweep(sub) -> None:
 
 
 def _add_calibrate(sub) -> None:
-    from psring.commands.calibrate import add_calibrate_parser
-
     add_calibrate_parser(sub)
 
 
@@ -371,8 +197,6 @@ def _add_trace(sub) -> None:
 
 
 def _add_server(sub) -> None:
-    from psring.servers.entry import add_server_flags
-
     srv = sub.add_parser("server", help="run one parameter server (for --server-addrs)")
     add_server_flags(srv)
     srv.set_defaults(func=_cmd_server)
@@ -395,8 +219,6 @@ def _add_models(sub) -> None:
 
 
 def _add_profile(sub) -> None:
-    from psring.config import add_config_flags
-
     pr = sub.add_parser("profile", help="profile a model for the simulator: one short "
                         "traced single run -> DIR/profile.json (psring.records.profile)")
     add_config_flags(pr, only=("model", "width", "depth", "classes", "image_size", "seq_len",
@@ -428,9 +250,56 @@ def _add_profile(sub) -> None:
 
 
 def _add_advise(sub) -> None:
-    from psring.commands.advise import add_advise_parser
+    p = sub.add_parser("advise", help="predict which strategy, bucket size and servers "
+                       "train fastest on a cluster, and why (psring.predict.simulate)")
+    add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
+                              "features", "batch_size", "hosts", "workers_per_host",
+                              "link", "delay", "loss", "seed"))
+    # the cluster flags mean the cluster to predict (emulated only with --verify)
+    for flag, text in (("--hosts", "hosts in the cluster"),
+                       ("--workers-per-host", "workers on each host (default 1)"),
+                       ("--link", "each host's link rate, e.g. 1gbit, 25gbit, 100gbit"),
+                       ("--delay", "one-way delay of each link, e.g. 50us"),
+                       ("--loss", "fraction of packets each link direction drops, e.g. "
+                                  "0.001: TCP's recovery is priced (a fitted share of a "
+                                  "round trip per lost segment; docs/prediction.md)")):
+        p._option_string_actions[flag].help = text
+    p.add_argument("--workers", type=int, default=0, help="workers in all (default: "
+                   "hosts x workers-per-host)")
+    p.add_argument("--profile", default="", help="a profile (psring profile, or any run "
+                   "directory) instead of profiling the model now")
+    p.add_argument("--calibration", default="", help="α-β-γ calibration file (default: "
+                   "$PSRING_CALIBRATION or ~/.cache/psring/calibration.json; measured "
+                   "quickly when there is none)")
+    p.add_argument("--device-speed", type=float, default=1.0, help="the workers' devices are "
+                   "this many times as fast as the profile's (ask about a GPU cluster from "
+                   "a laptop's profile; or give a GPU's profile with --profile)")
+    p.add_argument("--device-link", default="", help="each host's own interconnect among "
+                   "its workers: nvlink (150 GB/s, V100's NVLink 2.0), nvlink3, nvlink4, "
+                   "pcie, pcie4, pcie5, or a rate such as 1200gbit. byteps's and "
+                   "hallreduce's collectives inside a host are "
+                   "priced at its time (and --verify runs them with it) instead of this "
+                   "machine's loopback gloo; needs several workers per host. Default: "
+                   "loopback")
+    p.add_argument("--mtbf", type=float, default=0.0, metavar="HOURS",
+                   help="mean time between failures of one worker or server, in hours: "
+                   "each strategy's step is also priced with failures (restarts from "
+                   "checkpoints, or going on without a lost worker; "
+                   "psring.predict.failures). Default 0: no failures")
+    p.add_argument("--checkpoint-minutes", type=float, default=30.0,
+                   help="with --mtbf: the checkpoint interval (default 30)")
+    p.add_argument("--restart-s", type=float, default=120.0,
+                   help="with --mtbf: what a restart itself costs, in seconds (default "
+                   "120)")
+    p.add_argument("--job-hours", type=float, default=24.0,
+                   help="with --mtbf: the job's length (default 24)")
+    p.add_argument("--verify", action="store_true", help="run the top candidates on this "
+                   "machine's emulation of the cluster and print predicted vs measured")
+    p.add_argument("--verify-steps", type=int, default=20, help="steps per verifying run")
+    p.add_argument("--out", default="", help="directory for the profile, advise.json, "
+                   "advise.png and verifying runs (default runs/advise-<time>)")
+    p.set_defaults(func=_cmd_advise)
 
-    add_advise_parser(sub)
 
 
 def _add_strategies(sub) -> None:

@@ -40,6 +40,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    # (psring --help builds this module's flags; the server's code imports torch)
     from psring.comm.protocol import load_secret
     from psring.runtime.allocator import keep_freed_memory
 

@@ -28,23 +28,26 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
 
 from psring.cluster import netif
 from psring.config import RunConfig, add_config_flags, config_from_args
 from psring.errors import ConfigError, PsringError
+from psring.records.runlog import MODEL, WORKERS, StepLog, append_record, host_name, save_state_dict
 from psring.runtime import elastic, rendezvous
 from psring.runtime.allocator import keep_freed_memory
 from psring.runtime.process import die_with_parent, set_process_name, worker_threads
+from psring.strategies import STRATEGIES, Strategy, WorkerContext
+from psring.train import checkpoint
 from psring.train import device as psring_device
-
-if TYPE_CHECKING:  # (imported where used: they import torch)
-    from torch import nn
-
-    from psring.records.runlog import StepLog
-    from psring.strategies import Strategy, WorkerContext
-    from psring.train.workload import Workload
-
+from psring.train.data import worker_batch
+from psring.train.models import loss_for
+from psring.train.workload import Workload, build_workload
+from psring.workers.loop import train
+from psring.workers.manifest import write_manifest
 
 #: objects kept alive until the process exits (see _teardown)
 _RETAINED: list = []
@@ -123,7 +126,6 @@ def servers_named(cfg: RunConfig) -> None:
     """Under torchrun nobody starts a parameter-server strategy's servers: they are
     named (--server-addrs), or the run is refused with how to start them (psring's
     workers, and a script's)."""
-    from psring.strategies import STRATEGIES  # (it imports torch)
 
     if rendezvous.under_torchrun() and not cfg.server_addrs \
             and STRATEGIES.get(cfg.strategy).caps.uses_servers:
@@ -142,10 +144,6 @@ def warm_up(model, ds, cfg: RunConfig, rank: int, world: int, device) -> None:
     every other rank would pay them in its first step, and workers that do not wait for
     each other (async-ps, hogwild) would start a whole short run apart. No gradient hook
     is registered yet, and the gradients are dropped, so training is unchanged."""
-    import torch
-
-    from psring.train.data import worker_batch
-    from psring.train.models import loss_for
 
     # batch norm's running statistics must not count the discarded pass
     buffers = {k: v.clone() for k, v in model.named_buffers()}
@@ -163,10 +161,6 @@ def run_worker(cfg: RunConfig, rank: int, world: int, local_rank: int, local_wor
     gives ("From the command line to the logs"): the data and the model (the
     workload), manifest.json (rank 0), the process group if the strategy's caps ask for
     one, loop.train, model.pt (rank 0), a barrier, and always the teardown."""
-    from psring.records.runlog import StepLog
-    from psring.strategies import STRATEGIES
-    from psring.train.workload import build_workload
-    from psring.workers.manifest import write_manifest
 
     ctx, threads = worker_context(cfg, rank, world, local_rank, local_world, log)
     strategy_cls = STRATEGIES.get(cfg.strategy)
@@ -201,10 +195,6 @@ def worker_context(cfg: RunConfig, rank: int, world: int, local_rank: int, local
              log: logging.Logger) -> tuple[WorkerContext, int]:
     """This worker's WorkerContext (its device, the run directory, the checkpoint it
     resumes from) and its number of threads, already set for torch."""
-    import torch
-
-    from psring.records.runlog import host_name
-    from psring.strategies import WorkerContext
 
     threads = worker_threads(cfg, local_world)
     torch.set_num_threads(threads)
@@ -226,7 +216,6 @@ def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, log: logging.Logger):
     torchrun the hosts agree on one after joining (psring.runtime.elastic)."""
     if not cfg.resume or rendezvous.under_torchrun():
         return None
-    from psring.train import checkpoint
 
     resume = checkpoint.latest(run_dir, log=log.warning)
     if resume is None:
@@ -239,7 +228,6 @@ def _checkpoint_to_resume(cfg: RunConfig, run_dir: Path, log: logging.Logger):
 def join_run(ctx: WorkerContext, prefix: str) -> tuple[rendezvous.Launch, netif.Choice]:
     """Choose the network interface and join the run (psring.runtime.rendezvous); this
     worker's line goes into the run directory's workers.jsonl."""
-    from psring.records.runlog import WORKERS, append_record
 
     cuda = ctx.device.type == "cuda"
     # which interface gloo (NCCL) advertises to the other hosts, before anything dials
@@ -305,8 +293,6 @@ def process_group_backend(device_type: str, sharing: int, gpus: int) -> tuple[st
 
 def start_process_group(ctx: WorkerContext, launch: rendezvous.Launch, net: netif.Choice) -> None:
     """torch.distributed's process group (see :func:`process_group_backend`)."""
-    import torch
-
     gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
     _, sharing = machine_share(ctx.rank, ctx.local_rank, ctx.local_world, ctx.world)
     backend, why = process_group_backend(ctx.device.type, sharing, gpus)
@@ -319,7 +305,6 @@ def start_process_group(ctx: WorkerContext, launch: rendezvous.Launch, net: neti
 def _train_and_save(ctx: WorkerContext, strategy: Strategy, work: Workload, steps: StepLog,
                     launch: rendezvous.Launch) -> None:
     """loop.train, then :func:`save_and_wait`."""
-    from psring.workers.loop import train
 
     with broken_connections_named(ctx.rank):
         train(ctx, strategy, work.model, work.data, steps, resume=ctx.resume,
@@ -331,9 +316,6 @@ def save_and_wait(ctx: WorkerContext, strategy: Strategy, model: nn.Module,
                   launch: rendezvous.Launch) -> None:
     """The run's end: the strategy ends on every rank, rank 0 saves model.pt, then
     every rank waits for the others (psring's loop, and a script's dist.finish)."""
-    import torch.distributed as dist
-
-    from psring.records.runlog import MODEL, save_state_dict
 
     strategy.finish_run(model)
     if ctx.rank == 0:
@@ -348,8 +330,6 @@ def save_and_wait(ctx: WorkerContext, strategy: Strategy, model: nn.Module,
 
 def teardown(steps: StepLog, strategy: Strategy | None, model: nn.Module) -> None:
     """Close the step log and the strategy, and leave the process group."""
-    import torch.distributed as dist
-
     steps.close()
     if strategy is not None:
         strategy.close()
@@ -389,8 +369,6 @@ def _init_process_group(backend: str, rank: int, world: int, timeout: float,
                         launch: rendezvous.Launch, net: netif.Choice) -> None:
     """init_process_group through the launch's store when it has one (torchrun), with
     its failures told in terms of the hosts."""
-    import torch.distributed as dist
-
     store = getattr(launch, "store", None)
     if store is not None:
         # this attempt's keys: a launch torchrun restarted keeps its store, and gloo

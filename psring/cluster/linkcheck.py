@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psring.cluster.emulate import standalone
 from psring.cluster.link import read_links
 from psring.units import PAYLOAD_FRACTION, parse_delay, parse_rate
 
@@ -134,7 +135,6 @@ def measure(link: str = "", delay: str = "", loss: float = 0.0, loss_burst: floa
 
 def _measure(d: Path, link: str, delay: str, loss: float, loss_burst: float, seed: int,
              pings: int, datagrams: int, seconds: float) -> dict[str, Any]:
-    from psring.cluster.emulate import standalone
 
     out: dict[str, Any] = {"link": link, "delay": delay, "loss": loss, "loss_burst": loss_burst}
     with standalone(2, link, delay, d, loss, loss_burst, seed) as cluster:

@@ -22,11 +22,14 @@ import dataclasses
 import ipaddress
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import urlparse
 
 from psring.errors import ConfigError
 from psring.units import format_rate, parse_delay, parse_rate, parse_size
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 #: the emulated network: RFC 2544's benchmarking range, never a real network's
 NETWORK = ipaddress.ip_network("198.18.0.0/15")
@@ -177,7 +180,7 @@ class Cluster:
 
     # -- from what a run records -----------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: Any, uses_servers: bool) -> "Cluster":
+    def from_config(cls, cfg: RunConfig, uses_servers: bool) -> "Cluster":
         """From a RunConfig, or a run's config as its manifest stores it (a dict; older
         runs lack the newer settings: DEFAULTS). ``uses_servers``: the strategy's."""
         get = cfg.get if isinstance(cfg, Mapping) else lambda k, d: getattr(cfg, k, d)

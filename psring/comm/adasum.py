@@ -32,6 +32,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from psring.comm.interconnect import gloo_group
+
 #: below this squared norm a side's coefficient is 1 (Horovod's threshold): a zero
 #: gradient neither scales the other nor divides by zero
 EPS = 1e-8
@@ -167,7 +169,6 @@ class TorchComm:
     def __init__(self, per_host: int = 1) -> None:
         import torch.distributed as dist
 
-        from psring.comm.interconnect import gloo_group
 
         self.dist = dist
         # gloo sends CPU tensors only: on a gloo group (workers sharing a GPU) CUDA

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from psring.comm.interconnect import DeviceStream, StreamHandle
+from psring.comm.interconnect import DeviceStream, StreamHandle, group_timeout, host_layout, parse
 
 
 class HostRing:
@@ -125,7 +125,6 @@ class HostRing:
 def flat_ring(ctx: Any) -> HostRing | None:
     """The worker's timed flat ring under --device-link, else None (torch's own
     all-reduce). Collective: every rank creates the ring's process group here."""
-    from psring.comm.interconnect import group_timeout, host_layout, parse
 
     link = parse(getattr(ctx.cfg, "device_link", ""))
     if link is None:

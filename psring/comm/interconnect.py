@@ -43,12 +43,15 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from psring.errors import ConfigError
 from psring.units import parse_rate
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 #: a ring step's start-up on a device interconnect (NCCL's order of magnitude)
 DEVICE_ALPHA_S = 10e-6
@@ -120,7 +123,7 @@ def alpha_beta(link: tuple[float, float]) -> tuple[float, float]:
     return link[0], 1 / link[1]
 
 
-def check(cfg: Any, strategy_cls: Any) -> None:
+def check(cfg: RunConfig, strategy_cls: Any) -> None:
     """--device-link's settings, before any process starts."""
     link = parse(cfg.device_link)  # (a bad rate raises, naming the flag)
     if link is None:

@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from psring.cluster.spec import Cluster
+from psring.comm.interconnect import alpha_beta, check_hosts, host_copy, not_timed, on_host, parse
+from psring.config import RunConfig
 from psring.errors import ConfigError
 from psring.predict.advise import (
     HEADER,
@@ -63,76 +65,25 @@ from psring.predict.advise import (
     verify_candidates,
     with_failure_rate,
 )
+from psring.predict.calibrate import calibrate
 from psring.predict.costmodel import Calibration, find_calibration
 from psring.predict.failures import Failures
 from psring.predict.simulate import is_costed
 from psring.records.profile import MODEL_KEYS, Profile
 from psring.records.runlog import atomic_write_json
+from psring.report import summarize
+from psring.runs.launch import launch
 from psring.runs.profiling import profile_config, take_profile
+from psring.strategies import STRATEGIES
+from psring.train.device import required_time_scale
+from psring.train.models import ModelSettings, meta_build
+from psring.train.shares import check_global_batch
 from psring.units import parse_delay, parse_rate
-
-# Imported inside the functions that use them: psring.train.models, the strategy
-# registry, calibrate, the launcher and the run report (each imports torch, which
-# building this command's parser does not need).
 
 #: the most worker and server processes --verify starts on this machine: its runs are
 #: device-mode (their compute off the cores, at the capacity rule's time scale), which
 #: held the device's time for 16 workers and 4 servers (docs/benchmarks.md)
 VERIFY_MAX_PROCESSES = 24
-
-
-def add_advise_parser(sub: Any) -> None:
-    from psring.config import add_config_flags
-
-    p = sub.add_parser("advise", help="predict which strategy, bucket size and servers "
-                       "train fastest on a cluster, and why (psring.predict.simulate)")
-    add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
-                              "features", "batch_size", "hosts", "workers_per_host",
-                              "link", "delay", "loss", "seed"))
-    # the cluster flags mean the cluster to predict (emulated only with --verify)
-    for flag, text in (("--hosts", "hosts in the cluster"),
-                       ("--workers-per-host", "workers on each host (default 1)"),
-                       ("--link", "each host's link rate, e.g. 1gbit, 25gbit, 100gbit"),
-                       ("--delay", "one-way delay of each link, e.g. 50us"),
-                       ("--loss", "fraction of packets each link direction drops, e.g. "
-                                  "0.001: TCP's recovery is priced (a fitted share of a "
-                                  "round trip per lost segment; docs/prediction.md)")):
-        p._option_string_actions[flag].help = text
-    p.add_argument("--workers", type=int, default=0, help="workers in all (default: "
-                   "hosts x workers-per-host)")
-    p.add_argument("--profile", default="", help="a profile (psring profile, or any run "
-                   "directory) instead of profiling the model now")
-    p.add_argument("--calibration", default="", help="α-β-γ calibration file (default: "
-                   "$PSRING_CALIBRATION or ~/.cache/psring/calibration.json; measured "
-                   "quickly when there is none)")
-    p.add_argument("--device-speed", type=float, default=1.0, help="the workers' devices are "
-                   "this many times as fast as the profile's (ask about a GPU cluster from "
-                   "a laptop's profile; or give a GPU's profile with --profile)")
-    p.add_argument("--device-link", default="", help="each host's own interconnect among "
-                   "its workers: nvlink (150 GB/s, V100's NVLink 2.0), nvlink3, nvlink4, "
-                   "pcie, pcie4, pcie5, or a rate such as 1200gbit. byteps's and "
-                   "hallreduce's collectives inside a host are "
-                   "priced at its time (and --verify runs them with it) instead of this "
-                   "machine's loopback gloo; needs several workers per host. Default: "
-                   "loopback")
-    p.add_argument("--mtbf", type=float, default=0.0, metavar="HOURS",
-                   help="mean time between failures of one worker or server, in hours: "
-                   "each strategy's step is also priced with failures (restarts from "
-                   "checkpoints, or going on without a lost worker; "
-                   "psring.predict.failures). Default 0: no failures")
-    p.add_argument("--checkpoint-minutes", type=float, default=30.0,
-                   help="with --mtbf: the checkpoint interval (default 30)")
-    p.add_argument("--restart-s", type=float, default=120.0,
-                   help="with --mtbf: what a restart itself costs, in seconds (default "
-                   "120)")
-    p.add_argument("--job-hours", type=float, default=24.0,
-                   help="with --mtbf: the job's length (default 24)")
-    p.add_argument("--verify", action="store_true", help="run the top candidates on this "
-                   "machine's emulation of the cluster and print predicted vs measured")
-    p.add_argument("--verify-steps", type=int, default=20, help="steps per verifying run")
-    p.add_argument("--out", default="", help="directory for the profile, advise.json, "
-                   "advise.png and verifying runs (default runs/advise-<time>)")
-    p.set_defaults(func=advise_command)
 
 
 def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
@@ -167,7 +118,6 @@ def _cluster(args: argparse.Namespace) -> tuple[Cluster, int]:
                           f"a measurement (at most {VERIFY_MAX_PROCESSES} processes); run "
                           f"advise without --verify for the prediction alone.")
     if not args.profile:
-        from psring.train.shares import check_global_batch
 
         check_global_batch(args.batch_size, n)
     loss = getattr(args, "loss", 0.0)  # (advise's own flags; --verify's runs lack it)
@@ -190,7 +140,6 @@ def _calibration(args: argparse.Namespace, out: Path):
     path = find_calibration(out)
     if path is not None:
         return Calibration.load(path)
-    from psring.predict.calibrate import calibrate
 
     print("psring: no α-β-γ calibration found (psring calibrate); measuring a quick one",
           flush=True)
@@ -226,7 +175,6 @@ def verify_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[s
         flags.pop("compress")
     if cls.caps.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
         flags["link"] = args.link
-    from psring.comm.interconnect import not_timed
 
     if args.device_link and not not_timed(cls.caps) and c.cluster.workers_per_host > 1:
         flags["device_link"] = args.device_link
@@ -242,8 +190,6 @@ def verify_clock(cal: Calibration, args: argparse.Namespace, model: dict[str, An
     links are then its own: at S = 1 a host link would be floored at this machine's
     loopback (about 31 Gbit/s here), which a GPU cluster's 100 Gbit/s link is not.
     S depends on the cluster's hosts, so on where its servers are; one per shape."""
-    from psring.config import RunConfig
-    from psring.train.device import required_time_scale
 
     scaled: dict[tuple[int, str], Calibration] = {}
 
@@ -269,10 +215,6 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
     ``model`` at global batch ``batch``; predicted vs measured step time. Each run takes
     the smallest --time-scale at which this machine emulates it faithfully
     (psring.train.device.required_time_scale)."""
-    from psring.config import RunConfig
-    from psring.report import summarize
-    from psring.runs.launch import launch
-    from psring.train.device import required_time_scale
 
     results = []
     for c in top:
@@ -294,7 +236,6 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
 
 def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
     """The registered strategies that can run ``workers`` workers on ``hosts`` hosts."""
-    from psring.strategies import STRATEGIES
 
     out = {}
     for name in STRATEGIES:
@@ -335,7 +276,6 @@ def _device_link(args: argparse.Namespace, cluster: Cluster
     """--device-link as advise.json records it (its name, α and rate) and as the
     simulator takes it (``inside``: α, β), or (None, None) without it; a ConfigError
     that names the fix for a bad name or rate, or for one worker per host."""
-    from psring.comm.interconnect import alpha_beta, check_hosts, host_copy, parse
 
     link = parse(args.device_link)  # (a bad name or rate raises, naming the flag)
     if link is None:
@@ -368,7 +308,6 @@ def _load_profile(args: argparse.Namespace, n: int,
 
 def _profile_now(args: argparse.Namespace, n: int, out: Path) -> Profile:
     """A short traced single run of the flags' model at the per-worker batch."""
-    from psring.train.models import ModelSettings, meta_build
 
     threads = max(1, (os.cpu_count() or 1) // n) if args.verify else 0
     cfg = profile_config(**_model_flags(args), batch_size=args.batch_size // n,
@@ -455,7 +394,6 @@ def _failures(args: argparse.Namespace, cands: list[Candidate], ranking: list[Ca
 def advise_command(args: argparse.Namespace) -> int:
     """psring advise (the module docstring): profile, rank, print, write advise.json
     and advise.png, and with --verify measure the top candidates."""
-    from psring.comm.interconnect import on_host
 
     cluster, n = _cluster(args)
     _check_device_flags(args)

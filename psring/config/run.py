@@ -314,7 +314,7 @@ def literal_choices() -> dict[str, tuple[str, ...]]:
     return _CHOICES
 
 
-def cluster_of(cfg: Any) -> Cluster:
+def cluster_of(cfg: RunConfig) -> Cluster:
     """The cluster of a RunConfig, or of a run's config as its manifest stores it (a
     dict, perhaps from before a cluster setting existed: psring.cluster.spec.DEFAULTS)."""
     if isinstance(cfg, RunConfig):

@@ -140,7 +140,7 @@ def _check_reduce(cfg: RunConfig, caps: Any) -> None:
 
 def _check_adasum(cfg: RunConfig, counted: tuple[str, int]) -> None:
     """``counted``: what Adasum combines pairwise (hallreduce: the hosts' averages)."""
-    from psring.comm.adasum import is_power_of_two
+    from psring.comm.adasum import is_power_of_two  # (torch; see validate)
 
     what, n = counted
     if not is_power_of_two(n):
@@ -204,7 +204,7 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
     if cfg.kill_server and not caps.uses_servers:
         raise ConfigError(f"--kill-server kills a parameter server; {cfg.strategy!r} uses "
                           f"none: drop --kill-server, or use --kill-worker.")
-    from psring.comm.protocol import HOW_TO_SET_A_SECRET, is_local, load_secret
+    from psring.comm.protocol import HOW_TO_SET_A_SECRET, is_local, load_secret  # (torch)
 
     # an emulated cluster's own servers are reachable only inside it
     remote = [a for a in addrs if not is_local(a)
@@ -223,7 +223,7 @@ def _check_loss_tolerance(cfg: RunConfig, caps: Any) -> None:
         raise ConfigError(f"--loss-tolerance is the fraction of a push's gradient that may "
                           f"be lost, in [0, 1): e.g. 0.01 (got {f!r}; 0 = reliable).")
     if not caps.loss_tolerant:
-        from psring.strategies import STRATEGIES
+        from psring.strategies import STRATEGIES  # (torch, as above)
 
         able = [n for n in STRATEGIES.names() if STRATEGIES.get(n).caps.loss_tolerant]
         raise ConfigError(f"--loss-tolerance covers the gradient pushes of "
@@ -253,7 +253,7 @@ def _check_transport(cfg: RunConfig, caps: Any) -> None:
         raise ConfigError("--transport ipc reaches only this host's own processes; "
                           "emulated hosts talk over their links: drop --transport "
                           "(or use tcp).")
-    from psring.comm.protocol import ABSTRACT_IPC
+    from psring.comm.protocol import ABSTRACT_IPC  # (torch, as above)
 
     if cfg.transport == "ipc" and not ABSTRACT_IPC:
         raise ConfigError("--transport ipc uses Linux's abstract Unix sockets; on "
@@ -266,7 +266,7 @@ def _check_model(cfg: RunConfig, strategy_cls: Any) -> None:
     settings against it (psring.train.device)."""
     meta = None
     if cfg.data == "synthetic":
-        from psring.train.workload import meta_model
+        from psring.train.workload import meta_model  # (torch, as above)
 
         try:
             meta = meta_model(cfg)[0]
@@ -279,7 +279,7 @@ def _check_model(cfg: RunConfig, strategy_cls: Any) -> None:
                 f"on torch's meta device (shapes only) to check it before starting any "
                 f"process: a factory must build from the settings it is given, without "
                 f"reading tensor values.") from None
-    from psring.train import device, elimination
+    from psring.train import device, elimination  # (torch, as above)
 
     if meta is not None:
         elimination.check_model(meta, cfg.eliminate_every)

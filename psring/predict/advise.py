@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from psring.cluster.spec import Cluster
 from psring.predict.costmodel import ps_link_load
+from psring.predict.failures import with_failures
 from psring.predict.simulate import COST_MODELS, FLOW_DRAWS, Prediction, simulate
 from psring.records.profile import Profile
 
@@ -221,7 +222,6 @@ def with_failure_rate(cands: list[Candidate], ranking: list[Candidate],
     (async-ps, an option), priced with failures (psring.predict.failures): each one's
     expected step and why, fastest first, and the lines that say whether the failures
     change the answer."""
-    from psring.predict.failures import with_failures
 
     picks = list(ranking)
     for name, cls in classes.items():

@@ -50,10 +50,13 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from psring.cluster.emulate import HOST_IFACE, enter, standalone
+from psring.comm.interconnect import flat_collectives
 from psring.comm.protocol import ABSTRACT_IPC, abstract_ipc_endpoint
 from psring.errors import PsringError
 from psring.predict.costmodel import Calibration
 from psring.runtime.process import die_with_parent, free_port
+from psring.units import parse_rate
 
 KB, MB = 1024, 1024 * 1024
 #: message sizes of the ping-pongs: from latency-bound to bandwidth-bound. They stop at
@@ -130,7 +133,6 @@ def _child(fn: Callable[..., Any], rank: int, args: tuple, conn, parent_pid: int
     die_with_parent()
     try:
         if where is not None:
-            from psring.cluster.emulate import HOST_IFACE, enter
 
             enter(where[0][rank], where[1])  # still single-threaded, as setns needs
             os.environ["GLOO_SOCKET_IFNAME"] = HOST_IFACE
@@ -301,7 +303,6 @@ def _gloo_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
         out = ladder(sizes, quick, roundtrip, budget)
         ops = {"dist_allreduce": lambda size: dist.all_reduce(bufs[size])}
         if collectives:  # what one host's strategies call besides all_reduce
-            from psring.comm.interconnect import flat_collectives
 
             rs, ag = flat_collectives()  # (as psring.comm.interconnect calls them)
             half = {size: torch.empty(size // 8, dtype=torch.float32) for size in sizes}
@@ -525,8 +526,6 @@ def calibrate_link(link: str, delay: str = "", quick: bool = False,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """α and β of ZeroMQ and gloo between two emulated hosts joined by ``link``
     (psring.cluster.emulate): the entry ``Calibration.links[rate]``."""
-    from psring.cluster.emulate import standalone
-    from psring.units import parse_rate
 
     say = log or (lambda _msg: None)
     bits = parse_rate(link)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from psring.comm.interconnect import alpha_beta, on_host, parse
 from psring.config import cluster_of
 from psring.errors import PsringError
 from psring.predict.costmodel import Calibration
@@ -41,7 +42,6 @@ def _with_host_copies(prof: Profile, manifest: dict[str, Any]) -> Profile:
     run's manifest records them; before it did, its --device-link's host describes them)."""
     from dataclasses import replace
 
-    from psring.comm.interconnect import on_host
 
     compute = manifest.get("compute") or {}
     if compute.get("mode") != "device":
@@ -78,7 +78,6 @@ def replay(run_dir: Any, cal: Calibration, inside: tuple[float, float] | None = 
     # a time-scaled run: this machine's software costs are 1/S on the described clock
     cal = cal.faster(float(cfg.get("time_scale") or 1.0))
     if inside is None and cfg.get("device_link"):
-        from psring.comm.interconnect import alpha_beta, parse
 
         try:
             inside = alpha_beta(parse(cfg["device_link"]))

@@ -26,7 +26,12 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+from psring import __version__
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 MANIFEST = "manifest.json"
 STEPS = "steps.jsonl"
@@ -176,7 +181,6 @@ def versions() -> dict[str, str]:
     import torch
     import zmq
 
-    from psring import __version__
 
     return {"psring": __version__, "python": platform.python_version(),
             "torch": torch.__version__, "pyzmq": zmq.__version__,
@@ -229,7 +233,7 @@ def iter_run_dirs(paths: list[str]) -> Iterator[Path]:
             yield from sorted(d for d in p.iterdir() if (d / MANIFEST).exists())
 
 
-def default_out(cfg: Any) -> str:
+def default_out(cfg: RunConfig) -> str:
     """Where a run writes without --out: runs/STRATEGY-wN-TIME in the working directory."""
     return os.path.join("runs", f"{cfg.strategy}-w{cfg.workers}-{time.strftime('%Y%m%d-%H%M%S')}")
 

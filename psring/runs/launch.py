@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from psring.cluster.emulate import network_for
+from psring.comm.protocol import ABSTRACT_IPC, abstract_ipc_endpoint
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError, PsringError, RunFailed
 from psring.records.runlog import (
@@ -32,8 +33,10 @@ from psring.records.runlog import (
     atomic_write_json,
     count_lines,
     default_out,
+    read_manifest,
     truncate_records,
 )
+from psring.records.trace import write_trace
 from psring.runtime import faults
 from psring.runtime.process import (
     LogStream,
@@ -45,6 +48,10 @@ from psring.runtime.process import (
     worker_threads,
 )
 from psring.runtime.rendezvous import RUN_ARGS_ENV
+from psring.strategies import STRATEGIES
+from psring.strategies.ps import server_frame_limit
+from psring.train import checkpoint
+from psring.train.device import capacity
 
 #: RunConfig's default rendezvous address
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -77,7 +84,6 @@ LAUNCH = "launch.json"
 def resume_config(resume_dir: str, given: dict) -> RunConfig:
     """The config to continue the run in ``resume_dir``: the run's own settings (as its
     launch recorded them, else from its manifest), with the flags given now on top."""
-    from psring.records.runlog import read_manifest
 
     d = Path(resume_dir)
     try:
@@ -115,7 +121,6 @@ def prepare(cfg: RunConfig) -> tuple[str, int]:
         raise ConfigError(f"cannot use run directory {out} ({why}); pass an --out this "
                           f"user can write.")
     if cfg.resume:
-        from psring.train import checkpoint
 
         if Path(out).resolve() != Path(cfg.resume).resolve():
             raise ConfigError(f"--resume {cfg.resume} continues that run in its own "
@@ -170,7 +175,6 @@ def worker_specs(cfg: RunConfig, command: list[str] | None = None) -> list[Proce
 
 def local_ipc(cfg: RunConfig) -> bool:
     """Whether psring's own servers are reached over Unix domain sockets (--transport)."""
-    from psring.comm.protocol import ABSTRACT_IPC
 
     if cfg.transport == "auto":  # (--loss-tolerance: datagrams need a UDP port)
         return ABSTRACT_IPC and not cfg.cluster.emulated and not cfg.loss_tolerance
@@ -183,7 +187,6 @@ def server_endpoint(cfg: RunConfig, k: int) -> str:
     segmenting and acknowledging (docs/benchmarks.md, issue 10, fix 4). Else loopback
     TCP, or the server's emulated host's address (a fresh namespace: any port free
     here is free there)."""
-    from psring.comm.protocol import abstract_ipc_endpoint
 
     if local_ipc(cfg):
         return abstract_ipc_endpoint(f"psring-{os.getpid()}-{k}")
@@ -194,11 +197,9 @@ def server_endpoint(cfg: RunConfig, k: int) -> str:
 def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[ProcessSpec]]:
     """Parameter servers to start for ``cfg`` (none when it names running ones), and
     the settings the workers get to reach them (their addresses)."""
-    from psring.strategies import STRATEGIES
 
     if not STRATEGIES.get(cfg.strategy).caps.uses_servers or cfg.server_addrs:
         return {}, []
-    from psring.strategies.ps import server_frame_limit
 
     addrs = [server_endpoint(cfg, k) for k in range(cfg.servers)]
     extra = ["--secret-file", cfg.secret_file] if cfg.secret_file else []
@@ -227,7 +228,6 @@ def launch(cfg: RunConfig, progress: Callable[[int, int], None] | None = None,
         raise ConfigError("--steps 0 (as many steps as a script trains) is psring launch's; "
                           "psring's own loop needs a number of steps: --steps N.")
     # (imported here: psring.train.device imports torch, and psring --help reaches this module)
-    from psring.train.device import capacity
 
     for why in capacity(cfg):  # --compute device beyond what this machine emulates
         print(f"psring: warning: {why}.", file=sys.stderr)
@@ -281,7 +281,6 @@ def _launch_once(cfg: RunConfig, progress: Callable[[int, int], None] | None,
     _supervise(cfg, run_dir, net, services, ticker, injector, command, output)
     ticker.report()
     if cfg.trace:
-        from psring.records.trace import write_trace
 
         write_trace(run_dir)
     return run_dir
@@ -327,7 +326,6 @@ def _supervise(cfg: RunConfig, run_dir: Path, net, services: list, ticker: _Prog
     them: fail-stop on the first failure, every process stopped whatever happens, the
     strategy's leftovers (shared memory) cleaned up. Each tick places the faults due
     and copies the workers' new output (``output``)."""
-    from psring.strategies import STRATEGIES
 
     caps = STRATEGIES.get(cfg.strategy).caps
     sup = Supervisor(run_dir / "logs",

@@ -11,9 +11,13 @@ import os
 import time
 from typing import Any
 
-from psring.config import RunConfig
-from psring.records.profile import MODEL_KEYS, Profile
+from psring.config import RunConfig, validate
+from psring.errors import ConfigError
+from psring.library.start import script_refusals
+from psring.records.profile import MODEL_KEYS, Profile, load_host_copy
 from psring.runs.launch import launch
+from psring.train.models import backward_shares
+from psring.train.workload import meta_model
 
 
 def profile_config(**run_flags: Any):
@@ -34,7 +38,6 @@ def take_profile(cfg, command: list[str] | None = None) -> Profile:
     run directory. ``command``: a user's script to run instead of psring's loop
     (psring.library; its model is the script's)."""
     if command:
-        from psring.library.start import script_refusals
 
         script_refusals(cfg)
     run_dir = launch(cfg, command=command or None)
@@ -50,12 +53,10 @@ PAPER_FLAGS = ("forward_ms", "backward_ms", "step_ms", "update_ms", "source")
 def paper_profile_from(settings: dict[str, Any], out: str | os.PathLike) -> Profile:
     """``psring profile --on-paper`` from a dict of its flags (``_`` for ``-``), saved
     atomically as ``out/profile.json``: what a sweep's ``[profiles]`` table builds."""
-    from psring.records.profile import load_host_copy
 
     paper = {k: settings.get(k) for k in PAPER_FLAGS}
     paper["update_ms"] = paper["update_ms"] or 0.0
     paper["source"] = paper["source"] or ""
-    from psring.config import validate
 
     cfg = validate(profile_config(**{k: v for k, v in settings.items()
                                      if k not in (*PAPER_FLAGS, "host_copy")}, out=str(out)))
@@ -79,8 +80,6 @@ def paper_profile(cfg: RunConfig, forward_ms: float | None, backward_ms: float |
     forward and backward times, or a step time (split by :data:`BACKWARD_SHARE`).
     Each gradient is ready when backward's FLOPs reach it (psring.train.models.backward_shares),
     else in proportion to bytes (Profile.on_paper)."""
-    from psring.errors import ConfigError
-    from psring.train.workload import meta_model
 
     if step_ms is not None and (forward_ms is not None or backward_ms is not None):
         raise ConfigError("--on-paper takes --step-ms, or --forward-ms and --backward-ms, "
@@ -93,7 +92,6 @@ def paper_profile(cfg: RunConfig, forward_ms: float | None, backward_ms: float |
     for name, v in (("forward", forward_ms), ("backward", backward_ms), ("update", update_ms)):
         if not (v >= 0 and v != float("inf")):
             raise ConfigError(f"--{name}-ms must be a time in milliseconds >= 0 (got {v}).")
-    from psring.train.models import backward_shares
 
     model, inputs = meta_model(cfg)
     sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]

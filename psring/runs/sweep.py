@@ -76,9 +76,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from psring.cluster.spec import derived_hosts
+from psring.comm import interconnect
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError, PsringError, RunFailed
 from psring.records.runlog import atomic_write_json
+from psring.runs.launch import launch as launch_run
+from psring.runs.profiling import PAPER_FLAGS, paper_profile_from
+from psring.strategies import STRATEGIES
 
 SWEEP_FILE = "sweep.json"
 POINT_FILE = "point.json"
@@ -172,7 +176,6 @@ class Sweep:
                 and v and all(isinstance(e, dict) for e in v)}
 
     def _check_profiles(self) -> None:
-        from psring.runs.profiling import PAPER_FLAGS
 
         valid = {f.name for f in fields(RunConfig)} | set(PAPER_FLAGS) | {"host_copy"}
         for name, spec in self.profiles.items():
@@ -207,7 +210,6 @@ class Sweep:
 
     def build_profiles(self, out: Path) -> None:
         """Build each [profiles] entry once, in OUT/profiles/NAME (kept on a rerun)."""
-        from psring.runs.profiling import paper_profile_from
 
         for name, spec in self.profiles.items():
             dest = Path(out) / PROFILES_DIR / name
@@ -237,8 +239,6 @@ class Sweep:
         """Every distinct run of the sweep, in a stable order (strategies together). The
         sweep's [profiles] are built first (once, in OUT/profiles): points are validated
         runs, and a run's --device-profile must exist."""
-        from psring.comm import interconnect
-        from psring.strategies import STRATEGIES
 
         self.build_profiles(out)
 
@@ -361,7 +361,7 @@ def run_sweep(sweep: Sweep, out: Path,
     is called once the points are known, ``on_point(point, status, seconds)`` after each
     point (for progress displays)."""
     if launch is None:
-        from psring.runs.launch import launch
+        launch = launch_run
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     points = sweep.points(out)

@@ -31,17 +31,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psring.errors import ConfigError, PsringError
 from psring.records.runlog import EVALS, FAULTS, RESTARTS, STEPS, read_steps, truncate_records
 from psring.runtime import faults, rendezvous
+from psring.train import checkpoint
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 #: the rendezvous record's field with a directory's usable checkpoint steps
 OFFER = "checkpoints"
 
 
-def check(cfg: Any) -> None:
+def check(cfg: RunConfig) -> None:
     """Under torchrun, psring's --max-restarts only acts when torchrun restarts."""
     if not cfg.max_restarts or not rendezvous.under_torchrun():
         return
@@ -53,13 +57,12 @@ def check(cfg: Any) -> None:
             f"last checkpoint. Pass torchrun --max-restarts {cfg.max_restarts} as well.")
 
 
-def offer(cfg: Any, local_rank: int, run_dir: Path) -> dict[str, Any]:
+def offer(cfg: RunConfig, local_rank: int, run_dir: Path) -> dict[str, Any]:
     """What a worker adds to its rendezvous record: a host's first worker, where restarts
     may resume, lists the checkpoints of its run directory that verify."""
     if not (cfg.max_restarts or cfg.resume) or local_rank != 0 \
             or not rendezvous.under_torchrun():
         return {}
-    from psring.train import checkpoint
 
     return {OFFER: checkpoint.usable_steps(run_dir)}
 
@@ -116,7 +119,7 @@ def after_join(ctx: Any, launch: Any, uses_servers: bool) -> None:
     ctx.resume = _load(ctx, step, writer, launch.peers, uses_servers)
 
 
-def _check_restart(cfg: Any, restart: int) -> None:
+def _check_restart(cfg: RunConfig, restart: int) -> None:
     if not cfg.max_restarts:
         raise ConfigError(
             f"torchrun restarted this launch (restart {restart}), but its workers were not "
@@ -155,7 +158,6 @@ def _cause(run_dir: Path, restart: int) -> str:
 def _load(ctx: Any, step: int | None, writer: int, peers: list[dict],
           uses_servers: bool) -> Any:
     """This rank's checkpoint of ``step`` from its own directory (None: start over)."""
-    from psring.train import checkpoint
 
     if step is None:
         return None

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psring.errors import PsringError
 from psring.records.runlog import (
@@ -44,6 +44,11 @@ from psring.records.runlog import (
     atomic_write_bytes,
     read_steps,
 )
+from psring.runtime.process import describe_exit
+from psring.train import checkpoint
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,11 @@ class Fault:
         return f"--kill-{self.kind} {self.index}:{self.step}"
 
 
-def planned(cfg: Any) -> list[Fault]:
+def planned(cfg: RunConfig) -> list[Fault]:
     return [Fault(kind, index, step) for kind, index, step in cfg.faults]
 
 
-def stops_at(cfg: Any, rank: int) -> set[int]:
+def stops_at(cfg: RunConfig, rank: int) -> set[int]:
     """The steps at whose start worker ``rank`` stops itself (:func:`stop_here`): its
     own faults' and, for worker 0, the servers' (they die as worker 0 begins the step);
     not those the run's faults.jsonl says fired already (a restart under torchrun)."""
@@ -76,7 +81,7 @@ def stops_at(cfg: Any, rank: int) -> set[int]:
             (f.process == f"worker-{rank}" or f.kind == "server" and rank == 0)}
 
 
-def stop_here(cfg: Any, rank: int, step: int) -> None:
+def stop_here(cfg: RunConfig, rank: int, step: int) -> None:
     """A worker's half of a fault: freeze, for psring run's launcher to act. Without
     that launcher (under torchrun) nobody would: the worker records its own fault and
     dies at once (SIGKILL); a server's fault is then not placed."""
@@ -99,7 +104,7 @@ def _stopped(pid: int) -> bool:
     return stat.rsplit(") ", 1)[1][:1] in ("T", "t")
 
 
-def without(cfg: Any, fired: set[Fault]) -> Any:
+def without(cfg: RunConfig, fired: set[Fault]) -> RunConfig:
     """``cfg`` without the faults that fired (a restart must not meet them again)."""
     left = [f for f in planned(cfg) if f not in fired]
     return cfg.replace(**{f"kill_{kind}": ",".join(f"{f.index}:{f.step}" for f in left
@@ -201,7 +206,6 @@ def _signal(pid: int, sig: int) -> None:
 
 def record_loss(run_dir: Path, child: Any) -> None:
     """A process the run went on without (Supervisor.lost), in faults.jsonl."""
-    from psring.runtime.process import describe_exit
 
     append_record(run_dir / FAULTS, {"time": time.time(), "lost": child.spec.name,
                                      "exit": describe_exit(child.proc.returncode)})
@@ -217,14 +221,13 @@ def blame(message: str, fired: list[Fault]) -> str:
     return message
 
 
-def restart(cfg: Any, run_dir: Path, attempt: int, cause: str,
+def restart(cfg: RunConfig, run_dir: Path, attempt: int, cause: str,
             fired: set[Fault]) -> Any | None:
     """After a failure: record restart ``attempt`` in restarts.jsonl and return the
     config that continues the run from its last complete checkpoint (from the start
     when none was written yet, its records cleared), without the faults that fired;
     None when the last checkpoint is the run's end (nothing left to run again)."""
     cfg = without(cfg, fired)
-    from psring.train import checkpoint
 
     ckpt = checkpoint.latest(run_dir, log=lambda m: print(f"psring: {m}", file=sys.stderr))
     if ckpt is not None and ckpt.step >= cfg.steps:

@@ -30,10 +30,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from psring.errors import ConfigError, RunFailed
 from psring.runtime import forking
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 GRACE_S = 5.0
 #: how often the supervisor looks at its children: a run ends at most this late
@@ -73,7 +76,7 @@ def kill_with_parent() -> bool:
         return False
 
 
-def worker_threads(cfg: Any, local_workers: int) -> int:
+def worker_threads(cfg: RunConfig, local_workers: int) -> int:
     """torch threads per worker: --threads, or the host's cores shared by its workers."""
     return cfg.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers))
 

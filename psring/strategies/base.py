@@ -25,7 +25,16 @@ import contextlib
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager, Iterable, Literal, Protocol
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ClassVar,
+    ContextManager,
+    Iterable,
+    Literal,
+    Protocol,
+)
 
 import torch
 from torch import nn
@@ -33,6 +42,9 @@ from torch import nn
 from psring.errors import PsringError
 from psring.registry import Registry
 from psring.train.optim import SGD
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 STRATEGIES: Registry = Registry("strategy")
 
@@ -70,9 +82,9 @@ class WaitAll:
 class WorkerContext:
     """What a strategy may know about the process it runs in."""
 
-    #: the run's psring.config.RunConfig, validated (not imported here: psring.config's
-    #: validate() checks it against this registry, so the import goes that way only)
-    cfg: Any
+    #: the run's config, validated (a type-only import: psring.config's validate() checks
+    #: it against this registry, so the import at run time goes that way only)
+    cfg: RunConfig
     rank: int
     world: int
     local_rank: int
@@ -178,7 +190,7 @@ class Capabilities:
         """Where the optimizer runs for a run's --update-on ("" = the default)."""
         return update_on or self.update_sites[0]
 
-    def may_lose(self, cfg: Any, process: str, lost: int = 0) -> bool:
+    def may_lose(self, cfg: RunConfig, process: str, lost: int = 0) -> bool:
         """Whether the run goes on without ``process`` (a worker's or server's name) when
         it dies, ``lost`` workers being gone already: a worker other than worker 0, which
         writes the model and evaluations, where the strategy survives lost workers and
@@ -304,7 +316,7 @@ class Strategy:
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     @classmethod
-    def cleanup_run(cls, cfg: Any) -> None:
+    def cleanup_run(cls, cfg: RunConfig) -> None:
         """Remove what the run left outside its directory (shared memory files). The
         launcher calls it once the run's processes are gone, whether it failed or not."""
 

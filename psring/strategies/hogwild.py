@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,8 +28,11 @@ from psring.errors import ConfigError, PsringError
 from psring.records.runlog import run_id
 from psring.strategies.base import STRATEGIES, Capabilities, Strategy
 
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
-def shm_paths(cfg: Any) -> tuple[Path, Path]:  # a RunConfig (see base.WorkerContext)
+
+def shm_paths(cfg: RunConfig) -> tuple[Path, Path]:
     """(parameters, counters) files of a run: derived from the run's id, so every
     worker (and the launcher, to clean up) finds the same ones."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -146,6 +149,6 @@ class Hogwild(Strategy):
             self.cleanup_run(self.ctx.cfg)
 
     @classmethod
-    def cleanup_run(cls, cfg: Any) -> None:
+    def cleanup_run(cls, cfg: RunConfig) -> None:
         for p in shm_paths(cfg):
             p.unlink(missing_ok=True)

@@ -50,8 +50,10 @@ from psring.comm.protocol import (
 from psring.comm.psclient import PSClient, Replies
 from psring.errors import PsringError
 from psring.records.runlog import run_id
+from psring.servers.server import FRAME_SLACK
 from psring.strategies.base import DONE, STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
+from psring.train.workload import meta_model
 
 
 def server_frame_limit(cfg) -> int | None:
@@ -61,8 +63,6 @@ def server_frame_limit(cfg) -> int | None:
     a peer sending anything larger. None when the model's size is known only once the
     data is loaded (digits, .npz) or the model can't be built on the meta device: the
     servers then keep their default bound."""
-    from psring.servers.server import FRAME_SLACK
-    from psring.train.workload import meta_model
 
     if cfg.data != "synthetic":
         return None

@@ -44,13 +44,18 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from psring.comm.interconnect import check as check_device_link
+from psring.comm.interconnect import on_host
 from psring.errors import ConfigError
 from psring.records.profile import PROFILE_FILE, Profile
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 MODES = ("real", "device")
 
@@ -84,12 +89,11 @@ def load_profile(path: str) -> Profile:
             f"cuda on a GPU machine) and pass DIR.") from None
 
 
-def check(cfg: Any, strategy_cls: Any, model: nn.Module | None) -> Profile | None:
+def check(cfg: RunConfig, strategy_cls: Any, model: nn.Module | None) -> Profile | None:
     """Validate the device settings of ``cfg`` against its strategy and (meta) model,
     when known; the profile, or None for --compute real. Before any process starts."""
     if cfg.compute not in MODES:
         raise ConfigError(f"--compute must be one of {', '.join(MODES)} (got {cfg.compute!r}).")
-    from psring.comm.interconnect import check as check_device_link
 
     check_device_link(cfg, strategy_cls)
     if cfg.compute == "real":
@@ -290,15 +294,14 @@ class DeviceSGD:
         time.sleep(self.update_s)
 
 
-def host_profile(cfg: Any) -> Profile:
+def host_profile(cfg: RunConfig) -> Profile:
     """The run's --device-profile on the host --device-link describes: its copies to host
     memory at the host's PCIe rate (psring.comm.interconnect.on_host)."""
-    from psring.comm.interconnect import on_host
 
     return on_host(load_profile(cfg.device_profile), cfg.device_link)
 
 
-def for_worker(cfg: Any, rank: int, inputs: Any) -> DeviceCompute | None:
+def for_worker(cfg: RunConfig, rank: int, inputs: Any) -> DeviceCompute | None:
     """The device stand-in of one worker (None for --compute real)."""
     if cfg.compute != "device":
         return None
@@ -308,7 +311,7 @@ def for_worker(cfg: Any, rank: int, inputs: Any) -> DeviceCompute | None:
     return DeviceCompute(times, cfg.seed, rank, inputs.kind, inputs.classes, cfg.time_scale)
 
 
-def _limits(cfg: Any, cores: int) -> tuple[float, float, float, float, Any]:
+def _limits(cfg: RunConfig, cores: int) -> tuple[float, float, float, float, Any]:
     """(host work in core-seconds a step, the device's step in wall seconds, the emulated
     links' sum in bit/s, its limit, the profile) for the rule of :func:`capacity`."""
     prof = load_profile(cfg.device_profile)
@@ -321,7 +324,7 @@ def _limits(cfg: Any, cores: int) -> tuple[float, float, float, float, Any]:
     return need, step, links, LINK_BITS_PER_CORE * cores, prof
 
 
-def required_time_scale(cfg: Any, cores: int | None = None) -> int:
+def required_time_scale(cfg: RunConfig, cores: int | None = None) -> int:
     """The smallest whole --time-scale at which :func:`capacity`'s rule holds for ``cfg``
     (what `advise --verify` runs at)."""
     cores = cores or os.cpu_count() or 1
@@ -330,7 +333,7 @@ def required_time_scale(cfg: Any, cores: int | None = None) -> int:
     return max(1, math.ceil(max(s * need / (cores * step), s * links / link_limit) - 1e-9))
 
 
-def capacity(cfg: Any, cores: int | None = None) -> list[str]:
+def capacity(cfg: RunConfig, cores: int | None = None) -> list[str]:
     """Why this machine may not emulate ``cfg``'s cluster faithfully ([] when it should):
     the rule of :data:`HOST_BYTES_PER_CORE_S` and :data:`LINK_BITS_PER_CORE`, each with
     the --time-scale that would meet it."""
@@ -355,7 +358,7 @@ def capacity(cfg: Any, cores: int | None = None) -> list[str]:
     return out
 
 
-def describe(cfg: Any) -> dict[str, Any]:
+def describe(cfg: RunConfig) -> dict[str, Any]:
     """For the manifest: how compute was done, and whether the run learnt anything."""
     if cfg.compute != "device":
         return {"mode": "real"}

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from psring.errors import ConfigError
 from psring.registry import Registry
+
+if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
+    from psring.config import RunConfig
 
 #: the kinds of input psring can generate synthetic data for (psring.train.data)
 KINDS = ("vector", "image", "tokens")
@@ -71,7 +74,7 @@ class ModelSettings:
     depth: int = 0
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "ModelSettings":
+    def from_config(cls, cfg: RunConfig) -> "ModelSettings":
         return cls(features=cfg.features, classes=cfg.classes, image_size=cfg.image_size,
                    seq_len=cfg.seq_len, width=cfg.width, depth=cfg.depth)
 
