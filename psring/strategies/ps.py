@@ -381,7 +381,7 @@ class ParameterServer(Strategy):
         if self.backups:
             # the servers go on without a late worker: worker 0 may trail them. Every
             # shard's newest copy, then the oldest of those from the shards past it
-            # (they keep a few: psring.servers.handler.BACKUP_COPIES)
+            # (they keep a few: psring.servers.snapshots.BACKUP_COPIES)
             msgs = self._snapshots(SNAPSHOT_NEWEST, range(len(self.ranges)), what)
             version = min(m.header["version"] for m in msgs)
             again = [k for k, m in enumerate(msgs) if m.header["version"] != version]

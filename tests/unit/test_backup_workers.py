@@ -129,7 +129,7 @@ def test_with_backups_the_last_copies_are_kept_and_the_newest_served_on_request(
     newest copy (SNAPSHOT_NEWEST; held until there is one), then for the oldest of
     those, which a shard a few versions on still keeps (BACKUP_COPIES)."""
     from psring.comm.protocol import SNAPSHOT_NEWEST
-    from psring.servers.handler import BACKUP_COPIES
+    from psring.servers.snapshots import BACKUP_COPIES
 
     h = Handler()
     h.handle(b"w0", req("init", lo=0, hi=N, workers=2, mode="sync", lr=1.0, momentum=0.0,

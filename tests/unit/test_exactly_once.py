@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from psring.comm.protocol import decode, encode
-from psring.servers import handler as handler_mod
+from psring.servers import acks as acks_mod
 from psring.servers.handler import Handler
 from tests.helpers import LiveServer, RawClient
 
@@ -105,7 +105,7 @@ def test_acks_are_remembered_for_two_steps_then_a_retry_is_refused():
 
 
 def test_acks_remembered_per_worker_are_capped(monkeypatch):
-    monkeypatch.setattr(handler_mod, "MAX_ACKS", 3)
+    monkeypatch.setattr(acks_mod, "MAX_ACKS", 3)
     h = Handler()
     init(h, workers=1, n=8)
     for i in range(8):  # eight one-element pushes in one step
