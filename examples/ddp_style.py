@@ -59,13 +59,16 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.9, help="stop at this held-out "
                     "accuracy (checked after each epoch)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--loader-workers", type=int, default=0, help="the DataLoader's "
+                    "worker processes (kept across epochs)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
     dist = psring.init() if psring.launched() else psring.init(strategy="single")
     train, held_out = blobs(args.seed)
     sampler = dist.sampler(train, args.batch_size, seed=args.seed)
-    loader = DataLoader(train, batch_sampler=sampler, num_workers=1, persistent_workers=True)
+    loader = DataLoader(train, batch_sampler=sampler, num_workers=args.loader_workers,
+                        persistent_workers=args.loader_workers > 0)
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer = dist.wrap(model, optimizer)
