@@ -158,7 +158,7 @@ class Server:
         # libzmq gives each connection to one I/O thread, which does that connection's
         # kernel copies. With one, every worker's pushes and pulls are copied in turn
         # while the workers wait on the round; with one per core they are copied side by
-        # side (docs/benchmarks.md, issue 10, fix 3).
+        # side (docs/results/2026-11-23-emulation-runs-and-prediction.md, issue 10, fix 3).
         self.io_threads = io_threads or default_io_threads()
         self.ctx = zmq.Context(io_threads=self.io_threads)
         self.sock = self.ctx.socket(zmq.ROUTER)

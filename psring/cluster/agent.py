@@ -66,7 +66,8 @@ def tbf_params(bits: float, limit: int | None = None) -> tuple[int, int]:
     packets (64 KiB) with room to spare. A packet larger than the burst is split by tbf
     into frames; where only some of a flow's packets are (a burst just under 64 KiB,
     about 300-600 Mbit/s), gloo's ring over the link carried 74% of 500 Mbit/s and 86%
-    of 400 against 95% with the larger burst (docs/benchmarks.md, "Link fidelity").
+    of 400 against 95% with the larger burst
+    (docs/results/2026-11-23-emulation-runs-and-prediction.md, "Link fidelity").
     A full bucket lets a burst through at once, so a transfer can beat the rate by
     burst/rate: 1 ms, or 6 ms at 100 Mbit/s, small against the gradients of a step.
     limit, the queue: 100 ms of the rate, at least 4 MiB. Deep on purpose: a switch port

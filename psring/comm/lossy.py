@@ -18,8 +18,8 @@ what stays missing is a random part of the push.
 The sender paces its datagrams at the host link's rate (one token bucket per process,
 :data:`pace`), and its socket's send buffer is below tbf's queue, so it does not
 overflow its own link's queue; it has no congestion control beyond that (incast at a
-server's port drops them: docs/benchmarks.md, "Incast"). The waiting is the sender
-thread's, never the training loop's.
+server's port drops them: docs/results/2026-11-27-network-and-library.md, "Incast").
+The waiting is the sender thread's, never the training loop's.
 
 The receiving side: when a push's end marker arrives (a lossy_push; the datagrams sent
 ahead of it on the same path have arrived or are lost: it is the push's deadline),

@@ -22,7 +22,8 @@ independently at rate 1/MTBF:
 
 Where λ (R + C/2) or T / MTBF is not small the first-order figures understate the cost;
 the sentence says so. Measured what one failure costs each strategy on this machine:
-experiments/faults.toml (docs/benchmarks.md, "Faults as a comparison axis").
+experiments/faults.toml (docs/results/2026-11-26-redesign-host-model-faults-svm.md,
+"Faults as a comparison axis").
 """
 
 from __future__ import annotations

@@ -184,8 +184,9 @@ def local_ipc(cfg: RunConfig) -> bool:
 def server_endpoint(cfg: RunConfig, k: int) -> str:
     """Where server ``k`` of this run listens. On one host: an abstract Unix socket,
     since large messages cross a Unix socket with less kernel work than TCP's
-    segmenting and acknowledging (docs/benchmarks.md, issue 10, fix 4). Else loopback
-    TCP, or the server's emulated host's address (a fresh namespace: any port free
+    segmenting and acknowledging
+    (docs/results/2026-11-23-emulation-runs-and-prediction.md, issue 10, fix 4). Else
+    loopback TCP, or the server's emulated host's address (a fresh namespace: any port free
     here is free there)."""
 
     if local_ipc(cfg):

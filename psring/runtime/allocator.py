@@ -9,8 +9,9 @@ its heap back to the kernel once more than a threshold is free; it adjusts both 
 program runs, and the layout decides whether a step's freed megabytes go back to the
 kernel. When they do, the next step page-faults them in again, inside the matmuls that
 write them: in separate ``allreduce`` runs of the default MLP that was 2000 minor faults
-and ~5 ms per step in some runs and not others (docs/benchmarks.md, issue 10). Fixing
-both thresholds (mmap only above 32 MiB, the most glibc allows; trim only above 1 GiB
+and ~5 ms per step in some runs and not others
+(docs/results/2026-11-23-emulation-runs-and-prediction.md, issue 10). Fixing both
+thresholds (mmap only above 32 MiB, the most glibc allows; trim only above 1 GiB
 free) keeps that memory mapped from one step to the next, as PyTorch's CPU tuning
 guide gets from jemalloc or tcmalloc. A user's own MALLOC_MMAP_THRESHOLD_ or
 MALLOC_TRIM_THRESHOLD_ is left alone; other C libraries are left alone.

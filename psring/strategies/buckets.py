@@ -129,7 +129,8 @@ class GradientBuckets:
         # backward, where the next layer's gradient of the same size reuses its memory.
         # Freed only after the all-reduce (assign_grads), glibc returned it to the
         # kernel and the next step page-faulted it back: ~2000 faults per step, and a
-        # backward 1.5x DDP's in separate runs (docs/benchmarks.md, issue 10).
+        # backward 1.5x DDP's in separate runs
+        # (docs/results/2026-11-23-emulation-runs-and-prediction.md, issue 10).
         p.grad = bucket.views[i]
         bucket.ready[i] = True
         bucket.pending -= 1
