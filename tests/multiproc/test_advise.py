@@ -172,7 +172,7 @@ def big(tmp_path):
 
 def test_device_link_prices_the_traffic_inside_a_host(big, tmp_path):
     prof, cal = big
-    common = ["--profile", prof, "--calibration", cal, "--hosts", 2, "--workers-per-host", 4,
+    common = ["--profile", prof, "--calibration", cal, "--hosts", 2, "--workers-per-host", 2,
               "--link", "20gbit"]
     reports = {}
     for name, extra in (("loopback", []), ("nvlink", ["--device-link", "nvlink"])):
