@@ -11,8 +11,9 @@ largest absolute error of the predicted step time, and how often the predicted f
 strategy of a setting was the measured fastest (or within 5% of it); each strategy's
 median error; per cluster, the measured and the predicted fastest, and over the clusters
 whose measured fastest leads every other strategy by more than 10%, how often the
-predicted fastest is it. Then a grid of the clusters and strategies (docs/prediction.md's
-table), and every point as a Markdown table for docs/benchmarks.md.
+predicted fastest is it. Then a grid of the clusters and strategies (the table of
+docs/results/2026-11-26-host-model-prediction.md), and every point as a Markdown table
+for docs/benchmarks.md.
 
     python experiments/prediction_report.py --seeds 6 runs/host_model runs/host_model_flat
 

@@ -1,5 +1,6 @@
 """The simulator on paper: published clusters and scaling figures, predicted from their
-published per-device compute times (docs/prediction.md has the sources and the reading).
+published per-device compute times (docs/results/2026-11-23-prediction-accuracy.md has the
+sources and the reading; docs/prediction.md the latest figures).
 
     python experiments/published.py            # prints the two Markdown tables
 
