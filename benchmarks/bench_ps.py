@@ -39,8 +39,8 @@ import time
 import torch
 import zmq
 
+from psring.comm.endpoints import abstract_ipc_endpoint
 from psring.comm.partition import even_split
-from psring.comm.protocol import abstract_ipc_endpoint
 
 N = 2
 

@@ -41,7 +41,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     # (psring --help builds this module's flags; the server's code imports torch)
-    from psring.comm.protocol import load_secret
+    from psring.comm.endpoints import load_secret
     from psring.runtime.allocator import keep_freed_memory
 
     keep_freed_memory()  # received frames are freed and allocated again every round

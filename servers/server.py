@@ -28,9 +28,9 @@ import zmq
 
 from psring.cluster.netns import inside_cluster
 from psring.cluster.spec import in_network
+from psring.comm.endpoints import HOW_TO_SET_A_SECRET, is_local
 from psring.comm.lossy import Ingress, drain, receiving_socket
 from psring.comm.protocol import (
-    HOW_TO_SET_A_SECRET,
     MAX_HEADER_BYTES,
     REQUESTS,
     SIGNATURE_BYTES,
@@ -39,7 +39,6 @@ from psring.comm.protocol import (
     decode,
     encode,
     error_frames,
-    is_local,
 )
 from psring.errors import ConfigError
 from psring.records.runlog import host_name
@@ -133,7 +132,7 @@ def _udp_socket(endpoint: str) -> socket.socket | None:
 
 
 class Server:
-    """``secret``: the shared secret (psring.comm.protocol.load_secret); with one, only
+    """``secret``: the shared secret (psring.comm.endpoints.load_secret); with one, only
     signed requests are served and every reply is signed. ``max_frame_bytes``: the
     largest frame libzmq accepts (ZMQ_MAXMSGSIZE) — fixed when the socket binds, since
     libzmq copies a socket's options into its listener then."""

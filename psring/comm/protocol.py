@@ -26,22 +26,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
-import os
-import secrets
 import struct
-import sys
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Sequence
-from urllib.parse import urlparse
 
 import msgpack
 import numpy as np
 import torch
 
-from psring.errors import ConfigError
+from psring.comm.endpoints import HOW_TO_SET_A_SECRET
 
 #: 2: a signature frame after the header (empty without a shared secret)
 VERSION = 2
@@ -175,68 +169,10 @@ MAX_DIM = 2**31
 MAX_VOLUME = 2**40
 
 
-# ---------------------------------------------------------------------- shared secret
-#: environment variable holding the shared secret itself (--secret-file names a file)
-SECRET_ENV = "PSRING_SECRET"
-MIN_SECRET_BYTES = 16
+# ---------------------------------------------------------------------- signatures
 SIGNATURE_BYTES = 32  # HMAC-SHA256
 #: signed ahead of the frames: names the scheme, so a signature means nothing elsewhere
 _SIGNING_TAG = b"psring-hmac-sha256-v2"
-
-HOW_TO_SET_A_SECRET = (
-    "give the server and every worker the same shared secret: --secret-file PATH on "
-    "`psring server` and `psring run`/`python -m psring.workers` (a file holding at "
-    f"least {MIN_SECRET_BYTES} random bytes, e.g. made with `python -c \"import secrets; "
-    "print(secrets.token_hex(32))\" > PATH && chmod 600 PATH`), or the environment "
-    f"variable {SECRET_ENV}")
-
-
-def load_secret(path: str | os.PathLike | None = None) -> bytes | None:
-    """The shared secret: the contents of ``path`` (surrounding whitespace stripped),
-    else the environment variable PSRING_SECRET, else None (no signing)."""
-    if path:
-        try:
-            data = Path(path).read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"--secret-file {path}: {e.strerror or e}; "
-                              f"{HOW_TO_SET_A_SECRET}.") from None
-        source = f"--secret-file {path}"
-    else:
-        env = os.environ.get(SECRET_ENV, "")
-        if not env:
-            return None
-        data = env.encode().strip()
-        source = f"the environment variable {SECRET_ENV}"
-    if len(data) < MIN_SECRET_BYTES:
-        raise ConfigError(f"{source} holds {len(data)} bytes; a shared secret needs at "
-                          f"least {MIN_SECRET_BYTES}: {HOW_TO_SET_A_SECRET}.")
-    return data
-
-
-#: abstract Unix sockets (``ipc://@name``: a name, not a file; nothing to clean up, freed
-#: with the socket) exist on Linux only
-ABSTRACT_IPC = sys.platform.startswith("linux")
-
-
-def abstract_ipc_endpoint(prefix: str) -> str:
-    """A fresh abstract Unix socket name (random, so concurrent users never meet);
-    only where ABSTRACT_IPC."""
-    return f"ipc://@{prefix}-{secrets.token_hex(8)}"
-
-
-def is_local(endpoint: str) -> bool:
-    """True for endpoints only this host can reach: loopback TCP and ipc://. Listening
-    on anything else needs a shared secret."""
-    u = urlparse(endpoint)
-    if u.scheme == "ipc":
-        return True
-    host = u.hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _view(frame: Any) -> memoryview:

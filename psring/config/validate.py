@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from psring.cluster.spec import host_address, in_network, worker_counts
+from psring.comm.endpoints import ABSTRACT_IPC, HOW_TO_SET_A_SECRET, is_local, load_secret
 from psring.config.run import RunConfig
 from psring.errors import ConfigError, PsringError
 from psring.train.shares import proportional_shares
@@ -204,7 +205,6 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
     if cfg.kill_server and not caps.uses_servers:
         raise ConfigError(f"--kill-server kills a parameter server; {cfg.strategy!r} uses "
                           f"none: drop --kill-server, or use --kill-worker.")
-    from psring.comm.protocol import HOW_TO_SET_A_SECRET, is_local, load_secret  # (torch)
 
     # an emulated cluster's own servers are reachable only inside it
     remote = [a for a in addrs if not is_local(a)
@@ -253,7 +253,6 @@ def _check_transport(cfg: RunConfig, caps: Any) -> None:
         raise ConfigError("--transport ipc reaches only this host's own processes; "
                           "emulated hosts talk over their links: drop --transport "
                           "(or use tcp).")
-    from psring.comm.protocol import ABSTRACT_IPC  # (torch, as above)
 
     if cfg.transport == "ipc" and not ABSTRACT_IPC:
         raise ConfigError("--transport ipc uses Linux's abstract Unix sockets; on "

@@ -51,8 +51,8 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from psring.cluster.emulate import HOST_IFACE, enter, standalone
+from psring.comm.endpoints import ABSTRACT_IPC, abstract_ipc_endpoint
 from psring.comm.interconnect import flat_collectives
-from psring.comm.protocol import ABSTRACT_IPC, abstract_ipc_endpoint
 from psring.errors import PsringError
 from psring.predict.costmodel import Calibration
 from psring.runtime.process import die_with_parent, free_port

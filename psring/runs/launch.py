@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from psring.cluster.emulate import network_for
-from psring.comm.protocol import ABSTRACT_IPC, abstract_ipc_endpoint
+from psring.comm.endpoints import ABSTRACT_IPC, abstract_ipc_endpoint
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError, PsringError, RunFailed
 from psring.records.runlog import (

@@ -35,8 +35,8 @@ from torch import nn
 from psring.cluster.netif import is_loopback, source_address
 from psring.comm import adasum, interconnect
 from psring.comm.compress import CastBack, wire_dtype
+from psring.comm.endpoints import load_secret
 from psring.comm.hostring import flat_ring
-from psring.comm.protocol import load_secret
 from psring.comm.transpose import TransposeAllReduce
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps

@@ -39,9 +39,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from psring.comm.endpoints import load_secret
 from psring.comm.interconnect import host_comm, host_layout
 from psring.comm.partition import even_split, overlaps
-from psring.comm.protocol import Message, load_secret
+from psring.comm.protocol import Message
 from psring.comm.psclient import PSClient, Replies
 from psring.errors import PsringError
 from psring.records.runlog import run_id

@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from psring.comm.compress import wire_dtype
+from psring.comm.endpoints import load_secret
 from psring.comm.partition import even_split, overlaps
 from psring.comm.protocol import (
     DTYPE_NAMES,
     SNAPSHOT_NEWEST,
     SNAPSHOT_NOW,
     Message,
-    load_secret,
 )
 from psring.comm.psclient import PSClient, Replies
 from psring.errors import PsringError

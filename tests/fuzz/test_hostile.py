@@ -18,7 +18,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psring.comm import protocol
+from psring.comm import endpoints, protocol
 from psring.comm.protocol import AuthenticationError, ProtocolError, decode, encode
 from tests.helpers import LiveServer, RawClient, assert_no_processes, rss_kib, start_server_process
 
@@ -168,9 +168,9 @@ def test_an_oversized_frame_drops_only_its_sender(key):
 @pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
 def test_connection_flood_keeps_serving_with_bounded_memory(tmp_path, signed):
     env = dict(os.environ)
-    env.pop(protocol.SECRET_ENV, None)
+    env.pop(endpoints.SECRET_ENV, None)
     if signed:
-        env[protocol.SECRET_ENV] = KEY.decode()
+        env[endpoints.SECRET_ENV] = KEY.decode()
     name = f"flood-{os.getpid()}-{tmp_path.name}"
     proc, endpoint = start_server_process("--name", name, "--max-frame-mb", "1",
                                           "--log", str(tmp_path / "servers.jsonl"), env=env)

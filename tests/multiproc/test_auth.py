@@ -13,8 +13,9 @@ import pytest
 import torch
 import zmq
 
-from psring.comm import protocol
-from psring.comm.protocol import AuthenticationError, ProtocolError, decode, encode, load_secret
+from psring.comm import endpoints, protocol
+from psring.comm.endpoints import load_secret
+from psring.comm.protocol import AuthenticationError, ProtocolError, decode, encode
 from psring.errors import ConfigError, PsringError
 from tests.helpers import (
     SMALL,
@@ -35,7 +36,7 @@ COMMON = {"run": "r", "worker": 0, "seq": 1, "shard": 0}
 
 def env_without_secret() -> dict:
     env = dict(os.environ)
-    env.pop(protocol.SECRET_ENV, None)
+    env.pop(endpoints.SECRET_ENV, None)
     return env
 
 
@@ -53,15 +54,15 @@ def non_loopback_ip() -> str | None:
 
 # ---------------------------------------------------------------------- the secret
 def test_load_secret_from_file_env_and_refusals(tmp_path, monkeypatch):
-    monkeypatch.delenv(protocol.SECRET_ENV, raising=False)
+    monkeypatch.delenv(endpoints.SECRET_ENV, raising=False)
     assert load_secret("") is None and load_secret(None) is None
     f = tmp_path / "secret"
     f.write_text("  " + "x" * 40 + "\n")
     assert load_secret(f) == b"x" * 40
-    monkeypatch.setenv(protocol.SECRET_ENV, "y" * 20)
+    monkeypatch.setenv(endpoints.SECRET_ENV, "y" * 20)
     assert load_secret("") == b"y" * 20
     assert load_secret(f) == b"x" * 40  # the file wins
-    monkeypatch.setenv(protocol.SECRET_ENV, "short")
+    monkeypatch.setenv(endpoints.SECRET_ENV, "short")
     with pytest.raises(ConfigError, match="at least 16"):
         load_secret("")
     with pytest.raises(ConfigError, match="--secret-file .*nope"):
@@ -73,7 +74,7 @@ def test_load_secret_from_file_env_and_refusals(tmp_path, monkeypatch):
     ("ipc:///tmp/x", True), ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False),
     ("tcp://10.1.2.3:5555", False), ("tcp://hostS:5555", False)])
 def test_which_endpoints_need_a_secret(endpoint, local):
-    assert protocol.is_local(endpoint) is local
+    assert endpoints.is_local(endpoint) is local
 
 
 # ---------------------------------------------------------------------- refusing a bind
@@ -116,7 +117,7 @@ def test_psring_server_beyond_loopback_without_secret_exits_2(tmp_path):
 def test_run_config_refuses_remote_server_addrs_without_secret(monkeypatch, tmp_path):
     from psring.config import RunConfig, validate
 
-    monkeypatch.delenv(protocol.SECRET_ENV, raising=False)
+    monkeypatch.delenv(endpoints.SECRET_ENV, raising=False)
     with pytest.raises(ConfigError, match="beyond loopback.*--secret-file"):
         validate(RunConfig(strategy="ps", workers=2, server_addrs="tcp://10.0.0.5:5555"))
     with pytest.raises(ConfigError, match="--secret-file"):

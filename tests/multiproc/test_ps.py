@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from psring.comm.protocol import ABSTRACT_IPC
+from psring.comm.endpoints import ABSTRACT_IPC
 from tests.helpers import (
     SMALL,
     assert_evals,
