@@ -21,12 +21,14 @@ PSRING_TEST_ZYGOTE=0) each command is a new interpreter, as before.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
 import os
 import random
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,6 +117,15 @@ class _Zygote:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise OSError(f"the test zygote did not start (see {self.dir})")
             time.sleep(0.02)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """At the test process's exit: the zygote ended (it would die with this process
+        anyway) and its directory removed, socket and log with it."""
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def start(self, args: list[str], env: dict[str, str], cwd: str, stdout: int | None,
               stderr: int | None, new_session: bool) -> Forked:
