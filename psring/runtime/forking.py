@@ -38,12 +38,14 @@ as before.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import importlib
 import io
 import logging
 import os
+import random
 import runpy
 import signal
 import subprocess
@@ -264,11 +266,8 @@ def _run_script(args: list[str]) -> int:
     """``python SCRIPT.py ARGS`` as a new interpreter runs it: ``__file__`` absolute,
     the script's folder as ``sys.path[0]``, the random generators as a new process has
     them (torch's, Python's and numpy's seeded from fresh entropy, as each is at its
-start; the launcher's are seeded), exit
-    handlers run at the end, and ``sys.exit("message")`` printed."""
-    import atexit
-    import random
-
+    start; the launcher's are seeded), exit handlers run at the end, and
+    ``sys.exit("message")`` printed."""
     path = os.path.abspath(args[0])
     sys.argv = [args[0], *args[1:]]
     sys.path[0] = os.path.dirname(path)
