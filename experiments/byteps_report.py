@@ -61,7 +61,7 @@ def link_bytes(rows: list[dict], run_of) -> list[str]:
 
 def direction(rows: list[dict], run_of) -> list[str]:
     from psring.comm.interconnect import NVLINK, alpha_beta
-    from psring.predict.costmodel import Calibration, find_calibration
+    from psring.predict.calibration import Calibration, find_calibration
     from psring.predict.replay import replay
 
     # the hosts' interconnect at NVLink's figures on paper, for runs that had loopback

@@ -18,7 +18,7 @@ for docs/benchmarks.md.
     python experiments/prediction_report.py --seeds 6 runs/host_model runs/host_model_flat
 
 ``--seeds K`` adds the parameter servers' settings replayed with K draws of TCP's
-uneven shares (psring.predict.engine.Flows, seeds 0..K-1): each one's spread, and the
+uneven shares (psring.predict.sim.engine.Flows, seeds 0..K-1): each one's spread, and the
 errors of the mean of the K draws against the measured step.
 """
 
@@ -177,7 +177,7 @@ def _name(s) -> str:
 def seed_means(dirs: list[str], k: int) -> None:
     """The servers' settings (their replays draw TCP's shares) replayed with k seeds:
     each one's mean and spread, the errors of the means, the largest ones."""
-    from psring.predict.costmodel import Calibration, find_calibration
+    from psring.predict.calibration import Calibration, find_calibration
     from psring.predict.replay import replay
     from psring.report.aggregate import Setting
     from psring.strategies import STRATEGIES

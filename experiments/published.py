@@ -21,8 +21,8 @@ from __future__ import annotations
 import sys
 
 from psring.cluster.spec import Cluster
-from psring.predict.costmodel import Calibration
-from psring.predict.simulate import simulate
+from psring.predict.calibration import Calibration
+from psring.predict.sim.simulate import simulate
 from psring.records.profile import Profile
 
 # -- the hardware, on paper ------------------------------------------------------------

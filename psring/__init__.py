@@ -42,7 +42,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "PsringError": "errors", "launch": "runs.launch", "Cluster": "cluster.spec",
     "Strategy": "strategies", "STRATEGIES": "strategies", "StepStats": "strategies",
     "WorkerContext": "strategies", "Capabilities": "strategies",
-    "COST_MODELS": "predict.simulate", "CostModel": "predict.costs",
+    "COST_MODELS": "predict.sim.simulate", "CostModel": "predict.sim.cost_models",
     "MODELS": "train.models", "build_model": "train.models",
     "summarize_all": "report", "write_report": "report",
     "init": "library", "launched": "library", "Distributed": "library",

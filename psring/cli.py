@@ -251,7 +251,7 @@ def _add_profile(sub) -> None:
 
 def _add_advise(sub) -> None:
     p = sub.add_parser("advise", help="predict which strategy, bucket size and servers "
-                       "train fastest on a cluster, and why (psring.predict.simulate)")
+                       "train fastest on a cluster, and why (psring.predict.sim.simulate)")
     add_config_flags(p, only=("model", "width", "depth", "classes", "image_size", "seq_len",
                               "features", "batch_size", "hosts", "workers_per_host",
                               "link", "delay", "loss", "seed"))

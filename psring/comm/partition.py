@@ -45,7 +45,7 @@ def bucket_assignment(sizes: list[int], cap_bytes: int, first_cap_bytes: int,
     the order backward produces their gradients); a bucket closes once it reaches its
     cap (so it may exceed it by one tensor), the first at ``first_cap_bytes``, and
     holds one kind (dtype and device) only. ``sizes`` are bytes per parameter. Pure:
-    psring.strategies.buckets groups real tensors with it, psring.predict.simulate sizes."""
+    psring.strategies.buckets groups real tensors with it, psring.predict.sim.simulate sizes."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size, cap = 0, first_cap_bytes

@@ -1,5 +1,5 @@
 """``psring advise``: which strategy, bucket size and servers for this model on that
-cluster, and why — predicted by the simulator (psring.predict.simulate), optionally
+cluster, and why — predicted by the simulator (psring.predict.sim.simulate), optionally
 verified.
 
     psring advise --model resnet18 --batch-size 64 --hosts 4 --workers-per-host 1 --link 10gbit
@@ -65,10 +65,10 @@ from psring.predict.advise import (
     verify_candidates,
     with_failure_rate,
 )
-from psring.predict.calibrate import calibrate
-from psring.predict.costmodel import Calibration, find_calibration
+from psring.predict.calibration import Calibration, find_calibration
 from psring.predict.failures import Failures
-from psring.predict.simulate import is_costed
+from psring.predict.measure import calibrate
+from psring.predict.sim.simulate import is_costed
 from psring.records.profile import MODEL_KEYS, Profile
 from psring.records.runlog import atomic_write_json
 from psring.report import summarize

@@ -1,4 +1,4 @@
-"""``psring calibrate``: the command over psring.predict.calibrate's measurements.
+"""``psring calibrate``: the command over psring.predict.measure's measurements.
 
     psring calibrate [--quick] [--out FILE]
     psring calibrate --hosts 2 --link 1gbit [--quick] [--out FILE]   # across a link
@@ -15,7 +15,7 @@ from typing import Any
 
 from psring.cluster.spec import link_key
 from psring.errors import ConfigError, run_guarded
-from psring.predict.costmodel import Calibration, default_path
+from psring.predict.calibration import Calibration, default_path
 from psring.units import parse_delay, parse_rate
 
 
@@ -38,7 +38,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 def command(args: argparse.Namespace) -> int:
     # the measuring module imports torch (~1-2 s): only when the command runs, so that
     # `psring --help` and every other command's start-up do not pay for it
-    from psring.predict.calibrate import calibrate, calibrate_link, describe
+    from psring.predict.measure import calibrate, calibrate_link, describe
 
     out = Path(args.out).expanduser() if args.out else default_path()
     if out.is_dir():

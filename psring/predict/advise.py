@@ -1,5 +1,5 @@
 """Which strategy, bucket size and servers for a model on a cluster, and why: every
-setting of every strategy the cluster can run, simulated (psring.predict.simulate) and
+setting of every strategy the cluster can run, simulated (psring.predict.sim.simulate) and
 ranked, with the sentence that says what bounds each.
 
     from psring.predict.advise import candidates, rank, recommendations
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from psring.cluster.spec import Cluster
-from psring.predict.costmodel import ps_link_load
+from psring.predict.analytic import ps_link_load
 from psring.predict.failures import with_failures
-from psring.predict.simulate import COST_MODELS, FLOW_DRAWS, Prediction, simulate
+from psring.predict.sim.simulate import COST_MODELS, FLOW_DRAWS, Prediction, simulate
 from psring.records.profile import Profile
 
 BUCKET_MB = (1.0, 5.0, 25.0, 100.0)
@@ -79,7 +79,7 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
                cal_of: Callable[[Cluster], Any] | None = None) -> list[Candidate]:
     """Every setting of every strategy the cluster can run, simulated: servers up to
     ``max_servers`` (and twice the hosts); ``cores``: shared by every process (the
-    cluster emulated on one machine), as psring.predict.simulate takes them.
+    cluster emulated on one machine), as psring.predict.sim.simulate takes them.
     ``link_bits``, ``delay_s``: the link a server on a host of its own is reached over
     (default: the base cluster's; one host's base cluster has none, as nothing crosses).
     ``inside``: (α, β) of each host's own interconnect (--device-link), for the
@@ -88,7 +88,7 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
     ``cal_of``: the calibration to price a cluster with (advise: this machine's costs
     on the clock of the run that would verify it); None: ``cal`` for every one.
     A prediction is one draw of the flows' shares where its cost model draws them
-    (psring.predict.engine.Flows); :func:`refine` averages the ones that matter."""
+    (psring.predict.sim.engine.Flows); :func:`refine` averages the ones that matter."""
     link = base.link_bits if link_bits is None else link_bits
     delay = base.delay_s if delay_s is None else delay_s
     out = []
@@ -151,7 +151,7 @@ def changes_training(c: Candidate) -> str:
     (staleness) and compressed gradients (precision). Faster per step is not faster to
     a trained model, and the simulator prices steps, not steps to a target."""
     what = []
-    if c.prediction.comm_model == "ps-async":
+    if c.prediction.cost_model == "ps-async":
         what.append("workers apply gradients of parameters some updates old (staleness: "
                     "more steps to a target, --max-staleness bounds it)")
     if c.compress != "none":
@@ -163,7 +163,7 @@ def changes_training(c: Candidate) -> str:
 def preference(c: Candidate) -> float:
     """The predicted step, handicapped by 0.5% per server beyond the first (processes,
     and machines, that must pay for themselves)."""
-    name = c.prediction.comm_model
+    name = c.prediction.cost_model
     k = 1 + 0.005 * (c.cluster.servers - 1) \
         if name is not None and COST_MODELS.get(name).servers else 1.0
     return c.prediction.step_s * k
@@ -189,7 +189,7 @@ def options(cands: list[Candidate], ranking: list[Candidate],
     strategy with compression (or the best that compresses, when it cannot)."""
     win = ranking[0]
     picks: list[Candidate] = []
-    for name in sorted({c.strategy for c in cands if c.prediction.comm_model == "ps-async"}):
+    for name in sorted({c.strategy for c in cands if c.prediction.cost_model == "ps-async"}):
         same = [c for c in cands if c.strategy == name and c.compress == "none"]
         if same:
             picks.append(min(same, key=preference))

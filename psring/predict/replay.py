@@ -2,11 +2,11 @@
 given the run's own compute (``psring report`` shows it beside the measured step).
 
     from psring.predict.replay import replay
-    p = replay("runs/ps", cal)      # a psring.predict.simulate.Prediction, or None
+    p = replay("runs/ps", cal)      # a psring.predict.sim.simulate.Prediction, or None
 
 As dPRO replays a profiled trace (Hu et al., MLSys 2022): the run's own phase times and
 bucket launches (psring.records.profile.Profile.from_run) are kept, and its cluster's
-communication is played out by psring.predict.simulate. Unlike the simulator, this
+communication is played out by psring.predict.sim.simulate. Unlike the simulator, this
 module needs the strategy registry (which strategy sends what), and with it torch.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 from psring.comm.interconnect import alpha_beta, on_host, parse
 from psring.config import cluster_of
 from psring.errors import PsringError
-from psring.predict.costmodel import Calibration
-from psring.predict.simulate import FLOW_DRAWS, Prediction, is_costed, simulate
+from psring.predict.calibration import Calibration
+from psring.predict.sim.simulate import FLOW_DRAWS, Prediction, is_costed, simulate
 from psring.records.profile import Profile
 from psring.records.runlog import read_manifest
 from psring.strategies import STRATEGIES

@@ -1,4 +1,4 @@
-"""A model's profile: what the step-time simulator (psring.predict.simulate) needs to
+"""A model's profile: what the step-time simulator (psring.predict.sim.simulate) needs to
 know of it.
 
     psring profile --model resnet18 --batch-size 32 --out runs/prof-r18   # one short run

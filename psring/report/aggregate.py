@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from psring.config import cluster_of
-from psring.predict.costmodel import Calibration, crossover_bytes
+from psring.predict.analytic import crossover_bytes
+from psring.predict.calibration import Calibration
 from psring.predict.replay import replay
-from psring.predict.simulate import comm_seconds, is_costed
+from psring.predict.sim.simulate import comm_seconds, is_costed
 from psring.records.runlog import PHASES
 from psring.report.cluster import CLUSTER_KEYS, cluster_text, network_text
 from psring.report.faults import tta_with_losses
@@ -55,6 +56,10 @@ class Spread:
         return cls(st.median(vals), min(vals), max(vals), len(vals))
 
 
+#: fields report.json names otherwise, by the names its readers have always used
+_JSON_KEYS = {"id": "setting", "cost_model": "comm_model"}
+
+
 @dataclass
 class Setting:
     """A sweep's point aggregated over its repeats (the points whose ids differ only in
@@ -77,8 +82,8 @@ class Setting:
     gradient_bytes: int
     #: FLOPs a worker computes per step / gradient bytes; None when not measured
     intensity: float | None
-    #: the strategy's formula in the cost model (psring.predict.costmodel), if any
-    comm_model: str | None
+    #: the strategy's closed form (psring.predict.analytic), if any
+    cost_model: str | None
     samples_per_s: Spread | None
     step_ms: Spread | None
     #: communication time per step (psring.report.points.comm_time)
@@ -118,13 +123,14 @@ class Setting:
 
     def to_dict(self) -> dict[str, Any]:
         """This setting in report.json: every field in order but the rows, staleness
-        and has_evals; the id as "setting", a Spread as {median, min, max, n}."""
+        and has_evals; the id as "setting" and the cost model as "comm_model"
+        (:data:`_JSON_KEYS`), a Spread as {median, min, max, n}."""
         out: dict[str, Any] = {}
         for f in fields(self):
             if f.name in ("rows", "staleness", "has_evals"):
                 continue
             value = getattr(self, f.name)
-            out["setting" if f.name == "id" else f.name] = \
+            out[_JSON_KEYS.get(f.name, f.name)] = \
                 asdict(value) if isinstance(value, Spread) else value
         return out
 
@@ -132,7 +138,8 @@ class Setting:
     def from_dict(cls, d: dict[str, Any]) -> Setting:
         """A setting as report.json holds it (:meth:`to_dict`), without its rows."""
         known = {f.name for f in fields(cls)}
-        kwargs = {("id" if k == "setting" else k): v for k, v in d.items()}
+        field_of = {key: name for name, key in _JSON_KEYS.items()}
+        kwargs = {field_of.get(k, k): v for k, v in d.items()}
         kwargs = {k: v for k, v in kwargs.items() if k in known}
         for name in cls.SPREADS:
             if kwargs.get(name) is not None:
@@ -156,7 +163,7 @@ def aggregate(rows: list[dict], cal: Calibration | None = None) -> list[Setting]
             servers=r0["servers"], varied=r0["varied"], config=r0["config"],
             cluster=cluster_text(r0["config"]),
             repeats=len(rs), gradient_bytes=r0["gradient_bytes"],
-            intensity=r0["intensity"], comm_model=model,
+            intensity=r0["intensity"], cost_model=model,
             samples_per_s=Spread.of(r["samples_per_s"] for r in rs),
             step_ms=Spread.of(r["step_p50_s"] * 1e3 for r in rs),
             comm_ms=Spread.of(r["comm_time_s"] * 1e3 for r in rs),
@@ -346,7 +353,7 @@ def predicted_crossovers(settings: list[Setting], cal: Calibration | None) -> li
         names = sorted(by)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
-                ma, mb = by[a][0].comm_model, by[b][0].comm_model
+                ma, mb = by[a][0].cost_model, by[b][0].cost_model
                 k = max(by[a][0].servers, by[b][0].servers)
                 m_star = crossover_bytes(ma, mb, n, k, cal, cluster_of(by[a][0].config),
                                          cluster_of(by[b][0].config), price=comm_seconds)

@@ -9,7 +9,7 @@ repeated R times are aggregated per *setting* (the point without its repeat numb
 as the median with the min–max range (psring.report.aggregate). What is in it:
 
 - the key table: throughput, step time, communication time measured beside the cost
-  model's prediction (psring.predict.costmodel, from ``psring calibrate``) and its
+  model's prediction (psring.predict.analytic, from ``psring calibrate``) and its
   relative error, speedup over ``single``, time to the target accuracy;
 - the step-time breakdown per setting (data / forward / backward / comm / update);
 - throughput and scaling efficiency vs workers (when the sweep varies workers);
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from psring.errors import ConfigError
-from psring.predict.costmodel import Calibration, find_calibration
+from psring.predict.calibration import Calibration, find_calibration
 from psring.records.runlog import PHASES, atomic_write_bytes, read_manifest
 from psring.report.aggregate import (
     FAULT_AXIS,
@@ -300,7 +300,7 @@ def _prediction_section(settings: list[Setting]) -> list[str]:
         return []
     winners = check["winners"]
     md = ["## Step-time prediction", "",
-          "The simulator (psring.predict.simulate, docs/prediction.md) replays each run: its "
+          "The simulator (psring.predict.sim.simulate, docs/prediction.md) replays each run: its "
           "own forward, backward and update times and when its buckets were "
           "launched, with its cluster's communication played out on the calibrated "
           f"α-β-γ costs. Over {check['n']} distributed setting(s): median absolute "

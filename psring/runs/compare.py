@@ -6,7 +6,7 @@ Runs ``compare.toml`` (beside this module: every registered strategy on one MLP,
 with 1 worker, the others with N), one point after another so runs don't compete for
 the cores, with a progress bar; then writes the sweep report (report.md and plots)
 into DIR and prints its key table. The cost model's predictions need a calibration:
-if none is found (``psring calibrate``; see psring.predict.costmodel), a quick one is
+if none is found (``psring calibrate``; see psring.predict.calibration), a quick one is
 measured first and kept in DIR. Rerunning with the same ``--out`` resumes.
 """
 
@@ -16,8 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from psring.predict.calibrate import calibrate
-from psring.predict.costmodel import find_calibration
+from psring.predict.calibration import find_calibration
+from psring.predict.measure import calibrate
 from psring.runs.sweep import Sweep, SweepResult, run_sweep_with_progress
 from psring.strategies import STRATEGIES
 

@@ -141,7 +141,7 @@ class Capabilities:
     #: gradient communication is waited on inside backward() (DDP's reducer does this);
     #: the loop then splits backward at the last gradient hook so comm_s stays honest
     syncs_inside_backward: bool = False
-    #: the simulator's cost model for it, by name (psring.predict.costs.COST_MODELS: a
+    #: the simulator's cost model for it, by name (psring.predict.sim.cost_models.COST_MODELS: a
     #: plugin may register its own); None when it sends no messages (one process,
     #: shared memory): its step is its compute
     cost_model: str | None = None

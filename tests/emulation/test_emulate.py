@@ -530,7 +530,7 @@ def test_calibrate_measures_alpha_and_beta_across_an_emulated_link(tmp_path):
     # tests/multiproc/test_costmodel.py's business)
     loopback = dict(zmq_alpha=2e-5, zmq_beta=3e-10, dist_alpha=3e-5, dist_beta=3e-10,
                     gamma=1e-10)
-    from psring.predict.costmodel import Calibration
+    from psring.predict.calibration import Calibration
 
     Calibration(**loopback).save(out)
     proc = psring("calibrate", "--hosts", "2", "--link", "200mbit", "--quick", "--out", out,

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from psring.predict.costmodel import Calibration
+from psring.predict.calibration import Calibration
 from psring.records.profile import Profile
 from psring.strategies.buckets import GradientBuckets, bucket_caps
 from tests.helpers import assert_no_processes, cli_here, psring
@@ -269,7 +269,7 @@ def test_a_described_link_faster_than_loopback_is_not_floored_at_it(big, tmp_pat
     machine's software costs at 1/S): a 100 Gbit/s host link is the link's own, not
     floored at this machine's loopback gloo (1.7 GB/s in this calibration)."""
     from psring.cluster.spec import Cluster
-    from psring.predict.simulate import simulate
+    from psring.predict.sim.simulate import simulate
 
     prof, cal_path = big
     out = tmp_path / "adv"

@@ -17,9 +17,17 @@ import pytest
 
 from psring.commands.calibrate import main as calibrate_main
 from psring.errors import ConfigError, PsringError
-from psring.predict import costmodel as cm
-from psring.predict.calibrate import fit, fit_collectives, run_pair
-from psring.predict.costmodel import Calibration, crossover_bytes, predict_comm
+from psring.predict import analytic
+from psring.predict import calibration as calib
+from psring.predict.analytic import crossover_bytes, predict_comm
+from psring.predict.calibration import (
+    LOSS_RTT_PER_SEGMENT,
+    MSS,
+    Calibration,
+    tcp_under_loss,
+)
+from psring.predict.measure import fit, fit_collectives
+from psring.predict.pingpong import run_pair
 from psring.strategies import STRATEGIES
 from tests.helpers import assert_no_processes, live_processes
 
@@ -36,23 +44,23 @@ def test_ring_allreduce_by_hand():
     # 2(n-1)/n·M·β   = 2·(3/4)·1e6·1e-9  = 1.5e-3
     # (n-1)/n·M·γ    = (3/4)·1e6·2e-10   = 1.5e-4
     # total                              = 1.71e-3
-    assert close(cm.ring_allreduce(N, M, A, B, G), 1.71e-3)
+    assert close(analytic.ring_allreduce(N, M, A, B, G), 1.71e-3)
     # n = 2: 2·1e-5 + 1·1e6·1e-9 + (1/2)·1e6·2e-10 = 2e-5 + 1e-3 + 1e-4 = 1.12e-3
-    assert close(cm.ring_allreduce(2, M, A, B, G), 1.12e-3)
+    assert close(analytic.ring_allreduce(2, M, A, B, G), 1.12e-3)
 
 
 def test_ring_with_one_rank_costs_nothing():
-    assert cm.ring_allreduce(1, M, A, B, G) == 0.0
+    assert analytic.ring_allreduce(1, M, A, B, G) == 0.0
 
 
 def test_ps_sync_by_hand():
     # K = 1: 2α = 2e-5; 2n·M·β = 2·4·1e6·1e-9 = 8e-3; (n-1)·M·γ = 3·1e6·2e-10 = 6e-4
     #        total 8.62e-3
-    assert close(cm.ps_sync(N, M, 1, A, B, G), 8.62e-3)
+    assert close(analytic.ps_sync(N, M, 1, A, B, G), 8.62e-3)
     # K = 2 halves the server terms: 2e-5 + 4e-3 + 3e-4 = 4.32e-3
-    assert close(cm.ps_sync(N, M, 2, A, B, G), 4.32e-3)
+    assert close(analytic.ps_sync(N, M, 2, A, B, G), 4.32e-3)
     # n = 1 still talks to its server: 2e-5 + 2·1e6·1e-9 + 0 = 2.02e-3
-    assert close(cm.ps_sync(1, M, 1, A, B, G), 2.02e-3)
+    assert close(analytic.ps_sync(1, M, 1, A, B, G), 2.02e-3)
 
 
 def test_byteps_by_hand():
@@ -60,14 +68,14 @@ def test_byteps_by_hand():
     # inside: 2·3·α + 2·(3/4)·M·β + (3/4)·M·γ = 6e-5 + 1.5e-3 + 1.5e-4 = 1.71e-3
     # each host pushes M once (cross = 1: M/2 to each of 2 servers on other hosts);
     # phase = max(1·M·8e-9, 2·M·β/2) = 8e-3; 2α + 2·phase + (2-1)·M·γ/2 = 1.601e-2 + 1e-4
-    inside = cm.host_reduce(4, M, (A, B + G), (A, B))
+    inside = analytic.host_reduce(4, M, (A, B + G), (A, B))
     assert close(inside, 1.71e-3)
-    t = cm.byteps_sync(2, M, 2, A, 8e-9, B, G, 1.0, inside)
+    t = analytic.byteps_sync(2, M, 2, A, 8e-9, B, G, 1.0, inside)
     assert close(t, 1.71e-3 + 2e-5 + 1.6e-2 + 1e-4)
     # one worker a host: nothing inside, it is ps_sync_placed with n = hosts
-    assert cm.host_reduce(1, M, (A, B + G), (A, B)) == 0.0
-    assert close(cm.byteps_sync(2, M, 2, A, 8e-9, B, G, 1.0, 0.0),
-                 cm.ps_sync_placed(2, M, 2, A, 8e-9, B, G, 1.0))
+    assert analytic.host_reduce(1, M, (A, B + G), (A, B)) == 0.0
+    assert close(analytic.byteps_sync(2, M, 2, A, 8e-9, B, G, 1.0, 0.0),
+                 analytic.ps_sync_placed(2, M, 2, A, 8e-9, B, G, 1.0))
     # through predict_comm, on that cluster: the same formula with the cluster's cross
     from psring.cluster.spec import Cluster
     cal = Calibration(zmq_alpha=A, zmq_beta=B, dist_alpha=A, dist_beta=B, gamma=G,
@@ -81,14 +89,14 @@ def test_byteps_by_hand():
 
 def test_ps_async_by_hand():
     # K = 1: 2e-5 + 8e-3 + M·γ (its own push applied) 2e-4 = 8.22e-3
-    assert close(cm.ps_async(N, M, 1, A, B, G), 8.22e-3)
+    assert close(analytic.ps_async(N, M, 1, A, B, G), 8.22e-3)
     # K = 2: 2e-5 + 4e-3 + 1e-4 = 4.12e-3
-    assert close(cm.ps_async(N, M, 2, A, B, G), 4.12e-3)
+    assert close(analytic.ps_async(N, M, 2, A, B, G), 4.12e-3)
     # n = 1: 2e-5 + 2·1e6·1e-9 + 1e6·2e-10 = 2.22e-3 (its push is still applied)
-    assert close(cm.ps_async(1, M, 1, A, B, G), 2.22e-3)
+    assert close(analytic.ps_async(1, M, 1, A, B, G), 2.22e-3)
 
 
-@pytest.mark.parametrize("formula", [cm.ps_sync, cm.ps_async])
+@pytest.mark.parametrize("formula", [analytic.ps_sync, analytic.ps_async])
 @pytest.mark.parametrize("K", [2, 3, 4])
 def test_shards_divide_the_server_terms(formula, K):
     one = formula(N, M, 1, A, B, G) - 2 * A
@@ -126,7 +134,7 @@ def test_gloo_collectives_are_priced_as_measured_where_measured():
                                 "all_gather": [1e-4, 5e-9]})
     assert f.gloo_step("reduce_scatter") == (2e-4, 9e-9)
     assert predict_comm("ring", N, 1, M, f) == \
-        pytest.approx(cm.ring_allreduce(N, M, 3e-4, 6e-9, 0.0))
+        pytest.approx(analytic.ring_allreduce(N, M, 3e-4, 6e-9, 0.0))
     assert predict_comm("ring", N, 1, M, f) > 2 * predict_comm("ring", N, 1, M, c)
     # hallreduce on one host of 4: a reduce-scatter and an all-gather of M/4 chunks
     assert predict_comm("hring", 4, 1, M, f) == \
@@ -144,11 +152,11 @@ def test_gloo_collectives_are_priced_as_measured_where_measured():
 def test_predict_comm_picks_the_transport():
     c = cal(dist_beta=2e-9)
     assert predict_comm("ring", N, 1, M, c) == \
-        pytest.approx(cm.ring_allreduce(N, M, 1e-4, 2e-9, 2e-10))
-    assert predict_comm("ps", N, 2, M, c) == cm.ps_sync(N, M, 2, 1e-5, 1e-9, 2e-10)
-    assert predict_comm("ps-async", N, 2, M, c) == cm.ps_async(N, M, 2, 1e-5, 1e-9, 2e-10)
+        pytest.approx(analytic.ring_allreduce(N, M, 1e-4, 2e-9, 2e-10))
+    assert predict_comm("ps", N, 2, M, c) == analytic.ps_sync(N, M, 2, 1e-5, 1e-9, 2e-10)
+    assert predict_comm("ps-async", N, 2, M, c) == analytic.ps_async(N, M, 2, 1e-5, 1e-9, 2e-10)
     assert predict_comm(None, N, 1, M, c) is None
-    with pytest.raises(ValueError, match="unknown comm_model"):
+    with pytest.raises(ValueError, match="unknown cost model 'tree'"):
         predict_comm("tree", N, 1, M, c)
 
 
@@ -158,7 +166,9 @@ def test_strategies_name_their_model():
     for name, model in expect.items():
         assert STRATEGIES.get(name).caps.cost_model == model, name
     for name in STRATEGIES.names():
-        assert STRATEGIES.get(name).caps.cost_model in cm.COMM_MODELS, name
+        assert STRATEGIES.get(name).caps.cost_model in analytic.FORMULAS, name
+    # every built-in formula's messages take a transport the calibration measured
+    assert set(analytic.FORMULAS[1:]) == set(calib.TRANSPORT)
 
 
 def test_crossover_by_hand():
@@ -205,7 +215,7 @@ def test_save_load_round_trip(tmp_path):
     path = c.save(tmp_path / "sub" / "cal.json")
     assert path.exists() and not list(path.parent.glob(".*.tmp"))
     assert Calibration.load(path) == c
-    assert json.loads(path.read_text())["format"] == cm.FORMAT
+    assert json.loads(path.read_text())["format"] == calib.FORMAT
 
 
 @pytest.mark.parametrize("content,why", [
@@ -254,17 +264,17 @@ def test_calibration_refuses_nonpositive_values():
 
 def test_default_path_and_find(tmp_path, monkeypatch):
     monkeypatch.setenv("PSRING_CALIBRATION", str(tmp_path / "machine.json"))
-    assert cm.default_path() == tmp_path / "machine.json"
+    assert calib.default_path() == tmp_path / "machine.json"
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     run_a.mkdir()
     run_b.mkdir()
-    assert cm.find_calibration(run_a, run_b) is None
+    assert calib.find_calibration(run_a, run_b) is None
     cal().save(tmp_path / "machine.json")
-    assert cm.find_calibration(run_a, run_b) == tmp_path / "machine.json"
+    assert calib.find_calibration(run_a, run_b) == tmp_path / "machine.json"
     cal().save(run_b / "calibration.json")
-    assert cm.find_calibration(run_a, run_b) == run_b / "calibration.json"
+    assert calib.find_calibration(run_a, run_b) == run_b / "calibration.json"
     monkeypatch.delenv("PSRING_CALIBRATION")
-    assert cm.default_path() == Path.home() / ".cache" / "psring" / "calibration.json"
+    assert calib.default_path() == Path.home() / ".cache" / "psring" / "calibration.json"
 
 
 # -- the fit ---------------------------------------------------------------------------------
@@ -368,16 +378,16 @@ def test_calibrate_quick_end_to_end(tmp_path):
 
 def test_ps_link_load_by_hand():
     # 2 workers on hosts 0, 1; one server on host 0: only worker 1's push crosses
-    assert cm.ps_link_load([0, 1], [0]) == 1.0
+    assert analytic.ps_link_load([0, 1], [0]) == 1.0
     # 4 workers on 4 hosts, K servers on hosts of their own: each server's host receives
     # 4 · M/K; each worker's host sends M
-    assert cm.ps_link_load([0, 1, 2, 3], [4]) == 4.0
-    assert cm.ps_link_load([0, 1, 2, 3], [4, 5]) == 2.0
-    assert cm.ps_link_load([0, 1, 2, 3], [4, 5, 6, 7]) == 1.0
+    assert analytic.ps_link_load([0, 1, 2, 3], [4]) == 4.0
+    assert analytic.ps_link_load([0, 1, 2, 3], [4, 5]) == 2.0
+    assert analytic.ps_link_load([0, 1, 2, 3], [4, 5, 6, 7]) == 1.0
     # colocated K = 4 on the 4 worker hosts: 3 remote workers' quarters in, 3 quarters out
-    assert cm.ps_link_load([0, 1, 2, 3], [0, 1, 2, 3]) == 0.75
+    assert analytic.ps_link_load([0, 1, 2, 3], [0, 1, 2, 3]) == 0.75
     # everything on one host: no link
-    assert cm.ps_link_load([0, 0], [0]) == 0.0
+    assert analytic.ps_link_load([0, 0], [0]) == 0.0
 
 
 def test_links_cost_their_rate_unless_calibrated():
@@ -406,8 +416,6 @@ def test_links_cost_their_rate_unless_calibrated():
 
 
 def test_loss_on_the_links_prices_tcps_recovery():
-    from psring.predict.costmodel import LOSS_RTT_PER_SEGMENT, MSS, tcp_under_loss
-
     c = cal()
     clean = c.between_hosts("ps", 1e8, delay_s=1e-3)
     assert c.between_hosts("ps", 1e8, 1e-3, loss=0.0) == clean
@@ -428,10 +436,10 @@ def test_predictions_on_an_emulated_cluster_by_hand():
     bl = payload_beta(1e8)  # 100 Mbit/s
     # ring across 2 hosts: the ring formula at the link's α and β
     topo = Cluster(workers=2, hosts=2, link="100mbit")
-    assert predict_comm("ring", 2, 1, M, c, topo) == cm.ring_allreduce(2, M, 1e-4, bl, 2e-10)
+    assert predict_comm("ring", 2, 1, M, c, topo) == analytic.ring_allreduce(2, M, 1e-4, bl, 2e-10)
     # the same ring on one host: loopback
     assert predict_comm("ring", 2, 1, M, c, Cluster(workers=2)) == \
-        cm.ring_allreduce(2, M, 1e-4, 1e-9, 2e-10)
+        analytic.ring_allreduce(2, M, 1e-4, 1e-9, 2e-10)
     # ps, 4 workers on 4 hosts, 2 servers of their own: push then pull, 2M each over a
     # server's link: 2α + 2·(2·M·β_link) + 3·M·γ/2
     topo = Cluster(workers=4, hosts=4, servers=2, placement="own-hosts", link="100mbit")
@@ -444,7 +452,7 @@ def test_predictions_on_an_emulated_cluster_by_hand():
     assert math.isclose(t2 / t1, 0.5, rel_tol=1e-12)
     # one host: the one-host formula, whatever the link
     assert predict_comm("ps", 2, 1, M, c, Cluster(workers=2, servers=1)) == \
-        cm.ps_sync(2, M, 1, 1e-5, 1e-9, 2e-10)
+        analytic.ps_sync(2, M, 1, 1e-5, 1e-9, 2e-10)
 
 
 def test_the_cluster_of_a_run_config():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from psring.predict.costmodel import Calibration
+from psring.predict.calibration import Calibration
 from tests.helpers import SMALL, assert_no_processes, env_with_plugins, psring
 
 NAP_S = 0.05  # tests/plugins/sleepy.py's
@@ -38,17 +38,17 @@ def test_a_plugin_run_is_replayed_with_its_own_cost_model(tmp_path):
     code = (
         "import json, sys\n"
         "from psring.config import cluster_of\n"
-        "from psring.predict.costmodel import Calibration\n"
+        "from psring.predict.calibration import Calibration\n"
         "from psring.records.profile import Profile\n"
         "from psring.predict.replay import replay\n"
-        "from psring.predict.simulate import simulate\n"
+        "from psring.predict.sim.simulate import simulate\n"
         "from psring.records.runlog import read_manifest\n"
         "run, cal = sys.argv[1], Calibration.load(sys.argv[2])\n"
         "p = replay(run, cal)\n"
         "cfg = read_manifest(run)['config']\n"
         "ring = simulate(Profile.from_run(run, worker=None), cluster_of(cfg), 'ring', cal,\n"
         "                bucket_mb=cfg['bucket_mb'])\n"
-        "print(json.dumps([p.comm_model, p.step_s, ring.step_s]))\n")
+        "print(json.dumps([p.cost_model, p.step_s, ring.step_s]))\n")
     res = subprocess.run([sys.executable, "-c", code, str(out), str(cal)], env=plugin_env(),
                          capture_output=True, text=True, timeout=120, check=True)
     model, step, ring = json.loads(res.stdout)

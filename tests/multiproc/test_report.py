@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from psring.predict.simulate import is_costed
+from psring.predict.sim.simulate import is_costed
 from psring.records.runlog import warmup_steps
 from psring.report.runs import percentile
 from tests.helpers import assert_no_processes, psring, read_steps

@@ -57,7 +57,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = GRAPH.import_graph()
-    assert "psring.workers.loop" in graph and "psring.predict.simulate" in graph
+    assert "psring.workers.loop" in graph and "psring.predict.sim.simulate" in graph
     assert "psring.cluster.spec" in graph["psring.config.run"]  # the graph sees real imports
     assert cycles(graph) == []
 

@@ -9,8 +9,8 @@ replay of a run and ``psring advise`` find through the strategy's ``caps.cost_mo
 import time
 from dataclasses import replace
 
-from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim
-from psring.predict.ring import ring_cpu_work, ring_timeline
+from psring.predict.sim import COST_MODELS, CostModel, Prediction, Sim
+from psring.predict.sim.ring import ring_cpu_work, ring_timeline
 from psring.strategies import STRATEGIES
 from psring.strategies.allreduce import AllReduce
 

@@ -1,8 +1,8 @@
-"""psring.predict.engine.Flows: connections sharing links as a fluid, worked by hand."""
+"""psring.predict.sim.engine.Flows: connections sharing links as a fluid, worked by hand."""
 
 import pytest
 
-from psring.predict.engine import Events, Flows, Link
+from psring.predict.sim.engine import Events, Flows, Link
 
 MB = 1e6
 

@@ -12,9 +12,9 @@ import pytest
 from psring.cluster.spec import Cluster
 from psring.comm import interconnect
 from psring.errors import ConfigError
-from psring.predict.costmodel import Calibration
+from psring.predict.calibration import Calibration
 from psring.predict.replay import _with_host_copies
-from psring.predict.simulate import simulate
+from psring.predict.sim.simulate import simulate
 from psring.records.profile import Profile
 
 CAL = Calibration(zmq_alpha=1e-4, zmq_beta=1e-9, dist_alpha=1e-4, dist_beta=1e-9, gamma=1e-10)

@@ -1,4 +1,4 @@
-"""The step-time simulator (psring.predict.simulate) against timelines worked out by hand.
+"""The step-time simulator (psring.predict.sim.simulate) against timelines worked out by hand.
 
 Every case uses round numbers: α = 1 ms, β = 1 ns/byte (1 GB/s) on loopback, 2 ms and
 8 ns/byte between hosts, γ = 0.1 ns/byte; the model's compute is forward 10 ms,
@@ -11,8 +11,9 @@ import pytest
 
 from psring.cluster.spec import Cluster
 from psring.errors import ConfigError
-from psring.predict.costmodel import Calibration, ring_allreduce
-from psring.predict.simulate import ring_steps, simulate
+from psring.predict.analytic import ring_allreduce
+from psring.predict.calibration import Calibration
+from psring.predict.sim.simulate import ring_steps, simulate
 from psring.records.profile import Profile
 
 A, BETA, GAMMA = 1e-3, 1e-9, 1e-10
@@ -278,7 +279,7 @@ def test_a_profile_with_non_finite_times_is_refused():
 
 def test_the_simulators_wire_fractions_are_psring_compress_s():
     from psring.comm.compress import CHOICES, wire_bytes
-    from psring.predict.simulate import WIRE
+    from psring.predict.sim.simulate import WIRE
 
     assert set(WIRE) == set(CHOICES)
     for choice in CHOICES:
@@ -324,7 +325,7 @@ def test_byteps_pipelines_partitions_push_and_pull():
     p = simulate(profile([M], [B]), cl, "byteps", CAL, flow_spread=0)
     one_way = 2 * M * B_LINK
     assert one_way < p.phases["comm_s"] < 1.15 * one_way
-    from psring.predict.simulate import PARTITION_BYTES
+    from psring.predict.sim.simulate import PARTITION_BYTES
     from psring.strategies.byteps import PARTITION_ELEMENTS
     assert PARTITION_BYTES == PARTITION_ELEMENTS * 4
 
@@ -363,7 +364,7 @@ def test_hallreduce_is_three_collectives_and_its_links_carry_m_over_h():
     # 3 x (2 + 16) = 108.6 ms; its links carry 1.5 M each way, hring's M
     flat = simulate(profile([M], [B]), cl, "ring", CAL)
     assert flat.phases["comm_s"] == pytest.approx(0.1086)
-    from psring.predict.costmodel import host_reduce, hring_allreduce
+    from psring.predict.analytic import host_reduce, hring_allreduce
     inside = host_reduce(2, M, (A, BETA + GAMMA), (A, BETA))
     assert inside == pytest.approx(0.0104)
     assert hring_allreduce(2, 2, M, A_LINK, B_LINK, GAMMA, inside) == pytest.approx(0.0786)
@@ -384,7 +385,7 @@ def test_adasum_is_vector_halving_with_its_sums_and_passes():
 
 
 def test_byteps_columns_send_each_local_ranks_part_to_the_servers_holding_it():
-    from psring.predict.simulate import column_pieces
+    from psring.predict.sim.simulate import column_pieces
 
     # one 16-byte bucket (4 elements) on hosts of 2 workers, 2 servers: the columns are
     # [part 0 | part 1], so local rank 0 pushes only to server 0 and local rank 1 to 1

@@ -5,7 +5,7 @@ A bucket is pushed in pieces to the K servers whose ranges it overlaps. Every me
 travels on its connection (one direction of the TCP connection between a worker and a
 server, a FIFO byte stream: a worker's pull goes out behind its pushes), and the
 connections with bytes queued share their *links* at once, as TCP's flows do
-(psring.predict.engine.Flows): the sender's transport, the sender host's outgoing link
+(psring.predict.sim.engine.Flows): the sender's transport, the sender host's outgoing link
 and the receiver host's incoming link when it crosses hosts, the receiver's transport;
 a message arrives α after its last byte is carried. A server adds each piece
 on arrival (bytes·γ on its CPU); synchronous, it updates a range (a bucket's part of its
@@ -13,7 +13,7 @@ shard) once every worker's piece of it is in and streams it to the pulls held, a
 servers/handler.py does; asynchronous, it applies each push on arrival and answers that
 worker's pull. byteps first reduce-scatters
 each bucket among a host's G workers, pushes a 1/G part per worker in 4 MB partitions
-and all-gathers once every part is pulled. (psring.predict.simulate's docstring has the
+and all-gathers once every part is pulled. (psring.predict.sim.simulate's docstring has the
 whole picture.)
 """
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-from psring.predict.costmodel import host_reduce, predict_comm
-from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim, finish
-from psring.predict.engine import (
+from psring.predict.analytic import host_reduce, predict_comm
+from psring.predict.sim.cost_models import COST_MODELS, CostModel, Prediction, Sim, finish
+from psring.predict.sim.engine import (
     Connection,
     Events,
     Flows,

@@ -7,16 +7,16 @@ link of ``inside``, where the ring's sums run on the devices). ``hring``'s
 collective is three: a reduce-scatter among a host's G workers, G rings of H ranks
 across the hosts on a 1/G slice each, an all-gather in the host. With ``--reduce
 adasum`` the ring (or hring's rings across hosts) is Adasum's vector halving, distance
-doubling. (psring.predict.simulate's docstring has the whole picture.)
+doubling. (psring.predict.sim.simulate's docstring has the whole picture.)
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-from psring.predict.costmodel import host_reduce, predict_comm
-from psring.predict.costs import COST_MODELS, CostModel, Prediction, Sim, finish
-from psring.predict.engine import (
+from psring.predict.analytic import host_reduce, predict_comm
+from psring.predict.sim.cost_models import COST_MODELS, CostModel, Prediction, Sim, finish
+from psring.predict.sim.engine import (
     Resource,
     adasum_steps,
     group_size,

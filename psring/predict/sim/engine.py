@@ -1,4 +1,4 @@
-"""The simulator's engine (psring.predict.simulate): an event queue; resources that work
+"""The simulator's engine (psring.predict.sim.simulate): an event queue; resources that work
 queues for, first come first served (a CPU, a copy engine, a host's collectives); links
 that connections share at once, as TCP's flows do (Link, Connection, Flows: the
 parameter servers' messages); and the pieces every timeline shares — how a bucket

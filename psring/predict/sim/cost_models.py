@@ -1,13 +1,13 @@
 """Cost models: how the simulator plays out one strategy's step, found by name.
 
 A strategy names its cost model in its capabilities (``Capabilities.cost_model``,
-psring.strategies.base); the simulator (psring.predict.simulate), the replay of a
+psring.strategies.base); the simulator (psring.predict.sim.simulate), the replay of a
 measured run, reports and ``psring advise`` all find it in :data:`COST_MODELS`. The
-built-in ones (``ring``, ``hring``: psring.predict.ring; ``ps``, ``ps-async``,
-``byteps``: psring.predict.psround) register themselves when the simulator is imported;
+built-in ones (``ring``, ``hring``: psring.predict.sim.ring; ``ps``, ``ps-async``,
+``byteps``: psring.predict.sim.psround) register themselves when the simulator is imported;
 a plugin strategy brings its own the same way (tests/plugins/sleepy.py)::
 
-    from psring.predict.costs import COST_MODELS, CostModel, Sim, finish
+    from psring.predict.sim import COST_MODELS, CostModel, Sim, finish
 
     def my_timeline(sim: Sim) -> Prediction:       # one step, played out
         D, F, B, U = sim.compute
@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from psring.cluster.spec import Cluster
-from psring.predict.costmodel import Calibration
+from psring.predict.calibration import Calibration
 from psring.registry import Registry
 
 
 @dataclass
 class Prediction:
-    comm_model: str | None
+    #: the cost model it was played by (a strategy's ``caps.cost_model``); None: no
+    #: communication
+    cost_model: str | None
     cluster: Cluster
     #: seconds per step (steady state)
     step_s: float
@@ -59,7 +61,8 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         c = self.cluster
-        return {"comm_model": self.comm_model, "step_s": self.step_s, "phases": self.phases,
+        # "comm_model": the key advise.json has always had for the cost model's name
+        return {"comm_model": self.cost_model, "step_s": self.step_s, "phases": self.phases,
                 "samples_per_s": self.samples_per_s, "efficiency": self.efficiency,
                 "bound": self.bound, "utilization": self.utilization,
                 "cluster": {"workers": c.workers, "hosts": c.hosts,
@@ -70,7 +73,7 @@ class Prediction:
 
 
 #: TCP's flows through the emulated links never share them evenly; the σ of the lognormal
-#: weights that stand for it (psring.predict.engine.Flows), chosen against measured runs
+#: weights that stand for it (psring.predict.sim.engine.Flows), chosen against measured runs
 #: of colocated and own-host parameter servers (docs/prediction.md, "Flows")
 FLOW_SPREAD = 0.17
 #: draws of those shares a replay and advise average (simulate's ``draws``): a
@@ -82,7 +85,7 @@ FLOW_DRAWS = 4
 @dataclass(frozen=True)
 class Sim:
     """What a cost model's timeline is given: one step's inputs, already derived from a
-    profile, a cluster and the run's settings by :func:`psring.predict.simulate.simulate`."""
+    profile, a cluster and the run's settings by :func:`psring.predict.sim.simulate.simulate`."""
 
     profile: Any
     cluster: Cluster
@@ -107,7 +110,7 @@ class Sim:
     update_on: str = "server"
     #: (α, β) of a host's own interconnect (--device-link), or None: loopback's
     inside: tuple[float, float] | None = None
-    #: how unevenly flows share a link (psring.predict.engine.Flows): the σ of their
+    #: how unevenly flows share a link (psring.predict.sim.engine.Flows): the σ of their
     #: lognormal weights; 0 shares evenly, a deterministic fluid
     flow_spread: float = FLOW_SPREAD
     #: the seed of those weights (one draw of TCP's shares; the step a prediction gives
@@ -142,7 +145,7 @@ class CostModel:
     #: work a step needs, all processes together; None: no floor from the cores
     cpu_work: Callable[[Sim], float] | None = None
     #: the α-β-γ closed form of a step's communication (n, K, M, cal, cluster) -> seconds
-    #: (psring.predict.costmodel.predict_comm), or None where it has none
+    #: (psring.predict.analytic.predict_comm), or None where it has none
     formula: Callable[[int, int, float, Calibration, Cluster | None], float | None] \
         | None = None
 
@@ -151,7 +154,7 @@ class CostModel:
 COST_MODELS: Registry[CostModel] = Registry("cost model")
 
 
-def finish(sim: Sim, comm_model: str | None, period: float, *,
+def finish(sim: Sim, cost_model: str | None, period: float, *,
            local_update: bool = True, util: dict[str, float] | None = None,
            latency: float = 0.0, bucket_times: list[tuple[float, float]] | None = None,
            starts: list[float] | None = None) -> Prediction:
@@ -174,7 +177,7 @@ def finish(sim: Sim, comm_model: str | None, period: float, *,
             bound = "latency"
     alone = sim.profile.compute_s
     n = sim.cluster.workers
-    return Prediction(comm_model, sim.cluster, period, phases,
+    return Prediction(cost_model, sim.cluster, period, phases,
                       samples_per_s=n * sim.profile.batch_size / period if period else 0.0,
                       efficiency=min(1.0, alone / period) if period else 1.0, bound=bound,
                       utilization={k: round(v, 4) for k, v in util.items()},

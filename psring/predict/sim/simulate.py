@@ -1,10 +1,10 @@
 """The step-time simulator: a whole training step of each strategy, predicted from a
 profile of the model (psring.records.profile) and a cluster, without running anything.
 
-    from psring.predict.costmodel import Calibration, find_calibration
+    from psring.predict.calibration import Calibration, find_calibration
     from psring.records.profile import Profile
     from psring.cluster.spec import Cluster
-    from psring.predict.simulate import simulate
+    from psring.predict.sim.simulate import simulate
 
     prof = Profile.load("runs/prof-r18")          # psring profile --model resnet18 ...
     cal = Calibration.load(find_calibration())    # psring calibrate
@@ -18,14 +18,14 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
   at the profile's time (buckets formed at ``bucket_mb`` by the strategies' own rule and
   launched in order, as psring.strategies.buckets does);
 - a launched bucket's communication, by the strategy's cost model
-  (``caps.cost_model``, found in psring.predict.costs.COST_MODELS; the built-in ones
-  are psring.predict.ring's and psring.predict.psround's):
+  (``caps.cost_model``, found in psring.predict.sim.cost_models.COST_MODELS; the built-in ones
+  are psring.predict.sim.ring's and psring.predict.sim.psround's):
 
   - ``ring`` (allreduce, ddp): collectives run one at a time in launch order; each is
     the ring's 2(n−1) steps, every step sending an M/n chunk over every edge at once,
     so a step lasts as long as its slowest edge (a host link where the ring crosses
     hosts, else loopback): α + (M/n)·β, plus (M/n)·γ to add it in the reduce-scatter's
-    n−1 steps (psring.predict.costmodel.ring_allreduce, step by step). On one host a
+    n−1 steps (psring.predict.analytic.ring_allreduce, step by step). On one host a
     step is gloo's all_reduce as ``psring calibrate`` measured it
     (Calibration.gloo_step, its adds included), as are a host's reduce-scatters and
     all-gathers (hring's, byteps's);
@@ -33,7 +33,7 @@ events in time order (as dPRO replays a profiled trace, Hu et al., MLSys 2022):
     it overlaps. Every message travels on its connection, one direction of a worker's
     TCP connection to a server: a FIFO byte stream (its pull goes out behind its
     pushes). The connections with bytes queued share their *links* at once, as TCP's
-    flows do (psring.predict.engine.Flows: weighted max-min shares, the weights drawn
+    flows do (psring.predict.sim.engine.Flows: weighted max-min shares, the weights drawn
     unevenly per burst, ``flow_spread``): the sender's transport, the sender host's
     outgoing link and the receiver host's incoming link when it crosses hosts (full
     duplex: one link per direction), the receiver's transport; a message arrives α
@@ -92,11 +92,11 @@ from dataclasses import replace
 from typing import Any
 
 from psring.cluster.spec import Cluster
+from psring.predict.calibration import Calibration
 
 # (importing them registers the built-in cost models)
-from psring.predict import psround, ring  # noqa: F401 - ring: registration only
-from psring.predict.costmodel import Calibration
-from psring.predict.costs import (
+from psring.predict.sim import psround, ring  # noqa: F401 - ring: registration only
+from psring.predict.sim.cost_models import (
     COST_MODELS,
     FLOW_DRAWS,
     FLOW_SPREAD,
@@ -107,7 +107,7 @@ from psring.predict.costs import (
 )
 
 # (names tests and scripts import from here)
-from psring.predict.engine import column_pieces, ring_steps  # noqa: F401 - re-exported
+from psring.predict.sim.engine import column_pieces, ring_steps  # noqa: F401 - re-exported
 
 #: bytes on the wire per float32 byte of gradient, for each of psring.comm.compress's choices
 #: (kept here so the simulator needs no torch; a test checks it against
@@ -127,20 +127,20 @@ def is_costed(name: str | None) -> bool:
 def comm_seconds(name: str | None, n: int, K: int, M: float, cal: Calibration,
                  topo: Cluster | None = None) -> float | None:
     """The α-β-γ closed form of a step's communication under cost model ``name``
-    (psring.predict.costmodel); None where it sends nothing or has no closed form."""
+    (psring.predict.analytic); None where it sends nothing or has no closed form."""
     if name is None or name not in COST_MODELS or COST_MODELS.get(name).formula is None:
         return None
     return COST_MODELS.get(name).formula(n, K, M, cal, topo)
 
 
-def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibration,
+def simulate(profile: Any, cluster: Cluster, cost_model: str | None, cal: Calibration,
              steps: int = 0, *, compress: str = "none", bucket_mb: float = 25.0,
              cores: int | None = None, update_on: str = "server",
              reduce: str = "sum", inside: tuple[float, float] | None = None,
              stretch: bool = True, flow_spread: float = FLOW_SPREAD,
              flow_seed: int = 0, draws: int = 1) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
-    ``cluster`` (psring.cluster.spec) under cost model ``comm_model`` (a name in
+    ``cluster`` (psring.cluster.spec) under cost model ``cost_model`` (a name in
     COST_MODELS; None: no messages), with the run's ``compress`` and ``bucket_mb``;
     ``cores``: the cores every process shares (a cluster emulated on one machine),
     None: each worker computes on a device of its own; ``update_on`` (byteps): where
@@ -154,17 +154,17 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     a deterministic fluid), ``flow_seed`` the seed of that draw; ``draws``: for a cost
     model that draws them (``draws_flows``), the mean of that many draws (seeds
     flow_seed, flow_seed + 1, ...), each draw's step in the prediction's ``draws``."""
-    model = _check(cluster, comm_model, steps, compress, bucket_mb, cores)
+    model = _check(cluster, cost_model, steps, compress, bucket_mb, cores)
     if draws < 1:
         raise ValueError(f"draws must be at least 1, not {draws!r}")
     sim = replace(_inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
                           cores if stretch else None, update_on, reduce, inside,
                           flow_spread), flow_seed=flow_seed)
     if draws > 1 and model is not None and model.draws_flows and flow_spread:
-        pred = mean_of([_play(replace(sim, flow_seed=flow_seed + i), model, comm_model, cores)
+        pred = mean_of([_play(replace(sim, flow_seed=flow_seed + i), model, cost_model, cores)
                         for i in range(draws)])
     else:
-        pred = _play(sim, model, comm_model, cores)
+        pred = _play(sim, model, cost_model, cores)
     pred.settings = {"compress": compress, "bucket_mb": bucket_mb, "cores": cores}
     if reduce != "sum":
         pred.settings["reduce"] = reduce
@@ -173,13 +173,13 @@ def simulate(profile: Any, cluster: Cluster, comm_model: str | None, cal: Calibr
     return pred
 
 
-def _play(sim: Sim, model: CostModel | None, comm_model: str | None,
+def _play(sim: Sim, model: CostModel | None, cost_model: str | None,
           cores: int | None) -> Prediction:
     """One draw of the step: the cost model's timeline, bounded by the shared cores."""
     if model is None or sim.cluster.workers == 1 and model.collective or sim.total == 0:
-        return finish(sim, comm_model, sum(sim.compute))
+        return finish(sim, cost_model, sum(sim.compute))
     pred = model.timeline(sim)
-    pred.comm_model = comm_model  # (the name it was found by, whatever it says)
+    pred.cost_model = cost_model  # (the name it was found by, whatever it says)
     if cores and model.cpu_work is not None:
         _cores_floor(pred, sim, cores, model.cpu_work(sim))
     return pred
@@ -203,12 +203,12 @@ def mean_of(preds: list[Prediction]) -> Prediction:
         draws=[p.step_s for p in preds])
 
 
-def _check(cluster: Cluster, comm_model: str | None, steps: int, compress: str,
+def _check(cluster: Cluster, cost_model: str | None, steps: int, compress: str,
            bucket_mb: float, cores: int | None) -> CostModel | None:
-    if comm_model is not None and comm_model not in COST_MODELS:
-        raise ValueError(f"comm_model {comm_model!r}: one of None, "
+    if cost_model is not None and cost_model not in COST_MODELS:
+        raise ValueError(f"cost_model {cost_model!r}: one of None, "
                          f"{', '.join(COST_MODELS.names())}")
-    model = COST_MODELS.get(comm_model) if comm_model is not None else None
+    model = COST_MODELS.get(cost_model) if cost_model is not None else None
     if compress not in WIRE:
         raise ValueError(f"compress {compress!r}: choose one of {', '.join(WIRE)}")
     if not bucket_mb > 0:
