@@ -148,6 +148,10 @@ class CostModel:
     #: (psring.predict.analytic.predict_comm), or None where it has none
     formula: Callable[[int, int, float, Calibration, Cluster | None], float | None] \
         | None = None
+    #: the step in closed form (psring.predict.sim.fluid), where :attr:`timeline` plays
+    #: every message and grows with workers x servers; None: the timeline is cheap at any
+    #: size (the rings: one collective a bucket)
+    fluid: Callable[[Sim], Prediction] | None = None
 
 
 #: cost models by name; a strategy's ``caps.cost_model`` names one

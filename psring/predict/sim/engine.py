@@ -18,6 +18,9 @@ import numpy as np
 from psring.cluster.spec import Cluster
 from psring.comm.partition import even_split, overlaps
 
+#: byteps's largest push, bytes (psring.strategies.byteps.PARTITION_ELEMENTS x 4; kept
+#: here so the simulator needs no torch; a test checks the two agree)
+PARTITION_BYTES = 4_096_000
 
 class Resource:
     """Something messages queue for, FIFO: a transport, one direction of a link, a CPU."""
@@ -303,6 +306,15 @@ def ring_steps(n: int, M: float, alpha: float, beta: float, gamma: float) -> lis
         return []
     c = M / n
     return [alpha + c * beta + (c * gamma if j < n - 1 else 0.0) for j in range(2 * (n - 1))]
+
+
+def ring_seconds(n: int, M: float, alpha: float, beta: float, gamma: float) -> float:
+    """The sum of :func:`ring_steps`, in closed form (a ring of many thousand ranks is
+    priced without listing its steps)."""
+    if n <= 1:
+        return 0.0
+    c = M / n
+    return 2 * (n - 1) * (alpha + c * beta) + (n - 1) * c * gamma
 
 
 def adasum_steps(n: int, M: float, alpha: float, beta: float, gamma: float

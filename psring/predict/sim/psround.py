@@ -25,6 +25,7 @@ from typing import Callable
 from psring.predict.analytic import host_reduce, predict_comm
 from psring.predict.sim.cost_models import COST_MODELS, CostModel, Prediction, Sim, finish
 from psring.predict.sim.engine import (
+    PARTITION_BYTES,
     Connection,
     Events,
     Flows,
@@ -37,10 +38,7 @@ from psring.predict.sim.engine import (
     server_update_per_byte,
     shard_pieces,
 )
-
-#: byteps's largest push, bytes (psring.strategies.byteps.PARTITION_ELEMENTS x 4; kept
-#: here so the simulator needs no torch; a test checks the two agree)
-PARTITION_BYTES = 4_096_000
+from psring.predict.sim.fluid import fluid_timeline
 
 
 class PSRound:
@@ -442,7 +440,8 @@ def ps_cpu_work(sim: Sim, mode: str) -> float:
 def _register(name: str, **kw) -> None:
     COST_MODELS.register(name)(CostModel(
         name, partial(ps_timeline, mode=name), transport="zmq", servers=True, draws_flows=True,
-        cpu_work=partial(ps_cpu_work, mode=name), formula=partial(predict_comm, name), **kw))
+        cpu_work=partial(ps_cpu_work, mode=name), formula=partial(predict_comm, name),
+        fluid=partial(fluid_timeline, mode=name), **kw))
 
 
 # (the step time is a mean over all steps but the first two: see prediction())

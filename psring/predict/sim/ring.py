@@ -22,7 +22,7 @@ from psring.predict.sim.engine import (
     group_size,
     host_steps,
     launches,
-    ring_steps,
+    ring_seconds,
 )
 
 
@@ -99,7 +99,7 @@ def _collective(sim: Sim, G: int, across: int, alpha: float, beta: float, gamma:
         d, la = adasum_steps(across, m * wire / G, alpha, beta * G, cal.gamma)
         dur, lat = dur + d, lat + la
     elif across > 1:
-        dur += sum(ring_steps(across, m * wire, alpha, beta, gamma))
+        dur += ring_seconds(across, m * wire, alpha, beta, gamma)
         lat += 2 * (across - 1) * alpha
     return dur, lat
 
@@ -115,7 +115,7 @@ def ring_cpu_work(sim: Sim, hier: bool = False) -> float:
     G = group_size(cluster) if hier else 1
     ar, (rs, ag) = sim.cal.gloo_step("all_reduce"), sim.cal.host_steps()
     comm = sum(host_reduce(G, m, rs, ag)  # (0 with one worker a host)
-               + sum(ring_steps(n // G, m * sim.wire / G, *ar, 0.0))  # (a 1/G slice)
+               + ring_seconds(n // G, m * sim.wire / G, *ar, 0.0)  # (a 1/G slice)
                for m, _ in sim.buckets)
     return n * (sim.profile.compute_s * threads + comm + 2 * sim.total * sim.cast)
 

@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from psring.cluster.spec import Cluster
 from psring.predict.calibration import Calibration
@@ -138,7 +138,7 @@ def simulate(profile: Any, cluster: Cluster, cost_model: str | None, cal: Calibr
              cores: int | None = None, update_on: str = "server",
              reduce: str = "sum", inside: tuple[float, float] | None = None,
              stretch: bool = True, flow_spread: float = FLOW_SPREAD,
-             flow_seed: int = 0, draws: int = 1) -> Prediction:
+             flow_seed: int = 0, draws: int = 1, fluid: bool = False) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster.spec) under cost model ``cost_model`` (a name in
     COST_MODELS; None: no messages), with the run's ``compress`` and ``bucket_mb``;
@@ -160,7 +160,9 @@ def simulate(profile: Any, cluster: Cluster, cost_model: str | None, cal: Calibr
     sim = replace(_inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
                           cores if stretch else None, update_on, reduce, inside,
                           flow_spread), flow_seed=flow_seed)
-    if draws > 1 and model is not None and model.draws_flows and flow_spread:
+    if fluid and model is not None and model.fluid is not None:
+        pred = _play(sim, model, cost_model, cores, model.fluid)
+    elif draws > 1 and model is not None and model.draws_flows and flow_spread:
         pred = mean_of([_play(replace(sim, flow_seed=flow_seed + i), model, cost_model, cores)
                         for i in range(draws)])
     else:
@@ -174,11 +176,13 @@ def simulate(profile: Any, cluster: Cluster, cost_model: str | None, cal: Calibr
 
 
 def _play(sim: Sim, model: CostModel | None, cost_model: str | None,
-          cores: int | None) -> Prediction:
-    """One draw of the step: the cost model's timeline, bounded by the shared cores."""
+          cores: int | None, timeline: Callable[[Sim], Prediction] | None = None
+          ) -> Prediction:
+    """One draw of the step: the cost model's timeline (or ``timeline``: its fluid),
+    bounded by the shared cores."""
     if model is None or sim.cluster.workers == 1 and model.collective or sim.total == 0:
         return finish(sim, cost_model, sum(sim.compute))
-    pred = model.timeline(sim)
+    pred = (timeline or model.timeline)(sim)
     pred.cost_model = cost_model  # (the name it was found by, whatever it says)
     if cores and model.cpu_work is not None:
         _cores_floor(pred, sim, cores, model.cpu_work(sim))

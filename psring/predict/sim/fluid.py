@@ -1,0 +1,190 @@
+"""The parameter servers' step as a fluid: each resource's load per byte, the buckets
+pipelined through the busiest one — the same resources as psring.predict.sim.psround's
+events, priced in closed form, so a round of a thousand workers costs what a round of
+two does.
+
+psround plays every message on its connection, which grows as workers × servers
+(seconds of Python at 64 workers, minutes at 256); the scaling question
+(psring.predict.scaling) asks about 1 to 65536. Here every sender is alike (a
+cluster's hosts hold the same number of workers) and the links are shared evenly, so a
+push phase moves each byte of a bucket at the pace of its slowest resource:
+
+- each host link, one direction, at the link's β;
+- each server's transport (loopback's β, both directions) and CPU (γ a byte to add,
+  the profile's update per byte once a range is complete, every push under
+  ``ps-async``);
+- each sender's transport: its own bytes (byteps: a worker's 1/G part).
+
+Every sender is alike, so a bucket's push is one job that loads each resource for its
+bytes' time (every sender's piece for a server k: its transport, CPU and host's link
+in; every sender's bytes to other hosts: its host's link out), and the resources work
+through the jobs in order, each at its own pace (a job is done when its last resource
+is). A bucket is pushed once it is ready (after the host's reduce-scatter under byteps,
+its device-to-host copy and its cast, each a stage of its own); a server's shard is
+pulled once this worker's pushes to it are in (a worker's pull goes out behind its
+pushes; byteps streams each partition back once summed), then the copy back, the cast
+and byteps's all-gather. A step starts when the previous one's parameters are in, so
+one step is the period. What the events have and this does not: TCP's uneven shares
+(FLOW_SPREAD; the fluid is the events' ``flow_spread=0``) and the per-message α of
+every piece but the last. tests/unit/test_fluid.py holds the two against each other
+where both run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from psring.predict.sim.cost_models import Prediction, Sim, finish
+from psring.predict.sim.engine import (
+    PARTITION_BYTES,
+    column_pieces,
+    group_size,
+    host_steps,
+    launches,
+    server_update_per_byte,
+    shard_pieces,
+)
+
+
+class _Resources:
+    """The round's resources as one vector, and each job's seconds on them: server k's
+    transport and CPU, each host's link out and in, a sender's transport."""
+
+    def __init__(self, sim: Sim, mode: str, senders: list[int]) -> None:
+        cl, cal = sim.cluster, sim.cal
+        self.K = cl.servers
+        self.shost = np.asarray(cl.server_host[:self.K])
+        hosts = sorted({*senders, *cl.server_host})
+        self.hosts = hosts
+        H = len(hosts)
+        self.R = 2 * self.K + 2 * H + 1  # transports, CPUs, links out, links in, sender
+        index = {h: i for i, h in enumerate(hosts)}
+        on = Counter(senders)
+        S = len(senders)
+        self.S = S
+        a_loc, self.b_loc = cal.link(mode)
+        self.a_link, self.b_link = a_loc, self.b_loc
+        if cl.hosts > 1 or cl.placement == "own-hosts":
+            self.a_link, self.b_link, _ = cal.between_hosts(mode, cl.link_bits,
+                                                            cl.delay_s, cl.loss)
+        # each server's host (as an index), and each host's senders
+        self.col = np.asarray([index[h] for h in self.shost])
+        self.on = np.asarray([on[h] for h in hosts], dtype=float)
+        crossing = any(on[h] < S for h in self.shost) or bool(set(on) - set(self.shost))
+        self.alpha = self.a_link if crossing else a_loc
+        self.names = ([f"server {k} transport" for k in range(self.K)]
+                      + [f"server {k} CPU" for k in range(self.K)]
+                      + [f"host {h} link out" for h in hosts]
+                      + [f"host {h} link in" for h in hosts] + ["worker transport"])
+
+    def job(self, pieces: np.ndarray, wire: float, cpu: np.ndarray, per_sender: float,
+            up: bool) -> np.ndarray:
+        """Seconds a job loads each resource: ``pieces`` (K,) float32 bytes each sender
+        sends to (``up``) or gets from each server, ``cpu`` (K,) seconds on each
+        server's CPU, ``per_sender`` a sender's transport's bytes."""
+        K, S = self.K, self.S
+        load = np.empty(self.R)
+        load[:K] = S * pieces * wire * self.b_loc
+        load[K:2 * K] = cpu
+        # a host's servers' share, q: its senders send the rest across its link (out,
+        # for a push), the senders elsewhere send q across it (in)
+        q = np.bincount(self.col, weights=pieces, minlength=len(self.hosts))
+        links_a = self.on * (pieces.sum() - q) * wire * self.b_link  # senders' side
+        links_b = q * (S - self.on) * wire * self.b_link             # servers' side
+        H = len(self.hosts)
+        out, inn = (links_a, links_b) if up else (links_b, links_a)
+        load[2 * K:2 * K + H] = out
+        load[2 * K + H:2 * K + 2 * H] = inn
+        load[-1] = per_sender * wire * self.b_loc
+        return load
+
+
+def fluid_timeline(sim: Sim, mode: str) -> Prediction:
+    """One steady-state step of ``mode`` ("ps", "ps-async" or "byteps") as a fluid (the
+    module docstring)."""
+    cl, cal, prof = sim.cluster, sim.cal, sim.profile
+    D, F, B, U = sim.compute
+    byteps = mode == "byteps"
+    G = group_size(cl) if byteps else 1
+    local_update = byteps and sim.update_on == "worker"
+    # who pushes whole models: every worker, or (byteps) every host through its G workers
+    senders = sorted(set(cl.worker_host)) if byteps else list(cl.worker_host)
+    res = _Resources(sim, mode, senders)
+    K, S = res.K, res.S
+    pieces = _pieces(sim, G, byteps)  # (buckets, K): a sender's float32 bytes to each server
+    shard = pieces.sum(axis=0)
+    apply = 0.0 if local_update else server_update_per_byte(prof, cal)
+    per_push = cal.gamma + (apply if mode == "ps-async" else 0.0)
+    rs, ag = host_steps(sim) if G > 1 else ((0.0, 0.0), (0.0, 0.0))
+    free = np.zeros(res.R)
+    busy = np.zeros(res.R)
+
+    def run(load: np.ndarray, start: float) -> float:
+        nonlocal free, busy
+        begin = np.maximum(free, start)
+        free = np.where(load > 0, begin + load, free)
+        busy += load
+        return float(np.max(free[load > 0], initial=start))
+
+    stage = {"inside": 0.0, "d2h": 0.0, "cast": 0.0}
+    pushed = np.zeros(K)  # when this worker's last push to each server is in
+    pulled = 0.0
+    for i, ((m, _), at) in enumerate(zip(sim.buckets, launches(0.0, sim.compute,
+                                                               sim.buckets))):
+        t = at
+        for name, secs in (("inside", (G - 1) * (rs[0] + m / G * rs[1]) if G > 1 else 0.0),
+                           ("d2h", prof.copy_s("d2h", m / G) if prof.host_copy else 0.0),
+                           ("cast", m / G * sim.cast)):
+            stage[name] = t = max(t, stage[name]) + secs
+        # byteps's pushes go in partitions of at most PARTITION_BYTES a worker, each
+        # streamed back once summed
+        parts = -(-int(m) // (G * PARTITION_BYTES)) if byteps else 1
+        p = pieces[i] / parts
+        for _ in range(parts):
+            cpu = S * p * per_push + (p * apply if mode != "ps-async" else 0.0)
+            t = run(res.job(p, sim.wire, cpu, p.sum() / G, up=True), t)
+            pushed = np.where(p > 0, t, pushed)
+            if byteps:
+                pulled = max(pulled, run(res.job(p, sim.wire, np.zeros(K), p.sum() / G,
+                                                 up=False), t + res.alpha))
+    if not byteps:  # each server's shard, once this worker's pushes to it are in
+        for when in np.unique(pushed):  # (servers whose last push lands together: one job)
+            p = np.where(pushed == when, shard, 0.0)
+            ready = max(float(when) + res.alpha, D + F + B)
+            pulled = max(pulled, run(res.job(p, sim.wire, np.zeros(K), p.sum(), up=False),
+                                     ready))
+    back = (prof.copy_s("h2d", sim.total / G) if prof.host_copy else 0.0) \
+        + sim.total / G * sim.cast
+    gather = (G - 1) * (len(sim.buckets) * ag[0] + sim.total / G * ag[1]) if G > 1 else 0.0
+    period = max(D + F + B, pulled + res.alpha) + back + gather \
+        + (U if local_update else 0.0)
+
+    util = {name: b / period for name, b in zip(res.names, busy)
+            if b > 0 and name != "worker transport"}
+    if G > 1:
+        util["host inside (reduce-scatter, all-gather)"] = (G - 1) * (
+            len(sim.buckets) * (rs[0] + ag[0]) + sim.total / G * (rs[1] + ag[1])) / period
+    if prof.host_copy:
+        util["worker d2h"] = prof.copy_s("d2h", sim.total / G) / period
+        util["worker h2d"] = prof.copy_s("h2d", sim.total / G) / period
+    return finish(sim, mode, period, local_update=local_update, util=util,
+                  latency=3 * res.alpha + (G - 1) * (rs[0] + ag[0]))
+
+
+def _pieces(sim: Sim, G: int, byteps: bool) -> np.ndarray:
+    """(buckets, K) float32 bytes a sender pushes of each bucket to each server: the
+    servers' element ranges as psring.strategies.ps splits the flat vector, or byteps's
+    columns (a host's G parts of a bucket, each on the servers holding that part)."""
+    K = sim.cluster.servers
+    out = np.zeros((len(sim.buckets), K))
+    if byteps:
+        for (_, i), ps in column_pieces(sim.buckets, G, K).items():
+            for k, m in ps:
+                out[i, k] += m
+    else:
+        for i, ps in enumerate(shard_pieces(sim.buckets, K)[0]):
+            for k, m in ps:
+                out[i, k] += m
+    return out
