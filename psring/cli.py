@@ -293,6 +293,17 @@ def _add_advise(sub) -> None:
                    "120)")
     p.add_argument("--job-hours", type=float, default=24.0,
                    help="with --mtbf: the job's length (default 24)")
+    p.add_argument("--max-workers", type=int, default=None, metavar="N",
+                   help="also answer the scaling question: every strategy's best setting "
+                   "at 1, 2, 4, ... N workers (--workers-per-host a host), the largest "
+                   "count that keeps --target-efficiency, the servers and the batch; "
+                   "writes scaling.png and advise.json's \"scaling\" (1 to 65536)")
+    p.add_argument("--target-efficiency", type=float, default=0.8, metavar="E",
+                   help="with --max-workers: the scaling efficiency to keep, in (0, 1] "
+                   "(default 0.8)")
+    p.add_argument("--epoch-samples", type=int, default=1281167,
+                   help="with --max-workers: samples in one epoch, for the time per epoch "
+                   "(default 1281167, ImageNet-1k's training set)")
     p.add_argument("--verify", action="store_true", help="run the top candidates on this "
                    "machine's emulation of the cluster and print predicted vs measured")
     p.add_argument("--verify-steps", type=int, default=20, help="steps per verifying run")

@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 from psring.cluster.spec import Cluster
 from psring.comm.interconnect import alpha_beta, check_hosts, host_copy, not_timed, on_host, parse
+from psring.commands import scaling
 from psring.config import RunConfig
 from psring.errors import ConfigError
 from psring.predict.advise import (
@@ -396,6 +397,7 @@ def advise_command(args: argparse.Namespace) -> int:
     and advise.png, and with --verify measure the top candidates."""
 
     cluster, n = _cluster(args)
+    scaling.check_flags(args, n // cluster.hosts)
     _check_device_flags(args)
     _failure_rate(args)  # (bad values refused before the profile)
     device_link, inside = _device_link(args, cluster)
@@ -413,7 +415,7 @@ def advise_command(args: argparse.Namespace) -> int:
     # own prediction, with no sharing of this machine's cores (cores=None); and only
     # settings this machine can run (workers and servers <= the limit)
     cands = candidates(prof, cluster, cal, classes,
-                       max_servers=VERIFY_MAX_PROCESSES - n if args.verify else 8,
+                       max_servers=min(8, VERIFY_MAX_PROCESSES - n) if args.verify else 8,
                        cores=None, link_bits=link, delay_s=delay, inside=inside,
                        cal_of=verify_clock(cal, args, model, n, device_profile))
     ranking = rank(refine(cands))
@@ -446,6 +448,9 @@ def advise_command(args: argparse.Namespace) -> int:
         report["failures"] = failures
     if device_link:
         report["cluster"]["device_link"] = device_link
+    if args.max_workers is not None:
+        report["scaling"] = scaling.answer(args, prof, cal, n // cluster.hosts, link,
+                                           delay, cluster.loss, inside, out)
     atomic_write_json(out / "advise.json", report)  # the prediction, before any run
     if args.verify:
         results = verify(verify_candidates(ranking, classes), classes, args, model,

@@ -76,7 +76,8 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
                max_servers: int = 8, cores: int | None = None,
                link_bits: float | None = None, delay_s: float | None = None,
                inside: tuple[float, float] | None = None,
-               cal_of: Callable[[Cluster], Any] | None = None) -> list[Candidate]:
+               cal_of: Callable[[Cluster], Any] | None = None,
+               fluid: bool = False) -> list[Candidate]:
     """Every setting of every strategy the cluster can run, simulated: servers up to
     ``max_servers`` (and twice the hosts); ``cores``: shared by every process (the
     cluster emulated on one machine), as psring.predict.sim.simulate takes them.
@@ -88,7 +89,9 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
     ``cal_of``: the calibration to price a cluster with (advise: this machine's costs
     on the clock of the run that would verify it); None: ``cal`` for every one.
     A prediction is one draw of the flows' shares where its cost model draws them
-    (psring.predict.sim.engine.Flows); :func:`refine` averages the ones that matter."""
+    (psring.predict.sim.engine.Flows); :func:`refine` averages the ones that matter.
+    ``fluid``: the parameter servers priced in closed form (simulate's ``fluid``: no
+    draws, a cost that does not grow with workers x servers; the scaling question)."""
     link = base.link_bits if link_bits is None else link_bits
     delay = base.delay_s if delay_s is None else delay_s
     out = []
@@ -107,7 +110,8 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
             continue  # per-host aggregation with one worker a host: its flat twin's setting
         # where the optimizer runs, when the strategy offers a choice (byteps)
         updates = list(cls.caps.update_sites) if len(cls.caps.update_sites) > 1 else ["server"]
-        servers = [k for k in (1, 2, 4, 8) if k <= max_k] if cls.caps.uses_servers else [1]
+        servers = [1 << i for i in range(max_k.bit_length())] if cls.caps.uses_servers \
+            else [1]
         placements = ["colocated", "own-hosts"] if cls.caps.uses_servers and link \
             else ["colocated"]
         compress = ["none", "fp16"] if cls.caps.supports_compression else ["none"]
@@ -122,8 +126,9 @@ def candidates(profile: Profile, base: Cluster, cal: Any, classes: dict[str, Any
                         priced = cal_of(cl) if cal_of else cal
                         play = partial(simulate, profile, cl, cls.caps.cost_model, priced,
                                        compress=comp, bucket_mb=mb, cores=cores,
-                                       update_on=up, inside=inside)
-                        draws = COST_MODELS.get(cls.caps.cost_model).draws_flows
+                                       update_on=up, inside=inside, fluid=fluid)
+                        draws = COST_MODELS.get(cls.caps.cost_model).draws_flows \
+                            and not (fluid and COST_MODELS.get(cls.caps.cost_model).fluid)
                         out.append(Candidate(name, play(), play if draws else None))
     return out
 

@@ -166,6 +166,64 @@ def ps_link_load(worker_host: list[int], server_host: list[int]) -> float:
     return max([*egress.values(), *ingress.values(), 0.0])
 
 
+# -- the scaling lemmas (docs/prediction.md, "Scaling") ----------------------------------
+
+def hidden_window(backward_s: float, first_ready_s: float) -> float:
+    """W, the share of backward communication can hide under: from the first bucket's
+    gradients being ready to backward's end. Communication of W or less adds only its
+    last bucket's to the step; beyond W the step grows by the excess."""
+    return max(0.0, backward_s - first_ready_s)
+
+
+def ring_knee(M: float, alpha: float, beta: float, gamma: float, window: float,
+              collectives: int = 1) -> float:
+    """n*, the ring size at which a step's all-reduces (``collectives`` of them, one a
+    bucket, M bytes in all: :func:`ring_allreduce` each) take the hidden window W: the
+    root of ``2bα(n−1) + c(n−1)/n = W`` with ``c = M(2β + γ)`` and b collectives, i.e.
+    ``2bα·n² + (c − 2bα − W)·n − c = 0``. Below n* the ring hides under backward but
+    for its last bucket; above it each step grows by ``comm(n) − W``. With α = 0 the
+    ring's bytes are bounded by c as n grows: n* = c/(c − W) where c > W, else never
+    (inf)."""
+    c = M * (2 * beta + gamma)
+    a = 2 * collectives * alpha
+    if a <= 0:
+        return c / (c - window) if c > window else math.inf
+    b = c - a - window
+    return (-b + math.sqrt(b * b + 4 * a * c)) / (2 * a)
+
+
+def server_side(beta_link: float, beta_server: float, cpu_per_byte: float) -> float:
+    """x, a server's seconds per byte it takes in: the slowest of its host's link, its
+    transport and its CPU (the sum's γ and its share of the update)."""
+    return max(beta_link, beta_server, cpu_per_byte)
+
+
+def ps_knee(M: float, G: int, beta_link: float, x: float, window: float) -> float:
+    """n*, the workers at which a synchronous PS's pushes stop hiding under backward
+    (servers on hosts of their own, G workers a host, x: :func:`server_side`). psring
+    shards the flat gradient in K contiguous ranges, so server k's range is produced in
+    the k-th K-th of backward and the last server's n·M/K bytes arrive in the last
+    W/K: it keeps up while ``n·M·x/K ≤ W/K``, so ``n* = W/(M·x)`` whatever K (more
+    servers divide the exposure, ``(n·M·x − W)/K``, they do not move the knee). A
+    worker host's link carries its G workers' M each: where ``M·G·β_link ≥ W`` the
+    pushes never hide (n* = 1). The pull of n·M/K a server follows backward at every
+    size."""
+    if M * G * beta_link >= window:
+        return 1.0
+    return max(1.0, window / (M * x))
+
+
+def servers_needed(n: int, G: int, beta_link: float, x: float) -> float:
+    """K*, the servers (on hosts of their own) at which a synchronous PS stops being
+    server-bound: a server takes n workers' 1/K each at x a byte (:func:`server_side`),
+    a worker host's link out sends its G workers' bytes at β_link; they meet at
+    ``K* = n/G · x/β_link``: H = n/G servers where the link is the slowest (BytePS's
+    as many server machines as worker machines), more where a server's transport or
+    CPU is slower. Beyond K* the workers' own links bound the step; psring's
+    contiguous shards reach that bound from about 2K* (tests/unit/test_scaling.py)."""
+    return n / G * x / beta_link
+
+
 # -- predictions --------------------------------------------------------------------------
 
 def predict_comm(cost_model: str | None, n: int, K: int, M: float, cal: Calibration,

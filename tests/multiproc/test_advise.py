@@ -87,6 +87,15 @@ def test_advise_ranks_the_strategies_of_a_tiny_profile(tiny, tmp_path):
     (["--hosts", "1", "--workers-per-host", "2", "--delay", "1ms"], "--link"),
     (["--hosts", "24", "--batch-size", "48", "--link", "1gbit", "--verify"], "do not fit"),
     (["--hosts", "2", "--link", "1gbit", "--mtbf", "-1"], "--mtbf"),
+    (["--max-workers", "0"], "--max-workers 0"),
+    (["--max-workers", "70000", "--link", "1gbit"], "65536"),
+    (["--max-workers", "8", "--link", "1gbit", "--target-efficiency", "0"],
+     "--target-efficiency"),
+    (["--max-workers", "8", "--link", "1gbit", "--target-efficiency", "1.5"], "(0, 1]"),
+    (["--max-workers", "16", "--workers-per-host", "3", "--link", "1gbit",
+      "--batch-size", "48"], "--workers-per-host 3"),
+    (["--max-workers", "8"], "--link"),
+    (["--target-efficiency", "0.9"], "--max-workers"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, args, words):
     res = cli_here("advise", *args, "--out", tmp_path / "adv")
@@ -286,3 +295,31 @@ def test_a_described_link_faster_than_loopback_is_not_floored_at_it(big, tmp_pat
                 for mb in (1, 5, 25, 100))
     assert ideal <= got < floored
     assert got < 1.1 * ideal  # the 100 Gbit/s link, not 1.7 GB/s
+
+
+def test_max_workers_answers_the_scaling_question(tiny, tmp_path):
+    """--max-workers: every strategy's curve from 1 to N in advise.json, the largest
+    count that keeps the target, the servers and the batch, and scaling.png."""
+    prof, cal = tiny
+    out = tmp_path / "adv"
+    res = psring("advise", "--profile", prof, "--calibration", cal, "--hosts", 1,
+                 "--workers-per-host", 2, "--max-workers", 64, "--link", "1gbit",
+                 "--target-efficiency", 0.7, "--out", out, timeout=120)
+    report = json.loads((out / "advise.json").read_text())
+    sc = report["scaling"]
+    assert sc["max_workers"] == 64 and sc["workers_per_host"] == 2
+    ring = sc["strategies"]["allreduce"]
+    assert [p["workers"] for p in ring] == [1, 2, 4, 8, 16, 32, 64]
+    assert {"workers", "hosts", "servers", "step_s", "samples_per_s", "efficiency",
+            "epoch_s"} <= set(ring[0])
+    assert [p["hosts"] for p in ring] == [1, 1, 2, 4, 8, 16, 32]
+    for name, n in sc["recommended_workers"].items():
+        points = {p["workers"]: p for p in sc["strategies"][name]}
+        assert n == 1 or points[n]["efficiency"] >= 0.7
+        assert all(p["efficiency"] < 0.7 for w, p in points.items() if w > n)
+    assert sc["servers"]["ps"]["servers"] >= 1
+    assert set(sc["batch"]) >= {"allreduce", "ps"}
+    assert all(line in res.stdout for line in sc["summary"])
+    assert "stops hiding under backward" in res.stdout
+    assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_no_processes(out)
