@@ -388,6 +388,9 @@ def verify_candidates(ranking: list[Candidate], classes: dict[str, Any]) -> list
     # ring or parameter server (async-ps is of the PS family)
     family = lambda c: {"ps-async": "ps", "byteps": "ps", "hring": "ring"}.get(  # noqa: E731
         classes[c.strategy].caps.cost_model, classes[c.strategy].caps.cost_model)
+    # (device mode emulates each worker's device: strategies whose workers share one
+    # memory, hogwild, have none to emulate)
+    ranking = [c for c in ranking if classes[c.strategy].caps.emulates_device]
     top = ranking[:2]
     other = next((c for c in ranking if c not in top and family(c) not in
                   {family(t) for t in top} and family(c) is not None), None)

@@ -194,3 +194,15 @@ def test_the_guidelines_batch_is_the_smallest_that_keeps_the_target():
     assert p.efficiency < 0.8
     assert at_batch(PROF, 64).backward_s == pytest.approx(2 * PROF.backward_s)
     assert at_batch(PROF, 64).update_s == PROF.update_s
+
+
+def test_verify_never_picks_a_strategy_device_mode_cannot_run():
+    """On one host hogwild (no messages) ranks first, but device mode has no device to
+    emulate for it: advise --verify runs the best ones that it can."""
+    from psring.predict.advise import candidates, rank, verify_candidates
+
+    classes = {n: STRATEGIES.get(n) for n in ("hogwild", "allreduce", "ps")}
+    ranking = rank(candidates(PROF, Cluster.of(hosts=1, workers_per_host=2), CAL, classes))
+    assert ranking[0].strategy == "hogwild"
+    picked = [c.strategy for c in verify_candidates(ranking, classes)]
+    assert "hogwild" not in picked and set(picked) == {"allreduce", "ps"}
