@@ -235,6 +235,28 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
     return results
 
 
+def _scaling_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[str, Any],
+                   batch: int, out: Path, device_profile: Path) -> dict[str, Any]:
+    """A scaling point's verifying run: :func:`verify_flags` on its own cluster (its
+    hosts and workers) at global batch ``batch``."""
+    cl = c.cluster
+    w = cl.workers
+    here = argparse.Namespace(**{**vars(args), "hosts": cl.hosts,
+                                 "workers_per_host": cl.workers_per_host})
+    flags = verify_flags(c, cls, here, model, batch, w, out / "scaling-verify",
+                         device_profile)
+    flags["out"] = str(out / "scaling-verify" / f"{w}-{_slug(c)}")
+    return flags
+
+
+def _measure(flags: dict[str, Any]) -> tuple[float, int]:
+    """Run a verifying run at the --time-scale this machine needs for it: (measured step
+    p50, that scale)."""
+    scale = required_time_scale(RunConfig(**flags))
+    run_dir = launch(RunConfig(**flags, time_scale=scale))
+    return summarize(run_dir)["step_p50_s"], scale
+
+
 def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
     """The registered strategies that can run ``workers`` workers on ``hosts`` hosts."""
 
@@ -448,14 +470,21 @@ def advise_command(args: argparse.Namespace) -> int:
         report["failures"] = failures
     if device_link:
         report["cluster"]["device_link"] = device_link
+    curves = None
     if args.max_workers is not None:
-        report["scaling"] = scaling.answer(args, prof, cal, n // cluster.hosts, link,
-                                           delay, cluster.loss, inside, out)
+        report["scaling"], curves = scaling.answer(args, prof, cal, n // cluster.hosts, link,
+                                                   delay, cluster.loss, inside, out)
     atomic_write_json(out / "advise.json", report)  # the prediction, before any run
     if args.verify:
         results = verify(verify_candidates(ranking, classes), classes, args, model,
                          args.batch_size, n, out, device_profile)
         report["verify"] = _print_verification(results)
+        if curves:
+            report["scaling"]["verify"] = scaling.check(
+                curves, scaling.scaling_classes(), prof, cal, inside,
+                lambda c, cls, w: _scaling_flags(c, cls, args, model, w * prof.batch_size,
+                                                 out, device_profile),
+                _measure)
     atomic_write_json(out / "advise.json", report)
     print(f"advise: {out / 'advise.json'}, {png}")
     return 0

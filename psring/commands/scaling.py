@@ -8,24 +8,28 @@ at N, and the sentence that says where communication stops hiding under backward
         --workers-per-host 8 --link 25gbit --target-efficiency 0.8
 
 It prints a table of efficiencies, writes ``scaling.png`` and returns advise.json's
-``"scaling"``. This module is the command's part; the pricing is
-psring.predict.scaling's.
+``"scaling"``. With ``--verify`` it also runs one strategy of each cost model at every
+size from 2 to 16 in device mode on this machine's emulation and prints predicted
+against measured (:func:`check`; ``"scaling"["verify"]``). This module is the
+command's part; the pricing is psring.predict.scaling's.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
 
 from psring.errors import ConfigError
+from psring.predict.advise import Candidate
 from psring.predict.published import matching
 from psring.predict.scaling import Curve, batch_for, check_scaling, knee_sentence, plot, scale
-from psring.predict.sim.simulate import is_costed
+from psring.predict.sim.simulate import is_costed, simulate
 from psring.records.profile import Profile
 from psring.strategies import STRATEGIES
 
@@ -56,8 +60,9 @@ def scaling_classes() -> dict[str, Any]:
 
 def answer(args: argparse.Namespace, prof: Profile, cal: Any, per_host: int,
            link: float | None, delay: float, loss: float,
-           inside: tuple[float, float] | None, out: Path) -> dict[str, Any]:
-    """Price, print, plot; advise.json's "scaling"."""
+           inside: tuple[float, float] | None, out: Path
+           ) -> tuple[dict[str, Any], dict[str, Curve]]:
+    """Price, print, plot: advise.json's "scaling", and the curves."""
     classes = scaling_classes()
     began = time.perf_counter()
     curves = scale(prof, cal, classes, args.max_workers, per_host, link, delay, loss, inside)
@@ -67,7 +72,8 @@ def answer(args: argparse.Namespace, prof: Profile, cal: Any, per_host: int,
     lines = [knee_sentence(c, target) for c in curves.values() if len(c.points) > 1]
     servers = _servers(curves, classes, target)
     lines += [f"Servers: {name} at {s['workers']} workers needs {s['servers']} server(s) "
-              f"{s['placement']} ({s['setting']})." for name, s in servers.items()]
+              f"{s['placement']} ({s['setting']})." for name, s in servers.items()
+              if s["workers"] > 1]
     batches = {name: _batch(prof, cal, classes[name], c, target, link, delay, loss, inside)
                for name, c in curves.items() if len(c.points) > 1}
     lines += _batch_lines(batches, args.max_workers, target, prof.batch_size)
@@ -92,7 +98,7 @@ def answer(args: argparse.Namespace, prof: Profile, cal: Any, per_host: int,
             "servers": servers, "batch": batches, "summary": lines, "priced_s": priced,
             "published": [{"source": m.source, "model": m.model, "workers": m.workers,
                            "strategy": m.strategy, "efficiency": m.efficiency}
-                          for m in marks]}
+                          for m in marks]}, curves
 
 
 def _servers(curves: dict[str, Curve], classes: dict[str, Any],
@@ -151,3 +157,50 @@ def _print_table(curves: dict[str, Curve], target: float, per_host: int,
             cells.append(f"{p.efficiency:.0%}" if p else "")
         t.add_row(name, *cells, str(c.recommended(target)))
     Console(width=200).print(t)
+
+
+#: the largest size --verify runs (device-mode workers; psring.commands.advise's limit
+#: of processes holds a server or two beside them)
+VERIFY_MAX_WORKERS = 16
+
+
+def check(curves: dict[str, Curve], classes: dict[str, Any], prof: Profile, cal: Any,
+          inside: tuple[float, float] | None,
+          flags_of: Callable[[Candidate, Any, int], dict[str, Any]],
+          measure: Callable[[dict[str, Any]], tuple[float, int]]) -> dict[str, Any]:
+    """--verify with --max-workers: each cost model's strategy (the first registered of
+    each) at every size from 2 to VERIFY_MAX_WORKERS, its scaling setting run on this
+    machine's emulation (``flags_of``: the run's RunConfig fields; ``measure``: runs
+    them, returns the measured step and the --time-scale it ran at) and priced again on
+    that run's clock (``cal.faster(S)``, as advise's --verify prices its own).
+    Returns advise.json's "scaling"["verify"]; prints each pair and the errors."""
+    seen: set[str | None] = set()
+    rows = []
+    for name, curve in curves.items():
+        caps = classes[name].caps
+        if caps.cost_model in seen or caps.cost_model is None or not caps.emulates_device:
+            continue
+        seen.add(caps.cost_model)
+        for p in curve.points:
+            if not 2 <= p.workers <= VERIFY_MAX_WORKERS or p.candidate is None:
+                continue
+            flags = flags_of(p.candidate, classes[name], p.workers)
+            measured, scale_s = measure(flags)
+            c = p.candidate
+            predicted = simulate(prof, c.cluster, caps.cost_model, cal.faster(scale_s),
+                                 bucket_mb=c.bucket_mb, update_on=p.update_on or "server",
+                                 inside=inside if c.cluster.workers_per_host > 1 else None,
+                                 fluid=True).step_s
+            rows.append({"strategy": name, "workers": p.workers, "setting": p.setting,
+                         "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
+                         "error": predicted / measured - 1, "time_scale": scale_s})
+            print(f"scaling check: {name} x {p.workers} ({p.setting}): predicted "
+                  f"{predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
+                  f"({predicted / measured - 1:+.0%})", flush=True)
+    errors = [abs(r["error"]) for r in rows]
+    out = {"runs": rows, "median_abs_error": statistics.median(errors) if errors else None,
+           "max_abs_error": max(errors, default=None)}
+    if errors:
+        print(f"scaling check: median |error| {out['median_abs_error']:.1%}, largest "
+              f"{out['max_abs_error']:.1%} over {len(rows)} device-mode runs")
+    return out

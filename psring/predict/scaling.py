@@ -20,7 +20,7 @@ does not grow with workers × servers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,8 @@ class Point:
     bound: str
     setting: str
     update_on: str | None = None
+    #: the setting as advise ranks it (what --verify runs)
+    candidate: Candidate | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, c: Candidate, uses_servers: bool, compresses: bool) -> "Point":
@@ -94,7 +96,7 @@ class Point:
         return cls(cl.workers, cl.hosts, cl.servers if uses_servers else 0,
                    cl.placement if uses_servers else "", c.bucket_mb, p.step_s,
                    p.phases["comm_s"], p.samples_per_s, p.efficiency, p.bound,
-                   c.setting(uses_servers, compresses), p.settings.get("update_on"))
+                   c.setting(uses_servers, compresses), p.settings.get("update_on"), c)
 
     def to_dict(self, epoch_samples: int = 0) -> dict[str, Any]:
         out = {"workers": self.workers, "hosts": self.hosts, "servers": self.servers,

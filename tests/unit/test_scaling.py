@@ -196,6 +196,36 @@ def test_the_guidelines_batch_is_the_smallest_that_keeps_the_target():
     assert at_batch(PROF, 64).update_s == PROF.update_s
 
 
+def test_the_check_runs_each_cost_model_once_and_prices_on_the_runs_clock():
+    """--verify with --max-workers (psring.commands.scaling.check): one strategy per cost
+    model at every size from 2 to 16, none that device mode cannot emulate (hogwild),
+    each priced again at the --time-scale its run took."""
+    from psring.commands.scaling import check, scaling_classes
+
+    classes = scaling_classes()
+    curves = scale(PROF, CAL, classes, 32, per_host=2, link_bits=10e9)
+    runs = []
+
+    def flags_of(c, cls, w):
+        return {"strategy": c.strategy, "workers": w}
+
+    def measure(flags):
+        runs.append((flags["strategy"], flags["workers"]))
+        return 0.5, 3  # (a measured step and the run's time scale)
+
+    out = check(curves, classes, PROF, CAL, None, flags_of, measure)
+    models = {classes[s].caps.cost_model for s, _ in runs}
+    assert len(models) == len({s for s, _ in runs})  # one strategy a cost model
+    assert "hogwild" not in {s for s, _ in runs} and "single" not in {s for s, _ in runs}
+    assert {w for _, w in runs} == {2, 4, 8, 16}
+    r = next(r for r in out["runs"] if r["strategy"] == "allreduce" and r["workers"] == 8)
+    p = curves["allreduce"].at(8).candidate
+    again = simulate(PROF, p.cluster, "ring", CAL.faster(3), bucket_mb=p.bucket_mb)
+    assert r["predicted_ms"] == pytest.approx(again.step_s * 1e3)
+    assert r["error"] == pytest.approx(again.step_s / 0.5 - 1)
+    assert out["median_abs_error"] is not None
+
+
 def test_verify_never_picks_a_strategy_device_mode_cannot_run():
     """On one host hogwild (no messages) ranks first, but device mode has no device to
     emulate for it: advise --verify runs the best ones that it can."""
