@@ -177,7 +177,8 @@ def verify_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[s
     if cls.caps.uses_servers and flags["server_placement"] == "own-hosts" and not flags["link"]:
         flags["link"] = args.link
 
-    if args.device_link and not not_timed(cls.caps) and c.cluster.workers_per_host > 1:
+    # (Cluster.of keeps workers_per_host 0 on one host: count them)
+    if args.device_link and not not_timed(cls.caps) and c.cluster.workers > c.cluster.hosts:
         flags["device_link"] = args.device_link
     return flags
 

@@ -189,7 +189,7 @@ def check(curves: dict[str, Curve], classes: dict[str, Any], prof: Profile, cal:
             c = p.candidate
             predicted = simulate(prof, c.cluster, caps.cost_model, cal.faster(scale_s),
                                  bucket_mb=c.bucket_mb, update_on=p.update_on or "server",
-                                 inside=inside if c.cluster.workers_per_host > 1 else None,
+                                 inside=inside if c.cluster.workers > c.cluster.hosts else None,
                                  fluid=True).step_s
             rows.append({"strategy": name, "workers": p.workers, "setting": p.setting,
                          "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,

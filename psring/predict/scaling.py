@@ -160,7 +160,7 @@ def scale(profile: Profile, cal: Any, classes: dict[str, Any], max_workers: int,
                               f"give the link between them, --link RATE.")
         own = 2 * base.hosts if link_bits else base.hosts
         cands = candidates(profile, base, cal, can, max_servers=max(1, own), cores=None,
-                           inside=inside if base.workers_per_host > 1 else None, fluid=True)
+                           inside=inside if base.workers > base.hosts else None, fluid=True)
         for c in best_of_each(cands):
             caps = classes[c.strategy].caps
             curves[c.strategy].points.append(

@@ -258,19 +258,23 @@ def test_verify_runs_take_the_device_link_where_their_strategy_accepts_it(tmp_pa
     path = prof.save(tmp_path / "prof")
     cal = Calibration(zmq_alpha=1e-4, zmq_beta=6e-10, dist_alpha=1.5e-4, dist_beta=6e-10,
                       gamma=1e-10)
-    classes = strategy_classes(4, 2)
-    cluster = Cluster.of(hosts=2, workers_per_host=2, link_bits=1e9)
-    ranking = rank(candidates(prof, cluster, cal, classes, inside=(10e-6, 1 / 150e9)))
-    assert {"byteps", "hallreduce", "allreduce", "ps"} <= {c.strategy for c in ranking}
-    for device_link in ("nvlink", ""):
-        args = argparse.Namespace(hosts=2, link="1gbit", delay="", verify_steps=5,
-                                  device_link=device_link)
-        for c in ranking:
-            cls = classes[c.strategy]
-            flags = verify_flags(c, cls, args, {"model": "mlp"}, 32, 4, tmp_path, path)
-            assert flags.get("device_link", "") == \
-                (device_link if cls.caps.inside_host else ""), (c.strategy, flags)
-            validate(RunConfig(**flags))  # psring run would take it
+    # (one host too: a one-host Cluster keeps workers_per_host 0, its workers counted)
+    for hosts in (2, 1):
+        classes = strategy_classes(4, hosts)
+        cluster = Cluster.of(hosts=hosts, workers_per_host=4 // hosts, link_bits=1e9)
+        ranking = rank(candidates(prof, cluster, cal, classes, inside=(10e-6, 1 / 150e9)))
+        assert {"byteps", "hallreduce", "allreduce", "ps"} <= {c.strategy for c in ranking}
+        for device_link in ("nvlink", ""):
+            args = argparse.Namespace(hosts=hosts, link="1gbit", delay="", verify_steps=5,
+                                      device_link=device_link)
+            for c in ranking:
+                cls = classes[c.strategy]
+                if not cls.caps.emulates_device:
+                    continue  # (hogwild on one host: --verify never runs it)
+                flags = verify_flags(c, cls, args, {"model": "mlp"}, 32, 4, tmp_path, path)
+                assert flags.get("device_link", "") == \
+                    (device_link if cls.caps.inside_host else ""), (hosts, c.strategy, flags)
+                validate(RunConfig(**flags))  # psring run would take it
 
 
 def test_a_described_link_faster_than_loopback_is_not_floored_at_it(big, tmp_path):

@@ -236,3 +236,14 @@ def test_verify_never_picks_a_strategy_device_mode_cannot_run():
     assert ranking[0].strategy == "hogwild"
     picked = [c.strategy for c in verify_candidates(ranking, classes)]
     assert "hogwild" not in picked and set(picked) == {"allreduce", "ps"}
+
+
+def test_a_hosts_own_interconnect_prices_its_workers_traffic_at_every_size():
+    """--device-link (``inside``) on one host as on several: the ring among a host's
+    workers runs at the device link's pace, not at loopback's."""
+    classes = {"allreduce": STRATEGIES.get("allreduce")}
+    slow = scale(PROF, CAL, classes, 8, per_host=8, link_bits=10e9)["allreduce"]
+    fast = scale(PROF, CAL, classes, 8, per_host=8, link_bits=10e9,
+                 inside=(1e-5, 1 / 450e9))["allreduce"]
+    assert fast.at(8).efficiency > slow.at(8).efficiency
+    assert fast.at(8).step_s < slow.at(8).step_s
