@@ -262,10 +262,12 @@ def plot(curves: dict[str, Curve], title: str, path: Path, target: float,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    for name, c in curves.items():
+    # (strategies that share a cost model draw the same line: styles tell them apart)
+    styles = ("-", "--", ":", "-.")
+    for i, (name, c) in enumerate(curves.items()):
         if len(c.points) > 1:
             ax.plot([p.workers for p in c.points], [p.efficiency for p in c.points],
-                    marker="o", ms=3, label=name)
+                    marker="os^dv"[i % 5], ms=3, ls=styles[i % 4], label=name)
     for m in marks:
         ax.plot([m.workers], [m.efficiency], marker="*", ms=14, color="black", ls="none")
         ax.annotate(f"{m.source} ({m.strategy})", (m.workers, m.efficiency),
