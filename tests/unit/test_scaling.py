@@ -121,10 +121,12 @@ def test_the_fluid_round_agrees_with_its_events():
         ev = simulate(PROF, cl, model, CAL, bucket_mb=25.0, flow_spread=0).step_s
         fl = simulate(PROF, cl, model, CAL, bucket_mb=25.0, fluid=True).step_s
         errors.setdefault(model, []).append(abs(fl / ev - 1))
-    for model in ("ps", "byteps"):
-        assert statistics.median(errors[model]) <= 0.10, errors
-        assert max(errors[model]) <= 0.16, errors
-    assert max(errors["ps-async"]) <= 0.45, errors
+    assert statistics.median(errors["ps"]) <= 0.10, errors
+    assert max(errors["ps"]) <= 0.16, errors
+    # (byteps's partitions are pulled back while later ones are pushed: the fluid serves
+    # its jobs in the order they become ready, as the links do)
+    assert max(errors["byteps"]) <= 0.02, errors
+    assert max(errors["ps-async"]) <= 0.30, errors
 
 
 def test_the_fluid_prices_a_thousand_workers_as_fast_as_eight():

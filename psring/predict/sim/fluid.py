@@ -6,32 +6,32 @@ two does.
 psround plays every message on its connection, which grows as workers × servers
 (seconds of Python at 64 workers, minutes at 256); the scaling question
 (psring.predict.scaling) asks about 1 to 65536. Here every sender is alike (a
-cluster's hosts hold the same number of workers) and the links are shared evenly, so a
-push phase moves each byte of a bucket at the pace of its slowest resource:
+cluster's hosts hold the same number of workers) and links are shared evenly, so a
+bucket's push is one job that loads each resource it crosses for its bytes' time:
 
-- each host link, one direction, at the link's β;
+- each host link, one direction, at the link's β (every sender's bytes to the servers
+  on other hosts cross its host's link out; a server host's link in takes its servers'
+  share from the senders elsewhere);
 - each server's transport (loopback's β, both directions) and CPU (γ a byte to add,
   the profile's update per byte once a range is complete, every push under
   ``ps-async``);
 - each sender's transport: its own bytes (byteps: a worker's 1/G part).
 
-Every sender is alike, so a bucket's push is one job that loads each resource for its
-bytes' time (every sender's piece for a server k: its transport, CPU and host's link
-in; every sender's bytes to other hosts: its host's link out), and the resources work
-through the jobs in order, each at its own pace (a job is done when its last resource
-is). A bucket is pushed once it is ready (after the host's reduce-scatter under byteps,
-its device-to-host copy and its cast, each a stage of its own); a server's shard is
-pulled once this worker's pushes to it are in (a worker's pull goes out behind its
-pushes; byteps streams each partition back once summed), then the copy back, the cast
-and byteps's all-gather. A step starts when the previous one's parameters are in, so
-one step is the period. What the events have and this does not: TCP's uneven shares
-(FLOW_SPREAD; the fluid is the events' ``flow_spread=0``) and the per-message α of
-every piece but the last. tests/unit/test_fluid.py holds the two against each other
-where both run.
+The resources serve the jobs first come, first served, each at its own pace (a job is
+done when its last resource is). A bucket is pushed once it is ready (after the host's
+reduce-scatter under byteps, its device-to-host copy and its cast, each a stage of its
+own); byteps pulls each partition back once summed, while later ones are pushed; a ps
+worker pulls a server's shard once its pushes to it are in and backward has ended,
+after its pushes; then the copy back, the cast and byteps's all-gather. A step starts
+when the previous one's parameters are in, so one step is the period. What the events
+have and this does not: TCP's uneven shares (FLOW_SPREAD; the fluid is the events'
+``flow_spread=0``) and the per-message α of every piece but the last.
+tests/unit/test_scaling.py holds the two against each other where both run.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 
 import numpy as np
@@ -128,9 +128,13 @@ def fluid_timeline(sim: Sim, mode: str) -> Prediction:
         busy += load
         return float(np.max(free[load > 0], initial=start))
 
+    # the jobs, in the order they become ready (a resource serves them first come, first
+    # served): each bucket's push once its stages are done (byteps: in partitions of at
+    # most PARTITION_BYTES a worker, each pulled back once summed); then (ps) a server's
+    # shard once this worker's last push to it is in and its pull has gone out, at
+    # backward's end
     stage = {"inside": 0.0, "d2h": 0.0, "cast": 0.0}
-    pushed = np.zeros(K)  # when this worker's last push to each server is in
-    pulled = 0.0
+    jobs: list[tuple[float, int, bool, np.ndarray]] = []  # (ready, order, push?, pieces)
     for i, ((m, _), at) in enumerate(zip(sim.buckets, launches(0.0, sim.compute,
                                                                sim.buckets))):
         t = at
@@ -138,23 +142,34 @@ def fluid_timeline(sim: Sim, mode: str) -> Prediction:
                            ("d2h", prof.copy_s("d2h", m / G) if prof.host_copy else 0.0),
                            ("cast", m / G * sim.cast)):
             stage[name] = t = max(t, stage[name]) + secs
-        # byteps's pushes go in partitions of at most PARTITION_BYTES a worker, each
-        # streamed back once summed
         parts = -(-int(m) // (G * PARTITION_BYTES)) if byteps else 1
-        p = pieces[i] / parts
         for _ in range(parts):
-            cpu = S * p * per_push + (p * apply if mode != "ps-async" else 0.0)
-            t = run(res.job(p, sim.wire, cpu, p.sum() / G, up=True), t)
-            pushed = np.where(p > 0, t, pushed)
-            if byteps:
-                pulled = max(pulled, run(res.job(p, sim.wire, np.zeros(K), p.sum() / G,
-                                                 up=False), t + res.alpha))
-    if not byteps:  # each server's shard, once this worker's pushes to it are in
-        for when in np.unique(pushed):  # (servers whose last push lands together: one job)
-            p = np.where(pushed == when, shard, 0.0)
-            ready = max(float(when) + res.alpha, D + F + B)
-            pulled = max(pulled, run(res.job(p, sim.wire, np.zeros(K), p.sum(), up=False),
-                                     ready))
+            heapq.heappush(jobs, (t, len(jobs), True, pieces[i] / parts))
+    left = (pieces > 0).sum(axis=0)  # pushes still to come to each server
+    pulled = 0.0
+    pulls: list[tuple[float, int, np.ndarray]] = []
+    while jobs:
+        ready, order, push, p = heapq.heappop(jobs)
+        if not push:
+            pulled = max(pulled, run(res.job(p, sim.wire, np.zeros(K), p.sum() / G,
+                                             up=False), ready))
+            continue
+        cpu = S * p * per_push + (p * apply if mode != "ps-async" else 0.0)
+        done = run(res.job(p, sim.wire, cpu, p.sum() / G, up=True), ready)
+        if byteps:
+            heapq.heappush(jobs, (done + res.alpha, order, False, p))
+            continue
+        left -= p > 0
+        last = (p > 0) & (left == 0)
+        if last.any():  # (servers whose last push this was: their shards, one pull)
+            pulls.append((max(done + res.alpha, D + F + B), order,
+                          np.where(last, shard, 0.0)))
+    # a ps worker's pulls after its pushes: a pull served first come, first served
+    # would hold back the pushes behind it, which TCP interleaves with it (the events
+    # agree within a few percent this way)
+    for ready, _, p in sorted(pulls, key=lambda j: j[:2]):
+        pulled = max(pulled, run(res.job(p, sim.wire, np.zeros(K), p.sum(), up=False),
+                                 ready))
     back = (prof.copy_s("h2d", sim.total / G) if prof.host_copy else 0.0) \
         + sim.total / G * sim.cast
     gather = (G - 1) * (len(sim.buckets) * ag[0] + sim.total / G * ag[1]) if G > 1 else 0.0
