@@ -3,6 +3,8 @@ published per-device compute times (docs/results/2026-11-23-prediction-accuracy.
 sources and the reading; docs/prediction.md the latest figures).
 
     python experiments/published.py            # prints the two Markdown tables
+    python experiments/published.py --json     # the published rows: {setting, published,
+                                               # predicted, points_off, ...}
 
 1. Against published figures: Horovod's 512 Pascal GPUs (128 servers x 4, 25 Gbit/s
    RoCE; Inception V3, ResNet-101, VGG-16 at batch 64 per GPU), and PyTorch's DDP
@@ -18,6 +20,7 @@ measured on this machine.
 
 from __future__ import annotations
 
+import json
 import sys
 
 from psring.cluster.spec import Cluster
@@ -74,7 +77,9 @@ def profile(sizes: list[int], per_gpu_img_s: float, batch: int, name: str) -> Pr
                             update_s=update, batch_size=batch, source={"model": name})
 
 
-def published() -> list[list[str]]:
+def published() -> list[dict]:
+    """Each published setting: its cluster, gradients, published compute, published and
+    predicted efficiency, and what bounds the prediction."""
     r50, r101 = resnet([3, 4, 6, 3]), resnet([3, 4, 23, 3])
     rows = []
     horovod = Cluster.of(hosts=128, workers_per_host=4, link_bits=25e9)
@@ -86,20 +91,26 @@ def published() -> list[list[str]]:
             ("VGG-16", vgg16(), 130.9, 0.68)):
         prof = profile(sizes, ips, 64, name)
         p = simulate(prof, horovod, "ring", GPU, steps=3)
-        rows.append([f"Horovod, {name}", "512 Pascal GPUs (128 x 4), 25 Gbit/s RoCE",
-                     f"{sum(sizes) / 1e6:.0f} MB", f"{prof.compute_s * 1e3:.0f} ms",
-                     f"{eff:.0%}", f"{p.efficiency:.0%}", p.bound])
+        rows.append(_row(f"Horovod, {name}", "512 Pascal GPUs (128 x 4), 25 Gbit/s RoCE",
+                         sizes, prof, eff, p))
     # PyTorch's DDP benchmark (benchmarks/distributed/ddp/README.md): ResNet-50 at batch
     # 32, p50 0.097 s on one GPU, 0.104 s on 8 (one machine) and 16 (two machines).
     prof = profile(r50, 32 / 0.097, 32, "ResNet-50")
     for gpus, hosts, measured in ((8, 1, 0.104), (16, 2, 0.104)):
         cl = Cluster.of(hosts=hosts, workers_per_host=8, link_bits=400e9)
         p = simulate(prof, cl, "ring", GPU, steps=3)
-        rows.append([f"PyTorch DDP benchmark, ResNet-50 ({gpus} GPUs)",
-                     f"{hosts} x 8 V100, 4 x 100 Gbit/s InfiniBand per machine",
-                     f"{sum(r50) / 1e6:.0f} MB", f"{prof.compute_s * 1e3:.0f} ms",
-                     f"{0.097 / measured:.0%}", f"{p.efficiency:.0%}", p.bound])
+        rows.append(_row(f"PyTorch DDP benchmark, ResNet-50 ({gpus} GPUs)",
+                         f"{hosts} x 8 V100, 4 x 100 Gbit/s InfiniBand per machine", r50,
+                         prof, 0.097 / measured, p))
     return rows
+
+
+def _row(setting: str, cluster: str, sizes: list[int], prof: Profile, published_eff: float,
+         p) -> dict:
+    return {"setting": setting, "cluster": cluster, "gradient_mb": sum(sizes) / 1e6,
+            "compute_ms": prof.compute_s * 1e3, "published": published_eff,
+            "predicted": p.efficiency, "points_off": 100 * (p.efficiency - published_eff),
+            "bound": p.bound}
 
 
 def beyond() -> list[list[str]]:
@@ -128,8 +139,14 @@ def md(header: list[str], rows: list[list[str]]) -> str:
 
 
 def main() -> int:
+    if "--json" in sys.argv[1:]:  # rows of {setting, published, predicted, ...}
+        print(json.dumps(published(), indent=1))
+        return 0
+    rows = [[r["setting"], r["cluster"], f"{r['gradient_mb']:.0f} MB",
+             f"{r['compute_ms']:.0f} ms", f"{r['published']:.0%}", f"{r['predicted']:.0%}",
+             r["bound"]] for r in published()]
     print(md(["published setting", "cluster", "gradients", "compute per step (published)",
-              "published efficiency", "predicted", "predicted bound"], published()))
+              "published efficiency", "predicted", "predicted bound"], rows))
     print()
     print("Scaling efficiency predicted, ring / sharded PS (one server host per worker "
           "host, BytePS's setting), 4 GPUs per host:")
