@@ -104,88 +104,114 @@ class _Resources:
 def fluid_timeline(sim: Sim, mode: str) -> Prediction:
     """One steady-state step of ``mode`` ("ps", "ps-async" or "byteps") as a fluid (the
     module docstring)."""
-    cl, cal, prof = sim.cluster, sim.cal, sim.profile
-    D, F, B, U = sim.compute
-    byteps = mode == "byteps"
-    G = group_size(cl) if byteps else 1
-    local_update = byteps and sim.update_on == "worker"
-    # who pushes whole models: every worker, or (byteps) every host through its G workers
-    senders = sorted(set(cl.worker_host)) if byteps else list(cl.worker_host)
-    res = _Resources(sim, mode, senders)
-    K, S = res.K, res.S
-    pieces = _pieces(sim, G, byteps)  # (buckets, K): a sender's float32 bytes to each server
-    shard = pieces.sum(axis=0)
-    apply = 0.0 if local_update else server_update_per_byte(prof, cal)
-    per_push = cal.gamma + (apply if mode == "ps-async" else 0.0)
-    rs, ag = host_steps(sim) if G > 1 else ((0.0, 0.0), (0.0, 0.0))
-    free = np.zeros(res.R)
-    busy = np.zeros(res.R)
+    return _Round(sim, mode).prediction()
 
-    def run(load: np.ndarray, start: float) -> float:
-        nonlocal free, busy
-        begin = np.maximum(free, start)
-        free = np.where(load > 0, begin + load, free)
-        busy += load
-        return float(np.max(free[load > 0], initial=start))
 
-    # the jobs, in the order they become ready (a resource serves them first come, first
-    # served): each bucket's push once its stages are done (byteps: in partitions of at
-    # most PARTITION_BYTES a worker, each pulled back once summed); then (ps) a server's
-    # shard once this worker's last push to it is in and its pull has gone out, at
-    # backward's end
-    stage = {"inside": 0.0, "d2h": 0.0, "cast": 0.0}
-    jobs: list[tuple[float, int, bool, np.ndarray]] = []  # (ready, order, push?, pieces)
-    for i, ((m, _), at) in enumerate(zip(sim.buckets, launches(0.0, sim.compute,
-                                                               sim.buckets))):
-        t = at
-        for name, secs in (("inside", (G - 1) * (rs[0] + m / G * rs[1]) if G > 1 else 0.0),
-                           ("d2h", prof.copy_s("d2h", m / G) if prof.host_copy else 0.0),
-                           ("cast", m / G * sim.cast)):
-            stage[name] = t = max(t, stage[name]) + secs
-        parts = -(-int(m) // (G * PARTITION_BYTES)) if byteps else 1
-        for _ in range(parts):
-            heapq.heappush(jobs, (t, len(jobs), True, pieces[i] / parts))
-    left = (pieces > 0).sum(axis=0)  # pushes still to come to each server
-    pulled = 0.0
-    pulls: list[tuple[float, int, np.ndarray]] = []
-    while jobs:
-        ready, order, push, p = heapq.heappop(jobs)
-        if not push:
-            pulled = max(pulled, run(res.job(p, sim.wire, np.zeros(K), p.sum() / G,
-                                             up=False), ready))
-            continue
-        cpu = S * p * per_push + (p * apply if mode != "ps-async" else 0.0)
-        done = run(res.job(p, sim.wire, cpu, p.sum() / G, up=True), ready)
-        if byteps:
-            heapq.heappush(jobs, (done + res.alpha, order, False, p))
-            continue
-        left -= p > 0
-        last = (p > 0) & (left == 0)
-        if last.any():  # (servers whose last push this was: their shards, one pull)
-            pulls.append((max(done + res.alpha, D + F + B), order,
-                          np.where(last, shard, 0.0)))
-    # a ps worker's pulls after its pushes: a pull served first come, first served
-    # would hold back the pushes behind it, which TCP interleaves with it (the events
-    # agree within a few percent this way)
-    for ready, _, p in sorted(pulls, key=lambda j: j[:2]):
-        pulled = max(pulled, run(res.job(p, sim.wire, np.zeros(K), p.sum(), up=False),
-                                 ready))
-    back = (prof.copy_s("h2d", sim.total / G) if prof.host_copy else 0.0) \
-        + sim.total / G * sim.cast
-    gather = (G - 1) * (len(sim.buckets) * ag[0] + sim.total / G * ag[1]) if G > 1 else 0.0
-    period = max(D + F + B, pulled + res.alpha) + back + gather \
-        + (U if local_update else 0.0)
+class _Round:
+    """One worker's step through the shared resources: its jobs, served first come,
+    first served."""
 
-    util = {name: b / period for name, b in zip(res.names, busy)
-            if b > 0 and name != "worker transport"}
-    if G > 1:
-        util["host inside (reduce-scatter, all-gather)"] = (G - 1) * (
-            len(sim.buckets) * (rs[0] + ag[0]) + sim.total / G * (rs[1] + ag[1])) / period
-    if prof.host_copy:
-        util["worker d2h"] = prof.copy_s("d2h", sim.total / G) / period
-        util["worker h2d"] = prof.copy_s("h2d", sim.total / G) / period
-    return finish(sim, mode, period, local_update=local_update, util=util,
-                  latency=3 * res.alpha + (G - 1) * (rs[0] + ag[0]))
+    def __init__(self, sim: Sim, mode: str) -> None:
+        self.sim, self.mode = sim, mode
+        cl, cal = sim.cluster, sim.cal
+        self.byteps = mode == "byteps"
+        self.G = group_size(cl) if self.byteps else 1
+        self.local_update = self.byteps and sim.update_on == "worker"
+        # who pushes whole models: every worker, or (byteps) every host through its G
+        # workers
+        senders = sorted(set(cl.worker_host)) if self.byteps else list(cl.worker_host)
+        self.res = _Resources(sim, mode, senders)
+        # (buckets, K): a sender's float32 bytes to each server
+        self.pieces = _pieces(sim, self.G, self.byteps)
+        self.apply = 0.0 if self.local_update else server_update_per_byte(sim.profile, cal)
+        self.per_push = cal.gamma + (self.apply if mode == "ps-async" else 0.0)
+        self.rs, self.ag = host_steps(sim) if self.G > 1 else ((0.0, 0.0), (0.0, 0.0))
+        self.free = np.zeros(self.res.R)
+        self.busy = np.zeros(self.res.R)
+
+    def run(self, p: np.ndarray, start: float, up: bool) -> float:
+        """A push (``up``) or pull of pieces ``p`` ready at ``start``: when it is done."""
+        # a server adds every push (and under ps-async applies it); synchronous, it
+        # updates each range once
+        cpu = np.zeros(self.res.K)
+        if up:
+            cpu = self.res.S * p * self.per_push \
+                + (0.0 if self.mode == "ps-async" else p * self.apply)
+        load = self.res.job(p, self.sim.wire, cpu, p.sum() / self.G, up=up)
+        begin = np.maximum(self.free, start)
+        self.free = np.where(load > 0, begin + load, self.free)
+        self.busy += load
+        return float(np.max(self.free[load > 0], initial=start))
+
+    def pushes(self) -> list[tuple[float, int, bool, np.ndarray]]:
+        """Each bucket's push, ready once its stages are done (the host's reduce-scatter,
+        the copy to the host, the cast), as a heap of (ready, order, push?, pieces);
+        byteps's in partitions of at most PARTITION_BYTES a worker."""
+        sim, G, rs, prof = self.sim, self.G, self.rs, self.sim.profile
+        stage = {"inside": 0.0, "d2h": 0.0, "cast": 0.0}
+        jobs: list[tuple[float, int, bool, np.ndarray]] = []
+        for i, ((m, _), at) in enumerate(zip(sim.buckets, launches(0.0, sim.compute,
+                                                                   sim.buckets))):
+            t = at
+            for name, secs in (("inside", (G - 1) * (rs[0] + m / G * rs[1]) if G > 1
+                                else 0.0),
+                               ("d2h", prof.copy_s("d2h", m / G) if prof.host_copy else 0.0),
+                               ("cast", m / G * sim.cast)):
+                stage[name] = t = max(t, stage[name]) + secs
+            parts = -(-int(m) // (G * PARTITION_BYTES)) if self.byteps else 1
+            for _ in range(parts):
+                heapq.heappush(jobs, (t, len(jobs), True, self.pieces[i] / parts))
+        return jobs
+
+    def serve(self) -> float:
+        """Every job in the order it becomes ready: when the last parameters are in.
+        byteps pulls each partition once summed; a ps worker pulls a server's shard
+        once its last push to it is in and backward has ended, after all its pushes (a
+        pull served first come, first served would hold back the pushes behind it,
+        which TCP interleaves with it: the events agree within a few percent this
+        way)."""
+        D, F, B, _ = self.sim.compute
+        jobs, alpha = self.pushes(), self.res.alpha
+        shard = self.pieces.sum(axis=0)
+        left = (self.pieces > 0).sum(axis=0)  # pushes still to come to each server
+        pulled, pulls = 0.0, []
+        while jobs:
+            ready, order, push, p = heapq.heappop(jobs)
+            if not push:
+                pulled = max(pulled, self.run(p, ready, up=False))
+                continue
+            done = self.run(p, ready, up=True)
+            if self.byteps:
+                heapq.heappush(jobs, (done + alpha, order, False, p))
+                continue
+            left -= p > 0
+            last = (p > 0) & (left == 0)
+            if last.any():  # (servers whose last push this was: their shards, one pull)
+                pulls.append((max(done + alpha, D + F + B), order, np.where(last, shard, 0.0)))
+        for ready, _, p in sorted(pulls, key=lambda j: j[:2]):
+            pulled = max(pulled, self.run(p, ready, up=False))
+        return pulled
+
+    def prediction(self) -> Prediction:
+        sim, G, rs, ag, prof = self.sim, self.G, self.rs, self.ag, self.sim.profile
+        D, F, B, U = sim.compute
+        pulled = self.serve()
+        back = (prof.copy_s("h2d", sim.total / G) if prof.host_copy else 0.0) \
+            + sim.total / G * sim.cast
+        gather = (G - 1) * (len(sim.buckets) * ag[0] + sim.total / G * ag[1]) if G > 1 \
+            else 0.0
+        period = max(D + F + B, pulled + self.res.alpha) + back + gather \
+            + (U if self.local_update else 0.0)
+        util = {name: b / period for name, b in zip(self.res.names, self.busy)
+                if b > 0 and name != "worker transport"}
+        if G > 1:
+            util["host inside (reduce-scatter, all-gather)"] = (G - 1) * (
+                len(sim.buckets) * (rs[0] + ag[0]) + sim.total / G * (rs[1] + ag[1])) / period
+        if prof.host_copy:
+            util["worker d2h"] = prof.copy_s("d2h", sim.total / G) / period
+            util["worker h2d"] = prof.copy_s("h2d", sim.total / G) / period
+        return finish(sim, self.mode, period, local_update=self.local_update, util=util,
+                      latency=3 * self.res.alpha + (G - 1) * (rs[0] + ag[0]))
 
 
 def _pieces(sim: Sim, G: int, byteps: bool) -> np.ndarray:
