@@ -87,6 +87,9 @@ class Point:
     bound: str
     setting: str
     update_on: str | None = None
+    #: the step with fp16 gradients where that is faster (an option: it changes the
+    #: training's precision); None where the strategy cannot compress or gains nothing
+    compressed_step_s: float | None = None
     #: the setting as advise ranks it (what --verify runs)
     candidate: Candidate | None = field(default=None, repr=False, compare=False)
 
@@ -96,7 +99,8 @@ class Point:
         return cls(cl.workers, cl.hosts, cl.servers if uses_servers else 0,
                    cl.placement if uses_servers else "", c.bucket_mb, p.step_s,
                    p.phases["comm_s"], p.samples_per_s, p.efficiency, p.bound,
-                   c.setting(uses_servers, compresses), p.settings.get("update_on"), c)
+                   c.setting(uses_servers, compresses), p.settings.get("update_on"),
+                   candidate=c)
 
     def to_dict(self, epoch_samples: int = 0) -> dict[str, Any]:
         out = {"workers": self.workers, "hosts": self.hosts, "servers": self.servers,
@@ -106,6 +110,8 @@ class Point:
                "bound": self.bound, "setting": self.setting}
         if self.update_on:
             out["update_on"] = self.update_on
+        if self.compressed_step_s is not None:
+            out["compressed_step_s"] = self.compressed_step_s
         if epoch_samples and self.samples_per_s:
             out["epoch_s"] = epoch_samples / self.samples_per_s
         return out
@@ -161,27 +167,32 @@ def scale(profile: Profile, cal: Any, classes: dict[str, Any], max_workers: int,
         own = 2 * base.hosts if link_bits else base.hosts
         cands = candidates(profile, base, cal, can, max_servers=max(1, own), cores=None,
                            inside=inside if base.workers > base.hosts else None, fluid=True)
-        for c in best_of_each(cands):
+        squeezed = best_of_each(cands, compressed=True)
+        for c in best_of_each(cands).values():
             caps = classes[c.strategy].caps
-            curves[c.strategy].points.append(
-                Point.of(c, caps.uses_servers, caps.supports_compression))
+            point = Point.of(c, caps.uses_servers, caps.supports_compression)
+            fp16 = squeezed.get(c.strategy)
+            if fp16 is not None and fp16.prediction.step_s < point.step_s:
+                point.compressed_step_s = fp16.prediction.step_s
+            curves[c.strategy].points.append(point)
     return {k: v for k, v in curves.items() if v.points}
 
 
-def best_of_each(cands: list[Candidate]) -> list[Candidate]:
-    """Each strategy's fastest uncompressed setting, asynchronous ones included (they
-    scale too; ``changes_training`` says what they change); of the settings within
-    TIE of the fastest, the one with the fewest servers (advise's 0.5% a server
-    would price a thousand servers out of a cluster that needs them)."""
+def best_of_each(cands: list[Candidate], compressed: bool = False) -> dict[str, Candidate]:
+    """Each strategy's fastest uncompressed setting (``compressed``: its fastest
+    compressed one, an option that changes training), asynchronous ones included (they
+    scale too; ``changes_training`` says what they change); of the settings within TIE
+    of the fastest, the one with the fewest servers (advise's 0.5% a server would price
+    a thousand servers out of a cluster that needs them)."""
     by: dict[str, list[Candidate]] = {}
     for c in cands:
-        if c.compress == "none":
+        if (c.compress != "none") == compressed:
             by.setdefault(c.strategy, []).append(c)
-    out = []
-    for group in by.values():
+    out = {}
+    for name, group in by.items():
         fastest = min(c.prediction.step_s for c in group)
         near = [c for c in group if c.prediction.step_s <= fastest * (1 + TIE)]
-        out.append(min(near, key=lambda c: (c.cluster.servers, c.prediction.step_s)))
+        out[name] = min(near, key=lambda c: (c.cluster.servers, c.prediction.step_s))
     return out
 
 

@@ -179,6 +179,13 @@ def test_scale_answers_for_every_strategy_and_keeps_the_target():
     assert all(p.efficiency < 0.8 for p in bigger)
     ps = curves["ps"].points[-1]
     assert ps.servers >= 1 and ps.placement in ("colocated", "own-hosts")
+    # fp16 halves the bytes: where the ring's bytes bound the step, it is an option
+    # beside the uncompressed answer, never the answer
+    big = ring.points[-1]
+    assert big.compressed_step_s is not None and big.compressed_step_s < big.step_s
+    assert "fp16" not in big.setting
+    assert "compressed_step_s" in big.to_dict()
+    assert curves["hogwild"].points[-1].compressed_step_s is None  # (nothing to send)
 
 
 def test_the_guidelines_batch_is_the_smallest_that_keeps_the_target():
