@@ -69,13 +69,12 @@ from psring.predict.advise import (
 from psring.predict.calibration import Calibration, find_calibration
 from psring.predict.failures import Failures
 from psring.predict.measure import calibrate
-from psring.predict.sim.simulate import is_costed
+from psring.predict.scaling import runnable
 from psring.records.profile import MODEL_KEYS, Profile
 from psring.records.runlog import atomic_write_json
 from psring.report import summarize
 from psring.runs.launch import launch
 from psring.runs.profiling import profile_config, take_profile
-from psring.strategies import STRATEGIES
 from psring.train.device import required_time_scale
 from psring.train.models import ModelSettings, meta_build
 from psring.train.shares import check_global_batch
@@ -259,19 +258,9 @@ def _measure(flags: dict[str, Any]) -> tuple[float, int]:
 
 
 def strategy_classes(workers: int, hosts: int) -> dict[str, Any]:
-    """The registered strategies that can run ``workers`` workers on ``hosts`` hosts."""
-
-    out = {}
-    for name in STRATEGIES:
-        cls = STRATEGIES.get(name)
-        if cls.caps.max_workers is not None and workers > cls.caps.max_workers:
-            continue
-        if cls.caps.max_hosts is not None and hosts > cls.caps.max_hosts:
-            continue
-        if not is_costed(cls.caps.cost_model):  # no cost model: nothing to rank it by
-            continue
-        out[name] = cls
-    return out
+    """The registered strategies the simulator can price (scaling_classes) that can run
+    ``workers`` workers on ``hosts`` hosts."""
+    return runnable(scaling.scaling_classes(), workers, hosts)
 
 
 def _slug(c: Candidate) -> str:
