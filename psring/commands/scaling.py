@@ -74,7 +74,7 @@ def answer(args: argparse.Namespace, prof: Profile, cal: Any, per_host: int,
     lines += [f"Servers: {name} at {s['workers']} workers needs {s['servers']} server(s) "
               f"{s['placement']} ({s['setting']})." for name, s in servers.items()
               if s["workers"] > 1]
-    batches = {name: _batch(prof, cal, classes[name], c, target, link, delay, loss, inside)
+    batches = {name: _batch(prof, cal, classes[name], c, target, inside)
                for name, c in curves.items() if len(c.points) > 1}
     lines += _batch_lines(batches, args.max_workers, target, prof.batch_size)
     lines.append(f"(Priced {sum(len(c.points) for c in curves.values())} sizes x "
@@ -114,14 +114,13 @@ def _servers(curves: dict[str, Curve], classes: dict[str, Any],
 
 
 def _batch(prof: Profile, cal: Any, cls: Any, c: Curve, target: float,
-           link: float | None, delay: float, loss: float,
            inside: tuple[float, float] | None) -> dict[str, Any] | None:
     """The guidelines' per-worker batch at the curve's largest size (None: the
     profile has no batch)."""
     if not prof.batch_size:
         return None
     last = c.points[-1]
-    found = batch_for(prof, cal, cls, last, target, link, delay, loss, inside)
+    found = batch_for(prof, cal, cls, last, target, inside)
     return {"workers": last.workers, "per_worker_batch": found[0] if found else None,
             "efficiency": found[1] if found else None}
 

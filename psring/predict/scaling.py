@@ -213,24 +213,21 @@ def at_batch(profile: Profile, batch: int) -> Profile:
 
 
 def batch_for(profile: Profile, cal: Any, cls: Any, point: Point, target: float,
-              link_bits: float | None, delay_s: float = 0.0, loss: float = 0.0,
               inside: tuple[float, float] | None = None,
               factors: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
               ) -> tuple[int, float] | None:
     """The guidelines' batch: the smallest per-worker batch, the profile's times a
-    power of two up to 64, whose efficiency at ``point``'s size and setting meets
-    ``target`` (compute grows with the batch, communication does not); (batch,
-    efficiency), or None when even 64 times the batch falls short. (A larger global
-    batch changes training: the learning rate and its warm-up must follow it.)"""
-    per_host = point.workers // point.hosts
-    cl = Cluster.of(hosts=point.hosts, workers_per_host=per_host, link_bits=link_bits,
-                    delay_s=delay_s, loss=loss, servers=max(1, point.servers),
-                    placement=point.placement or "colocated")
+    power of two up to 64, whose efficiency at ``point``'s size and setting (its
+    candidate's cluster, bucket and update site) meets ``target`` (compute grows with
+    the batch, communication does not); (batch, efficiency), or None when even 64
+    times the batch falls short. (A larger global batch changes training: the learning
+    rate and its warm-up must follow it.)"""
+    cl = point.candidate.cluster
     for f in factors:
         prof = at_batch(profile, profile.batch_size * f)
         p = simulate(prof, cl, cls.caps.cost_model, cal, bucket_mb=point.bucket_mb,
                      update_on=point.update_on or "server",
-                     inside=inside if per_host > 1 else None, fluid=True)
+                     inside=inside if cl.workers > cl.hosts else None, fluid=True)
         if p.efficiency >= target - 1e-9:
             return prof.batch_size, p.efficiency
     return None

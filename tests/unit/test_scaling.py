@@ -193,7 +193,7 @@ def test_the_guidelines_batch_is_the_smallest_that_keeps_the_target():
     ring = scale(PROF, CAL, classes, 32, per_host=1, link_bits=1e9)["allreduce"]
     last = ring.points[-1]
     assert last.efficiency < 0.8
-    found = batch_for(PROF, CAL, classes["allreduce"], last, 0.8, 1e9)
+    found = batch_for(PROF, CAL, classes["allreduce"], last, 0.8)
     assert found is not None
     batch, eff = found
     assert batch > PROF.batch_size and eff >= 0.8
