@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NoReturn
 
 ENV = "PSRING_FORK"
 #: what can be forked: the modules of ``python -m MODULE`` that preload() imports
@@ -201,21 +201,15 @@ def start(module: str, args: list[str], env: Mapping[str, str], log_fd: int,
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return ForkedProcess(pid, [sys.executable, *([] if module == SCRIPT else ["-m", module]),
                                    *args])
-    code = 1
-    try:
+
+    def child() -> int:
         _become_child(env, log_fd)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if enter is not None:
             enter()
-        code = _run_main(module, args)
-    except BaseException:  # noqa: BLE001 - the child must never return into the launcher
-        with contextlib.suppress(BaseException):
-            traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        return _run_main(module, args)
+
+    finish_child(child)
 
 
 def _become_child(env: Mapping[str, str], log_fd: int) -> None:
@@ -251,6 +245,32 @@ def _become_child(env: Mapping[str, str], log_fd: int) -> None:
         torch.set_num_threads(int(threads))
 
 
+def exit_status(e: SystemExit) -> int:
+    """The status a process ending with ``e`` exits with, as Python's own: None 0, a
+    number itself, anything else (a message) 1."""
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
+def finish_child(body: Callable[[], int]) -> NoReturn:
+    """Run a forked child's ``body`` and leave with its status by ``os._exit``: a
+    child must never return into its parent's copy of the stack. A SystemExit leaves
+    with its status, any other raise with 1 and its traceback printed; the streams are
+    flushed first (the zygote of the tests' commands ends its children so too)."""
+    code = 1
+    try:
+        code = body()
+    except SystemExit as e:
+        code = exit_status(e)
+    except BaseException:  # noqa: BLE001 - the child must never return into the parent
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
 def _run_main(module: str, args: list[str]) -> int:
     if module == SCRIPT:
         return _run_script(args)
@@ -258,7 +278,7 @@ def _run_main(module: str, args: list[str]) -> int:
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return exit_status(e)
     return 0
 
 
@@ -281,11 +301,9 @@ def _run_script(args: list[str]) -> int:
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
-        if isinstance(e.code, int) or e.code is None:
-            code = e.code or 0
-        else:
+        code = exit_status(e)
+        if not isinstance(e.code, (int, type(None))):  # sys.exit("message"): printed
             print(e.code, file=sys.stderr)
-            code = 1
     except BaseException as e:  # noqa: BLE001 - what the interpreter does with it, below
         # the interpreter prints an uncaught error and keeps it in sys.last_value before
         # the exit handlers run (psring.library's tells a failure from a missing finish)

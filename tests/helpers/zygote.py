@@ -287,26 +287,20 @@ def _fork(conn: socket.socket, listener: socket.socket) -> int:
         for fd in fds:
             os.close(fd)
         return pid
-    code = 1
-    try:
+    # (imported here as serve() and _become() import theirs: the client half of this
+    # module, in the test process, imports no psring)
+    from psring.runtime.forking import finish_child
+
+    def child() -> int:
         listener.close()
         conn.close()
         _become(request, fds)
         from psring.cli import entry
 
         entry()  # (leaves by os._exit)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the child must never return into the zygote
-        import traceback
+        return 1
 
-        with contextlib.suppress(BaseException):
-            traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    finish_child(child)
 
 
 def _become(request: dict, fds: list[int]) -> None:
