@@ -3,7 +3,6 @@
 parameter-server round against its events, and the ladder, the flags and the batch."""
 
 import statistics
-import time
 
 import pytest
 
@@ -129,15 +128,20 @@ def test_the_fluid_round_agrees_with_its_events():
     assert max(errors["ps-async"]) <= 0.30, errors
 
 
-def test_the_fluid_prices_a_thousand_workers_as_fast_as_eight():
-    cl = Cluster.of(hosts=128, workers_per_host=8, link_bits=25e9, servers=128,
-                    placement="own-hosts")
-    began = time.perf_counter()
-    p = simulate(PROF, cl, "ps", CAL, bucket_mb=5.0, fluid=True)
-    # (a loose bound: the events would take minutes; the figure is the benchmark's)
-    assert time.perf_counter() - began < 2.0
+def test_the_fluid_prices_a_thousand_workers_as_it_prices_sixty_four():
+    """A server host per worker host: each host link carries the same bytes at any size,
+    so 1024 workers step as 64 do (the fluid's symmetry; its speed is advise's figure,
+    docs/prediction.md, not a test's)."""
+
+    def step(hosts):
+        cl = Cluster.of(hosts=hosts, workers_per_host=8, link_bits=25e9, servers=hosts,
+                        placement="own-hosts")
+        return simulate(PROF, cl, "ps", CAL, bucket_mb=5.0, fluid=True)
+
+    p, small = step(128), step(8)
+    assert p.step_s == pytest.approx(small.step_s, rel=0.05)
     # 8 workers a host push 8 M through each host link out, and pull it back
-    assert p.bound.endswith("link out") or p.bound.endswith("link in")
+    assert "link" in p.bound and "link" in small.bound
     assert p.step_s > 2 * 8 * PROF.total_bytes * CAL.between_hosts("ps", 25e9)[1]
 
 
