@@ -116,6 +116,10 @@ class Sim:
     #: the seed of those weights (one draw of TCP's shares; the step a prediction gives
     #: is that draw's)
     flow_seed: int = 0
+    #: Horovod's Tensor Fusion for the ring models, (buffer bytes, cycle seconds,
+    #: negotiation seconds a cycle); ``buckets`` then holds every gradient, in the order
+    #: they become ready (psring.predict.sim.ring.fused). None: buckets at --bucket-mb
+    fusion: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)

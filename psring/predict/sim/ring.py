@@ -7,12 +7,16 @@ link of ``inside``, where the ring's sums run on the devices). ``hring``'s
 collective is three: a reduce-scatter among a host's G workers, G rings of H ranks
 across the hosts on a 1/G slice each, an all-gather in the host. With ``--reduce
 adasum`` the ring (or hring's rings across hosts) is Adasum's vector halving, distance
-doubling. (psring.predict.sim.simulate's docstring has the whole picture.)
+doubling. With ``fusion`` the collectives are Horovod's Tensor Fusion's (:func:`fused`)
+instead of buckets launched as they fill. (psring.predict.sim.simulate's docstring has
+the whole picture.)
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
+from typing import Iterator
 
 from psring.predict.analytic import host_reduce, predict_comm
 from psring.predict.sim.cost_models import COST_MODELS, CostModel, Prediction, Sim, finish
@@ -42,7 +46,9 @@ def ring_timeline(sim: Sim, hier: bool = False) -> Prediction:
     t = 0.0
     for s in range(sim.steps):
         done, times = t, []
-        for (m, _), at in zip(sim.buckets, launches(t, sim.compute, sim.buckets)):
+        launched = (fused(sim, t, stream) if sim.fusion else
+                    zip((m for m, _ in sim.buckets), launches(t, sim.compute, sim.buckets)))
+        for m, at in launched:
             dur, lat = collective(m)
             stream.occupy(max(at, stream.free), dur)
             done = stream.free
@@ -60,6 +66,34 @@ def ring_timeline(sim: Sim, hier: bool = False) -> Prediction:
     return finish(sim, "hring" if hier else "ring", period,
                   util={edge: min(util, bw_busy / period) if period else 0.0},
                   latency=latency_in, bucket_times=bucket_times, starts=starts)
+
+
+def fused(sim: Sim, t: float, stream: Resource) -> Iterator[tuple[float, float]]:
+    """(bytes, launch time) of each collective of the step that starts at ``t`` under
+    Horovod's Tensor Fusion (horovod docs/tensor-fusion.rst): a background loop whose
+    cycle, every ``cycle`` seconds, negotiates the gradients ready on every rank by its
+    start (through rank 0: ``negotiation`` seconds), fuses them in the order they became
+    ready into collectives of at most ``buffer`` bytes (a larger one alone) and runs
+    those before the next cycle, which starts a cycle after this one's start or when its
+    collectives end, whichever is later: slow collectives make fewer, larger ones.
+    ``stream`` is the collectives' queue, occupied by the caller between yields."""
+    D, F, _, _ = sim.compute
+    buffer, cycle, negotiation = sim.fusion
+    ready = [(t + D + F + r, m) for m, r in sim.buckets]  # (in the order they are ready)
+    start, k = t + D + F, 0  # (the loop's phase against backward: a cycle's start there)
+    while k < len(ready):
+        start = max(start + cycle, stream.free)
+        if ready[k][0] > start:  # idle cycles until the next gradient is ready
+            start += math.ceil((ready[k][0] - start) / cycle) * cycle
+        group = 0.0
+        while k < len(ready) and ready[k][0] <= start:
+            m = ready[k][1]
+            if group and group + m > buffer:
+                yield group, start + negotiation
+                group = 0.0
+            group += m
+            k += 1
+        yield group, start + negotiation
 
 
 def _ring_edge(sim: Sim, G: int) -> tuple[float, float, float, str]:

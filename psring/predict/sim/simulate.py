@@ -138,7 +138,8 @@ def simulate(profile: Any, cluster: Cluster, cost_model: str | None, cal: Calibr
              cores: int | None = None, update_on: str = "server",
              reduce: str = "sum", inside: tuple[float, float] | None = None,
              stretch: bool = True, flow_spread: float = FLOW_SPREAD,
-             flow_seed: int = 0, draws: int = 1, fluid: bool = False) -> Prediction:
+             flow_seed: int = 0, draws: int = 1, fluid: bool = False,
+             fusion: tuple[float, float, float] | None = None) -> Prediction:
     """Predict one steady-state step of every worker (see the module docstring) on
     ``cluster`` (psring.cluster.spec) under cost model ``cost_model`` (a name in
     COST_MODELS; None: no messages), with the run's ``compress`` and ``bucket_mb``;
@@ -153,13 +154,15 @@ def simulate(profile: Any, cluster: Cluster, cost_model: str | None, cal: Calibr
     ``flow_spread``: how unevenly TCP's flows share a link (costs.FLOW_SPREAD; 0: evenly,
     a deterministic fluid), ``flow_seed`` the seed of that draw; ``draws``: for a cost
     model that draws them (``draws_flows``), the mean of that many draws (seeds
-    flow_seed, flow_seed + 1, ...), each draw's step in the prediction's ``draws``."""
-    model = _check(cluster, cost_model, steps, compress, bucket_mb, cores)
+    flow_seed, flow_seed + 1, ...), each draw's step in the prediction's ``draws``;
+    ``fusion`` (the ring models): Horovod's Tensor Fusion in place of buckets, as
+    (buffer bytes, cycle seconds, negotiation seconds a cycle)."""
+    model = _check(cluster, cost_model, steps, compress, bucket_mb, cores, fusion)
     if draws < 1:
         raise ValueError(f"draws must be at least 1, not {draws!r}")
     sim = replace(_inputs(profile, cluster, model, cal, steps, compress, bucket_mb,
                           cores if stretch else None, update_on, reduce, inside,
-                          flow_spread), flow_seed=flow_seed)
+                          flow_spread, fusion), flow_seed=flow_seed)
     if fluid and model is not None and model.fluid is not None:
         pred = _play(sim, model, cost_model, cores, model.fluid)
     elif draws > 1 and model is not None and model.draws_flows and flow_spread:
@@ -208,7 +211,8 @@ def mean_of(preds: list[Prediction]) -> Prediction:
 
 
 def _check(cluster: Cluster, cost_model: str | None, steps: int, compress: str,
-           bucket_mb: float, cores: int | None) -> CostModel | None:
+           bucket_mb: float, cores: int | None,
+           fusion: tuple[float, float, float] | None = None) -> CostModel | None:
     if cost_model is not None and cost_model not in COST_MODELS:
         raise ValueError(f"cost_model {cost_model!r}: one of None, "
                          f"{', '.join(COST_MODELS.names())}")
@@ -223,26 +227,37 @@ def _check(cluster: Cluster, cost_model: str | None, steps: int, compress: str,
         raise ValueError("a parameter-server cluster needs servers >= 1")
     if steps and steps < 2:
         raise ValueError(f"steps must be at least 2 (the step time is a period), not {steps}")
+    if fusion is not None:
+        if cost_model not in ("ring", "hring"):
+            raise ValueError(f"fusion is Horovod's, for the ring models, not {cost_model!r}")
+        buffer, cycle, negotiation = fusion
+        if not (buffer > 0 and cycle > 0 and negotiation >= 0):
+            raise ValueError(f"fusion (buffer bytes, cycle s, negotiation s): buffer and "
+                             f"cycle positive, negotiation at least 0, not {fusion!r}")
     return model
 
 
 def _inputs(profile: Any, cluster: Cluster, model: CostModel | None, cal: Calibration,
             steps: int, compress: str, bucket_mb: float, cores: int | None,
             update_on: str, reduce: str, inside: tuple[float, float] | None,
-            flow_spread: float) -> Sim:
-    """The timeline's inputs: compute stretched by the shared cores, the buckets."""
+            flow_spread: float, fusion: tuple[float, float, float] | None = None) -> Sim:
+    """The timeline's inputs: compute stretched by the shared cores, the buckets (with
+    ``fusion``, every gradient on its own, in the order they become ready)."""
     threads = max(1, profile.threads or 1)
     stretch = max(1.0, cluster.workers * threads / cores) if cores else 1.0
     compute = (profile.data_s * stretch, profile.forward_s * stretch,
                profile.backward_s * stretch, profile.update_s * stretch)
-    buckets = [(m, r * stretch) for m, r in profile.buckets(bucket_mb)]
+    buckets = ([(m, r * stretch) for m, r in profile.buckets(bucket_mb)] if fusion is None
+               else sorted(((m, r * stretch) for m, r in
+                            zip(profile.param_bytes, profile.ready_s)), key=lambda b: b[1]))
     wire = WIRE[compress]
     # --compress casts every message to 16 bits and back: the calibration's measured
     # cost, else γ (one pass over the bytes; psring calibrate measures it)
     cast = 0.0 if wire == 1.0 else (cal.cast or cal.gamma)
     return Sim(profile, cluster, cal, compute, buckets, total=sum(m for m, _ in buckets),
                wire=wire, cast=cast, steps=steps or (model.steps if model else 4),
-               reduce=reduce, update_on=update_on, inside=inside, flow_spread=flow_spread)
+               reduce=reduce, update_on=update_on, inside=inside, flow_spread=flow_spread,
+               fusion=fusion)
 
 
 def _cores_floor(pred: Prediction, sim: Sim, cores: int, work: float) -> None:
