@@ -28,8 +28,17 @@ from rich.table import Table
 from psring.errors import ConfigError
 from psring.predict.advise import Candidate
 from psring.predict.published import matching
-from psring.predict.scaling import Curve, batch_for, check_scaling, knee_sentence, plot, scale
-from psring.predict.sim.simulate import is_costed, simulate
+from psring.predict.scaling import (
+    EVENTS_UP_TO,
+    Curve,
+    batch_for,
+    check_scaling,
+    knee_sentence,
+    plot,
+    priced,
+    scale,
+)
+from psring.predict.sim.simulate import is_costed
 from psring.records.profile import Profile
 from psring.strategies import STRATEGIES
 
@@ -79,7 +88,8 @@ def answer(args: argparse.Namespace, prof: Profile, cal: Any, per_host: int,
     lines += _batch_lines(batches, args.max_workers, target, prof.batch_size)
     lines.append(f"(Priced {sum(len(c.points) for c in curves.values())} sizes x "
                  f"strategies, every setting of each, in {priced:.1f} s; the parameter "
-                 f"servers by the simulator's fluid, psring.predict.sim.fluid.)")
+                 f"servers' best settings by the simulator's events on small clusters (up to "
+                 f"{EVENTS_UP_TO} workers), by its fluid beyond, psring.predict.sim.fluid.)")
     for line in lines:
         print(line)
     marks = matching(prof.source.get("model"), per_host, link)
@@ -186,10 +196,9 @@ def check(curves: dict[str, Curve], classes: dict[str, Any], prof: Profile, cal:
             flags = flags_of(p.candidate, classes[name], p.workers)
             measured, scale_s = measure(flags)
             c = p.candidate
-            predicted = simulate(prof, c.cluster, caps.cost_model, cal.faster(scale_s),
-                                 bucket_mb=c.bucket_mb, update_on=p.update_on or "server",
-                                 inside=inside if c.cluster.workers > c.cluster.hosts else None,
-                                 fluid=True).step_s
+            predicted = priced(prof, cal.faster(scale_s), caps.cost_model, c.cluster,
+                               c.bucket_mb, update_on=p.update_on or "server",
+                               inside=inside).step_s
             rows.append({"strategy": name, "workers": p.workers, "setting": p.setting,
                          "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
                          "error": predicted / measured - 1, "time_scale": scale_s})

@@ -14,8 +14,11 @@ grows with the workers). Every setting :func:`psring.predict.advise.candidates` 
 (bucket size; servers 1, 2, 4, … up to twice the hosts, with the workers or on hosts of
 their own; byteps's update site) is priced, and the best synchronous uncompressed one
 kept (what one worker would train). The rings are played by the simulator's
-timeline; the parameter servers by its fluid (psring.predict.sim.fluid), whose cost
-does not grow with workers × servers.
+timeline; the parameter servers' settings are ranked by its fluid
+(psring.predict.sim.fluid), whose cost does not grow with workers × servers, and on
+small clusters (:func:`by_fluid`) the setting it picks is priced again by its events,
+TCP's uneven shares drawn (the mean of several draws, as advise ranks): the fluid
+leaves that cost out.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from psring.cluster.spec import Cluster
 from psring.errors import ConfigError
 from psring.predict.advise import Candidate, candidates
 from psring.predict.published import Published
+from psring.predict.sim.cost_models import COST_MODELS
 from psring.predict.sim.simulate import simulate
 from psring.records.profile import Profile
 
@@ -38,6 +42,36 @@ MAX_WORKERS = 65536
 HIDDEN = 0.05
 #: settings whose steps differ by less than this share are as fast as each other
 TIE = 0.005
+#: the parameter servers' chosen settings are priced by their events (the mean of
+#: EVENTS_DRAWS draws of TCP's uneven shares) up to this many workers, where the
+#: events' work, workers × servers × buckets, is at most EVENTS_WORK (their cost grows
+#: as that product: the pricing of 1 to 1024 workers stays within seconds); else by
+#: the fluid
+EVENTS_UP_TO = 8
+EVENTS_WORK = 640
+EVENTS_DRAWS = 2
+
+
+def by_fluid(profile: Profile, cluster: Cluster, bucket_mb: float) -> bool:
+    """Whether a parameter server's step on ``cluster`` is priced by the fluid rather
+    than by its events."""
+    if not 1 < cluster.workers <= EVENTS_UP_TO:
+        return True  # (one worker's flows share nothing; many: the events' cost)
+    return cluster.workers * max(1, cluster.servers) * len(profile.buckets(bucket_mb)) \
+        > EVENTS_WORK
+
+
+def priced(profile: Profile, cal: Any, cost_model: str, cluster: Cluster, bucket_mb: float,
+           compress: str = "none", update_on: str = "server",
+           inside: tuple[float, float] | None = None):
+    """A setting's step as the scaling question prices it: the rings by their timeline,
+    the parameter servers by their events (the mean of EVENTS_DRAWS draws of TCP's
+    shares) where :func:`by_fluid` allows, else by the fluid."""
+    fluid = by_fluid(profile, cluster, bucket_mb)
+    return simulate(profile, cluster, cost_model, cal, compress=compress,
+                    bucket_mb=bucket_mb, update_on=update_on,
+                    inside=inside if cluster.workers > cluster.hosts else None,
+                    fluid=fluid, draws=1 if fluid else EVENTS_DRAWS)
 
 
 def worker_counts(max_workers: int) -> list[int]:
@@ -167,8 +201,14 @@ def scale(profile: Profile, cal: Any, classes: dict[str, Any], max_workers: int,
         own = 2 * base.hosts if link_bits else base.hosts
         cands = candidates(profile, base, cal, can, max_servers=max(1, own), cores=None,
                            inside=inside if base.workers > base.hosts else None, fluid=True)
-        squeezed = best_of_each(cands, compressed=True)
-        for c in best_of_each(cands).values():
+        best, squeezed = best_of_each(cands), best_of_each(cands, compressed=True)
+        for c in best.values():  # (the fluid ranks; the events price what it picked)
+            cost_model = classes[c.strategy].caps.cost_model
+            if cost_model and COST_MODELS.get(cost_model).fluid is not None:
+                c.prediction = priced(profile, cal, cost_model, c.cluster, c.bucket_mb,
+                                      c.compress, c.prediction.settings.get(
+                                          "update_on", "server"), inside)
+        for c in best.values():
             caps = classes[c.strategy].caps
             point = Point.of(c, caps.uses_servers, caps.supports_compression)
             fp16 = squeezed.get(c.strategy)
@@ -225,9 +265,8 @@ def batch_for(profile: Profile, cal: Any, cls: Any, point: Point, target: float,
     cl = point.candidate.cluster
     for f in factors:
         prof = at_batch(profile, profile.batch_size * f)
-        p = simulate(prof, cl, cls.caps.cost_model, cal, bucket_mb=point.bucket_mb,
-                     update_on=point.update_on or "server",
-                     inside=inside if cl.workers > cl.hosts else None, fluid=True)
+        p = priced(prof, cal, cls.caps.cost_model, cl, point.bucket_mb,
+                   update_on=point.update_on or "server", inside=inside)
         if p.efficiency >= target - 1e-9:
             return prof.batch_size, p.efficiency
     return None

@@ -8,6 +8,7 @@ import pytest
 
 from psring.cluster.spec import Cluster
 from psring.errors import ConfigError
+from psring.predict import scaling
 from psring.predict.analytic import (
     hidden_window,
     ps_knee,
@@ -18,6 +19,8 @@ from psring.predict.analytic import (
 )
 from psring.predict.calibration import Calibration
 from psring.predict.scaling import (
+    EVENTS_DRAWS,
+    EVENTS_UP_TO,
     at_batch,
     batch_for,
     check_scaling,
@@ -166,7 +169,9 @@ def test_bad_scaling_flags_name_the_fix(args, words):
     assert words in str(e.value)
 
 
-def test_scale_answers_for_every_strategy_and_keeps_the_target():
+def test_scale_answers_for_every_strategy_and_keeps_the_target(monkeypatch):
+    # (small clusters' events are their own test's: the fluid everywhere keeps this quick)
+    monkeypatch.setattr(scaling, "EVENTS_UP_TO", 0)
     classes = {name: STRATEGIES.get(name) for name in STRATEGIES}
     curves = scale(PROF, CAL, classes, 64, per_host=4, link_bits=10e9)
     assert {"allreduce", "ps", "byteps", "hallreduce", "async-ps"} <= set(curves)
@@ -192,6 +197,25 @@ def test_scale_answers_for_every_strategy_and_keeps_the_target():
     assert curves["hogwild"].points[-1].compressed_step_s is None  # (nothing to send)
 
 
+def test_small_clusters_price_the_servers_by_their_events_large_ones_by_the_fluid():
+    # the fluid leaves out TCP's uneven shares; where the events are affordable the
+    # setting it picks is priced by them (the mean of draws), beyond it stays the fluid's
+    light = Profile.on_paper([1_000_000] * 10, forward_s=0.005, backward_s=0.015,
+                             update_s=0.0, batch_size=32)
+    classes = {"ps": STRATEGIES.get("ps")}
+    curves = scale(light, CAL, classes, 2 * EVENTS_UP_TO, per_host=2, link_bits=1e9,
+                   sizes=[EVENTS_UP_TO, 2 * EVENTS_UP_TO])
+    for point in curves["ps"].points:
+        c = point.candidate
+        events = simulate(light, c.cluster, "ps", CAL, bucket_mb=c.bucket_mb,
+                          draws=EVENTS_DRAWS).step_s
+        fluid = simulate(light, c.cluster, "ps", CAL, bucket_mb=c.bucket_mb,
+                         fluid=True).step_s
+        assert events != pytest.approx(fluid, rel=0.01)  # (they differ: which is which?)
+        expected = events if point.workers <= EVENTS_UP_TO else fluid
+        assert point.step_s == pytest.approx(expected, rel=1e-9)
+
+
 def test_the_guidelines_batch_is_the_smallest_that_keeps_the_target():
     classes = {"allreduce": STRATEGIES.get("allreduce")}
     ring = scale(PROF, CAL, classes, 32, per_host=1, link_bits=1e9)["allreduce"]
@@ -209,12 +233,13 @@ def test_the_guidelines_batch_is_the_smallest_that_keeps_the_target():
     assert at_batch(PROF, 64).update_s == PROF.update_s
 
 
-def test_the_check_runs_each_cost_model_once_and_prices_on_the_runs_clock():
+def test_the_check_runs_each_cost_model_once_and_prices_on_the_runs_clock(monkeypatch):
     """--verify with --max-workers (psring.commands.scaling.check): one strategy per cost
     model at every size from 2 to 16, none that device mode cannot emulate (hogwild),
     each priced again at the --time-scale its run took."""
     from psring.commands.scaling import check, scaling_classes
 
+    monkeypatch.setattr(scaling, "EVENTS_UP_TO", 0)  # (as above: quick)
     classes = scaling_classes()
     curves = scale(PROF, CAL, classes, 32, per_host=2, link_bits=10e9)
     runs = []
