@@ -19,7 +19,10 @@ The sender paces its datagrams at the host link's rate (one token bucket per pro
 :data:`pace`), and its socket's send buffer is below tbf's queue, so it does not
 overflow its own link's queue; it has no congestion control beyond that (incast at a
 server's port drops them: docs/results/2026-11-27-network-and-library.md, "Incast").
-The waiting is the sender thread's, never the training loop's.
+The waiting is the sender thread's, never the training loop's. Consecutive datagrams
+leave together, one segmented send (UDP GSO, ``UDP_SEGMENT``) of up to 64 KiB or a
+millisecond of the link, which the kernel cuts into the same datagrams: a push costs
+Python a call per batch, not per datagram (one by one where the kernel refuses).
 
 The receiving side: when a push's end marker arrives (a lossy_push; the datagrams sent
 ahead of it on the same path have arrived or are lost: it is the push's deadline),
@@ -33,10 +36,12 @@ shared secret authenticated) before use; what is kept waiting is bounded
 
 from __future__ import annotations
 
+import errno
 import math
 import queue
 import random
 import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -47,6 +52,9 @@ from urllib.parse import urlparse
 import torch
 
 from psring.comm.protocol import (
+    DATAGRAM_HEADER,
+    DATAGRAM_PAYLOAD,
+    DATAGRAM_SIGNATURE,
     DTYPE_NAMES,
     DTYPES,
     MAX_PACKETS,
@@ -63,6 +71,14 @@ from psring.comm.protocol import (
 FRAME_OVERHEAD = 42
 #: bytes of datagrams the kernel holds for the socket before a send waits
 SEND_BUFFER_BYTES = 1 << 20
+#: Linux's UDP_SEGMENT option (linux/udp.h; Python's socket module lacks it before
+#: 3.12): one send of many equal datagrams that the kernel cuts apart (UDP GSO), so a
+#: push costs Python a call per batch, not per datagram
+UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
+#: the most datagrams one segmented send carries: its 64 KiB limit at psring's size
+GSO_MAX_BYTES = 65000
+#: errors that say the kernel or the route cannot segment (then one send a datagram)
+NO_GSO = {errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EIO}
 
 
 @dataclass
@@ -97,6 +113,7 @@ class LossySender:
         #: (also to a server on this host: its datagrams never cross the link)
         self.pace_bits = None if same_host(self.addr) else pace_bits
         self.datagrams = 0
+        self.gso = True  # (until the kernel refuses a segmented send)
         self.stopping = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, daemon=True,
@@ -139,23 +156,67 @@ class LossySender:
             self.on_sent(token)
 
     def _out(self, t: Transfer, which) -> None:
-        send, addr = self.sock.sendto, self.addr
-        for i in which:
+        """Send packets ``which`` of ``t``: consecutive equal ones together, one
+        segmented send a batch (UDP GSO), each batch at most a millisecond of the
+        link's time when paced, so a batch stays within the pacing's credit."""
+        for run in batches(t.packets, which, self.batch_limit()):
             if self.stopping:
                 return
-            try:
-                send(t.packets[i], addr)
-            except OSError:
-                pass  # (ENOBUFS, a refused port): a lost datagram, as on the wire
-            self.datagrams += 1
+            self._send(run)
+            self.datagrams += len(run)
             if self.pace_bits:  # at the link's pace: a burst beyond it queues, or drops
-                pace(self.pace_bits, len(t.packets[i]) + FRAME_OVERHEAD)
+                pace(self.pace_bits, sum(len(d) for d in run) + FRAME_OVERHEAD * len(run))
+
+    def batch_limit(self) -> int:
+        """The most datagrams one send carries: what fits GSO_MAX_BYTES, and when paced
+        a millisecond of the link (at least one)."""
+        size = DATAGRAM_HEADER + DATAGRAM_PAYLOAD + (DATAGRAM_SIGNATURE if self.key else 0)
+        most = GSO_MAX_BYTES // size
+        if self.pace_bits:
+            most = min(most, int(self.pace_bits * 1e-3 / 8 / (size + FRAME_OVERHEAD)))
+        return max(1, most) if self.gso else 1
+
+    def _send(self, run: list[memoryview]) -> None:
+        send, addr = self.sock.sendto, self.addr
+        try:
+            if len(run) == 1:
+                send(run[0], addr)
+                return
+            self.sock.sendmsg([b"".join(run)],
+                              [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", len(run[0])))],
+                              0, addr)
+        except OSError as e:
+            if len(run) > 1 and e.errno in NO_GSO:  # (no segmentation here: one by one)
+                self.gso = False
+                for d in run:
+                    self._send([d])
+            # else ENOBUFS, a refused port: lost datagrams, as on the wire
 
     def close(self) -> None:
         self.stopping = True
         self.jobs.put(None)
         self.thread.join(timeout=5.0)
         self.sock.close()
+
+
+def batches(packets: list[memoryview], which, limit: int) -> list[list[memoryview]]:
+    """``which`` (ascending indices of ``packets``) as the runs one segmented send can
+    carry: consecutive indices, every datagram but the run's last as long as its first
+    (the kernel cuts at one size; only the last may be shorter), at most ``limit``."""
+    out: list[list[memoryview]] = []
+    run: list[memoryview] = []
+    last = -2
+    for i in which:
+        d = packets[i]
+        if run and (i != last + 1 or len(run) >= limit or len(run[-1]) != len(run[0])
+                    or len(d) > len(run[0])):
+            out.append(run)
+            run = []
+        run.append(d)
+        last = i
+    if run:
+        out.append(run)
+    return out
 
 
 def same_host(addr: tuple[str, int]) -> bool:

@@ -163,6 +163,97 @@ def test_the_sender_sends_every_datagram_then_says_so_and_resends_at_random():
     assert not sender.thread.is_alive()
 
 
+def _receive_all(rx: socket.socket, count: int, key: bytes | None = None) -> Ingress:
+    ing = Ingress(key)
+    for _ in range(count):
+        ing.datagram(rx.recv(4096))
+    return ing
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_the_sender_batches_datagrams_into_segmented_sends(monkeypatch, key):
+    # one sendmsg carries many datagrams (UDP GSO): the kernel cuts them apart, and the
+    # receiver gets each one whole, the last shorter
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    rx.settimeout(5.0)
+    done = queue.SimpleQueue()
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0, key=key,
+                               on_sent=done.put)
+    calls = {"sendmsg": 0, "sendto": 0}
+    monkeypatch.setattr(sender, "sock", _Counting(sender.sock, calls))
+    grad = torch.randn(352 * 100 + 17)  # (101 datagrams, the last of 17 floats)
+    sender.send(3, 0, grad, token="sent")
+    assert done.get(timeout=5) == "sent"
+    ing = _receive_all(rx, 101, key)
+    assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=3, worker=0)).tensors[0],
+                       grad)
+    assert sender.gso and sender.datagrams == 101
+    assert calls["sendmsg"] <= 4 and calls["sendto"] <= 1  # (not one call a datagram)
+    sender.close()
+    rx.close()
+
+
+class _Counting:
+    """A socket whose sends are counted."""
+
+    def __init__(self, sock, calls):
+        self._sock, self._calls = sock, calls
+
+    def __getattr__(self, name):
+        attr = getattr(self._sock, name)
+        if name in self._calls:
+            def counted(*a, **k):
+                self._calls[name] += 1
+                return attr(*a, **k)
+            return counted
+        return attr
+
+
+def test_without_segmentation_the_sender_sends_one_by_one(monkeypatch):
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    rx.settimeout(5.0)
+    done = queue.SimpleQueue()
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
+                               on_sent=done.put)
+
+    class NoGso(_Counting):
+        def sendmsg(self, *a, **k):
+            raise OSError(lossy.errno.EINVAL, "no UDP_SEGMENT here")
+
+    monkeypatch.setattr(sender, "sock", NoGso(sender.sock, {}))
+    grad = torch.randn(352 * 20)
+    sender.send(4, 0, grad, token="sent")
+    assert done.get(timeout=5) == "sent"
+    ing = _receive_all(rx, 20)
+    assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=4, worker=0)).tensors[0],
+                       grad)
+    assert not sender.gso and sender.batch_limit() == 1
+    sender.close()
+    rx.close()
+
+
+def test_batches_are_consecutive_equal_and_within_a_millisecond_of_the_link():
+    full, short = memoryview(bytes(100)), memoryview(bytes(40))
+    packets = [full] * 9 + [short]
+    runs = lossy.batches(packets, [0, 1, 2, 4, 5, 8, 9], limit=2)
+    assert [len(r) for r in runs] == [2, 1, 2, 2]  # (0,1) (2) (4,5) (8,9: the short last)
+    assert lossy.batches(packets, range(10), limit=64) == [packets]
+    # paced, a batch is at most a millisecond of the link: 1 Gbit/s carries about 84
+    # frames of 1.5 kB a millisecond (GSO's 64 KiB caps it at 44), 10 Mbit/s under one
+    fast = lossy.LossySender("tcp://127.0.0.1:9", "r", 0)
+    slow = lossy.LossySender("tcp://127.0.0.1:9", "r", 0)
+    fast.pace_bits, slow.pace_bits = 1e9, 1e7  # (as to a server across a link)
+    assert fast.batch_limit() == lossy.GSO_MAX_BYTES // (protocol.DATAGRAM_HEADER
+                                                         + protocol.DATAGRAM_PAYLOAD)
+    assert slow.batch_limit() == 1
+    fast.close()
+    slow.close()
+
+
 def test_the_ingress_is_unbiased_over_random_losses():
     grad = torch.randn(352 * 10)
     rng = random.Random(0)
