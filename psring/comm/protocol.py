@@ -374,7 +374,8 @@ DATAGRAM_MAGIC = b"PSRG"
 DATAGRAM_VERSION = 1
 _DATAGRAM = struct.Struct("<4sBBHHIQIII")
 DATAGRAM_HEADER = _DATAGRAM.size
-_DATAGRAM_NP = np.dtype([("magic", "S4"), ("version", "u1"), ("code", "u1"),
+#: the header as a numpy record, to read many datagrams' headers at once
+DATAGRAM_DTYPE = np.dtype([("magic", "S4"), ("version", "u1"), ("code", "u1"),
                          ("worker", "<u2"), ("shard", "<u2"), ("tag", "<u4"),
                          ("transfer", "<u8"), ("index", "<u4"), ("packets", "<u4"),
                          ("n", "<u4")])
@@ -431,16 +432,18 @@ def encode_datagrams(worker: int, shard: int, tag: int, transfer: int, dtype: st
     buf = np.zeros((count, DATAGRAM_HEADER + DATAGRAM_PAYLOAD), np.uint8)
     sizes = np.full(count, DATAGRAM_PAYLOAD, np.int64)
     sizes[-1] = len(raw) - DATAGRAM_PAYLOAD * (count - 1)
-    head = np.zeros(count, _DATAGRAM_NP)
+    head = np.zeros(count, DATAGRAM_DTYPE)
     head["magic"], head["version"], head["code"] = DATAGRAM_MAGIC, DATAGRAM_VERSION, \
         WIRE_CODES.index(dtype)
     head["worker"], head["shard"], head["tag"], head["transfer"] = worker, shard, tag, \
         transfer
     head["index"], head["packets"], head["n"] = np.arange(count), count, sizes // itemsize
     buf[:, :DATAGRAM_HEADER] = head.view(np.uint8).reshape(count, DATAGRAM_HEADER)
-    body = np.zeros(count * DATAGRAM_PAYLOAD, np.uint8)
-    body[:len(raw)] = raw
-    buf[:, DATAGRAM_HEADER:] = body.reshape(count, DATAGRAM_PAYLOAD)
+    full = len(raw) // DATAGRAM_PAYLOAD  # (whole payloads: one copy into their rows)
+    buf[:full, DATAGRAM_HEADER:] = raw[:full * DATAGRAM_PAYLOAD].reshape(full, DATAGRAM_PAYLOAD)
+    rest = len(raw) - full * DATAGRAM_PAYLOAD
+    if rest:
+        buf[full, DATAGRAM_HEADER:DATAGRAM_HEADER + rest] = raw[full * DATAGRAM_PAYLOAD:]
     flat = memoryview(buf).cast("B")
     width = DATAGRAM_HEADER + DATAGRAM_PAYLOAD
     out = [flat[i * width:i * width + DATAGRAM_HEADER + int(sizes[i])] for i in range(count)]

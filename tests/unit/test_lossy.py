@@ -254,6 +254,64 @@ def test_batches_are_consecutive_equal_and_within_a_millisecond_of_the_link():
     slow.close()
 
 
+def coalesced(packets: list[bytes]) -> tuple[bytes, int]:
+    """What one receive with UDP GRO hands over: the datagrams end to end, and their
+    size (the last may be shorter)."""
+    return b"".join(packets), len(packets[0])
+
+
+def test_a_coalesced_receive_is_kept_at_once_and_is_the_gradient():
+    grad = torch.randn(352 * 40 + 5)
+    ing = Ingress()
+    data, size = coalesced(packets_of(grad, transfer=2))
+    ing.datagrams(data, size)
+    assert ing.counts == {"datagrams": 41, "bad_datagrams": 0, "evicted": 0}
+    assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=2)).tensors[0], grad)
+
+
+def test_a_coalesced_receive_with_bad_datagrams_keeps_the_good_ones():
+    grad = torch.randn(352 * 10)
+    packets = packets_of(grad)
+    broken = bytearray(packets[4])
+    broken[:4] = b"XXXX"  # (not a psring datagram)
+    twice = packets[:4] + [bytes(broken)] + packets[5:] + [packets[0]]  # (0 twice)
+    ing = Ingress()
+    ing.datagrams(*coalesced(twice))
+    # (the broken one never decodes; the second packet 0 decodes, then is refused)
+    assert ing.counts["datagrams"] == 10 and ing.counts["bad_datagrams"] == 2
+    # packet 4 is missing: within a tenth, the rest scaled up; beyond, asked for
+    assert ing.complete(lossy_push(grad, 0.0)) == (1, [4])
+    kept = ing.complete(lossy_push(grad, 0.15)).tensors[0]
+    assert torch.equal(kept[352 * 4:352 * 5], torch.zeros(352))
+    assert torch.allclose(kept[:352], grad[:352] * 10 / 9)
+
+
+def test_a_datagram_claiming_more_than_may_be_held_is_refused(monkeypatch):
+    monkeypatch.setattr(lossy, "MAX_HELD_BYTES", 10_000)
+    ing = Ingress()
+    for p in packets_of(torch.randn(352 * 10))[:2]:  # (10 packets: 14 kB)
+        ing.datagram(p)
+    assert ing.counts["bad_datagrams"] == 2 and ing.held == 0 and not ing.transfers
+
+
+def test_segmented_sends_arrive_coalesced_and_whole():
+    # the sender's UDP GSO and the receiver's UDP GRO, end to end on loopback
+    rx = lossy.receiving_socket("127.0.0.1", 0, 1 << 24)
+    done = queue.SimpleQueue()
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
+                               on_sent=done.put)
+    grad = torch.randn(352 * 300 + 9)
+    sender.send(5, 0, grad, token="sent")
+    assert done.get(timeout=5) == "sent"
+    ing = Ingress()
+    assert lossy.drain(rx, ing) == 301
+    assert ing.counts["datagrams"] == 301
+    assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=5, worker=0)).tensors[0],
+                       grad)
+    sender.close()
+    rx.close()
+
+
 def test_the_ingress_is_unbiased_over_random_losses():
     grad = torch.randn(352 * 10)
     rng = random.Random(0)
