@@ -67,6 +67,7 @@ from psring.comm.protocol import (
     Message,
     ProtocolError,
     decode_datagram,
+    encode_block,
     encode_datagrams,
     per_datagram,
     run_tag,
@@ -91,13 +92,29 @@ NO_GSO = {errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EIO}
 
 @dataclass
 class Transfer:
-    """One push's datagrams, kept until the server acknowledges it."""
+    """One push's datagrams, kept until the server acknowledges it: unsigned, all in one
+    buffer (``block``: packet i at [i·width, …), the last ``last`` bytes long), so a run
+    of them is one slice; signed, one object each (``each``)."""
 
-    packets: list[memoryview]
     grad: torch.Tensor
     per: int
     numel: int
     dtype: str
+    count: int
+    block: memoryview | None = None
+    width: int = 0
+    last: int = 0
+    each: list[memoryview] | None = None
+
+    def run(self, i: int, j: int) -> list[memoryview]:
+        """Packets i to j − 1, as the buffers of one send."""
+        if self.each is not None:
+            return self.each[i:j]
+        end = (j - 1) * self.width + (self.last if j == self.count else self.width)
+        return [self.block[i * self.width:end]]
+
+    def packet(self, i: int) -> memoryview:
+        return self.run(i, i + 1)[0]
 
 
 class LossySender:
@@ -132,10 +149,17 @@ class LossySender:
              token: object = None) -> Transfer:
         """Cut ``grad`` (1-d, contiguous, CPU) into datagrams and queue them all."""
         dtype = DTYPE_NAMES[grad.dtype]
-        packets = encode_datagrams(self.worker, shard, self.tag, transfer_id, dtype,
-                                   grad.reshape(-1).view(torch.uint8).numpy(), self.key)
-        t = Transfer(packets, grad, per_datagram(dtype), grad.numel(), dtype)
-        self.jobs.put((t, range(len(packets)), token))
+        raw = grad.reshape(-1).view(torch.uint8).numpy()
+        common = (grad, per_datagram(dtype), grad.numel(), dtype)
+        if self.key:
+            signed = encode_datagrams(self.worker, shard, self.tag, transfer_id, dtype, raw,
+                                      self.key)
+            t = Transfer(*common, len(signed), each=signed)
+        else:
+            buf, last = encode_block(self.worker, shard, self.tag, transfer_id, dtype, raw)
+            t = Transfer(*common, buf.shape[0], memoryview(buf).cast("B"), buf.shape[1],
+                         last)
+        self.jobs.put((t, range(t.count), token))
         return t
 
     def resend(self, t: Transfer, missing: list[int], need: int,
@@ -152,9 +176,9 @@ class LossySender:
         some of a resend is lost again, and each round costs a round trip), chosen at
         random, not by magnitude: the receiver scales what arrived by numel /
         delivered, which is unbiased only if what stays missing is a random part."""
-        valid = sorted({i for i in missing if 0 <= i < len(t.packets)})
+        valid = sorted({i for i in missing if 0 <= i < t.count})
         take = min(len(valid), max(1, need + (need + 3) // 4))
-        rng = random.Random(len(t.packets) * 1_000_003 + len(valid) * 1009 + need)
+        rng = random.Random(t.count * 1_000_003 + len(valid) * 1009 + need)
         return sorted(rng.sample(valid, take))
 
     def _loop(self) -> None:
@@ -164,16 +188,17 @@ class LossySender:
             self.on_sent(token)
 
     def _out(self, t: Transfer, which) -> None:
-        """Send packets ``which`` of ``t``: consecutive equal ones together, one
-        segmented send a batch (UDP GSO), each batch at most a millisecond of the
-        link's time when paced, so a batch stays within the pacing's credit."""
-        for run in batches(t.packets, which, self.batch_limit()):
+        """Send packets ``which`` of ``t``: consecutive ones together, one segmented
+        send a run (UDP GSO), each run at most a millisecond of the link's time when
+        paced, so a run stays within the pacing's credit."""
+        for i, j in runs(which, self.batch_limit()):
             if self.stopping:
                 return
-            self._send(run)
-            self.datagrams += len(run)
+            data = t.run(i, j)
+            self._send(data, j - i, t.width if t.each is None else len(data[0]))
+            self.datagrams += j - i
             if self.pace_bits:  # at the link's pace: a burst beyond it queues, or drops
-                pace(self.pace_bits, sum(len(d) for d in run) + FRAME_OVERHEAD * len(run))
+                pace(self.pace_bits, sum(len(d) for d in data) + FRAME_OVERHEAD * (j - i))
 
     def batch_limit(self) -> int:
         """The most datagrams one send carries: what fits GSO_MAX_BYTES, and when paced
@@ -184,20 +209,23 @@ class LossySender:
             most = min(most, int(self.pace_bits * 1e-3 / 8 / (size + FRAME_OVERHEAD)))
         return max(1, most) if self.gso else 1
 
-    def _send(self, run: list[memoryview]) -> None:
+    def _send(self, data: list[memoryview], k: int, size: int) -> None:
+        """Send ``k`` datagrams of ``size`` bytes (the last perhaps shorter), ``data``
+        end to end."""
         send, addr = self.sock.sendto, self.addr
         try:
-            if len(run) == 1:
-                send(run[0], addr)
+            if k == 1:
+                send(data[0], addr)
                 return
-            self.sock.sendmsg(run,  # (the kernel gathers them: no copy here)
-                              [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", len(run[0])))],
+            self.sock.sendmsg(data,  # (the kernel gathers them: no copy here)
+                              [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))],
                               0, addr)
         except OSError as e:
-            if len(run) > 1 and e.errno in NO_GSO:  # (no segmentation here: one by one)
+            if k > 1 and e.errno in NO_GSO:  # (no segmentation here: one by one)
                 self.gso = False
-                for d in run:
-                    self._send([d])
+                whole = b"".join(data) if len(data) > 1 else data[0]
+                for m in range(k):
+                    self._send([whole[m * size:(m + 1) * size]], 1, size)
             # else ENOBUFS, a refused port: lost datagrams, as on the wire
 
     def close(self) -> None:
@@ -207,23 +235,17 @@ class LossySender:
         self.sock.close()
 
 
-def batches(packets: list[memoryview], which, limit: int) -> list[list[memoryview]]:
-    """``which`` (ascending indices of ``packets``) as the runs one segmented send can
-    carry: consecutive indices, every datagram but the run's last as long as its first
-    (the kernel cuts at one size; only the last may be shorter), at most ``limit``."""
-    out: list[list[memoryview]] = []
-    run: list[memoryview] = []
-    last = -2
-    for i in which:
-        d = packets[i]
-        if run and (i != last + 1 or len(run) >= limit or len(run[-1]) != len(run[0])
-                    or len(d) > len(run[0])):
-            out.append(run)
-            run = []
-        run.append(d)
-        last = i
-    if run:
-        out.append(run)
+def runs(which, limit: int) -> list[tuple[int, int]]:
+    """``which`` (ascending packet numbers) as the [i, j) runs one segmented send can
+    carry: consecutive numbers, at most ``limit`` of them."""
+    idx = np.asarray(which, np.int64)
+    if idx.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+    out = []
+    for a, b in zip(np.r_[0, cuts], np.r_[cuts, idx.size]):
+        start, end = int(idx[a]), int(idx[b - 1]) + 1
+        out += [(i, min(i + limit, end)) for i in range(start, end, limit)]
     return out
 
 

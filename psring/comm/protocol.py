@@ -423,13 +423,15 @@ def encode_datagram(d: Datagram, key: bytes | None = None) -> bytes:
     return body + _datagram_mac(key, memoryview(body)) if key else body
 
 
-def encode_datagrams(worker: int, shard: int, tag: int, transfer: int, dtype: str,
-                     raw: np.ndarray, key: bytes | None = None) -> list[memoryview]:
-    """All datagrams of one transfer: ``raw``, the range's bytes (uint8), cut into
-    DATAGRAM_PAYLOAD pieces, each behind its header (built at once, not one by one)."""
+def encode_block(worker: int, shard: int, tag: int, transfer: int, dtype: str,
+                 raw: np.ndarray) -> tuple[np.ndarray, int]:
+    """All unsigned datagrams of one transfer in one buffer, built at once: row i is
+    packet i (its header, then its piece of ``raw``, the range's bytes as uint8, cut
+    every DATAGRAM_PAYLOAD), rows end to end, so consecutive packets are consecutive
+    bytes; and the last packet's length (the rest of its row is not sent)."""
     itemsize = DTYPES[dtype].itemsize
     count = max(1, -(-len(raw) // DATAGRAM_PAYLOAD))
-    buf = np.zeros((count, DATAGRAM_HEADER + DATAGRAM_PAYLOAD), np.uint8)
+    buf = np.empty((count, DATAGRAM_HEADER + DATAGRAM_PAYLOAD), np.uint8)
     sizes = np.full(count, DATAGRAM_PAYLOAD, np.int64)
     sizes[-1] = len(raw) - DATAGRAM_PAYLOAD * (count - 1)
     head = np.zeros(count, DATAGRAM_DTYPE)
@@ -444,9 +446,18 @@ def encode_datagrams(worker: int, shard: int, tag: int, transfer: int, dtype: st
     rest = len(raw) - full * DATAGRAM_PAYLOAD
     if rest:
         buf[full, DATAGRAM_HEADER:DATAGRAM_HEADER + rest] = raw[full * DATAGRAM_PAYLOAD:]
+    return buf, DATAGRAM_HEADER + int(sizes[-1])
+
+
+def encode_datagrams(worker: int, shard: int, tag: int, transfer: int, dtype: str,
+                     raw: np.ndarray, key: bytes | None = None) -> list[memoryview]:
+    """All datagrams of one transfer, one object each (:func:`encode_block`'s rows),
+    each signed with ``key`` when there is one."""
+    buf, last = encode_block(worker, shard, tag, transfer, dtype, raw)
+    count, width = buf.shape
     flat = memoryview(buf).cast("B")
-    width = DATAGRAM_HEADER + DATAGRAM_PAYLOAD
-    out = [flat[i * width:i * width + DATAGRAM_HEADER + int(sizes[i])] for i in range(count)]
+    out = [flat[i * width:(i + 1) * width] for i in range(count - 1)]
+    out.append(flat[(count - 1) * width:(count - 1) * width + last])
     if key:
         out = [memoryview(bytes(d) + _datagram_mac(key, d)) for d in out]
     return out

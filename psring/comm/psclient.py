@@ -135,7 +135,7 @@ class PSClient:
             self._lossy[key] = [None, header]
             transfer = sender.send(self.seq, shard, grad, token=key)
             self._lossy[key][0] = transfer
-            header["packets"] = len(transfer.packets)
+            header["packets"] = transfer.count
             self.bytes_sent += grad.numel() * grad.element_size()
             self.lossy_elements += grad.numel()
             self.pending.add(key)

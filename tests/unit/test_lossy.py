@@ -119,13 +119,14 @@ def test_a_push_missing_more_asks_for_the_fewest_packets_then_takes_them():
             ing.datagram(p)
     need, missing = ing.complete(lossy_push(grad, 0.05))
     assert missing == [1, 2, 3, 9] and need == 3  # 4 missing, 1 allowed
-    sender = lossy.Transfer([memoryview(p) for p in ps], grad, 352, grad.numel(), "float32")
+    sender = lossy.Transfer(grad, 352, grad.numel(), "float32", len(ps),
+                            each=[memoryview(p) for p in ps])
     grad[9 * 352] = 100.0  # packet 9 has the largest norm: resent first
     chosen = sorted(missing, key=lambda i: float(grad[i * 352:(i + 1) * 352].norm()),
                     reverse=True)[:need]
     assert 9 in chosen
     for i in chosen:
-        ing.datagram(sender.packets[i])
+        ing.datagram(sender.packet(i))
     assert ing.complete(lossy_push(grad, 0.05)).header["delivered"] == 352 * 19
 
 
@@ -236,12 +237,10 @@ def test_without_segmentation_the_sender_sends_one_by_one(monkeypatch):
     rx.close()
 
 
-def test_batches_are_consecutive_equal_and_within_a_millisecond_of_the_link():
-    full, short = memoryview(bytes(100)), memoryview(bytes(40))
-    packets = [full] * 9 + [short]
-    runs = lossy.batches(packets, [0, 1, 2, 4, 5, 8, 9], limit=2)
-    assert [len(r) for r in runs] == [2, 1, 2, 2]  # (0,1) (2) (4,5) (8,9: the short last)
-    assert lossy.batches(packets, range(10), limit=64) == [packets]
+def test_runs_are_consecutive_and_within_a_millisecond_of_the_link():
+    assert lossy.runs([0, 1, 2, 4, 5, 8, 9], limit=2) == [(0, 2), (2, 3), (4, 6), (8, 10)]
+    assert lossy.runs(range(10), limit=64) == [(0, 10)]
+    assert lossy.runs([], limit=4) == []
     # paced, a batch is at most a millisecond of the link: 1 Gbit/s carries about 84
     # frames of 1.5 kB a millisecond (GSO's 64 KiB caps it at 44), 10 Mbit/s under one
     fast = lossy.LossySender("tcp://127.0.0.1:9", "r", 0)
@@ -252,6 +251,22 @@ def test_batches_are_consecutive_equal_and_within_a_millisecond_of_the_link():
     assert slow.batch_limit() == 1
     fast.close()
     slow.close()
+
+
+def test_a_transfers_runs_are_its_datagrams_end_to_end():
+    grad = torch.randn(352 * 5 + 3)
+    expected = packets_of(grad, transfer=1, worker=0)
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    done = queue.SimpleQueue()
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
+                               on_sent=done.put)
+    t = sender.send(1, 0, grad, token="sent")
+    assert done.get(timeout=5) == "sent"
+    assert t.count == 6 and [bytes(t.packet(i)) for i in range(6)] == expected
+    assert b"".join(t.run(2, 6)) == b"".join(expected[2:6])
+    sender.close()
+    rx.close()
 
 
 def coalesced(packets: list[bytes]) -> tuple[bytes, int]:
