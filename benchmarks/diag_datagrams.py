@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from psring.comm import lossy
+from psring.comm import ingress, lossy
 from psring.comm.protocol import VERSION, Message
 
 
@@ -33,10 +33,10 @@ def one(rx, port: int, grad: torch.Tensor, transfer: int) -> tuple[float, float]
     done.get(timeout=60)
     c1 = time.process_time()
     sender.close()
-    ingress = lossy.Ingress()
+    arriving = ingress.Ingress()
     c2 = time.process_time()
-    n = lossy.drain(rx, ingress)
-    push = ingress.complete(Message({
+    n = ingress.drain(rx, arriving)
+    push = arriving.complete(Message({
         "v": VERSION, "op": "lossy_push", "run": "diag", "worker": 0, "seq": transfer,
         "shard": 0, "step": 0, "offset": 0, "numel": grad.numel(), "packets": n,
         "dtype": "float32", "tolerance": 0.0, "transfer": transfer, "tensors": []}))
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rx = lossy.receiving_socket("127.0.0.1", 0, 200 << 20)
+    rx = ingress.receiving_socket("127.0.0.1", 0, 200 << 20)
     grad = torch.randn(10_000_000)
     costs = [one(rx, rx.getsockname()[1], grad, i) for i in range(max(2, args.rounds))][1:]
     per_gbit = 1e9 / (grad.numel() * 32)

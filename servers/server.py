@@ -29,7 +29,7 @@ import zmq
 from psring.cluster.netns import inside_cluster
 from psring.cluster.spec import in_network
 from psring.comm.endpoints import HOW_TO_SET_A_SECRET, is_local
-from psring.comm.lossy import Ingress, drain, receiving_socket
+from psring.comm.ingress import Ingress, drain, receiving_socket
 from psring.comm.protocol import (
     MAX_HEADER_BYTES,
     REQUESTS,

@@ -29,7 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from psring.comm.lossy import Ingress, LossySender, drain, receiving_socket
+from psring.comm.ingress import Ingress, drain, receiving_socket
+from psring.comm.lossy import LossySender
 from psring.comm.protocol import (
     Datagram,
     Message,

@@ -20,8 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psring.comm import lossy, protocol
-from psring.comm.lossy import Ingress
+from psring.comm import ingress, lossy, protocol
+from psring.comm.ingress import Ingress
 from psring.comm.protocol import Datagram, Message, ProtocolError
 
 KEY = b"k" * 32
@@ -302,7 +302,7 @@ def test_a_coalesced_receive_with_bad_datagrams_keeps_the_good_ones():
 
 
 def test_a_datagram_claiming_more_than_may_be_held_is_refused(monkeypatch):
-    monkeypatch.setattr(lossy, "MAX_HELD_BYTES", 10_000)
+    monkeypatch.setattr(ingress, "MAX_HELD_BYTES", 10_000)
     ing = Ingress()
     for p in packets_of(torch.randn(352 * 10))[:2]:  # (10 packets: 14 kB)
         ing.datagram(p)
@@ -311,7 +311,7 @@ def test_a_datagram_claiming_more_than_may_be_held_is_refused(monkeypatch):
 
 def test_segmented_sends_arrive_coalesced_and_whole():
     # the sender's UDP GSO and the receiver's UDP GRO, end to end on loopback
-    rx = lossy.receiving_socket("127.0.0.1", 0, 1 << 24)
+    rx = ingress.receiving_socket("127.0.0.1", 0, 1 << 24)
     done = queue.SimpleQueue()
     sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
                                on_sent=done.put)
@@ -319,7 +319,7 @@ def test_segmented_sends_arrive_coalesced_and_whole():
     sender.send(5, 0, grad, token="sent")
     assert done.get(timeout=5) == "sent"
     ing = Ingress()
-    assert lossy.drain(rx, ing) == 301
+    assert ingress.drain(rx, ing) == 301
     assert ing.counts["datagrams"] == 301
     assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=5, worker=0)).tensors[0],
                        grad)
@@ -359,7 +359,7 @@ def test_a_lossy_push_its_datagrams_contradict_is_refused():
 
 
 def test_datagrams_held_are_bounded(monkeypatch):
-    monkeypatch.setattr(lossy, "MAX_HELD_BYTES", 10_000)
+    monkeypatch.setattr(ingress, "MAX_HELD_BYTES", 10_000)
     ing = Ingress()
     for transfer in range(20):  # pushes whose lossy_push never comes
         for p in packets_of(torch.randn(1000), transfer=transfer)[:2]:

@@ -1,0 +1,299 @@
+"""Bounded-loss pushes (--loss-tolerance F), the receiving side: a parameter server's
+(servers.server) or a transpose all-reduce's (psring.comm.transpose). The sending side
+is psring.comm.lossy.
+
+    sock = receiving_socket("198.18.0.3", 5555, 64 << 20)
+    ingress = Ingress(key)
+    drain(sock, ingress)               # every datagram waiting, kept or counted as bad
+    push = ingress.complete(lossy_msg)  # a push Message, or (need, missing packets)
+
+When a push's end marker arrives (a lossy_push; the datagrams sent ahead of it on the
+same path have arrived or are lost: it is the push's deadline), :meth:`Ingress.complete`
+makes it a plain push of what arrived, the missing elements zero and the rest scaled by
+numel / delivered (an unbiased estimate of the gradient when packets are lost at
+random: DLCP's bounded loss), if at most the fraction F is missing; else it says which
+packets to send again. Datagrams are validated (and with a shared secret authenticated)
+before use; what is kept waiting is bounded (MAX_HELD_BYTES, counted from each
+transfer's whole size; oldest transfers dropped first). The socket asks for UDP GRO: a
+coalesced receive's whole datagrams are checked together (numpy) and written in place.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from psring.comm.protocol import (
+    DATAGRAM_DTYPE,
+    DATAGRAM_HEADER,
+    DATAGRAM_MAGIC,
+    DATAGRAM_VERSION,
+    DTYPES,
+    MAX_PACKETS,
+    WIRE_CODES,
+    Datagram,
+    Message,
+    ProtocolError,
+    decode_datagram,
+    per_datagram,
+    run_tag,
+)
+
+#: Linux's UDP_GRO option: the kernel hands a socket many datagrams of one flow in one
+#: receive, with their size (an int) in a control message
+UDP_GRO = getattr(socket, "UDP_GRO", 104)
+
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+
+
+def receiving_socket(host: str, port: int, buffer_bytes: int) -> socket.socket:
+    """A non-blocking UDP socket bound to (``host``, ``port``; 0: any free one) whose
+    kernel buffer holds ``buffer_bytes`` of datagrams (root may go beyond
+    net.core.rmem_max, 208 KiB by default; others get what it allows). OSError when
+    the port cannot be bound."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, buffer_bytes)
+        except OSError:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    try:  # (many datagrams a receive where the kernel coalesces them; else one)
+        s.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
+    except OSError:
+        pass
+    s.setblocking(False)
+    return s
+
+
+def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None) -> int:
+    """Hand the datagrams waiting on ``sock`` to ``ingress`` (all, or about ``most``:
+    a coalesced receive is handed whole); returns how many."""
+    n = 0
+    control = socket.CMSG_SPACE(4)
+    while most is None or n < most:
+        try:
+            data, ancillary, _, _ = sock.recvmsg(65536, control)
+        except (BlockingIOError, InterruptedError):
+            break
+        size = next((int.from_bytes(c[2][:4], "little") for c in ancillary
+                     if c[0] == socket.SOL_UDP and c[1] == UDP_GRO), 0)
+        if size and len(data) > size:  # (coalesced: UDP GRO)
+            ingress.datagrams(data, size)
+            n += -(-len(data) // size)
+        else:
+            ingress.datagram(data)
+            n += 1
+    return n
+
+
+#: bytes of datagrams kept waiting for their lossy_push, over all transfers
+MAX_HELD_BYTES = 1 << 30
+
+
+@dataclass
+class _Arriving:
+    """One transfer's datagrams as they arrive, each payload written in its place."""
+
+    packets: int
+    dtype: str
+    #: the run tag and shard its first datagram named (the others must agree)
+    tag: int = -1
+    shard: int = -1
+    #: which packets arrived
+    got: np.ndarray = field(default=None)  # type: ignore[assignment]
+    #: packet i's payload at [i * whole, ...), a missing one's place zero
+    data: np.ndarray = field(default=None)  # type: ignore[assignment]
+    #: the last packet's payload bytes, once it arrived (every other one is whole)
+    last: int = -1
+
+    def __post_init__(self) -> None:
+        self.got = np.zeros(self.packets, np.bool_)
+        # (zeroed now, in one pass: the pages a transfer's datagrams would otherwise
+        # fault in one by one, between them, cost ten times as much)
+        self.data = np.empty(self.packets * whole_bytes(self.dtype), np.uint8)
+        self.data.fill(0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+#: the header bytes of a datagram's number, and the others (which a transfer's share)
+_INDEX = slice(DATAGRAM_DTYPE.fields["index"][1], DATAGRAM_DTYPE.fields["index"][1] + 4)
+_SAME = np.r_[0:_INDEX.start, _INDEX.stop:DATAGRAM_HEADER]
+
+
+def whole_bytes(dtype: str) -> int:
+    """A full datagram's payload bytes of ``dtype``."""
+    return per_datagram(dtype) * DTYPES[dtype].itemsize
+
+
+class Ingress:
+    """The datagrams of transfers in progress, by (worker, transfer id)."""
+
+    def __init__(self, key: bytes | None = None):
+        self.key = key
+        self.transfers: OrderedDict[tuple[int, int], _Arriving] = OrderedDict()
+        self.held = 0
+        self.counts = {"datagrams": 0, "bad_datagrams": 0, "evicted": 0}
+
+    def datagram(self, data: bytes) -> None:
+        """Keep one datagram (or count it as bad and drop it)."""
+        try:
+            d = decode_datagram(data, self.key)
+        except ProtocolError:
+            self.counts["bad_datagrams"] += 1
+            return
+        self.counts["datagrams"] += 1
+        self.keep(d)
+
+    def datagrams(self, data: bytes | memoryview, size: int) -> None:
+        """Keep the datagrams of one coalesced receive (UDP GRO): ``data`` cut every
+        ``size`` bytes, the last piece perhaps shorter. Unsigned ones of one transfer,
+        whole, are checked and kept all at once (numpy); any other piece one by one."""
+        buf = memoryview(data)
+        k = len(buf) // size
+        if self.key is None and k > 1 and size > DATAGRAM_HEADER:
+            rows = np.frombuffer(buf, np.uint8, count=k * size).reshape(k, size)
+            if not self._keep_rows(rows):
+                for i in range(k):
+                    self.datagram(buf[i * size:(i + 1) * size])
+        else:
+            k = 0
+        for i in range(k, -(-len(buf) // size)):
+            self.datagram(buf[i * size:(i + 1) * size])
+
+    def _keep_rows(self, rows: np.ndarray) -> bool:
+        """Keep ``rows`` (one datagram each, all whole) if they are all good packets of
+        one transfer not seen before; False (nothing kept) for the one-by-one path."""
+        k, size = rows.shape
+        raw = rows[:, :DATAGRAM_HEADER]
+        # every header field but the packet's number the same as the first's
+        if not (raw[:, _SAME] == raw[0, _SAME]).all():
+            return False
+        first = raw[0].copy().view(DATAGRAM_DTYPE)[0]
+        code = int(first["code"])
+        if code >= len(WIRE_CODES):
+            return False
+        dtype = WIRE_CODES[code]
+        whole = whole_bytes(dtype)
+        index = np.ascontiguousarray(raw[:, _INDEX]).view("<u4").reshape(k).astype(np.int64)
+        packets = int(first["packets"])
+        if bytes(first["magic"]) != DATAGRAM_MAGIC \
+                or int(first["version"]) != DATAGRAM_VERSION or size - DATAGRAM_HEADER != whole \
+                or int(first["n"]) != per_datagram(dtype) \
+                or not 0 < packets <= MAX_PACKETS or not (index < packets).all():
+            return False
+        # (in order, as a sender's runs arrive: a slice; else each number once)
+        in_order = bool((np.diff(index) == 1).all())
+        if not in_order and len(np.unique(index)) != k:
+            return False
+        t = self._arriving(int(first["worker"]), int(first["transfer"]), packets, dtype,
+                           int(first["tag"]), int(first["shard"]))
+        if t is None or t.got[index].any():
+            return False
+        t.got[index] = True
+        payloads = rows[:, DATAGRAM_HEADER:]
+        if in_order:
+            start = int(index[0]) * whole
+            t.data[start:start + k * whole].reshape(k, whole)[:] = payloads
+        else:  # (a row a copy: each payload one item, not 1408 one-byte ones)
+            item = np.dtype((np.void, whole))
+            t.data.reshape(packets, whole).view(item)[index] = payloads.view(item)
+        if t.got[packets - 1] and t.last < 0:
+            t.last = whole
+        self.counts["datagrams"] += k
+        return True
+
+    def _arriving(self, worker: int, transfer: int, packets: int, dtype: str, tag: int,
+                  shard: int) -> _Arriving | None:
+        """The transfer's record, made at its first packet; None when the packet
+        disagrees with it or the transfer would not fit what may be held."""
+        key = (worker, transfer)
+        t = self.transfers.get(key)
+        if t is None:
+            if packets * whole_bytes(dtype) > MAX_HELD_BYTES:
+                return None
+            t = self.transfers[key] = _Arriving(packets, dtype, tag, shard)
+            self.held += t.nbytes
+            while self.held > MAX_HELD_BYTES and len(self.transfers) > 1:
+                _, old = self.transfers.popitem(last=False)
+                self.held -= old.nbytes
+                self.counts["evicted"] += 1
+        if (t.packets, t.dtype, t.tag, t.shard) != (packets, dtype, tag, shard):
+            return None
+        return t
+
+    def keep(self, d: Datagram) -> None:
+        """Keep one packet of a transfer: a datagram's, or one sent again over a
+        reliable channel (psring.comm.transpose)."""
+        whole = whole_bytes(d.dtype)
+        t = self._arriving(d.worker, d.transfer, d.packets, d.dtype, d.run_tag, d.shard)
+        if t is None or t.got[d.index] \
+                or d.index < d.packets - 1 and len(d.payload) != whole:
+            # disagrees with its transfer, came twice, or a packet but the last not full
+            self.counts["bad_datagrams"] += 1
+            return
+        t.got[d.index] = True
+        t.data[d.index * whole:d.index * whole + len(d.payload)] = \
+            np.frombuffer(d.payload, np.uint8)
+        if d.index == d.packets - 1:
+            t.last = len(d.payload)
+
+    def complete(self, msg: Message) -> Message | tuple[int, list]:
+        """A lossy_push's gradient as a push Message, or (need, missing packet numbers)
+        when more than its tolerance is missing. ProtocolError for a lossy_push that
+        breaks a rule or that its datagrams contradict (before any memory is taken)."""
+        h = msg.header
+        numel, packets, dtype = h["numel"], h["packets"], h["dtype"]
+        if dtype not in ("float32", "float16", "bfloat16") or numel <= 0 \
+                or not 0 < packets <= MAX_PACKETS \
+                or packets != math.ceil(numel / per_datagram(dtype)):
+            raise ProtocolError(f"lossy_push of {numel} {dtype} elements in {packets} "
+                                f"packets")
+        if not 0 <= h["tolerance"] < 1:
+            raise ProtocolError(f"lossy_push tolerance {h['tolerance']!r} outside [0, 1)")
+        t = self.transfers.get((h["worker"], h["transfer"]))
+        if t is not None and (t.packets, t.dtype, t.tag, t.shard) != (
+                packets, dtype, run_tag(h["run"]), h["shard"]):
+            raise ProtocolError("lossy_push disagrees with its datagrams' packets, dtype, "
+                                "run or shard")
+        per = per_datagram(dtype)
+        itemsize = DTYPES[dtype].itemsize
+        tail = numel - (packets - 1) * per  # (the last packet's elements)
+        if t is not None and t.last >= 0 and t.last != tail * itemsize:
+            raise ProtocolError("a datagram's elements do not fit its place in the push")
+        if t is None:  # (nothing arrived)
+            t = _Arriving(packets, dtype, run_tag(h["run"]), h["shard"])
+        missing = np.flatnonzero(~t.got)
+        lost = len(missing) * per - (per - tail if t.got.size and not t.got[-1] else 0)
+        if lost > h["tolerance"] * numel:
+            # the fewest packets that bring the missing part within the tolerance
+            excess = lost - math.floor(h["tolerance"] * numel)
+            return min(len(missing), math.ceil(excess / per)), missing.tolist()
+        grad = self._assemble(t, numel, DTYPES[dtype], lost)
+        if self.transfers.pop((h["worker"], h["transfer"]), None) is not None:
+            self.held -= t.nbytes
+        header = {"v": h["v"], "op": "push", "run": h["run"], "worker": h["worker"],
+                  "seq": h["seq"], "shard": h["shard"], "step": h["step"],
+                  "offset": h["offset"], "tensors": [[dtype, [numel]]],
+                  "delivered": numel - lost}
+        return Message(header, [grad])
+
+    @staticmethod
+    def _assemble(t: _Arriving, numel: int, dtype: torch.dtype, lost: int) -> torch.Tensor:
+        """The transfer's elements (a missing packet's zero), scaled up by what was lost."""
+        # (the tensor takes the transfer's buffer over: the transfer is done with it)
+        grad = torch.frombuffer(t.data, dtype=dtype, count=numel)
+        if lost:  # unbiased: each element arrived with probability delivered / numel
+            grad.mul_(numel / (numel - lost))
+        return grad
