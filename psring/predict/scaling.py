@@ -202,14 +202,14 @@ def scale(profile: Profile, cal: Any, classes: dict[str, Any], max_workers: int,
         cands = candidates(profile, base, cal, can, max_servers=max(1, own), cores=None,
                            inside=inside if base.workers > base.hosts else None, fluid=True)
         best, squeezed = best_of_each(cands), best_of_each(cands, compressed=True)
-        for c in best.values():  # (the fluid ranks; the events price what it picked)
-            cost_model = classes[c.strategy].caps.cost_model
-            if cost_model and COST_MODELS.get(cost_model).fluid is not None:
-                c.prediction = priced(profile, cal, cost_model, c.cluster, c.bucket_mb,
-                                      c.compress, c.prediction.settings.get(
-                                          "update_on", "server"), inside)
         for c in best.values():
             caps = classes[c.strategy].caps
+            if caps.cost_model and COST_MODELS.get(caps.cost_model).fluid is not None \
+                    and not by_fluid(profile, c.cluster, c.bucket_mb):
+                # (the fluid ranked the settings; the events price the one it picked)
+                c.prediction = priced(profile, cal, caps.cost_model, c.cluster, c.bucket_mb,
+                                      c.compress, c.prediction.settings.get(
+                                          "update_on", "server"), inside)
             point = Point.of(c, caps.uses_servers, caps.supports_compression)
             fp16 = squeezed.get(c.strategy)
             if fp16 is not None and fp16.prediction.step_s < point.step_s:
