@@ -43,6 +43,8 @@ TRANSPORT = {"ring": "dist", "hring": "dist", "ps": "zmq", "ps-async": "zmq",
 
 # -- measured parameters ------------------------------------------------------------------
 
+#: the workers of the measured PS round (psring.predict.psprobe.WORKERS)
+PS_ROUND_WORKERS = 2
 _NUMBERS = ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "gamma")
 #: the gloo collectives psring's strategies use on one host, each fitted per ring step
 GLOO_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
@@ -85,6 +87,11 @@ class Calibration:
     #: {"zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta", "time", "measurements"}
     #: between two emulated hosts
     links: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: psring's own parameter-server round on this machine (psring.predict.psprobe): [α,
+    #: β] of round(M) = α + M·β, two workers each pushing M bytes to one server and
+    #: pulling M back, the server with the threads a run gives it on these cores; empty
+    #: in calibrations made before it was measured (the ping-pong's figures then stand)
+    ps_round: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in _NUMBERS:
@@ -102,6 +109,11 @@ class Calibration:
                                  f"{', '.join(GLOO_COLLECTIVES)} with [alpha, beta]")
             check_positive(f"collectives[{op!r}] alpha", ab[0])
             check_positive(f"collectives[{op!r}] beta", ab[1])
+        if self.ps_round:
+            if not isinstance(self.ps_round, (list, tuple)) or len(self.ps_round) != 2:
+                raise ValueError(f"ps_round is {self.ps_round!r}: expected [alpha, beta]")
+            check_positive("ps_round alpha", self.ps_round[0])
+            check_positive("ps_round beta", self.ps_round[1])
         for rate, numbers in self.links.items():
             for name in ("zmq_alpha", "zmq_beta", "dist_alpha", "dist_beta"):
                 check_positive(f"links[{rate!r}].{name}", (numbers or {}).get(name))
@@ -115,9 +127,24 @@ class Calibration:
         if transport == "dist":
             return self.dist_alpha, self.dist_beta
         if transport == "zmq":
-            return self.zmq_alpha, self.zmq_beta
+            return self.ps_transport()
         raise ValueError(f"unknown cost model {cost_model!r}; known: "
                          f"{', '.join(TRANSPORT)}, or a transport: dist, zmq")
+
+    def ps_transport(self) -> tuple[float, float]:
+        """(α, β) of the parameter servers' transport on loopback: the ZeroMQ ping-pong's,
+        but never faster than psring's own PS round measured on this machine allows
+        (``ps_round``). The cost models play that round (two workers, one server, one
+        push and one pull) as two messages' latency and 2·workers passes of the bytes
+        through the server's transport, so α is at least half the round's and β at
+        least its β over 2·workers (tests/unit/test_psprobe.py plays the round back
+        through the simulator). What the ping-pong leaves out and the round pays — the
+        server's one Python thread, validation, the client, the copies — then lands on
+        the transport, where a machine's extra cores do not take it off."""
+        if not self.ps_round:
+            return self.zmq_alpha, self.zmq_beta
+        alpha, beta = self.ps_round
+        return max(self.zmq_alpha, alpha / 2), max(self.zmq_beta, beta / (2 * PS_ROUND_WORKERS))
 
     def gloo_step(self, op: str) -> tuple[float, float]:
         """(α, β) of one ring step of gloo's collective ``op`` ("all_reduce",
@@ -187,7 +214,8 @@ class Calibration:
         return replace(self, **{n: getattr(self, n) / scale for n in _NUMBERS},
                        cast=self.cast / scale if self.cast is not None else None, links={},
                        collectives={op: [a / scale, b / scale]
-                                    for op, (a, b) in self.collectives.items()})
+                                    for op, (a, b) in self.collectives.items()},
+                       ps_round=[x / scale for x in self.ps_round])
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, **asdict(self)}

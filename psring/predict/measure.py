@@ -7,7 +7,7 @@
 (The command is psring.commands.calibrate; this module measures, with the processes
 of psring.predict.pingpong.)
 
-Three measurements, one after another (never concurrently: on a small machine they
+Four measurements, one after another (never concurrently: on a small machine they
 would compete for the same cores):
 
 - ZeroMQ: two processes ping-pong raw byte messages over tcp on 127.0.0.1 (a PAIR
@@ -21,6 +21,10 @@ would compete for the same cores):
   (here gloo's all_reduce took 2-4x what the ping-pong's β and γ add up to).
 - γ: an in-place ``torch.add_`` of two float32 tensors of 64 MB (larger than the
   last-level cache), one thread; seconds per byte of one operand.
+- the PS round (psring.predict.psprobe): psring's own server and clients, two workers
+  pushing and pulling 1-16 MB each, fitted to round(M) = α + M·β
+  (``Calibration.ps_round``): what the ping-pong leaves out of a PS step on this
+  machine's cores.
 
 With ``--hosts 2 --link RATE`` the ZeroMQ and gloo pairs run on two emulated hosts
 (psring.cluster.emulate) joined by links of RATE, over messages up to what crosses the link in
@@ -50,7 +54,7 @@ from typing import Any, Callable
 from psring.cluster.emulate import standalone
 from psring.comm.endpoints import ABSTRACT_IPC
 from psring.errors import PsringError
-from psring.predict.calibration import Calibration
+from psring.predict.calibration import PS_ROUND_WORKERS, Calibration
 from psring.predict.pingpong import (
     KB,
     QUICK_SIZES,
@@ -59,6 +63,7 @@ from psring.predict.pingpong import (
     measure_gloo,
     measure_zmq,
 )
+from psring.predict.psprobe import fit_round, measure_ps_round, probe_threads
 from psring.units import parse_rate
 
 #: γ's tensor size, in quick mode too: it must not fit in the last-level cache (32 MB on
@@ -215,6 +220,9 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
     say("calibrate: local add (gamma) ...")
     gamma = measure_gamma(gamma_bytes, reps=5 if quick else 9)
     cast = measure_cast(gamma_bytes // 4, reps=3 if quick else 5)
+    say(f"calibrate: psring's parameter-server round ({PS_ROUND_WORKERS} workers, one "
+        f"server with {probe_threads()} torch thread(s)) ...")
+    ps_points = _measure_round(quick)
     return Calibration(
         zmq_alpha=zmq_alpha, zmq_beta=zmq_beta, dist_alpha=dist_alpha, dist_beta=dist_beta,
         gamma=gamma, cast=cast, host=socket.gethostname(),
@@ -222,8 +230,22 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
         cores=os.cpu_count(), versions=_versions(), sizes=list(sizes),
         gamma_bytes=gamma_bytes, quick=quick,
         measurements={"zmq": zmq_points, "dist": dist_points, **dist_extra,
-                      "gamma": [[gamma_bytes, gamma * gamma_bytes]]},
-        collectives=fit_collectives(dist_extra))
+                      "gamma": [[gamma_bytes, gamma * gamma_bytes]], "ps_round": ps_points},
+        collectives=fit_collectives(dist_extra), ps_round=list(fit_round(ps_points)))
+
+
+def _measure_round(quick: bool) -> list[list[float]]:
+    """The PS round's points, measured again (up to ATTEMPTS times) when they do not fit
+    a growing line."""
+    for attempt in range(1, ATTEMPTS + 1):
+        points = measure_ps_round(quick)
+        try:
+            fit_round(points)
+            return points
+        except PsringError:
+            if attempt == ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
 
 
 def calibrate_link(link: str, delay: str = "", quick: bool = False,
@@ -264,6 +286,10 @@ def describe(cal: Calibration) -> str:
     ]
     if cal.cast:
         lines.append(f"{'fp16 cast':<18}   {cal.cast * 1e9:8.3f} ns per float32 byte, each way")
+    if cal.ps_round:
+        a, b = cal.ps_round
+        lines.append(f"{'PS round':<21} α = {a * 1e6:8.1f} µs   1/β = {1 / b / 1e9:7.3g} GB/s "
+                     f"per worker ({PS_ROUND_WORKERS} workers, one server)")
     for rate, m in sorted(cal.links.items(), key=lambda kv: kv[1].get("link_bits", 0)):
         lines += [link(f"ZeroMQ ({rate} link)", m["zmq_alpha"], m["zmq_beta"]),
                   link(f"gloo ({rate} link)", m["dist_alpha"], m["dist_beta"])]

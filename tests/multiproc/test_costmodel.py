@@ -367,6 +367,11 @@ def test_calibrate_quick_end_to_end(tmp_path):
         assert math.isfinite(v) and v > 0, name
     assert c.quick and c.cores and c.sizes and c.versions["torch"]
     assert len(c.measurements["zmq"]) == len(c.sizes) == len(c.measurements["dist"])
+    # psring's own PS round (its server among this session's processes, reaped below)
+    assert "PS round" in stdout
+    (m1, t1), (m2, t2) = c.measurements["ps_round"]
+    assert m1 < m2 and 0 < t1 < t2, c.measurements["ps_round"]
+    assert c.ps_round[0] > 0 and c.ps_round[1] > 0
     assert_no_processes(tmp_path)
     deadline = time.monotonic() + 10
     while _in_session(proc.pid) and time.monotonic() < deadline:
