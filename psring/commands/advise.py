@@ -135,11 +135,11 @@ def _where(hosts: int, per_host: int, link_bits: float | None, delay_s: float) -
 
 
 def _calibration(args: argparse.Namespace, out: Path):
-    if args.calibration:
-        return Calibration.load(args.calibration)
-    path = find_calibration(out)
-    if path is not None:
-        return Calibration.load(path)
+    path = args.calibration or find_calibration(out)
+    if path:
+        cal = Calibration.load(path)
+        cal.warn_if_elsewhere(path)
+        return cal
 
     print("psring: no α-β-γ calibration found (psring calibrate); measuring a quick one",
           flush=True)

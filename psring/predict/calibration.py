@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,28 @@ class Calibration:
             return self.ps_transport()
         raise ValueError(f"unknown cost model {cost_model!r}; known: "
                          f"{', '.join(TRANSPORT)}, or a transport: dist, zmq")
+
+    def elsewhere(self, host: str | None = None, cores: int | None = None) -> str | None:
+        """How the machine this was measured on differs from ``host`` with ``cores``
+        (this machine's by default), or None where nothing recorded differs."""
+        host = host if host is not None else socket.gethostname()
+        cores = cores if cores is not None else os.cpu_count()
+        diffs = []
+        if self.host and host and self.host != host:
+            diffs.append(f"host {self.host!r}, not {host!r}")
+        if self.cores and cores and self.cores != cores:
+            diffs.append(f"{self.cores} cores, not {cores}")
+        return "; ".join(diffs) or None
+
+    def warn_if_elsewhere(self, path: str | os.PathLike, host: str | None = None,
+                          cores: int | None = None, where: str = "this machine") -> None:
+        """One line on stderr when :meth:`elsewhere` finds a difference: the predictions
+        then carry another machine's costs."""
+        why = self.elsewhere(host, cores)
+        if why:
+            print(f"psring: warning: the calibration {path} was measured on another machine "
+                  f"({why}); predictions for {where} use that machine's costs — run "
+                  f"`psring calibrate` on {where}.", file=sys.stderr, flush=True)
 
     def ps_transport(self) -> tuple[float, float]:
         """(α, β) of the parameter servers' transport on loopback: the ZeroMQ ping-pong's,

@@ -153,6 +153,10 @@ def _read_sweep(sweep_dir: Path) -> _Sweep:
                           f"({len(problems)} not run or failed); run the sweep first.")
     cal_path = find_calibration(sweep_dir)
     cal = Calibration.load(cal_path) if cal_path else None
+    if cal is not None and rows:  # (against the machine the runs were on, not this one)
+        ran_on = rows[0].get("machine") or {}
+        cal.warn_if_elsewhere(cal_path, ran_on.get("hostname") or "", ran_on.get("cores") or 0,
+                              where="the machine these runs were on")
     settings = aggregate(rows, cal)
     target = target_accuracy(rows, spec)
     add_time_to_accuracy(settings, target)

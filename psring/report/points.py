@@ -77,6 +77,7 @@ def load_point(run_dir: Path) -> dict[str, Any]:
     row = summarize(run_dir)
     manifest = read_manifest(run_dir)
     cfg = manifest["config"]
+    row["machine"] = manifest.get("host") or {}  # (hostname, cores: whose calibration fits)
     records = read_steps(run_dir)
     skip = warmup_steps(cfg["steps"])
     kept = [r for r in records if r["step"] >= skip] or records

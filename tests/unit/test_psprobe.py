@@ -76,3 +76,19 @@ def test_the_probe_server_gets_a_runs_threads_for_the_cores(monkeypatch, cores, 
     monkeypatch.setattr("os.cpu_count", lambda: cores)
     assert psprobe.probe_threads() == threads
 
+
+# -- a calibration from another machine ---------------------------------------------------
+
+def test_a_calibration_from_another_machine_is_named(capsys, tmp_path):
+    cal = dataclasses.replace(CAL, host="gpu-box", cores=16)
+    assert cal.elsewhere("gpu-box", 16) is None
+    assert cal.elsewhere("vm", 16) == "host 'gpu-box', not 'vm'"
+    assert cal.elsewhere("gpu-box", 2) == "16 cores, not 2"
+    # (a calibration that recorded neither, or a run that did not say, is not judged)
+    assert CAL.elsewhere("vm", 2) is None and cal.elsewhere("", 0) is None
+    cal.warn_if_elsewhere(tmp_path / "calibration.json", "vm", 2)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "another machine (host 'gpu-box', not 'vm'; 16 cores, " \
+        "not 2)" in err and "psring calibrate" in err
+    cal.warn_if_elsewhere(tmp_path / "calibration.json", "gpu-box", 16)
+    assert capsys.readouterr().err == ""
