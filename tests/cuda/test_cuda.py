@@ -216,7 +216,8 @@ def test_the_examples_run_on_cuda_and_train_singles_model(tmp_path):
     for script, flags in (("digits.py", ["--epochs", "1"]), ("ddp_style.py", []),
                           ("accelerate_style.py", [])):
         for strategy, extra in (("single", ["--workers", "1"]), ("allreduce", []),
-                                ("ps", []), ("byteps", ["--update-on", "worker"])):
+                                ("ps", ["--servers", "2"]),
+                                ("byteps", ["--update-on", "worker"])):
             edits = ["--clip", "0", "--no-scaler"] if script == "ddp_style.py" \
                 and strategy == "ps" else []
             name = f"{script[:-3]}-{strategy}{'-plain' if edits else ''}"
@@ -233,4 +234,21 @@ def test_the_examples_run_on_cuda_and_train_singles_model(tmp_path):
         ref = ref + ("-plain" if name.endswith("-plain") else "")
         assert max_rel_diff(load_model(tmp_path / name), load_model(tmp_path / ref)) < 1e-4
         assert manifest(tmp_path / name)["device"].startswith("cuda"), name
+    assert_no_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_compare_runs_on_cuda_and_reports_every_strategy(tmp_path):
+    """`psring compare` on the GPU machine (its figures of record are gpu_check.sh's,
+    run alone): every strategy finishes, on CUDA where it can (hogwild on the CPU), and
+    the report predicts each one."""
+    psring("compare", "--repeats", "1", "--out", tmp_path / "cmp", timeout=380)
+    report = (tmp_path / "cmp" / "report.md").read_text()
+    assert "## Step-time prediction" in report
+    points = [d for d in (tmp_path / "cmp").iterdir() if (d / "manifest.json").is_file()]
+    assert len(points) >= 8
+    for d in points:
+        device = json.loads((d / "manifest.json").read_text())["device"]
+        assert device.startswith("cpu" if "hogwild" in d.name else "cuda"), (d.name, device)
     assert_no_processes(str(tmp_path))

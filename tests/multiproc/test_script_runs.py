@@ -212,3 +212,56 @@ def test_launch_without_a_command_or_with_what_scripts_lack_is_refused(tmp_path,
         assert code == 2
         assert says in capsys.readouterr().err
     assert not (tmp_path / "x" / "steps.jsonl").exists()
+
+
+#: what docs/your-script.md's template leaves to the script: a dataset, a model, its
+#: optimizer and loss, the epochs, a held-out set and an accuracy
+TEMPLATE_PRELUDE = '''
+import torch
+
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+X = torch.randn(512, 16, generator=g)
+Y = (X[:, :4].sum(1) > 0).long()
+dataset = torch.utils.data.TensorDataset(X, Y)
+held_out = (X[:128], Y[:128])
+epochs = 2
+torch.manual_seed(1)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+loss_fn = torch.nn.functional.cross_entropy
+
+
+def accuracy(m, data):
+    with torch.no_grad():
+        x, y = data
+        return (m(x).argmax(1).cpu() == y).float().mean().item()
+'''
+
+
+def _docs_template() -> str:
+    """The first python block of docs/your-script.md ("The five calls"), as written."""
+    text = (TESTS.parent / "docs" / "your-script.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "psring.init()" in block and "dist.finish()" in block
+    return block
+
+
+@pytest.mark.timeout(120)
+def test_the_docs_template_runs_as_written(tmp_path):
+    """docs/your-script.md's template, with only what it leaves to the script defined
+    before it, trains single's model under ps with two servers (issue 45: every code
+    block of the docs runs)."""
+    script = tmp_path / "train.py"
+    script.write_text(TEMPLATE_PRELUDE + _docs_template())
+    psring_together(_launch("single", tmp_path / "single", workers=1)
+                    + ["--", "python", str(script)],
+                    _launch("ps", tmp_path / "ps", "--servers", "2")
+                    + ["--", "python", str(script)], timeout=100)
+    _same_model(tmp_path / "ps", tmp_path / "single", "ps")
+    # 512 rows, a global batch of 128: 4 steps an epoch, 2 epochs; evaluated each epoch
+    assert len(read_steps(tmp_path / "ps")) == 2 * 8
+    evals = [json.loads(line) for line in (tmp_path / "ps" / "evals.jsonl").read_text()
+             .splitlines()]
+    assert [e["step"] for e in evals] == [4, 8] and evals[-1]["accuracy"] > 0.6
+    assert_no_processes(tmp_path)
