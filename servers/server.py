@@ -41,7 +41,7 @@ from psring.comm.protocol import (
     error_frames,
 )
 from psring.errors import ConfigError
-from psring.records.runlog import host_name
+from psring.records.runlog import host_name, usable_cores
 from psring.servers.handler import Handler
 
 POLL_MS = 100
@@ -115,8 +115,8 @@ MAX_IO_THREADS = 4
 
 
 def default_io_threads() -> int:
-    """One ZeroMQ I/O thread per core, at most MAX_IO_THREADS (--io-threads 0)."""
-    return min(MAX_IO_THREADS, os.cpu_count() or 1)
+    """One ZeroMQ I/O thread per core it may use, at most MAX_IO_THREADS (--io-threads 0)."""
+    return min(MAX_IO_THREADS, usable_cores())
 
 
 def _udp_socket(endpoint: str) -> socket.socket | None:

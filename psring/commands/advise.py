@@ -71,7 +71,7 @@ from psring.predict.failures import Failures
 from psring.predict.measure import calibrate
 from psring.predict.scaling import runnable
 from psring.records.profile import MODEL_KEYS, Profile
-from psring.records.runlog import atomic_write_json
+from psring.records.runlog import atomic_write_json, usable_cores
 from psring.report import summarize
 from psring.runs.launch import launch
 from psring.runs.profiling import profile_config, take_profile
@@ -322,7 +322,7 @@ def _load_profile(args: argparse.Namespace, n: int,
 def _profile_now(args: argparse.Namespace, n: int, out: Path) -> Profile:
     """A short traced single run of the flags' model at the per-worker batch."""
 
-    threads = max(1, (os.cpu_count() or 1) // n) if args.verify else 0
+    threads = max(1, usable_cores() // n) if args.verify else 0
     cfg = profile_config(**_model_flags(args), batch_size=args.batch_size // n,
                          threads=threads, out=str(out / "profile"))
     meta_build(cfg.model, ModelSettings.from_config(cfg))  # a bad model: exit 2 now

@@ -26,7 +26,7 @@ from typing import Any
 
 from psring.cluster.spec import link_key
 from psring.errors import ConfigError
-from psring.records.runlog import atomic_write_json
+from psring.records.runlog import atomic_write_json, usable_cores
 from psring.units import payload_beta
 
 #: the calibration file's name inside a run or comparison directory
@@ -137,7 +137,7 @@ class Calibration:
         """How the machine this was measured on differs from ``host`` with ``cores``
         (this machine's by default), or None where nothing recorded differs."""
         host = host if host is not None else socket.gethostname()
-        cores = cores if cores is not None else os.cpu_count()
+        cores = cores if cores is not None else usable_cores()
         diffs = []
         if self.host and host and self.host != host:
             diffs.append(f"host {self.host!r}, not {host!r}")

@@ -44,7 +44,6 @@ overruns; it also dies with this process (PR_SET_PDEATHSIG), so nothing outlives
 from __future__ import annotations
 
 import math
-import os
 import platform
 import socket
 import statistics as st
@@ -64,6 +63,7 @@ from psring.predict.pingpong import (
     measure_zmq,
 )
 from psring.predict.psprobe import fit_round, measure_ps_round, probe_threads
+from psring.records.runlog import usable_cores
 from psring.units import parse_rate
 
 #: γ's tensor size, in quick mode too: it must not fit in the last-level cache (32 MB on
@@ -227,7 +227,7 @@ def calibrate(quick: bool = False, log: Callable[[str], None] | None = None) -> 
         zmq_alpha=zmq_alpha, zmq_beta=zmq_beta, dist_alpha=dist_alpha, dist_beta=dist_beta,
         gamma=gamma, cast=cast, host=socket.gethostname(),
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        cores=os.cpu_count(), versions=_versions(), sizes=list(sizes),
+        cores=usable_cores(), versions=_versions(), sizes=list(sizes),
         gamma_bytes=gamma_bytes, quick=quick,
         measurements={"zmq": zmq_points, "dist": dist_points, **dist_extra,
                       "gamma": [[gamma_bytes, gamma * gamma_bytes]], "ps_round": ps_points},

@@ -200,7 +200,17 @@ def git_commit() -> str | None:
 
 def host_facts() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "cores": os.cpu_count(), "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "cores": usable_cores(),
+            "machine_cores": os.cpu_count(), "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, a container's
+    cpuset), which ``os.cpu_count()`` ignores (it counts the machine's); at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (not Linux)
+        return os.cpu_count() or 1
 
 
 def host_name() -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from psring.errors import ConfigError, RunFailed
+from psring.records.runlog import usable_cores
 from psring.runtime import forking
 
 if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
@@ -78,14 +79,14 @@ def kill_with_parent() -> bool:
 
 def worker_threads(cfg: RunConfig, local_workers: int) -> int:
     """torch threads per worker: --threads, or the host's cores shared by its workers."""
-    return cfg.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers))
+    return cfg.threads or max(1, usable_cores() // max(1, local_workers))
 
 
 def server_threads(servers: int, workers: int) -> int:
     """torch threads per parameter server started beside the workers: the cores the
     workers leave, shared by the servers, at least 1. (On 2 cores with 2 workers a
     second server thread measured slower: it competes with ZeroMQ's I/O threads.)"""
-    return max(1, ((os.cpu_count() or 1) - workers) // servers)
+    return max(1, (usable_cores() - workers) // servers)
 
 
 def set_process_name(name: str) -> None:

@@ -39,7 +39,6 @@ per-worker batch scales them in proportion (stated in the manifest).
 from __future__ import annotations
 
 import math
-import os
 import time
 import types
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from psring.comm.interconnect import check as check_device_link
 from psring.comm.interconnect import on_host
 from psring.errors import ConfigError
 from psring.records.profile import PROFILE_FILE, Profile
+from psring.records.runlog import usable_cores
 
 if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
     from psring.config import RunConfig
@@ -327,7 +327,7 @@ def _limits(cfg: RunConfig, cores: int) -> tuple[float, float, float, float, Any
 def required_time_scale(cfg: RunConfig, cores: int | None = None) -> int:
     """The smallest whole --time-scale at which :func:`capacity`'s rule holds for ``cfg``
     (what `advise --verify` runs at)."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     need, step, links, link_limit, _ = _limits(cfg, cores)
     s = cfg.time_scale
     return max(1, math.ceil(max(s * need / (cores * step), s * links / link_limit) - 1e-9))
@@ -339,7 +339,7 @@ def capacity(cfg: RunConfig, cores: int | None = None) -> list[str]:
     the --time-scale that would meet it."""
     if cfg.compute != "device":
         return []
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     need, step, total, link_limit, prof = _limits(cfg, cores)
     out = []
     if need > cores * step:

@@ -73,7 +73,7 @@ def test_fit_round_recovers_a_line_and_refuses_a_flat_one():
 @pytest.mark.parametrize("cores,threads", [(2, 1), (4, 2), (16, 14), (1, 1)])
 def test_the_probe_server_gets_a_runs_threads_for_the_cores(monkeypatch, cores, threads):
     # (as psring.runs.launch gives a run's one server beside 2 workers)
-    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
     assert psprobe.probe_threads() == threads
 
 
