@@ -38,8 +38,11 @@ SIZES = [1 * MB, 4 * MB, 16 * MB]
 QUICK_SIZES = [1 * MB, 8 * MB]
 #: bytes a push carries at most (a bucket's size in bench_ps.py)
 PIECE = 4 * MB
-#: rounds per size, after WARMUP untimed ones
-ROUNDS, QUICK_ROUNDS, WARMUP = 12, 5, 2
+#: bytes a worker pushes per size (its rounds: this over the size, within MIN_ROUNDS and
+#: MAX_ROUNDS), after WARMUP untimed rounds: on 2 shared cores a 1 MB round's median over
+#: 5 rounds ranged 1.5-3.1 ms from one calibration to the next
+BUDGET, QUICK_BUDGET = 96 * MB, 32 * MB
+MIN_ROUNDS, MAX_ROUNDS, WARMUP = 8, 64, 2
 #: the probe's deadline (server start, both workers' imports, every round)
 TIMEOUT_S, QUICK_TIMEOUT_S = 90.0, 2 * QUICK_PAIR_TIMEOUT_S
 
@@ -49,7 +52,12 @@ def _pieces(numel: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
 
-def _worker(rank: int, addr: str, sizes: list[int], rounds: int,
+def rounds_for(size: int, quick: bool) -> int:
+    """Timed rounds of ``size`` bytes a worker."""
+    return max(MIN_ROUNDS, min(MAX_ROUNDS, (QUICK_BUDGET if quick else BUDGET) // size))
+
+
+def _worker(rank: int, addr: str, sizes: list[int], quick: bool,
             timeout_s: float) -> list[list[float]]:
     """One probe worker: for each size, init (rank 0), pull, then timed rounds of
     push-all-pieces + pull; returns [[bytes, median round s], ...]. Both workers keep
@@ -72,7 +80,8 @@ def _worker(rank: int, addr: str, sizes: list[int], rounds: int,
                     "lo": 0, "hi": numel, "workers": WORKERS, "mode": "sync", "lr": 0.01,
                     "momentum": 0.9, "weight_decay": 0.0, "max_staleness": -1},
                     [torch.zeros(numel)])], "init")
-            rows.append([size, _rounds(client, torch.full((numel,), 1e-6), rounds)])
+            rows.append([size, _rounds(client, torch.full((numel,), 1e-6),
+                                       rounds_for(size, quick))])
         finally:
             client.close()
     return rows
@@ -142,8 +151,8 @@ def measure_ps_round(quick: bool) -> list[list[float]]:
                                "--name", "calibrate"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        rows, _ = run_pair(_worker, (addr, sizes, QUICK_ROUNDS if quick else ROUNDS,
-                                     timeout), timeout, "parameter-server round")
+        rows, _ = run_pair(_worker, (addr, sizes, quick, timeout), timeout,
+                           "parameter-server round")
         return rows
     finally:
         server.kill()

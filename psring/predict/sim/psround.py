@@ -414,7 +414,10 @@ def ps_cpu_work(sim: Sim, mode: str) -> float:
     adds and updates."""
     cluster, cal, profile = sim.cluster, sim.cal, sim.profile
     n, K, total, wire, cast = cluster.workers, cluster.servers, sim.total, sim.wire, sim.cast
-    alpha, beta = cal.link(mode)
+    # the ping-pong's CPU cost of a message, not the measured PS round's
+    # (Calibration.ps_transport): that round is wall time on these same shared cores,
+    # their contention already in it
+    alpha, beta = cal.zmq_alpha, cal.zmq_beta
     threads = max(1, profile.threads or 1)
     on_workers = mode == "byteps" and sim.update_on == "worker"  # (the optimizer's work)
     compute = profile.compute_s - (0.0 if on_workers else profile.update_s)
