@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# psring on a GPU machine, in one go (issue 29): the CUDA tests, the pinned copy rates,
-# profiles of the seeds' models at their published sizes, and a timed `single` run for
-# the device-mode comparison. Every result lands in RESULTS (a folder it creates), and
-# all but the models' weights are packed beside it as RESULTS.tar.gz. Each part has its own time
-# limit, so the whole stays under 8 minutes and a part that fails leaves the others.
+# psring on a GPU machine, in one go. Two sets of parts (GPU_CHECK_PARTS):
+#   ps (default, issue 45): `psring compare` timed, with its report and predictions,
+#      printed as soon as it ends; compare's workload under ps (1 and 2 servers) and
+#      allreduce on CUDA, traced, with where each ps step goes
+#      (benchmarks/ps_breakdown.py); bench_ps.py --quick on all the cores and on two
+#      (`taskset -c 0,1`: a fixed cost stays, a core-bound one grows); then the CUDA
+#      tests (the examples and compare on CUDA among them) with what is left.
+#   profiles (issue 29): the CUDA tests, the pinned copy rates, profiles of the seeds'
+#      models at their published sizes, and a timed `single` run for device mode.
+# Every result lands in RESULTS (a folder it creates), and all but the models' weights
+# are packed beside it as RESULTS.tar.gz. Each part has its own time limit, so the
+# whole stays under 8 minutes and a part that fails leaves the others.
 #
 #   benchmarks/gpu_check.sh RESULTS          # on the GPU machine, from the repository
+#   GPU_CHECK_PARTS=profiles benchmarks/gpu_check.sh RESULTS
 #   GPU_CHECK_DRY=1 benchmarks/gpu_check.sh /tmp/dry   # here: tiny sizes, no GPU needed
 #
 # pyzmq may be missing there: a wheel in .whl/ (see docs/benchmarks.md) is installed
@@ -40,6 +48,8 @@ if ! $PY -c "import psring.servers" 2>/dev/null; then
 fi
 mkdir -p /tmp/gpu_check_cwd && cd /tmp/gpu_check_cwd || exit 1
 DRY=${GPU_CHECK_DRY:-}
+PARTS=${GPU_CHECK_PARTS:-ps}
+case "$PARTS" in ps|profiles) ;; *) echo "gpu_check: GPU_CHECK_PARTS is ps or profiles, not $PARTS"; exit 2;; esac
 DEVICE=cuda
 [ -n "$DRY" ] && DEVICE=cpu
 T0=$SECONDS
@@ -68,8 +78,9 @@ stamp "machine"
 machine > "$RESULTS/machine.txt" 2>&1
 cat "$RESULTS/machine.txt"
 
-# 1. the CUDA tests (skipped with their reason where torch sees no GPU), the GPU
-#    choices made without one, and the process starts of a GPU build of torch
+# the CUDA tests (skipped with their reason where torch sees no GPU), the GPU choices
+# made without one, and the process starts of a GPU build of torch
+cuda_tests() {
 stamp "CUDA tests"
 grep -E "^(python|gpu|cudnn) " "$RESULTS/machine.txt" > "$RESULTS/cuda_tests.log"  # the log names its GPU
 timeout "$(limit 270)" $PY -m pytest "$REPO/tests/cuda" "$REPO/tests/unit/test_gpu_choices.py" \
@@ -77,6 +88,12 @@ timeout "$(limit 270)" $PY -m pytest "$REPO/tests/cuda" "$REPO/tests/unit/test_g
     --durations=0 >> "$RESULTS/cuda_tests.log" 2>&1
 echo "exit $?" >> "$RESULTS/cuda_tests.log"
 tail -n 45 "$RESULTS/cuda_tests.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|exit"
+}
+
+if [ "$PARTS" = ps ]; then
+    source "$REPO/benchmarks/gpu_check_ps.sh"
+else
+cuda_tests
 
 # 2. pinned and pageable copies between host and device
 stamp "copy rates"
@@ -115,6 +132,8 @@ timeout "$(limit 90)" $PY -m psring run --strategy single --device "$DEVICE" --t
     --model resnet50 --classes 1000 "${SIZE[@]}" --samples 512 --eval-samples 0 \
     --out "$RESULTS/runs/single-resnet50" > "$RESULTS/runs/single-resnet50.log" 2>&1 \
     || { echo "single run failed:"; tail -n 5 "$RESULTS/runs/single-resnet50.log"; }
+
+fi
 
 stamp "packing"
 # (the weights are hundreds of MB and say nothing the steps do not)
