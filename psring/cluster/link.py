@@ -148,14 +148,42 @@ def _is_ipv4(frame: bytes) -> bool:
     return len(frame) >= 34 and frame[12:14] == b"\x08\x00"
 
 
+#: an IPv4 frame's TOS byte -> its priority level at a priority-aware switch: the marks
+#: of bounded-loss datagrams (psring.comm.lossy.PRIORITY_TOS: 0 lowest .. 3), and
+#: everything unmarked (TCP: pushes, pulls, acks, the rings) above them all
+LEVELS = {0x20: 0, 0x40: 1, 0x60: 2, 0x80: 3}
+UNMARKED = 4
+#: seconds a loss moved off a higher-priority frame waits for a lower one to take it;
+#: then the next frame takes it whatever its level, so the link's loss rate holds
+DEBT_S = 0.005
+
+
+def level(frame: bytes) -> int:
+    """An IPv4 frame's priority level (its TOS byte, after the 14-byte Ethernet header)."""
+    return LEVELS.get(frame[15], UNMARKED)
+
+
 class Direction:
     """Frames one way: read from ``src``, maybe dropped, held ``delay_s``, written to
-    ``dst``; with what it did, for the link's record."""
+    ``dst``; with what it did, for the link's record.
+
+    ``priority`` (--switch priority): DLCP's switch. A loss the model deals to a frame
+    above the lowest level passing (the lowest seen in the last :data:`DEBT_S`) is
+    moved onto the next frame of that level (a bounded-loss datagram of the back
+    layers or small gradients) that comes within :data:`DEBT_S`, else onto the next
+    frame of any level: the lowest priority goes first and the link's loss rate is
+    unchanged. With TCP alone nothing moves."""
 
     def __init__(self, name: str, src: int, dst: int, dropper: Dropper, delay_s: float,
-                 trace: Path):
+                 trace: Path, priority: bool = False):
         self.name, self.src, self.dst = name, src, dst
         self.dropper, self.delay_s = dropper, delay_s
+        self.priority = priority
+        #: losses moved off higher-priority frames, to be taken: (level, since)
+        self.debts: collections.deque[tuple[int, float]] = collections.deque()
+        self.moved = 0
+        #: when a frame of each level last passed (the lowest recent one takes losses)
+        self.seen = [-1.0] * (UNMARKED + 1)
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self.trace = open(trace, "wb")
         self.pending: list[int] = []
@@ -175,7 +203,10 @@ class Direction:
                 n = self.packets
                 self.packets += 1
                 self.bytes += len(frame)
-                if self.dropper.drop(now):
+                lost = self.dropper.drop(now)
+                if self.priority:
+                    lost = self._prioritized(frame, lost, now)
+                if lost:
                     self.dropped += 1
                     self.dropped_bytes += len(frame)
                     self.pending.append(n)
@@ -184,6 +215,25 @@ class Direction:
                 self.queue.append((now + self.delay_s, frame))
             else:
                 self._send(frame)
+
+    def _prioritized(self, frame: bytes, lost: bool, now: float) -> bool:
+        """Whether this frame is lost at a priority-aware switch: a loss dealt to it
+        above the lowest level becomes a debt; it takes an older debt of a higher level
+        (or one that waited :data:`DEBT_S`) if it was spared its own."""
+        lv = level(frame)
+        self.seen[lv] = now
+        floor = next(k for k, t in enumerate(self.seen) if t >= 0 and now - t <= DEBT_S)
+        if lost and lv > floor:
+            self.debts.append((lv, now))
+            self.moved += 1
+            return False
+        if lost or not self.debts:
+            return lost
+        for k, (owed, since) in enumerate(self.debts):
+            if lv == floor < owed or now - since > DEBT_S:
+                del self.debts[k]
+                return True
+        return False
 
     def release(self, now: float) -> None:
         """Write the queued frames that are due."""
@@ -213,6 +263,7 @@ class Direction:
     def record(self) -> dict:
         return {"packets": self.packets, "bytes": self.bytes, "dropped": self.dropped,
                 "dropped_bytes": self.dropped_bytes, "refused": self.frames_lost,
+                "moved": self.moved, "owed": len(self.debts),
                 "delay_s": self.delay_s, "late_us_edges": list(_LATE_EDGES_US),
                 "late_us_counts": self.late, "late_us_max": round(self.late_max_us, 1)}
 
@@ -224,11 +275,11 @@ class Forwarder:
     FLUSH_S = 0.5
 
     def __init__(self, host: str, host_fd: int, port_fd: int, model: LossModel,
-                 delay_s: float, seed: int, out: Path):
+                 delay_s: float, seed: int, out: Path, priority: bool = False):
         out.mkdir(parents=True, exist_ok=True)
         self.host, self.out = host, out
         self.ways = [Direction(d, src, dst, model.dropper(link_seed(seed, host, d)), delay_s,
-                               out / f"{host}.{d}.drops")
+                               out / f"{host}.{d}.drops", priority)
                      for d, src, dst in (("up", host_fd, port_fd), ("down", port_fd, host_fd))]
         self.started = time.monotonic()
         self.stopping = False
@@ -267,9 +318,9 @@ class Forwarder:
 
 
 def forward(host: str, host_fd: int, port_fd: int, model: LossModel, delay_s: float,
-            seed: int, out: Path) -> None:
+            seed: int, out: Path, priority: bool = False) -> None:
     """A forked forwarder's life: forward until SIGTERM, then write its record."""
-    fw = Forwarder(host, host_fd, port_fd, model, delay_s, seed, out)
+    fw = Forwarder(host, host_fd, port_fd, model, delay_s, seed, out, priority)
 
     def stop(*_: object) -> None:
         fw.stopping = True

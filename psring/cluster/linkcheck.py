@@ -63,6 +63,67 @@ def _sink(addr: str, count: int) -> None:
     print(n, flush=True)
 
 
+def _marked_sink(addr: str, quiet_s: float) -> None:
+    """On host-1: count UDP datagrams by their TOS byte until ``quiet_s`` pass without
+    one (10 s for the first); print {tos: count}."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+    s.bind((addr, PORT))
+    s.settimeout(10.0)
+    counts: dict[int, int] = {}
+    try:
+        while True:
+            _, anc, _, _ = s.recvmsg(2048, 64)
+            tos = anc[0][2][0] if anc else 0
+            counts[tos] = counts.get(tos, 0) + 1
+            s.settimeout(quiet_s)
+    except TimeoutError:
+        pass
+    print(json.dumps(counts), flush=True)
+
+
+def _marked_train(peer: str, count: int, gap_s: float, marks: list[int]) -> None:
+    """``count`` datagrams of 1400 bytes, each TOS of ``marks`` in turn (one socket a
+    mark), ``gap_s`` apart (0: as fast as the socket takes them)."""
+    socks = []
+    for tos in marks:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        socks.append(s)
+    payload = b"p" * 1400
+    for i in range(count):
+        while True:
+            try:
+                socks[i % len(socks)].sendto(payload, (peer, PORT))
+                break
+            except OSError:  # ENOBUFS: the host's own queue is full; a moment
+                time.sleep(1e-4)
+        if gap_s:
+            time.sleep(gap_s)
+
+
+def marks_delivered(link: str = "", loss: float = 0.0, link_buffer: str = "",
+                    switch: str = "fifo", count: int = 6000, gap_s: float = 0.0,
+                    marks: tuple[int, ...] = (0x20, 0x80, 0), seed: int = 0
+                    ) -> dict[int, float]:
+    """Two emulated hosts; host-0 sends ``count`` datagrams to host-1 cycling through
+    the TOS ``marks`` (a bounded-loss datagram's priority marks, 0 unmarked): the
+    fraction of each mark's datagrams that arrived, by mark."""
+    with tempfile.TemporaryDirectory(prefix="psring-linkcheck-") as d, \
+            standalone(2, link, "", Path(d), loss, 1.0, seed, link_buffer, switch) as cluster:
+        peer = cluster.host("host-1")["address"]
+        sink = _on(cluster, "host-1", "marked-sink", peer, "1.0")
+        time.sleep(0.3)
+        subprocess.run(cluster.command("host-0", [*_SELF, "marked-train", peer, str(count),
+                                                  str(gap_s), ",".join(map(str, marks))]),
+                       timeout=120, check=True)
+        got = {int(k): v for k, v in json.loads(sink.communicate(timeout=60)[0]).items()}
+    sent = {m: len(range(i, count, len(marks))) for i, m in enumerate(marks)}
+    return {m: got.get(m, 0) / sent[m] for m in marks}
+
+
 def _tcp_sink(addr: str) -> None:
     """On host-1: accept one TCP stream, print its bytes."""
     srv = socket.create_server((addr, PORT))
@@ -211,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     helpers = {"echo": lambda a: _echo(a[0], int(a[1])),
                "sink": lambda a: _sink(a[0], int(a[1])),
                "tcp-sink": lambda a: _tcp_sink(a[0]),
+               "marked-sink": lambda a: _marked_sink(a[0], float(a[1])),
+               "marked-train": lambda a: _marked_train(a[0], int(a[1]), float(a[2]),
+                                                       [int(m) for m in a[3].split(",")]),
                "rtts": lambda a: print(json.dumps(_rtts(a[0], int(a[1]), float(a[2]),
                                                          float(a[3])))),
                "train": lambda a: print(json.dumps(_train(a[0], int(a[1]), float(a[2])))),

@@ -40,7 +40,11 @@ PLACEMENTS = ("colocated", "own-hosts")
 DEFAULTS: Mapping[str, Any] = {"workers": 1, "hosts": 1, "workers_per_host": 0, "link": "",
                                "delay": "", "servers": 1, "server_placement": "colocated",
                                "master_addr": "127.0.0.1", "time_scale": 1.0,
-                               "loss": 0.0, "loss_burst": 1.0, "link_buffer": "", "seed": 0}
+                               "loss": 0.0, "loss_burst": 1.0, "link_buffer": "", "seed": 0,
+                               "switch": "fifo"}
+#: the emulated switch's ports: one queue dropping whatever comes (fifo), or DLCP's
+#: priorities for bounded-loss datagrams (psring.cluster.link, psring.comm.lossy.Marks)
+SWITCHES = ("fifo", "priority")
 
 def link_key(bits: float, delay_s: float = 0.0) -> str:
     """How a calibration names a link: its rate, and its delay when it has one."""
@@ -106,6 +110,8 @@ class Cluster:
     link_buffer: str = ""
     #: seeds the links' loss models (the run's --seed)
     seed: int = 0
+    #: --switch: "fifo", or "priority" (DLCP's: the lowest-priority datagrams go first)
+    switch: str = "fifo"
     #: parameter servers the run starts (0: a strategy without them)
     servers: int = 0
     placement: str = "colocated"
@@ -160,6 +166,14 @@ class Cluster:
         if self.link_buffer and not self.link:
             raise ConfigError("--link-buffer is the queue of a shaped link: give --link "
                               "RATE too (an unshaped link queues nothing).")
+        if self.switch not in SWITCHES:
+            raise ConfigError(f"--switch is one of {', '.join(SWITCHES)} (got "
+                              f"{self.switch!r}).")
+        if self.switch == "priority" and not (self.emulated and (self.loss or self.link)):
+            raise ConfigError("--switch priority decides which packets an emulated "
+                              "switch drops: give emulated hosts (--hosts 2 or more) whose "
+                              "links drop, with --loss F or a shaped --link RATE (its "
+                              "queue).")
 
     def _check_loss(self) -> None:
         loss, burst = self.loss, self.loss_burst
@@ -192,7 +206,7 @@ class Cluster:
                    workers_per_host=v["workers_per_host"], link=v["link"], delay=v["delay"],
                    servers=servers, placement=placement, local_address=v["master_addr"],
                    time_scale=v["time_scale"], loss=v["loss"], loss_burst=v["loss_burst"],
-                   link_buffer=v["link_buffer"], seed=v["seed"])
+                   link_buffer=v["link_buffer"], seed=v["seed"], switch=v["switch"])
 
     @classmethod
     def of(cls, hosts: int = 1, workers_per_host: int = 1, link_bits: float | None = None,
@@ -217,10 +231,11 @@ class Cluster:
 
     @classmethod
     def bare(cls, hosts: int, link: str = "", delay: str = "", loss: float = 0.0,
-             loss_burst: float = 1.0, seed: int = 0) -> "Cluster":
+             loss_burst: float = 1.0, seed: int = 0, link_buffer: str = "",
+             switch: str = "fifo") -> "Cluster":
         """``hosts`` emulated hosts, one process slot each (calibration, benchmarks)."""
         return cls(workers=hosts, hosts=hosts, link=link, delay=delay, loss=loss,
-                   loss_burst=loss_burst, seed=seed)
+                   loss_burst=loss_burst, seed=seed, link_buffer=link_buffer, switch=switch)
 
     def replace(self, **changes: Any) -> "Cluster":
         return dataclasses.replace(self, **changes)
@@ -312,7 +327,7 @@ class Cluster:
                 "worker_hosts": len({*self.worker_host}), "link": self.link or None,
                 "link_bits_per_s": self.link_bits, "delay": self.delay or None,
                 "loss": self.loss, "loss_burst": self.loss_burst,
-                "link_buffer_bytes": self.buffer_bytes,
+                "link_buffer_bytes": self.buffer_bytes, "switch": self.switch,
                 "server_placement": self.placement if self.servers else None,
                 "time_scale": self.time_scale,
                 "emulated_link_bits_per_s": self.emulated_link_bits}
@@ -330,6 +345,8 @@ class Cluster:
             text += f", {self.delay} delay"
         if self.link_buffer:
             text += f", {self.link_buffer} queues"
+        if self.switch != "fifo":
+            text += f", {self.switch} switch"
         if self.loss:
             text += f", {self.loss:.3g} loss"
             if self.loss_burst != 1:

@@ -66,6 +66,38 @@ UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
 GSO_MAX_BYTES = 65000
 #: errors that say the kernel or the route cannot segment (then one send a datagram)
 NO_GSO = {errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EIO}
+#: the IPv4 TOS byte of a datagram of each priority level, lowest first (DSCP class
+#: selectors CS1-CS4); unmarked traffic (TOS 0: TCP, the pulls, the acks) ranks above
+#: them all at a priority-aware emulated switch (--switch priority, psring.cluster.link)
+PRIORITY_TOS = (0x20, 0x40, 0x60, 0x80)
+
+
+class Marks:
+    """DLCP's packet priorities (--switch priority): each datagram's level from its
+    layer and its gradients' magnitude. A datagram of the model's front half (its
+    first element before ``model_numel`` / 2 in the flat order: the layers the next
+    forward needs first, and backward produces last) ranks two levels above one of the
+    back half; within a push, one whose mean |gradient| is at least the push's median
+    one level above the rest. Level 3 is the highest, 0 the first a switch drops."""
+
+    def __init__(self, model_numel: int):
+        self.half = max(1, model_numel) / 2
+
+    @classmethod
+    def for_switch(cls, switch: str, model_numel: int) -> "Marks | None":
+        """The marks a run's datagrams carry under ``--switch`` (None: unmarked)."""
+        return cls(model_numel) if switch == "priority" else None
+
+    def levels(self, grad: torch.Tensor, offset: int, per: int) -> np.ndarray:
+        """(packets,) uint8 levels of ``grad`` (elements from ``offset`` of the flat
+        model) cut into datagrams of ``per`` elements."""
+        n = grad.numel()
+        starts = np.arange(0, n, per)
+        mags = np.abs(grad.detach().reshape(-1).float().numpy())
+        mean = np.add.reduceat(mags, starts) / np.diff(np.r_[starts, n])
+        loud = mean >= np.median(mean)
+        front = offset + starts < self.half
+        return (2 * front + loud).astype(np.uint8)
 
 
 @dataclass
@@ -83,6 +115,8 @@ class Transfer:
     width: int = 0
     last: int = 0
     each: list[memoryview] | None = None
+    #: each packet's priority level (Marks), None: unmarked
+    levels: np.ndarray | None = None
 
     def run(self, i: int, j: int) -> list[memoryview]:
         """Packets i to j − 1, as the buffers of one send."""
@@ -103,7 +137,7 @@ class LossySender:
 
     def __init__(self, endpoint: str, run: str, worker: int, key: bytes | None = None,
                  on_sent: Callable[[object], None] = lambda token: None,
-                 pace_bits: float | None = None):
+                 pace_bits: float | None = None, marks: Marks | None = None):
         u = urlparse(endpoint)
         if u.scheme != "tcp" or u.hostname is None or u.port is None:
             raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
@@ -115,6 +149,7 @@ class LossySender:
         #: the link's rate (bit/s) the datagrams leave at, as frames; None: unpaced
         #: (also to a server on this host: its datagrams never cross the link)
         self.pace_bits = None if same_host(self.addr) else pace_bits
+        self.marks = marks
         self.datagrams = 0
         self.gso = True  # (until the kernel refuses a segmented send)
         self.stopping = False
@@ -124,8 +159,9 @@ class LossySender:
         self.thread.start()
 
     def send(self, transfer_id: int, shard: int, grad: torch.Tensor,
-             token: object = None) -> Transfer:
-        """Cut ``grad`` (1-d, contiguous, CPU) into datagrams and queue them all."""
+             token: object = None, offset: int = 0) -> Transfer:
+        """Cut ``grad`` (1-d, contiguous, CPU; elements from ``offset`` of the flat
+        model, for the marks) into datagrams and queue them all."""
         dtype = DTYPE_NAMES[grad.dtype]
         raw = grad.reshape(-1).view(torch.uint8).numpy()
         common = (grad, per_datagram(dtype), grad.numel(), dtype)
@@ -137,6 +173,8 @@ class LossySender:
             buf, last = encode_block(self.worker, shard, self.tag, transfer_id, dtype, raw)
             t = Transfer(*common, buf.shape[0], memoryview(buf).cast("B"), buf.shape[1],
                          last)
+        if self.marks is not None:
+            t.levels = self.marks.levels(grad, offset, t.per)
         self.jobs.put((t, range(t.count), token))
         return t
 
@@ -169,11 +207,12 @@ class LossySender:
         """Send packets ``which`` of ``t``: consecutive ones together, one segmented
         send a run (UDP GSO), each run at most a millisecond of the link's time when
         paced, so a run stays within the pacing's credit."""
-        for i, j in runs(which, self.batch_limit()):
+        for i, j in runs(which, self.batch_limit(), t.levels):
             if self.stopping:
                 return
             data = t.run(i, j)
-            self._send(data, j - i, t.width if t.each is None else len(data[0]))
+            tos = None if t.levels is None else PRIORITY_TOS[int(t.levels[i])]
+            self._send(data, j - i, t.width if t.each is None else len(data[0]), tos)
             self.datagrams += j - i
             if self.pace_bits:  # at the link's pace: a burst beyond it queues, or drops
                 pace(self.pace_bits, sum(len(d) for d in data) + FRAME_OVERHEAD * (j - i))
@@ -187,23 +226,28 @@ class LossySender:
             most = min(most, int(self.pace_bits * 1e-3 / 8 / (size + FRAME_OVERHEAD)))
         return max(1, most) if self.gso else 1
 
-    def _send(self, data: list[memoryview], k: int, size: int) -> None:
+    def _send(self, data: list[memoryview], k: int, size: int, tos: int | None = None) -> None:
         """Send ``k`` datagrams of ``size`` bytes (the last perhaps shorter), ``data``
-        end to end."""
-        send, addr = self.sock.sendto, self.addr
+        end to end; ``tos``: their IPv4 TOS byte (a priority mark), None: unmarked."""
+        addr = self.addr
+        cmsg = [] if tos is None else [(socket.IPPROTO_IP, socket.IP_TOS,
+                                         struct.pack("=i", tos))]
         try:
             if k == 1:
-                send(data[0], addr)
+                if cmsg:
+                    self.sock.sendmsg(data[:1], cmsg, 0, addr)
+                else:
+                    self.sock.sendto(data[0], addr)
                 return
             self.sock.sendmsg(data,  # (the kernel gathers them: no copy here)
-                              [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))],
+                              [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", size)), *cmsg],
                               0, addr)
         except OSError as e:
             if k > 1 and e.errno in NO_GSO:  # (no segmentation here: one by one)
                 self.gso = False
                 whole = b"".join(data) if len(data) > 1 else data[0]
                 for m in range(k):
-                    self._send([whole[m * size:(m + 1) * size]], 1, size)
+                    self._send([whole[m * size:(m + 1) * size]], 1, size, tos)
             # else ENOBUFS, a refused port: lost datagrams, as on the wire
 
     def close(self) -> None:
@@ -213,13 +257,17 @@ class LossySender:
         self.sock.close()
 
 
-def runs(which, limit: int) -> list[tuple[int, int]]:
+def runs(which, limit: int, levels: np.ndarray | None = None) -> list[tuple[int, int]]:
     """``which`` (ascending packet numbers) as the [i, j) runs one segmented send can
-    carry: consecutive numbers, at most ``limit`` of them."""
+    carry: consecutive numbers of one priority level (``levels``, per packet: one
+    send has one TOS), at most ``limit`` of them."""
     idx = np.asarray(which, np.int64)
     if idx.size == 0:
         return []
-    cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+    breaks = np.diff(idx) != 1
+    if levels is not None:
+        breaks |= np.diff(levels[idx]) != 0
+    cuts = np.flatnonzero(breaks) + 1
     out = []
     for a, b in zip(np.r_[0, cuts], np.r_[cuts, idx.size]):
         start, end = int(idx[a]), int(idx[b - 1]) + 1

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import zmq
 
-from psring.comm.lossy import LossySender
+from psring.comm.lossy import LossySender, Marks
 from psring.comm.protocol import (
     DTYPE_NAMES,
     REPLIES,
@@ -37,12 +37,15 @@ class PSClient:
     With ``secret`` requests are signed and replies verified."""
 
     def __init__(self, addrs: list[str], run: str, worker: int, timeout: float,
-                 secret: bytes | None = None, pace_bits: float | None = None):
+                 secret: bytes | None = None, pace_bits: float | None = None,
+                 marks: Marks | None = None):
         self.addrs = addrs
         self.run = run
         self.worker = worker
         self.timeout = timeout
         self.key = secret
+        #: --switch priority: the bounded-loss datagrams' priority marks
+        self.marks = marks
         self.ctx = zmq.Context()
         self.socks = []
         self.poller = zmq.Poller()
@@ -125,7 +128,7 @@ class PSClient:
             if sender is None:
                 sender = self._senders[shard] = LossySender(
                     self.addrs[shard], self.run, self.worker, self.key, self._datagrams_sent,
-                    self.pace_bits)
+                    self.pace_bits, self.marks)
             self.seq += 1
             key = (shard, self.seq)
             header = {"run": self.run, "worker": self.worker, "seq": self.seq,
@@ -133,7 +136,8 @@ class PSClient:
                       "dtype": DTYPE_NAMES[grad.dtype], "tolerance": tolerance,
                       "transfer": self.seq}
             self._lossy[key] = [None, header]
-            transfer = sender.send(self.seq, shard, grad, token=key)
+            transfer = sender.send(self.seq, shard, grad, token=key,
+                                   offset=fields.get("offset", 0))
             self._lossy[key][0] = transfer
             header["packets"] = transfer.count
             self.bytes_sent += grad.numel() * grad.element_size()

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from psring.comm.ingress import Ingress, drain, receiving_socket
-from psring.comm.lossy import LossySender
+from psring.comm.lossy import LossySender, Marks
 from psring.comm.protocol import (
     Datagram,
     Message,
@@ -50,14 +50,15 @@ RUN = "transpose"
 class TransposeAllReduce:
     def __init__(self, rank: int, world: int, address: str, tolerance: float,
                  pace_bits: float | None = None, timeout: float = 300.0,
-                 key: bytes | None = None):
+                 key: bytes | None = None, marks: Marks | None = None):
         self.rank, self.world, self.tolerance, self.timeout = rank, world, tolerance, timeout
         self.sock = receiving_socket(address, 0, RECEIVE_BUFFER_BYTES)
         peers = self._exchange_addresses(address, self.sock.getsockname()[1])
         self.ingress = Ingress(key)  # (with the run's secret: signed datagrams only)
         self.sent: queue.SimpleQueue = queue.SimpleQueue()
         self.senders = {p: LossySender(f"tcp://{a}:{port}", RUN, rank, key,
-                                       on_sent=self.sent.put, pace_bits=pace_bits)
+                                       on_sent=self.sent.put, pace_bits=pace_bits,
+                                       marks=marks)
                         for p, (a, port) in enumerate(peers) if p != rank}
         self.transfer = 0
         #: elements of this rank's shard that arrived from the others (resends
@@ -70,15 +71,16 @@ class TransposeAllReduce:
         dist.all_gather(everyone, mine)
         return [(str(ipaddress.IPv4Address(int(t[0]))), int(t[1])) for t in everyone]
 
-    def all_reduce(self, buf: torch.Tensor) -> None:
-        """``buf`` (1-d float32, each rank's gradient already divided by world) becomes
-        the sum over the ranks, the same on every rank, in place."""
+    def all_reduce(self, buf: torch.Tensor, offset: int = 0) -> None:
+        """``buf`` (1-d float32, each rank's gradient already divided by world; its
+        elements from ``offset`` of the flat model, for the marks) becomes the sum over
+        the ranks, the same on every rank, in place."""
         self.transfer += 1
         size = math.ceil(buf.numel() / self.world)
         padded = torch.zeros(size * self.world, dtype=torch.float32)
         padded[:buf.numel()] = buf
         shards = padded.view(self.world, size)
-        transfers = {p: s.send(self.transfer, p, shards[p], token=p)
+        transfers = {p: s.send(self.transfer, p, shards[p], token=p, offset=offset + p * size)
                      for p, s in self.senders.items()}
         self._wait_sent(len(transfers))
         dist.barrier()  # everyone's datagrams are out: what is missing now is lost

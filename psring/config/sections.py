@@ -326,6 +326,11 @@ class Links:
         "bytes each emulated link's queue holds before it drops (tc's sizes: 64kb, 1mb); "
         "a shallow switch port, for incast; empty = deep (100 ms of the rate, at least "
         "4 MiB: no drops)"))
+    switch: Literal["fifo", "priority"] = field(default="fifo", metadata=_flag(
+        "the emulated switch's ports: fifo (a loss or a full queue takes whatever packet "
+        "comes), or priority (DLCP's: bounded-loss datagrams carry a priority from their "
+        "layer and gradients' magnitude, and a loss or a full queue takes the lowest "
+        "first; TCP ranks above them). priority needs --loss-tolerance"))
     loss_tolerance: float = field(default=0.0, metadata=_flag(
         "ps, async-ps, byteps: push gradients as UDP datagrams and let each push lose at "
         "most this fraction of its elements (DLCP's bounded loss): the servers sum what "

@@ -202,6 +202,12 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
                           "do not make the global batch's mean. Drop one of them.")
     if cfg.loss_tolerance:
         _check_loss_tolerance(cfg, caps)
+    if cfg.switch == "priority" and not cfg.loss_tolerance:
+        raise ConfigError("--switch priority ranks bounded-loss datagrams by their marks; "
+                          "without --loss-tolerance every byte goes over TCP, which has no "
+                          "priorities to rank (the switch would drop as fifo does): add "
+                          "--loss-tolerance F (ps, async-ps, byteps, allreduce), or drop "
+                          "--switch.")
     if cfg.kill_server and not caps.uses_servers:
         raise ConfigError(f"--kill-server kills a parameter server; {cfg.strategy!r} uses "
                           f"none: drop --kill-server, or use --kill-worker.")

@@ -37,6 +37,7 @@ from psring.comm import adasum, interconnect
 from psring.comm.compress import CastBack, wire_dtype
 from psring.comm.endpoints import load_secret
 from psring.comm.hostring import flat_ring
+from psring.comm.lossy import Marks
 from psring.comm.transpose import TransposeAllReduce
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
@@ -81,11 +82,19 @@ class AllReduce(Strategy):
         # --device-link: the ring's hops inside a host timed (collective, like the above)
         self.ring = flat_ring(self.ctx) if self.caps.inside_host == "ring-hops" else None
         # --loss-tolerance: a transpose all-reduce over datagrams (collective set-up too)
+        params = list(model.parameters())
+        self.model_numel = sum(p.numel() for p in params)
         self.tar = self._transpose() if self.caps.loss_tolerant and \
             self.ctx.cfg.loss_tolerance else None
         self.buckets = GradientBuckets(
-            list(model.parameters()), cap, first, scale=self._scale(),
+            params, cap, first, scale=self._scale(),
             launch=self._launch, stats_of=lambda: self.stats)
+        # where each bucket begins in the model's order (--switch priority's layer marks)
+        starts, at = {}, 0
+        for p in params:
+            starts[id(p)], at = at, at + p.numel()
+        self.bucket_offset = [min(starts[id(p)] for p in b.params)
+                              for b in self.buckets.buckets]
         compress = self.ctx.cfg.compress
         # --compress: one wire buffer per bucket, allocated once (psring.comm.compress)
         self.wire = [None if compress == "none" else
@@ -105,7 +114,8 @@ class AllReduce(Strategy):
         self._delivered_at = (0, 0)
         return TransposeAllReduce(self.ctx.rank, self.ctx.world, address, cfg.loss_tolerance,
                                   pace_bits=cfg.cluster.emulated_link_bits,
-                                  timeout=cfg.timeout, key=load_secret(cfg.secret_file))
+                                  timeout=cfg.timeout, key=load_secret(cfg.secret_file),
+                                  marks=Marks.for_switch(cfg.switch, self.model_numel))
 
     def _adasum_comm(self) -> adasum.TorchComm:
         return adasum.TorchComm()
@@ -117,7 +127,8 @@ class AllReduce(Strategy):
 
     def _launch(self, bucket: Bucket) -> Handle:
         if self.tar is not None:
-            return self._on_thread(self.tar.all_reduce, bucket.buffer)
+            return self._on_thread(self.tar.all_reduce, bucket.buffer,
+                                   self.bucket_offset[bucket.index])
         if self.adasum:
             counts = [p.numel() for p in bucket.params]
             return self._on_thread(adasum.reduce, bucket.buffer, counts, self.comm)

@@ -41,6 +41,7 @@ from torch import nn
 
 from psring.comm.endpoints import load_secret
 from psring.comm.interconnect import host_comm, host_layout
+from psring.comm.lossy import Marks
 from psring.comm.partition import even_split, overlaps
 from psring.comm.protocol import Message
 from psring.comm.psclient import PSClient, Replies
@@ -140,7 +141,8 @@ class BytePS(ParameterServer):
         self.parts = [_Part() for _ in self.buckets.buckets]
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
-                               pace_bits=cfg.cluster.emulated_link_bits)
+                               pace_bits=cfg.cluster.emulated_link_bits,
+                               marks=Marks.for_switch(cfg.switch, total))
         self.wire_dtype = torch.float32
         self.finished = False
         self._early_recv = 0

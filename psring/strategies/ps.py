@@ -40,6 +40,7 @@ from torch import nn
 
 from psring.comm.compress import wire_dtype
 from psring.comm.endpoints import load_secret
+from psring.comm.lossy import Marks
 from psring.comm.partition import even_split, overlaps
 from psring.comm.protocol import (
     DTYPE_NAMES,
@@ -110,7 +111,8 @@ class ParameterServer(Strategy):
         self.ranges = even_split(total, len(cfg.server_addr_list))
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
-                               pace_bits=cfg.cluster.emulated_link_bits)
+                               pace_bits=cfg.cluster.emulated_link_bits,
+                               marks=Marks.for_switch(cfg.switch, total))
         self.finished = False  # the last step's pushes were acknowledged
         self._early_recv = 0  # bytes of the next step's pull received early (set-up, eval_model)
         self.step = 0

@@ -78,10 +78,11 @@ def test_a_tcp_run_under_loss_and_delay_trains_singles_model(tmp_path, small_run
 @needs_emulation
 @pytest.mark.timeout(240)
 def test_bounded_loss_pushes_respect_their_bound_and_log_what_arrived(tmp_path):
+    # (through DLCP's switch: the datagrams marked, the TCP pulls' losses moved onto them)
     out = tmp_path / "lossy-ps"
     psring("run", "--strategy", "ps", "--workers", "2", "--hosts", "2", "--link", "1gbit",
-           "--loss", "0.03", "--loss-tolerance", "0.02", *SMALL, "--steps", "6", "--out", out,
-           timeout=200)
+           "--loss", "0.03", "--loss-tolerance", "0.02", "--switch", "priority", *SMALL,
+           "--steps", "6", "--out", out, timeout=200)
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     far = [r["delivered"] for r in steps if r["worker"] == 1]  # across two links
     near = {r["delivered"] for r in steps if r["worker"] == 0}  # the server's host
@@ -92,6 +93,9 @@ def test_bounded_loss_pushes_respect_their_bound_and_log_what_arrived(tmp_path):
     server = [json.loads(x) for x in (out / "servers.jsonl").read_text().splitlines()]
     assert any(r["op"] == "resend" for r in server)  # ~6% lost: more than the bound
     assert server[-1]["op"] == "stats" and server[-1]["datagrams"] > 0
+    ways = [w for rec in link.read_links(out).values() for w in (rec["up"], rec["down"])]
+    assert sum(w["moved"] for w in ways) > 0
+    assert json.loads((out / "manifest.json").read_text())["cluster"]["switch"] == "priority"
     assert_cluster_gone(out)
     assert_no_processes(out)
 
@@ -126,3 +130,36 @@ def test_a_transpose_all_reduce_under_loss_keeps_its_bound_and_its_replicas_equa
     assert all(d[0] == pytest.approx(d[1], rel=1e-6) for d in by_step.values())
     assert_cluster_gone(out)
     assert_no_processes(out)
+
+
+# -- DLCP's priority-aware switch (--switch priority) --------------------------------------
+
+LOW, HIGH = 0x20, 0x80  # (psring.comm.lossy.PRIORITY_TOS: level 0 and level 3)
+
+
+@needs_emulation
+@pytest.mark.timeout(120)
+def test_a_priority_switch_loses_the_lowest_marks_first():
+    # 5% loss each way: fifo loses every mark alike; priority moves the losses of the
+    # high marks and of unmarked (TCP's class) onto the low ones, the total unchanged
+    fifo = linkcheck.marks_delivered(loss=0.05, switch="fifo", count=6000, gap_s=2e-5)
+    prio = linkcheck.marks_delivered(loss=0.05, switch="priority", count=6000, gap_s=2e-5)
+    for m in (LOW, HIGH, 0):
+        assert 0.85 < fifo[m] < 0.95, fifo  # (1 - 0.05) ** 2 ≈ 0.90 across two links
+    assert prio[HIGH] > 0.97 and prio[0] > 0.97, prio
+    assert prio[LOW] < 0.8, prio  # a third of the traffic takes all the losses
+    assert abs(sum(prio.values()) - sum(fifo.values())) < 0.06
+
+
+@needs_emulation
+@pytest.mark.timeout(120)
+def test_a_congested_priority_port_serves_high_marks_and_drops_low_ones():
+    # two marks, each offered at about 3/4 of the link's rate (a datagram every 385 µs,
+    # or later: a sleep wakes late) into 64 KB ports: strict priority carries the high
+    # mark whole and the low one gets what is left; fifo drops both alike
+    kw = dict(link="20mbit", link_buffer="64kb", count=4000, gap_s=3.85e-4,
+              marks=(LOW, HIGH))
+    prio = linkcheck.marks_delivered(switch="priority", **kw)
+    fifo = linkcheck.marks_delivered(switch="fifo", **kw)
+    assert prio[HIGH] > 0.95 and prio[LOW] < 0.85 * prio[HIGH], prio
+    assert abs(fifo[HIGH] - fifo[LOW]) < 0.1, fifo

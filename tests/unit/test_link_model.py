@@ -85,6 +85,10 @@ def test_a_seed_fixes_each_directions_decisions():
     (dict(strategy="ddp", loss_tolerance=0.01), "'ddp' has none"),
     (dict(loss_tolerance=0.01, reduce="adasum"), "transpose all-reduce"),
     (dict(strategy="ps", hosts=1, transport="ipc", loss_tolerance=0.01), "UDP datagrams"),
+    # --switch priority: a switch that drops, and a transport with priorities
+    (dict(switch="priority", loss=0.01), "without --loss-tolerance every byte goes over"),
+    (dict(switch="priority", loss_tolerance=0.01), "whose links drop, with --loss F"),
+    (dict(switch="lifo"), "'lifo'"),
 ])
 def test_bad_link_settings_are_refused(kw, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -98,6 +102,7 @@ def test_bad_link_settings_are_refused(kw, needle):
     (["--hosts", "2", "--loss", "1.5"], "drops, in [0, 1)"),
     (["--hosts", "2", "--delay", "2 parsecs"], "is not a time"),
     (["--loss-tolerance", "0.01", "--strategy", "hallreduce"], "'hallreduce' has none"),
+    (["--hosts", "2", "--link", "1gbit", "--switch", "priority"], "TCP, which has no"),
 ])
 def test_bad_link_flags_exit_2_in_one_paragraph(tmp_path, args, needle):
     proc = cli_here("run", "--strategy", "allreduce", "--workers", "2", *args,
@@ -111,3 +116,74 @@ def test_bursts_that_cannot_hold_the_loss_are_refused():
         validate(RunConfig(strategy="allreduce", workers=2, hosts=2, loss=0.6,
                            loss_burst=1.2))
     validate(RunConfig(strategy="allreduce", workers=2, hosts=2, loss=0.5, loss_burst=1.2))
+
+
+# -- DLCP's priority-aware switch (--switch priority): the forwarder's part --------------
+
+def _frame(tos: int) -> bytes:
+    """An Ethernet frame of an IPv4 packet with this TOS byte."""
+    return bytes(12) + b"\x08\x00" + bytes([0x45, tos]) + bytes(40)
+
+
+class _Scripted:
+    """A dropper that loses exactly the packets it is told."""
+
+    def __init__(self, lose: set[int]):
+        self.lose, self.n = lose, -1
+
+    def drop(self, now=None) -> bool:
+        self.n += 1
+        return self.n in self.lose
+
+
+def _carry(tmp_path, tos: list[int], lose: set[int], priority: bool,
+           times: list[float] | None = None) -> tuple[list[int], link.Direction]:
+    """The packet numbers a direction drops of frames with these TOS bytes."""
+    d = link.Direction("up", -1, -1, _Scripted(lose), 0.0, tmp_path / "t.drops", priority)
+    sent = []
+    d._send = sent.append  # (no device: what would be written)
+    waiting: list[bytes] = []
+
+    def read(fd, n):  # (one frame a take(), at its time)
+        if not waiting:
+            raise BlockingIOError
+        return waiting.pop()
+
+    real = link.os.read
+    link.os.read = read
+    try:
+        for i, t in enumerate(tos):
+            waiting.append(_frame(t))
+            d.take((times or [0.0] * len(tos))[i])
+    finally:
+        link.os.read = real
+    return d.pending, d
+
+
+def test_a_priority_switch_moves_a_loss_onto_a_lower_level(tmp_path):
+    hi, lo, tcp = 0x80, 0x20, 0x00
+    # with low datagrams passing, packet 1 (TCP) is dealt a loss: it goes through, and
+    # the next low datagram (3) takes the loss; a high one (2) in between does not
+    lost, d = _carry(tmp_path, [lo, tcp, hi, lo, lo], {1}, priority=True)
+    assert lost == [3] and d.moved == 1 and not d.debts
+    # fifo: the packet dealt the loss is the one lost
+    lost, _ = _carry(tmp_path, [lo, tcp, hi, lo, lo], {1}, priority=False)
+    assert lost == [1]
+    # a high datagram's loss goes to the lowest level passing, not to TCP
+    lost, d = _carry(tmp_path, [lo, hi, tcp, tcp, lo], {1}, priority=True)
+    assert lost == [4]
+    # the lowest level keeps its own losses; the link's count of losses is unchanged
+    lost, d = _carry(tmp_path, [lo, hi, lo, hi, lo], {0, 1, 3}, priority=True)
+    assert lost == [0, 2, 4] and d.moved == 2
+    # TCP alone: nothing lower passes, so TCP's losses stay its own
+    lost, d = _carry(tmp_path, [tcp, tcp, tcp], {1}, priority=True)
+    assert lost == [1] and d.moved == 0
+    # a debt no lower frame takes within DEBT_S is taken by the next frame
+    t = [0.0, 0.001, link.DEBT_S + 0.003]
+    lost, d = _carry(tmp_path, [lo, hi, hi], {1}, priority=True, times=t)
+    assert lost == [2] and not d.debts
+
+
+def test_a_frames_level_is_its_tos_mark_and_tcp_ranks_above():
+    assert [link.level(_frame(t)) for t in (0x20, 0x40, 0x60, 0x80, 0x00, 0x10)] == \
+        [0, 1, 2, 3, link.UNMARKED, link.UNMARKED]

@@ -15,6 +15,7 @@ import queue
 import random
 import socket
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -438,3 +439,47 @@ def test_datagrams_to_this_host_are_not_paced():
         assert sender.pace_bits is None
     finally:
         sender.close()
+
+
+# -- DLCP's priority marks (--switch priority) --------------------------------------------
+
+def test_marks_rank_front_layers_and_large_gradients_higher():
+    per = protocol.per_datagram("float32")
+    g = torch.full((4 * per,), 1e-3)
+    g[per:2 * per] = 1.0  # packet 1 loud
+    g[3 * per:] = 1.0  # packet 3 loud
+    marks = lossy.Marks(model_numel=16 * per)
+    # the push is the model's front: levels 2 (quiet) and 3 (loud)
+    assert marks.levels(g, 0, per).tolist() == [2, 3, 2, 3]
+    # the same push at the model's back half: levels 0 and 1
+    assert marks.levels(g, 8 * per, per).tolist() == [0, 1, 0, 1]
+    # straddling the middle: the packets before it are front ones
+    assert marks.levels(g, 6 * per, per).tolist() == [2, 3, 0, 1]
+
+
+def test_runs_of_one_send_keep_to_one_level():
+    levels = np.array([3, 3, 2, 2, 2, 3], np.uint8)
+    assert lossy.runs(range(6), 64, levels) == [(0, 2), (2, 5), (5, 6)]
+    assert lossy.runs([0, 1, 3, 4], 64, levels) == [(0, 2), (3, 5)]
+
+
+def test_marked_datagrams_leave_with_their_levels_tos():
+    recv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    recv.bind(("127.0.0.1", 0))
+    recv.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+    recv.settimeout(5)
+    per = protocol.per_datagram("float32")
+    g = torch.randn(40 * per)
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{recv.getsockname()[1]}", "r", 0,
+                               marks=lossy.Marks(model_numel=80 * per))
+    try:
+        t = sender.send(1, 0, g, offset=20 * per)  # packets 0-19 front, 20-39 back
+        got = {}
+        for _ in range(t.count):
+            data, anc, _, _ = recv.recvmsg(4096, 64)
+            got[protocol.decode_datagram(data).index] = anc[0][2][0]
+    finally:
+        sender.close()
+        recv.close()
+    want = {i: lossy.PRIORITY_TOS[int(lv)] for i, lv in enumerate(t.levels)}
+    assert got == want and set(got.values()) == set(lossy.PRIORITY_TOS)
