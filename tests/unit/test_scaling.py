@@ -4,7 +4,6 @@ parameter-server round against its events, and the ladder, the flags and the bat
 
 import statistics
 
-import numpy as np
 import pytest
 
 from psring.cluster.spec import Cluster
@@ -29,7 +28,6 @@ from psring.predict.scaling import (
     scale,
     worker_counts,
 )
-from psring.predict.sim import fluid as fluid_mod
 from psring.predict.sim.simulate import simulate
 from psring.records.profile import Profile
 from psring.strategies import STRATEGIES
@@ -287,24 +285,3 @@ def test_a_hosts_own_interconnect_prices_its_workers_traffic_at_every_size():
                  inside=(1e-5, 1 / 450e9))["allreduce"]
     assert fast.at(8).efficiency > slow.at(8).efficiency
     assert fast.at(8).step_s < slow.at(8).step_s
-
-
-def test_pushes_queued_at_once_share_the_link_before_the_pulls():
-    # a backward far shorter than its pushes: every worker queues its whole gradient at
-    # once, the connections to the servers share the link and every shard is in at
-    # the end, so the pulls follow the pushes (the events' step, and the measured one:
-    # docs/prediction.md); first come, first served had the shards in one by one
-    prof = Profile.on_paper([250_000] * 40, forward_s=0.002, backward_s=0.003,
-                            update_s=0.0, batch_size=32)
-    cl = Cluster.of(hosts=8, workers_per_host=2, link_bits=1e9, servers=16,
-                    placement="own-hosts")
-    ev = simulate(prof, cl, "ps", CAL, bucket_mb=1.0, flow_spread=0).step_s
-    fl = simulate(prof, cl, "ps", CAL, bucket_mb=1.0, fluid=True).step_s
-    assert fl == pytest.approx(ev, rel=0.05)
-    push = 2 * 40 * 250_000 / (1e9 / 8)  # two workers' 10 MB up one host's link
-    assert fl > 1.8 * push  # pushes, then pulls of as much
-    # the same pieces one by one (no backlog) keep first come, first served
-    assert fluid_mod.shared_ends([0.0, 1.0], [0.5, 1.5], np.ones((2, 3))) == [0.5, 1.5]
-    # two servers' streams queued at once end together, where fifo had one first
-    got = fluid_mod.shared_ends([0.0, 0.0], [1.0, 2.0], np.array([[1.0, 0.0], [0.0, 1.0]]))
-    assert got == pytest.approx([2.0, 2.0])

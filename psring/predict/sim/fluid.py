@@ -166,41 +166,30 @@ class _Round:
     def serve(self) -> float:
         """Every job in the order it becomes ready: when the last parameters are in.
         byteps pulls each partition once summed; a ps worker pulls a server's shard
-        once its last push to it is in (its connections sharing the links where the
-        pushes came at once: :func:`shared_ends`) and backward has ended, after all its
-        pushes (a pull served first come, first served would hold back the pushes
-        behind it, which TCP interleaves with it: the events agree within a few percent
-        this way)."""
-        if self.byteps:
-            return self._serve_partitions()
+        once its last push to it is in and backward has ended, after all its pushes (a
+        pull served first come, first served would hold back the pushes behind it,
+        which TCP interleaves with it: the events agree within a few percent this
+        way)."""
         D, F, B, _ = self.sim.compute
         jobs, alpha = self.pushes(), self.res.alpha
-        pushes = [heapq.heappop(jobs) for _ in range(len(jobs))]
-        done = shared_ends([j[0] for j in pushes], [self.run(j[3], j[0], up=True) for j in pushes],
-                           np.asarray([j[3] for j in pushes]))
         shard = self.pieces.sum(axis=0)
         left = (self.pieces > 0).sum(axis=0)  # pushes still to come to each server
-        pulls = []
-        for d, (_, order, _, p) in zip(done, pushes):
+        pulled, pulls = 0.0, []
+        while jobs:
+            ready, order, push, p = heapq.heappop(jobs)
+            if not push:
+                pulled = max(pulled, self.run(p, ready, up=False))
+                continue
+            done = self.run(p, ready, up=True)
+            if self.byteps:
+                heapq.heappush(jobs, (done + alpha, order, False, p))
+                continue
             left -= p > 0
             last = (p > 0) & (left == 0)
             if last.any():  # (servers whose last push this was: their shards, one pull)
-                pulls.append((max(d + alpha, D + F + B), order, np.where(last, shard, 0.0)))
-        pulled = 0.0
+                pulls.append((max(done + alpha, D + F + B), order, np.where(last, shard, 0.0)))
         for ready, _, p in sorted(pulls, key=lambda j: j[:2]):
             pulled = max(pulled, self.run(p, ready, up=False))
-        return pulled
-
-    def _serve_partitions(self) -> float:
-        """byteps: each partition pulled back once summed, the pulls served with the
-        pushes in the order they become ready."""
-        jobs, alpha, pulled = self.pushes(), self.res.alpha, 0.0
-        while jobs:
-            ready, order, push, p = heapq.heappop(jobs)
-            if push:
-                heapq.heappush(jobs, (self.run(p, ready, up=True) + alpha, order, False, p))
-            else:
-                pulled = max(pulled, self.run(p, ready, up=False))
         return pulled
 
     def prediction(self) -> Prediction:
@@ -239,47 +228,4 @@ def _pieces(sim: Sim, G: int, byteps: bool) -> np.ndarray:
         for i, ps in enumerate(shard_pieces(sim.buckets, K)[0]):
             for k, m in ps:
                 out[i, k] += m
-    return out
-
-
-#: a backlog's jobs came at once when the last was ready within this share of its length
-AT_ONCE = 0.1
-
-
-def shared_ends(ready: list[float], done: list[float], pieces: np.ndarray) -> list[float]:
-    """When each push is in, its connections sharing the links as TCP's flows do,
-    from the first-come-first-served ``done`` of jobs ``ready`` in that order, each
-    carrying ``pieces`` (jobs, K) bytes to the K servers. A job that became ready
-    while an earlier one was still going joins its backlog. Where a backlog's jobs all
-    came at once (within :data:`AT_ONCE` of its length: a backward far shorter than
-    its pushes), its servers' byte streams share its time evenly (processor sharing,
-    every connection busy from the start): the connection to server k, with L_k bytes
-    in the backlog, has its first c bytes in once Σ_k' min(L_k', c) of the backlog's
-    bytes are carried, and a job is in when its last piece is. Pushes to one server stay
-    in order (one connection); K equal streams all end with the backlog — where first
-    come, first served would have the servers' shards in one after another and their
-    pulls begin early (16 workers and 16 servers on hosts of their own: 24% under the
-    events and the measured step). Jobs that come one by one keep first come, first
-    served, which the events agree with there (tests/unit/test_scaling.py)."""
-    out = list(done)
-    n, i = len(done), 0
-    while i < n:
-        j, end = i, done[i]
-        while j + 1 < n and ready[j + 1] < end:
-            j += 1
-            end = max(end, done[j])
-        if j > i and ready[j] - ready[i] <= AT_ONCE * (end - ready[i]):
-            start = ready[i]
-            rows = pieces[i:j + 1]
-            L = rows.sum(axis=0)
-            total = L.sum()
-            if total > 0:
-                per = (end - start) / total
-                cum = np.cumsum(rows, axis=0)
-                for r in range(j - i + 1):
-                    to = rows[r] > 0
-                    if to.any():
-                        carried = np.minimum(L[None, :], cum[r][to][:, None]).sum(axis=1)
-                        out[i + r] = start + carried.max() * per
-        i = j + 1
     return out
