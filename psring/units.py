@@ -67,6 +67,20 @@ def parse_size(text: str, flag: str = "--link-buffer") -> int:
     return size
 
 
+def parse_window(text: str, flag: str = "--credit-window") -> int:
+    """Bytes of a credit window (tc's sizes, or a bare number of bytes): at least one
+    full datagram on the wire."""
+    bare = text.strip()
+    size = int(bare) if bare.isdigit() else int(_quantity(
+        text, _SIZE_UNITS, f"{flag} {text!r} is not a size: give a number and one of tc's "
+        f"units, e.g. 64kb (b, kb, mb; k = 1024)."))
+    if size < 1514:
+        raise ConfigError(f"{flag} {text!r} is {size} bytes: a credit window lets at least "
+                          f"one datagram (1514 bytes on the wire) be in flight to a server; "
+                          f"give e.g. 64kb, or drop {flag} for senders that pace themselves.")
+    return size
+
+
 def format_rate(bits: float) -> str:
     for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bits >= scale:

@@ -37,6 +37,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-threads", type=int, default=0, metavar="N",
                         help="ZeroMQ I/O threads, each copying its connections' messages "
                              "in and out; 0 = one per core, at most 4 (default)")
+    parser.add_argument("--credit-window", type=int, default=0, metavar="BYTES",
+                        help="grant bounded-loss senders credit, keeping at most BYTES of "
+                             "datagrams granted and not yet arrived (psring.comm.credits); "
+                             "0 = no grants, every sender paces itself (default)")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -60,7 +64,7 @@ def run_server(args: argparse.Namespace) -> int:
     secret = load_secret(args.secret_file)
     server = Server(args.bind, args.name, Path(args.log) if args.log else None,
                     secret=secret, max_frame_bytes=int(args.max_frame_mb * 2**20),
-                    io_threads=args.io_threads)
+                    io_threads=args.io_threads, credit_window=args.credit_window)
     try:
         print(f"[{args.name}] listening on {server.endpoint}"
               + (" (signed messages only)" if secret else ""), flush=True)

@@ -28,6 +28,7 @@ import zmq
 
 from psring.cluster.netns import inside_cluster
 from psring.cluster.spec import in_network
+from psring.comm.credits import Granter
 from psring.comm.endpoints import HOW_TO_SET_A_SECRET, is_local
 from psring.comm.ingress import Ingress, drain, receiving_socket
 from psring.comm.protocol import (
@@ -45,6 +46,8 @@ from psring.records.runlog import host_name, usable_cores
 from psring.servers.handler import Handler
 
 POLL_MS = 100
+#: how often a server with flows owed grants looks at them (psring.comm.credits.EXPIRE_S)
+GRANT_POLL_MS = 5
 #: the largest frame accepted when the model is not known at start (--max-frame-mb)
 DEFAULT_MAX_FRAME_BYTES = 2**30
 #: what a run's frames may carry beyond its shard's bytes (header, signature)
@@ -139,7 +142,8 @@ class Server:
 
     def __init__(self, bind: str, name: str = "server", log_path: Path | None = None,
                  secret: bytes | None = None,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, io_threads: int = 0):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, io_threads: int = 0,
+                 credit_window: int = 0):
         check_endpoint(bind)
         if secret is None and not is_local(bind) and not private_to_cluster(bind):
             raise ConfigError(
@@ -177,6 +181,11 @@ class Server:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.udp = _udp_socket(self.endpoint)
         self.ingress = Ingress(secret)
+        if credit_window < 0:
+            raise ConfigError(f"--credit-window is bytes, >= 0 (got {credit_window}).")
+        #: --credit-window: grants to the bounded-loss senders (psring.comm.credits)
+        self.granter = Granter(self.udp, credit_window, secret) \
+            if credit_window and self.udp is not None else None
         self.handler = Handler(name, key=secret)
         self.log = RequestLog(log_path)
         self.invalid = 0  # answered with an error: malformed, or the handler failed
@@ -187,7 +196,8 @@ class Server:
     def stats(self) -> dict[str, int]:
         return {**self.handler.counts, "invalid": self.invalid,
                 "unauthenticated": self.unauthenticated,
-                **({k: v for k, v in self.ingress.counts.items() if v} if self.udp else {})}
+                **({k: v for k, v in self.ingress.counts.items() if v} if self.udp else {}),
+                **(self.granter.counts if self.granter is not None else {})}
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         poller = zmq.Poller()
@@ -195,7 +205,11 @@ class Server:
         if self.udp is not None:
             poller.register(self.udp.fileno(), zmq.POLLIN)
         while not should_stop():
-            ready = dict(poller.poll(POLL_MS))
+            # (flows owed grants are looked at often: a quiet one is written off soon)
+            ready = dict(poller.poll(GRANT_POLL_MS if self.granter and self.granter.flows
+                                     else POLL_MS))
+            if self.granter is not None:
+                self.granter.expire()
             if not ready:
                 self.log.flush()
                 continue
@@ -206,7 +220,8 @@ class Server:
 
     def read_datagrams(self, most: int) -> None:
         """Hand up to ``most`` datagrams waiting on the UDP socket to the ingress."""
-        drain(self.udp, self.ingress, most)
+        drain(self.udp, self.ingress, most,
+              heard=self.granter.heard if self.granter is not None else None)
 
     def _note(self, record: dict) -> None:
         """Log a refused or dropped message, at most NOTES_PER_S records per kind."""
@@ -265,6 +280,8 @@ class Server:
             raise ProtocolError("this server has no UDP port (its endpoint is not "
                                 "tcp://): bounded-loss pushes need one")
         self.read_datagrams(UDP_DRAIN)
+        if self.granter is not None:  # (its datagrams are all sent: it waits for nothing)
+            self.granter.done((msg.header["worker"], msg.header["transfer"]))
         done = self.ingress.complete(msg)
         if not isinstance(done, tuple):
             return done

@@ -24,6 +24,7 @@ import math
 import socket
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -74,24 +75,29 @@ def receiving_socket(host: str, port: int, buffer_bytes: int) -> socket.socket:
     return s
 
 
-def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None) -> int:
+def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None,
+          heard: Callable[[tuple, bytes, int], None] | None = None) -> int:
     """Hand the datagrams waiting on ``sock`` to ``ingress`` (all, or about ``most``:
-    a coalesced receive is handed whole); returns how many."""
+    a coalesced receive is handed whole); returns how many. ``heard(addr, first
+    header, count)`` hears of each receive (psring.comm.credits.Granter.heard)."""
     n = 0
     control = socket.CMSG_SPACE(4)
     while most is None or n < most:
         try:
-            data, ancillary, _, _ = sock.recvmsg(65536, control)
+            data, ancillary, _, addr = sock.recvmsg(65536, control)
         except (BlockingIOError, InterruptedError):
             break
         size = next((int.from_bytes(c[2][:4], "little") for c in ancillary
                      if c[0] == socket.SOL_UDP and c[1] == UDP_GRO), 0)
         if size and len(data) > size:  # (coalesced: UDP GRO)
             ingress.datagrams(data, size)
-            n += -(-len(data) // size)
+            k = -(-len(data) // size)
         else:
             ingress.datagram(data)
-            n += 1
+            k = 1
+        n += k
+        if heard is not None:
+            heard(addr, data[:DATAGRAM_HEADER], k)
     return n
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import queue
 import random
+import select
 import socket
 import struct
 import threading
@@ -43,11 +44,14 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
+from psring.comm.credits import UNSCHEDULED
 from psring.comm.protocol import (
     DATAGRAM_HEADER,
     DATAGRAM_PAYLOAD,
     DATAGRAM_SIGNATURE,
     DTYPE_NAMES,
+    ProtocolError,
+    decode_grant,
     encode_block,
     encode_datagrams,
     per_datagram,
@@ -64,6 +68,10 @@ SEND_BUFFER_BYTES = 1 << 20
 UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
 #: the most datagrams one segmented send carries: its 64 KiB limit at psring's size
 GSO_MAX_BYTES = 65000
+#: seconds a credited sender waits at least for a grant before one packet more goes on
+#: its own (four of its measured round trips if longer): a lost grant or datagram costs
+#: this, never TCP's 200 ms retransmission timeout
+GRANT_WAIT_S = 0.004
 #: errors that say the kernel or the route cannot segment (then one send a datagram)
 NO_GSO = {errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EIO}
 #: the IPv4 TOS byte of a datagram of each priority level, lowest first (DSCP class
@@ -117,6 +125,8 @@ class Transfer:
     each: list[memoryview] | None = None
     #: each packet's priority level (Marks), None: unmarked
     levels: np.ndarray | None = None
+    #: the transfer's id (the lossy_push's ``transfer``): what its grants name
+    transfer: int = 0
 
     def run(self, i: int, j: int) -> list[memoryview]:
         """Packets i to j − 1, as the buffers of one send."""
@@ -137,7 +147,8 @@ class LossySender:
 
     def __init__(self, endpoint: str, run: str, worker: int, key: bytes | None = None,
                  on_sent: Callable[[object], None] = lambda token: None,
-                 pace_bits: float | None = None, marks: Marks | None = None):
+                 pace_bits: float | None = None, marks: Marks | None = None,
+                 credits: bool = False):
         u = urlparse(endpoint)
         if u.scheme != "tcp" or u.hostname is None or u.port is None:
             raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
@@ -150,6 +161,11 @@ class LossySender:
         #: (also to a server on this host: its datagrams never cross the link)
         self.pace_bits = None if same_host(self.addr) else pace_bits
         self.marks = marks
+        #: --credit-window: a transfer's datagrams beyond the first UNSCHEDULED wait for
+        #: the server's grants (psring.comm.credits), each wait bounded
+        self.credits = credits
+        self.rtt = GRANT_WAIT_S / 4  # (a first guess; each first grant measures it)
+        self.probes = 0
         self.datagrams = 0
         self.gso = True  # (until the kernel refuses a segmented send)
         self.stopping = False
@@ -175,6 +191,7 @@ class LossySender:
                          last)
         if self.marks is not None:
             t.levels = self.marks.levels(grad, offset, t.per)
+        t.transfer = transfer_id
         self.jobs.put((t, range(t.count), token))
         return t
 
@@ -204,6 +221,61 @@ class LossySender:
             self.on_sent(token)
 
     def _out(self, t: Transfer, which) -> None:
+        """Send packets ``which`` of ``t``: with credits a whole transfer as its grants
+        allow (a resend, small, goes at once), else all of them now."""
+        if self.credits and isinstance(which, range) and len(which) == t.count > UNSCHEDULED:
+            self._granted(t)
+        else:
+            self._runs(t, which)
+
+    def _granted(self, t: Transfer) -> None:
+        """The first UNSCHEDULED packets, then what each grant allows; granted nothing
+        for a bounded wait (a few round trips: a lost grant, or the datagram that would
+        have earned it), one more packet on its own."""
+        allowed, sent, t0 = UNSCHEDULED, 0, time.perf_counter()
+        while sent < t.count and not self.stopping:
+            if sent < allowed:
+                self._runs(t, range(sent, min(allowed, t.count)))
+                sent = min(allowed, t.count)
+                continue
+            upto = self._grant_for(t, max(GRANT_WAIT_S, 4 * self.rtt))
+            if upto is None:
+                allowed = sent + 1
+                self.probes += 1
+            else:
+                if allowed == UNSCHEDULED:  # (the first grant: a round trip)
+                    self.rtt = 0.5 * self.rtt + 0.5 * (time.perf_counter() - t0)
+                allowed = max(allowed, upto)
+
+    def _grant_for(self, t: Transfer, wait: float) -> int | None:
+        """The most packets the grants that come within ``wait`` seconds allow ``t``
+        (None: none came); grants of other transfers, or broken, are dropped."""
+        deadline = time.perf_counter() + wait
+        best = None
+        while True:
+            left = deadline - time.perf_counter()
+            if best is not None:
+                left = 0.0  # (take every grant already here, wait no longer)
+            ready, _, _ = select.select([self.sock], [], [], max(0.0, left))
+            if not ready:
+                return best
+            while True:
+                try:
+                    data = self.sock.recv(256, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:  # (an ICMP error of an earlier send: the port refused)
+                    continue
+                try:
+                    g = decode_grant(data, self.key)
+                except ProtocolError:
+                    continue
+                if (g.worker, g.run_tag, g.transfer) == (self.worker, self.tag, t.transfer):
+                    best = max(best or 0, min(g.upto, t.count))
+            if best is None and time.perf_counter() >= deadline:
+                return None
+
+    def _runs(self, t: Transfer, which) -> None:
         """Send packets ``which`` of ``t``: consecutive ones together, one segmented
         send a run (UDP GSO), each run at most a millisecond of the link's time when
         paced, so a run stays within the pacing's credit."""

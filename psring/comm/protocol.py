@@ -490,3 +490,57 @@ def decode_datagram(data: bytes | memoryview, key: bytes | None = None) -> Datag
     if not index < packets <= MAX_PACKETS:
         raise ProtocolError(f"datagram {index} of {packets} packets")
     return Datagram(worker, shard, tag, transfer, index, packets, dtype, payload)
+
+
+# ----------------------------------------------------------------- credit grants
+# --credit-window: a server grants each bounded-loss transfer the packets it may send
+# (NDP's and Homa's receiver-driven pacing), in a small UDP datagram back to the socket
+# the transfer's datagrams come from:
+#
+#     magic "PSRC", version, worker, shard, run tag, transfer, upto (packets [0, upto)
+#     may leave)
+#     then with a shared secret 16 bytes of HMAC-SHA256 over all of the above
+#
+# Grants are cumulative: a lost one is made good by the next. A sender drops any grant
+# that breaks a rule, or that names another transfer than the one it is sending.
+GRANT_MAGIC = b"PSRC"
+GRANT_VERSION = 1
+_GRANT = struct.Struct("<4sBxHHIQI")
+_GRANT_TAG = b"psring-grant-hmac-sha256-v1"
+
+
+class Grant(NamedTuple):
+    worker: int
+    shard: int
+    run_tag: int
+    transfer: int
+    upto: int
+
+
+def encode_grant(g: Grant, key: bytes | None = None) -> bytes:
+    body = _GRANT.pack(GRANT_MAGIC, GRANT_VERSION, g.worker, g.shard, g.run_tag,
+                       g.transfer, g.upto)
+    if key:
+        body += hmac.new(key, _GRANT_TAG + body, hashlib.sha256).digest()[:DATAGRAM_SIGNATURE]
+    return body
+
+
+def decode_grant(data: bytes | memoryview, key: bytes | None = None) -> Grant:
+    """Validate one grant; ProtocolError (AuthenticationError for a signature) on any
+    violation."""
+    buf = bytes(data)
+    size = _GRANT.size + (DATAGRAM_SIGNATURE if key else 0)
+    if len(buf) != size:
+        raise ProtocolError(f"a grant is {size} bytes, not {len(buf)}")
+    if key:
+        body, sig = buf[:_GRANT.size], buf[_GRANT.size:]
+        if not hmac.compare_digest(
+                hmac.new(key, _GRANT_TAG + body, hashlib.sha256).digest()[:DATAGRAM_SIGNATURE],
+                sig):
+            raise AuthenticationError("grant with a bad signature")
+    magic, version, worker, shard, tag, transfer, upto = _GRANT.unpack_from(buf)
+    if magic != GRANT_MAGIC or version != GRANT_VERSION:
+        raise ProtocolError("not a psring credit grant of this version")
+    if not 0 < upto <= MAX_PACKETS:
+        raise ProtocolError(f"a grant of {upto} packets")
+    return Grant(worker, shard, tag, transfer, upto)

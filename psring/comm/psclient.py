@@ -38,7 +38,7 @@ class PSClient:
 
     def __init__(self, addrs: list[str], run: str, worker: int, timeout: float,
                  secret: bytes | None = None, pace_bits: float | None = None,
-                 marks: Marks | None = None):
+                 marks: Marks | None = None, credits: bool = False):
         self.addrs = addrs
         self.run = run
         self.worker = worker
@@ -46,6 +46,8 @@ class PSClient:
         self.key = secret
         #: --switch priority: the bounded-loss datagrams' priority marks
         self.marks = marks
+        #: --credit-window: bounded-loss senders wait for the servers' grants
+        self.credits = credits
         self.ctx = zmq.Context()
         self.socks = []
         self.poller = zmq.Poller()
@@ -128,7 +130,7 @@ class PSClient:
             if sender is None:
                 sender = self._senders[shard] = LossySender(
                     self.addrs[shard], self.run, self.worker, self.key, self._datagrams_sent,
-                    self.pace_bits, self.marks)
+                    self.pace_bits, self.marks, self.credits)
             self.seq += 1
             key = (shard, self.seq)
             header = {"run": self.run, "worker": self.worker, "seq": self.seq,

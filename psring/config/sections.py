@@ -331,6 +331,13 @@ class Links:
         "comes), or priority (DLCP's: bounded-loss datagrams carry a priority from their "
         "layer and gradients' magnitude, and a loss or a full queue takes the lowest "
         "first; TCP ranks above them). priority needs --loss-tolerance"))
+    credit_window: str = field(default="", metadata=_flag(
+        "with --loss-tolerance, ps, async-ps, byteps: receiver-driven pacing (NDP's, "
+        "Homa's): each server grants its bounded-loss senders the datagrams they may "
+        "send, keeping at most this many bytes (tc's sizes: 64kb) granted and not yet "
+        "arrived over all of them, so N pushes into one server never exceed its port; a "
+        "lost grant or datagram costs a bounded wait. Empty: every sender paces itself "
+        "to its own link"))
     loss_tolerance: float = field(default=0.0, metadata=_flag(
         "ps, async-ps, byteps: push gradients as UDP datagrams and let each push lose at "
         "most this fraction of its elements (DLCP's bounded loss): the servers sum what "

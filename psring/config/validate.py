@@ -22,6 +22,7 @@ from psring.comm.endpoints import ABSTRACT_IPC, HOW_TO_SET_A_SECRET, is_local, l
 from psring.config.run import RunConfig
 from psring.errors import ConfigError, PsringError
 from psring.train.shares import proportional_shares
+from psring.units import parse_window
 
 #: configs validated in this process, each with its validated self: the CLI validates
 #: before printing what it runs and the launcher again before starting processes; the
@@ -202,6 +203,8 @@ def _check_servers(cfg: RunConfig, caps: Any) -> None:
                           "do not make the global batch's mean. Drop one of them.")
     if cfg.loss_tolerance:
         _check_loss_tolerance(cfg, caps)
+    if cfg.credit_window:
+        _check_credit_window(cfg, caps)
     if cfg.switch == "priority" and not cfg.loss_tolerance:
         raise ConfigError("--switch priority ranks bounded-loss datagrams by their marks; "
                           "without --loss-tolerance every byte goes over TCP, which has no "
@@ -245,6 +248,15 @@ def _check_loss_tolerance(cfg: RunConfig, caps: Any) -> None:
         raise ConfigError("--loss-tolerance sends gradients as UDP datagrams to the "
                           "servers' address and port, which an ipc:// server has not: "
                           "use --transport tcp (or auto), or tcp:// --server-addrs.")
+
+
+def _check_credit_window(cfg: RunConfig, caps: Any) -> None:
+    parse_window(cfg.credit_window)
+    if not cfg.loss_tolerance or not caps.uses_servers:
+        raise ConfigError("--credit-window paces bounded-loss pushes into parameter "
+                          "servers (each server grants its senders): give --loss-tolerance "
+                          "F with ps, async-ps or byteps, or drop --credit-window (the "
+                          "transpose all-reduce's ranks grant nothing; TCP paces itself).")
 
 
 def _check_transport(cfg: RunConfig, caps: Any) -> None:

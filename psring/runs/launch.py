@@ -52,6 +52,7 @@ from psring.strategies import STRATEGIES
 from psring.strategies.ps import server_frame_limit
 from psring.train import checkpoint
 from psring.train.device import capacity
+from psring.units import parse_window
 
 #: RunConfig's default rendezvous address
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -207,6 +208,8 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[Pr
     limit = server_frame_limit(cfg)
     if limit is not None:  # libzmq then refuses any larger frame (ZMQ_MAXMSGSIZE)
         extra += ["--max-frame-mb", f"{limit / 2**20:.6f}"]
+    if cfg.credit_window:  # (the servers grant their bounded-loss senders: psring.comm.credits)
+        extra += ["--credit-window", str(parse_window(cfg.credit_window))]
     specs = [ProcessSpec(f"server-{k}", [sys.executable, "-m", "psring.servers",
                                          "--bind", addr, "--name", f"server-{k}",
                                          "--log", str(run_dir / "servers.jsonl"), *extra],

@@ -142,7 +142,8 @@ class BytePS(ParameterServer):
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
                                pace_bits=cfg.cluster.emulated_link_bits,
-                               marks=Marks.for_switch(cfg.switch, total))
+                               marks=Marks.for_switch(cfg.switch, total),
+                               credits=bool(cfg.credit_window))
         self.wire_dtype = torch.float32
         self.finished = False
         self._early_recv = 0

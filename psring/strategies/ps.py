@@ -112,7 +112,8 @@ class ParameterServer(Strategy):
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
                                pace_bits=cfg.cluster.emulated_link_bits,
-                               marks=Marks.for_switch(cfg.switch, total))
+                               marks=Marks.for_switch(cfg.switch, total),
+                               credits=bool(cfg.credit_window))
         self.finished = False  # the last step's pushes were acknowledged
         self._early_recv = 0  # bytes of the next step's pull received early (set-up, eval_model)
         self.step = 0

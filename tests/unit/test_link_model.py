@@ -89,6 +89,11 @@ def test_a_seed_fixes_each_directions_decisions():
     (dict(switch="priority", loss=0.01), "without --loss-tolerance every byte goes over"),
     (dict(switch="priority", loss_tolerance=0.01), "whose links drop, with --loss F"),
     (dict(switch="lifo"), "'lifo'"),
+    # --credit-window: a window of at least a datagram, into servers that grant
+    (dict(strategy="ps", loss_tolerance=0.01, credit_window="0kb"), "at least one datagram"),
+    (dict(strategy="ps", loss_tolerance=0.01, credit_window="lots"), "is not a size"),
+    (dict(strategy="ps", credit_window="64kb"), "give --loss-tolerance F with ps"),
+    (dict(loss_tolerance=0.01, credit_window="64kb"), "transpose all-reduce's ranks grant"),
 ])
 def test_bad_link_settings_are_refused(kw, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -103,6 +108,8 @@ def test_bad_link_settings_are_refused(kw, needle):
     (["--hosts", "2", "--delay", "2 parsecs"], "is not a time"),
     (["--loss-tolerance", "0.01", "--strategy", "hallreduce"], "'hallreduce' has none"),
     (["--hosts", "2", "--link", "1gbit", "--switch", "priority"], "TCP, which has no"),
+    (["--hosts", "2", "--strategy", "ps", "--loss-tolerance", "0.01", "--credit-window", "0"],
+     "a credit window lets at least one datagram"),
 ])
 def test_bad_link_flags_exit_2_in_one_paragraph(tmp_path, args, needle):
     proc = cli_here("run", "--strategy", "allreduce", "--workers", "2", *args,
