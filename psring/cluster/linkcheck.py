@@ -114,7 +114,7 @@ def marks_delivered(link: str = "", loss: float = 0.0, link_buffer: str = "",
     with tempfile.TemporaryDirectory(prefix="psring-linkcheck-") as d, \
             standalone(2, link, "", Path(d), loss, 1.0, seed, link_buffer, switch) as cluster:
         peer = cluster.host("host-1")["address"]
-        sink = _on(cluster, "host-1", "marked-sink", peer, "1.0")
+        sink = _on(cluster, "host-1", "marked-sink", peer, "0.5")
         time.sleep(0.3)
         subprocess.run(cluster.command("host-0", [*_SELF, "marked-train", peer, str(count),
                                                   str(gap_s), ",".join(map(str, marks))]),

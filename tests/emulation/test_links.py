@@ -143,8 +143,8 @@ LOW, HIGH = 0x20, 0x80  # (psring.comm.lossy.PRIORITY_TOS: level 0 and level 3)
 def test_a_priority_switch_loses_the_lowest_marks_first():
     # 5% loss each way: fifo loses every mark alike; priority moves the losses of the
     # high marks and of unmarked (TCP's class) onto the low ones, the total unchanged
-    fifo = linkcheck.marks_delivered(loss=0.05, switch="fifo", count=6000, gap_s=2e-5)
-    prio = linkcheck.marks_delivered(loss=0.05, switch="priority", count=6000, gap_s=2e-5)
+    fifo = linkcheck.marks_delivered(loss=0.05, switch="fifo", count=4500, gap_s=2e-5)
+    prio = linkcheck.marks_delivered(loss=0.05, switch="priority", count=4500, gap_s=2e-5)
     for m in (LOW, HIGH, 0):
         assert 0.85 < fifo[m] < 0.95, fifo  # (1 - 0.05) ** 2 ≈ 0.90 across two links
     assert prio[HIGH] > 0.97 and prio[0] > 0.97, prio
@@ -158,7 +158,7 @@ def test_a_congested_priority_port_serves_high_marks_and_drops_low_ones():
     # two marks, each offered at about 3/4 of the link's rate (a datagram every 385 µs,
     # or later: a sleep wakes late) into 64 KB ports: strict priority carries the high
     # mark whole and the low one gets what is left; fifo drops both alike
-    kw = dict(link="20mbit", link_buffer="64kb", count=4000, gap_s=3.85e-4,
+    kw = dict(link="20mbit", link_buffer="64kb", count=2400, gap_s=3.85e-4,
               marks=(LOW, HIGH))
     prio = linkcheck.marks_delivered(switch="priority", **kw)
     fifo = linkcheck.marks_delivered(switch="fifo", **kw)
