@@ -40,7 +40,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--credit-window", type=int, default=0, metavar="BYTES",
                         help="grant bounded-loss senders credit, keeping at most BYTES of "
                              "datagrams granted and not yet arrived (psring.comm.credits); "
-                             "0 = no grants, every sender paces itself (default)")
+                             "0 = no grants, every sender paces itself (default). A run "
+                             "with --credit-window and --server-addrs needs its servers "
+                             "started with it: its senders wait for grants")
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from psring.comm.protocol import (
     DATAGRAM_DTYPE,
     DATAGRAM_HEADER,
     DATAGRAM_MAGIC,
+    MAX_PACKETS,
     Grant,
     encode_grant,
 )
@@ -45,6 +46,10 @@ CHUNK = 4
 WIRE_BYTES = 1514
 #: seconds without a datagram after which a flow's outstanding grants are written off
 EXPIRE_S = 0.02
+#: ended flows remembered (a late resend of theirs is not a new flow)
+ENDED_KEPT = 4096
+#: flows granted at once, at most (each expires EXPIRE_S after its last datagram)
+MAX_FLOWS = 4096
 
 
 @dataclass
@@ -54,13 +59,16 @@ class _Flow:
     tag: int
     packets: int
     granted: int = UNSCHEDULED
-    arrived: int = 0
+    #: packets [0, highest) are behind the sender: it sends in order, so the highest
+    #: number heard is where it is (a flow written off and heard again resumes there)
+    highest: int = 0
     last: float = 0.0
 
     @property
     def owed(self) -> int:
-        """Granted packets not yet arrived (at most what is left to send)."""
-        return max(0, min(self.granted, self.packets) - self.arrived)
+        """Granted packets the sender has not got to (lost ones below the highest
+        heard are not owed: a resend is asked for over TCP)."""
+        return max(0, min(self.granted, self.packets) - self.highest)
 
 
 class Granter:
@@ -71,6 +79,8 @@ class Granter:
         self.window = max(1, window_bytes // WIRE_BYTES)  # packets in flight, all senders
         self.flows: dict[tuple[int, int], _Flow] = {}
         self.waiting: collections.deque[tuple[int, int]] = collections.deque()
+        #: flows that ended lately: a resend of theirs (sent unscheduled) is not a flow
+        self.ended: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self.counts = {"grants": 0, "expired": 0}
 
     def heard(self, addr: tuple, head: bytes | memoryview, count: int) -> None:
@@ -79,23 +89,32 @@ class Granter:
         if len(head) < DATAGRAM_HEADER:
             return
         h = np.frombuffer(bytes(head[:DATAGRAM_HEADER]), DATAGRAM_DTYPE)[0]
-        if bytes(h["magic"]) != DATAGRAM_MAGIC:
-            return
+        if bytes(h["magic"]) != DATAGRAM_MAGIC or not 0 < int(h["packets"]) <= MAX_PACKETS:
+            return  # (the ingress counts it as bad; nothing to grant)
         key = (int(h["worker"]), int(h["transfer"]))
+        reach = int(h["index"]) + count  # (a coalesced receive: consecutive packets)
         flow = self.flows.get(key)
+        if flow is None and key in self.ended:
+            return
         if flow is None:
+            if len(self.flows) >= MAX_FLOWS:  # (a flood of made-up transfers)
+                return
             flow = self.flows[key] = _Flow(addr, int(h["shard"]), int(h["tag"]),
                                            int(h["packets"]))
             self.waiting.append(key)
-        flow.arrived += count
+        flow.highest = max(flow.highest, reach)
+        flow.granted = max(flow.granted, flow.highest)
         flow.last = time.monotonic()
-        if flow.arrived >= flow.packets:
+        if flow.highest >= flow.packets:
             self.done(key)
         self.grant()
 
     def done(self, key: tuple[int, int]) -> None:
         """The flow is whole (or its lossy_push came): it owes and waits for nothing."""
         self.flows.pop(key, None)
+        self.ended[key] = None
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
 
     def expire(self, now: float | None = None) -> None:
         """Write off the flows that went quiet (their outstanding grants were lost, or

@@ -24,11 +24,13 @@ from __future__ import annotations
 import ipaddress
 import math
 import queue
+import select
 import time
 
 import torch
 import torch.distributed as dist
 
+from psring.comm.credits import Granter
 from psring.comm.ingress import Ingress, drain, receiving_socket
 from psring.comm.lossy import LossySender, Marks
 from psring.comm.protocol import (
@@ -43,6 +45,9 @@ from psring.comm.protocol import (
 #: bytes of datagrams the kernel may hold for the receiving socket: a bucket's shards
 #: from every peer, not dropped for want of room
 RECEIVE_BUFFER_BYTES = 64 << 20
+#: seconds a rank waits for datagrams between looks at its senders (grants go out as
+#: datagrams come: a long wait would hold the others' credit back)
+WAIT_S = 2e-4
 #: the run id the datagrams carry (the group's own: every rank the same)
 RUN = "transpose"
 
@@ -50,15 +55,18 @@ RUN = "transpose"
 class TransposeAllReduce:
     def __init__(self, rank: int, world: int, address: str, tolerance: float,
                  pace_bits: float | None = None, timeout: float = 300.0,
-                 key: bytes | None = None, marks: Marks | None = None):
+                 key: bytes | None = None, marks: Marks | None = None,
+                 credit_window: int = 0):
         self.rank, self.world, self.tolerance, self.timeout = rank, world, tolerance, timeout
         self.sock = receiving_socket(address, 0, RECEIVE_BUFFER_BYTES)
         peers = self._exchange_addresses(address, self.sock.getsockname()[1])
         self.ingress = Ingress(key)  # (with the run's secret: signed datagrams only)
+        #: --credit-window: this rank grants the others what they may send it
+        self.granter = Granter(self.sock, credit_window, key) if credit_window else None
         self.sent: queue.SimpleQueue = queue.SimpleQueue()
         self.senders = {p: LossySender(f"tcp://{a}:{port}", RUN, rank, key,
                                        on_sent=self.sent.put, pace_bits=pace_bits,
-                                       marks=marks)
+                                       marks=marks, credits=bool(credit_window))
                         for p, (a, port) in enumerate(peers) if p != rank}
         self.transfer = 0
         #: elements of this rank's shard that arrived from the others (resends
@@ -84,7 +92,10 @@ class TransposeAllReduce:
                      for p, s in self.senders.items()}
         self._wait_sent(len(transfers))
         dist.barrier()  # everyone's datagrams are out: what is missing now is lost
-        drain(self.sock, self.ingress)
+        self._drain()
+        if self.granter is not None:  # (nothing more comes of this transfer's)
+            for key in list(self.granter.flows):
+                self.granter.done(key)
         mine = shards[self.rank].clone()
         for part in self._complete(transfers, size):
             mine += part
@@ -94,17 +105,27 @@ class TransposeAllReduce:
 
     def _wait_sent(self, jobs: int) -> None:
         """Until the senders' threads have sent ``jobs`` shards, reading what the
-        others send meanwhile (the socket's buffer may be small: rmem_max)."""
+        others send meanwhile (the socket's buffer may be small: rmem_max) and, with
+        credits, granting as it comes."""
         deadline = time.monotonic() + self.timeout
         while jobs:
             try:
-                self.sent.get(timeout=0.002)
+                self.sent.get_nowait()
                 jobs -= 1
+                continue
             except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("transpose all-reduce: the datagrams were not sent "
-                                       "within --timeout") from None
-            drain(self.sock, self.ingress)
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("transpose all-reduce: the datagrams were not sent "
+                                   "within --timeout")
+            select.select([self.sock], [], [], WAIT_S)
+            self._drain()
+
+    def _drain(self) -> None:
+        drain(self.sock, self.ingress,
+              heard=self.granter.heard if self.granter is not None else None)
+        if self.granter is not None:
+            self.granter.expire()
 
     def _header(self, source: int, numel: int) -> Message:
         """The end marker of ``source``'s shard of this transfer, as a server gets it

@@ -332,10 +332,11 @@ class Links:
         "layer and gradients' magnitude, and a loss or a full queue takes the lowest "
         "first; TCP ranks above them). priority needs --loss-tolerance"))
     credit_window: str = field(default="", metadata=_flag(
-        "with --loss-tolerance, ps, async-ps, byteps: receiver-driven pacing (NDP's, "
-        "Homa's): each server grants its bounded-loss senders the datagrams they may "
-        "send, keeping at most this many bytes (tc's sizes: 64kb) granted and not yet "
-        "arrived over all of them, so N pushes into one server never exceed its port; a "
+        "with --loss-tolerance: receiver-driven pacing (NDP's, Homa's): each receiver (a "
+        "parameter server, or a transpose all-reduce's rank) grants its bounded-loss "
+        "senders the datagrams they may send, keeping at most this many bytes (tc's "
+        "sizes: 64kb) granted and not yet arrived over all of them, so N senders into one "
+        "port never exceed it; a "
         "lost grant or datagram costs a bounded wait. Empty: every sender paces itself "
         "to its own link"))
     loss_tolerance: float = field(default=0.0, metadata=_flag(

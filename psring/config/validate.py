@@ -252,11 +252,11 @@ def _check_loss_tolerance(cfg: RunConfig, caps: Any) -> None:
 
 def _check_credit_window(cfg: RunConfig, caps: Any) -> None:
     parse_window(cfg.credit_window)
-    if not cfg.loss_tolerance or not caps.uses_servers:
-        raise ConfigError("--credit-window paces bounded-loss pushes into parameter "
-                          "servers (each server grants its senders): give --loss-tolerance "
-                          "F with ps, async-ps or byteps, or drop --credit-window (the "
-                          "transpose all-reduce's ranks grant nothing; TCP paces itself).")
+    if not cfg.loss_tolerance:
+        raise ConfigError("--credit-window paces bounded-loss datagrams (each receiver, "
+                          "a parameter server or a transpose all-reduce's rank, grants "
+                          "its senders): give --loss-tolerance F (ps, async-ps, byteps, "
+                          "allreduce), or drop --credit-window (TCP paces itself).")
 
 
 def _check_transport(cfg: RunConfig, caps: Any) -> None:

@@ -41,6 +41,7 @@ from psring.comm.lossy import Marks
 from psring.comm.transpose import TransposeAllReduce
 from psring.strategies.base import STRATEGIES, Capabilities, Handle, Strategy, WaitAll
 from psring.strategies.buckets import Bucket, GradientBuckets, bucket_caps
+from psring.units import parse_window
 
 
 class Pending:
@@ -115,7 +116,9 @@ class AllReduce(Strategy):
         return TransposeAllReduce(self.ctx.rank, self.ctx.world, address, cfg.loss_tolerance,
                                   pace_bits=cfg.cluster.emulated_link_bits,
                                   timeout=cfg.timeout, key=load_secret(cfg.secret_file),
-                                  marks=Marks.for_switch(cfg.switch, self.model_numel))
+                                  marks=Marks.for_switch(cfg.switch, self.model_numel),
+                                  credit_window=parse_window(cfg.credit_window)
+                                  if cfg.credit_window else 0)
 
     def _adasum_comm(self) -> adasum.TorchComm:
         return adasum.TorchComm()

@@ -12,12 +12,16 @@ from tests.helpers import SMALL, assert_no_processes, load_model, max_rel_diff, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy", ["ps", "allreduce"])
-def test_bounded_loss_without_loss_trains_singles_model(tmp_path, small_runs, strategy):
+@pytest.mark.parametrize("strategy,extra", [
+    ("ps", []), ("allreduce", []),
+    # receiver-driven: the server, or each transpose rank, grants what may be sent
+    ("ps", ["--credit-window", "16kb"]), ("allreduce", ["--credit-window", "16kb"])])
+def test_bounded_loss_without_loss_trains_singles_model(tmp_path, small_runs, strategy,
+                                                        extra):
     # (loopback loses nothing: every datagram arrives, the sums are exact)
     out = tmp_path / f"lossless-{strategy}"
     psring("run", "--strategy", strategy, "--workers", "2", "--loss-tolerance", "0.05",
-           *SMALL, "--out", out, timeout=100)
+           *extra, *SMALL, "--out", out, timeout=100)
     assert max_rel_diff(load_model(out), load_model(small_runs["single"])) < 1e-4
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert {r["delivered"] for r in steps} == {1.0}

@@ -33,11 +33,11 @@ def test_a_grant_round_trips_and_a_broken_one_is_refused():
         protocol.decode_grant(protocol.encode_grant(g, b"x" * 32), KEY)
 
 
-def _head(worker: int, transfer: int, packets: int) -> bytes:
-    """A datagram header (what the granter reads of a receive)."""
+def _head(worker: int, transfer: int, packets: int, index: int = 0) -> bytes:
+    """Packet ``index``'s datagram header (what the granter reads of a receive)."""
     buf, _ = protocol.encode_block(worker, 0, 5, transfer, "float32",
                                    torch.zeros(352 * packets).view(torch.uint8).numpy())
-    return bytes(buf[0, :protocol.DATAGRAM_HEADER])
+    return bytes(buf[index, :protocol.DATAGRAM_HEADER])
 
 
 class _Grants:
@@ -64,18 +64,27 @@ def test_the_granter_keeps_its_window_over_all_senders_round_robin():
     g.heard(a, _head(0, 1, 100), 2)
     assert g.outstanding() == g.window == 16  # (alone: the whole window)
     g.heard(b, _head(1, 1, 100), 2)
-    g.heard(a, _head(0, 1, 100), 8)  # (a's arrivals free room: b's share goes to b)
+    g.heard(a, _head(0, 1, 100, 2), 8)  # (a's arrivals free room: b's share goes to b)
     first = sock.last()
     assert set(first) == {a, b} and first[b] - 2 >= credits.CHUNK
     assert g.outstanding() <= g.window
     # as packets arrive, grants follow one for one: never more than the window owed
+    at = {0: 10, 1: 2}
     for _ in range(40):
-        g.heard(a, _head(0, 1, 100), 1)
-        g.heard(b, _head(1, 1, 100), 1)
+        for w, addr in ((0, a), (1, b)):
+            g.heard(addr, _head(w, 1, 100, at[w]), 1)
+            at[w] += 1
         assert g.outstanding() <= g.window
     assert sock.last()[a] > first[a] and sock.last()[b] > first[b]
-    # a whole transfer leaves the round; a quiet one is written off after EXPIRE_S
+    # a flow written off and heard again resumes where its sender is, not at 0
+    del g.flows[(1, 1)]
+    g.heard(b, _head(1, 1, 100, 60), 1)
+    assert g.flows[(1, 1)].granted > 61 and sock.last()[b] > 61
+    # a whole transfer leaves the round (a late resend of its is no new flow); a quiet
+    # one is written off after EXPIRE_S
     g.done((0, 1))
+    g.heard(a, _head(0, 1, 100, 5), 3)
+    assert (0, 1) not in g.flows
     g.expire(time.monotonic() + credits.EXPIRE_S + 1)
     assert not g.flows and g.counts["expired"] == 1
 

@@ -92,8 +92,8 @@ def test_a_seed_fixes_each_directions_decisions():
     # --credit-window: a window of at least a datagram, into servers that grant
     (dict(strategy="ps", loss_tolerance=0.01, credit_window="0kb"), "at least one datagram"),
     (dict(strategy="ps", loss_tolerance=0.01, credit_window="lots"), "is not a size"),
-    (dict(strategy="ps", credit_window="64kb"), "give --loss-tolerance F with ps"),
-    (dict(loss_tolerance=0.01, credit_window="64kb"), "transpose all-reduce's ranks grant"),
+    (dict(strategy="ps", credit_window="64kb"), "give --loss-tolerance F"),
+    (dict(credit_window="64kb"), "give --loss-tolerance F"),
 ])
 def test_bad_link_settings_are_refused(kw, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
