@@ -26,7 +26,8 @@ from psring.report.cluster import cluster_text
 from psring.report.runs import summarize
 
 #: the settings a row is named by, besides the strategy, where not these defaults
-KNOBS = {"loss": 0.0, "loss_burst": 1.0, "link_buffer": "", "loss_tolerance": 0.0}
+KNOBS = {"loss": 0.0, "loss_burst": 1.0, "link_buffer": "", "loss_tolerance": 0.0,
+         "credit_window": ""}
 
 
 def network(run_dir: Path, steps: int) -> dict:
