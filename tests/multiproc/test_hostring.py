@@ -98,7 +98,7 @@ def test_a_device_link_times_the_hops_inside_a_host_and_only_those(tmp_path):
         # the hop to a worker of its own host carries a token; across hosts, the chunk
         assert r["sent"] == ([1] * 6 if inside else [2500] * 6), (rank, r["sent"])
         timed_in = not inside  # (hosts of 2: the rank sending across receives inside)
-        # (less a few ms: each rank's clock starts when it enters, its neighbours' may
-        # have sent a step before)
+        # (less up to one hop's 10 ms: each rank's clock starts when it enters, and its
+        # neighbour may have sent a step before; CI once saw 52.7 ms for 60)
         least = 0.060 if timed_in else 0.050
-        assert least - 0.005 <= r["took"] < least + 2.0, (rank, r["took"])
+        assert least - 0.010 <= r["took"] < least + 2.0, (rank, r["took"])
