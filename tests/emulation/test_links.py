@@ -141,15 +141,14 @@ LOW, HIGH = 0x20, 0x80  # (psring.comm.lossy.PRIORITY_TOS: level 0 and level 3)
 @needs_emulation
 @pytest.mark.timeout(120)
 def test_a_priority_switch_loses_the_lowest_marks_first():
-    # 5% loss each way: fifo loses every mark alike; priority moves the losses of the
-    # high marks and of unmarked (TCP's class) onto the low ones, the total unchanged
-    fifo = linkcheck.marks_delivered(loss=0.05, switch="fifo", count=4500, gap_s=2e-5)
+    # 5% loss each way: priority moves the losses of the high marks and of unmarked
+    # (TCP's class) onto the low ones, the total what two links losing 5% deliver,
+    # (1 - 0.05) ** 2 of each mark (fifo: tests/unit/test_link_model.py, and the
+    # congested port below)
     prio = linkcheck.marks_delivered(loss=0.05, switch="priority", count=4500, gap_s=2e-5)
-    for m in (LOW, HIGH, 0):
-        assert 0.85 < fifo[m] < 0.95, fifo  # (1 - 0.05) ** 2 ≈ 0.90 across two links
     assert prio[HIGH] > 0.97 and prio[0] > 0.97, prio
     assert prio[LOW] < 0.8, prio  # a third of the traffic takes all the losses
-    assert abs(sum(prio.values()) - sum(fifo.values())) < 0.06
+    assert abs(sum(prio.values()) - 3 * 0.95 ** 2) < 0.06, prio
 
 
 @needs_emulation
