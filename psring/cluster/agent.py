@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from psring.cluster.link import FRAME_BITS, LossModel, forward, open_tap
+from psring.cluster.link import FRAME_BITS, LossModel, forward, open_tap, priority_queue
 from psring.cluster.netns import (
     CLONE_NEWNET,
     CLONE_NEWUSER,
@@ -200,40 +200,15 @@ def _run(argv: list[str], stdin: str, what: str) -> None:
 
 def _shaping(dev: str, plan: dict) -> list[str]:
     """tc batch lines shaping ``dev``'s egress with tbf to the link's rate; with
-    ``--switch priority``, tbf's queue is a strict-priority one (:func:`_priorities`)."""
+    ``--switch priority``, tbf's queue is a strict-priority one
+    (psring.cluster.link.priority_queue)."""
     if not plan["link_bits"]:
         return []
     burst, limit = tbf_params(plan["link_bits"], plan.get("buffer_bytes"))
     lines = [f"qdisc add dev {dev} root handle 1: tbf rate {int(plan['link_bits'])}bit "
              f"burst {burst} limit {limit}"]
     if plan.get("switch") == "priority":
-        lines += _priorities(dev, limit)
-    return lines
-
-
-#: the TOS bytes of the datagrams' priority levels, lowest first
-#: (psring.comm.lossy.PRIORITY_TOS); unmarked traffic is the top class
-_LEVEL_TOS = (0x20, 0x40, 0x60, 0x80)
-
-
-def _priorities(dev: str, limit: int) -> list[str]:
-    """tc batch lines making tbf's queue on ``dev`` strict priority (DLCP's switch port):
-    an htb under tbf whose classes never run out of rate, so htb serves them by their
-    ``prio`` alone — unmarked traffic (TCP) first, then the datagrams' levels 3 .. 0 by
-    their TOS (u32 filters) — each class a byte FIFO of the port's buffer. The link's
-    rate stays tbf's; when the port is congested the lowest level waits longest and its
-    queue is the first to overflow."""
-    top = 1 + len(_LEVEL_TOS)  # the class of unmarked traffic (htb's default)
-    lines = [f"qdisc add dev {dev} parent 1:1 handle 10: htb default {top}",
-             f"class add dev {dev} parent 10: classid 10:100 htb rate 100gbit quantum 1514"]
-    for c in range(1, top + 1):
-        prio = 0 if c == top else top - c  # (level L's class c = L + 1: prio 4 - L)
-        lines += [f"class add dev {dev} parent 10:100 classid 10:{c} htb rate 100gbit "
-                  f"quantum 1514 prio {prio}",
-                  f"qdisc add dev {dev} parent 10:{c} bfifo limit {limit}"]
-    for c, tos in enumerate(_LEVEL_TOS, start=1):
-        lines.append(f"filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip tos "
-                     f"{tos:#04x} 0xfc flowid 10:{c}")
+        lines += priority_queue(dev, limit)
     return lines
 
 

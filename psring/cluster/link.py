@@ -163,6 +163,26 @@ def level(frame: bytes) -> int:
     return LEVELS.get(frame[15], UNMARKED)
 
 
+def priority_queue(dev: str, limit: int) -> list[str]:
+    """tc batch lines making tbf's queue on ``dev`` strict priority (DLCP's switch port;
+    the agent shapes the links): an htb under tbf whose classes never run out of rate,
+    so htb serves them by their ``prio`` alone — unmarked traffic (TCP) first, then the
+    datagrams' levels 3 .. 0 by their TOS (u32 filters) — each class a byte FIFO of the
+    port's buffer. The link's rate stays tbf's; when the port is congested the lowest
+    level waits longest and its queue is the first to overflow."""
+    top = UNMARKED + 1  # (level L's class is L + 1; unmarked traffic's, htb's default)
+    lines = [f"qdisc add dev {dev} parent 1:1 handle 10: htb default {top}",
+             f"class add dev {dev} parent 10: classid 10:100 htb rate 100gbit quantum 1514"]
+    for c in range(1, top + 1):
+        lines += [f"class add dev {dev} parent 10:100 classid 10:{c} htb rate 100gbit "
+                  f"quantum 1514 prio {top - c}",
+                  f"qdisc add dev {dev} parent 10:{c} bfifo limit {limit}"]
+    for tos, lv in LEVELS.items():
+        lines.append(f"filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip tos "
+                     f"{tos:#04x} 0xfc flowid 10:{lv + 1}")
+    return lines
+
+
 class Direction:
     """Frames one way: read from ``src``, maybe dropped, held ``delay_s``, written to
     ``dst``; with what it did, for the link's record.

@@ -373,11 +373,10 @@ class ParameterServer(Strategy):
         return state
 
     def _servers_state(self, what: str, now: bool = False) -> dict[str, torch.Tensor]:
-        """Every shard's float32 copy of the version after this step (sync; in async
-        mode, as it is now): parameters, momentum, version. ``now`` (sync, between
-        steps, this worker's pull waited for): the servers' state as it is, which is
-        that version, since none goes on without this worker's next push (their
-        momentum is double-buffered: psring.servers.store)."""
+        """Every shard's float32 copy of the version after this step (sync; in async mode,
+        as it is now): parameters, momentum, version. ``now`` (sync, between steps, this
+        worker's pull waited for): the servers' state as it is, that version, since none
+        goes on without this worker's next push (momentum double-buffered: servers.store)."""
         # the loop's step numbers are absolute (a resumed run continues them), and so are
         # the servers' versions: after step s a synchronous server is at version s + 1
         version = self.step + 1 if self.mode == "sync" and not now else SNAPSHOT_NOW

@@ -14,6 +14,7 @@ import statistics as st
 import pytest
 
 from psring.cluster import link
+from psring.comm import lossy
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError
 from tests.emulation.test_emulate import assert_paragraph
@@ -194,3 +195,5 @@ def test_a_priority_switch_moves_a_loss_onto_a_lower_level(tmp_path):
 def test_a_frames_level_is_its_tos_mark_and_tcp_ranks_above():
     assert [link.level(_frame(t)) for t in (0x20, 0x40, 0x60, 0x80, 0x00, 0x10)] == \
         [0, 1, 2, 3, link.UNMARKED, link.UNMARKED]
+    # the switch reads the marks the senders write (two layers that import neither)
+    assert link.LEVELS == {tos: lv for lv, tos in enumerate(lossy.PRIORITY_TOS)}
