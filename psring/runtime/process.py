@@ -175,7 +175,10 @@ def describe_exit(code: int) -> str:
 # Lines a process prints when it fails only because a peer already did; the launcher
 # blames the process that failed for a reason of its own when it can tell.
 _CASCADE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                    "exit code 143", "SIGTERM", "caused by a remote worker crashing")
+                    "exit code 143", "SIGTERM", "caused by a remote worker crashing",
+                    "caused by a remote worker hanging",
+                    # (a worker's own word for it: workers/entry.py, broken_connections_named)
+                    "the connection to another worker broke")
 #: seconds to wait for the cause of a failure to show when only peers' cascades have
 BLAME_WAIT_S = 2.0
 
