@@ -79,15 +79,20 @@ machine > "$RESULTS/machine.txt" 2>&1
 cat "$RESULTS/machine.txt"
 
 # the CUDA tests (skipped with their reason where torch sees no GPU), the GPU choices
-# made without one, and the process starts of a GPU build of torch
+# made without one, and the process starts of a GPU build of torch; or, with arguments,
+# LOG LIMIT PYTEST-ARGS...: those tests alone, within LIMIT seconds, into LOG.log
 cuda_tests() {
-stamp "CUDA tests"
-grep -E "^(python|gpu|cudnn) " "$RESULTS/machine.txt" > "$RESULTS/cuda_tests.log"  # the log names its GPU
-timeout "$(limit 270)" $PY -m pytest "$REPO/tests/cuda" "$REPO/tests/unit/test_gpu_choices.py" \
-    "$REPO/tests/multiproc/test_forking.py" -n 4 --dist loadgroup -p no:cacheprovider -rA \
-    --durations=0 >> "$RESULTS/cuda_tests.log" 2>&1
-echo "exit $?" >> "$RESULTS/cuda_tests.log"
-tail -n 45 "$RESULTS/cuda_tests.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|exit"
+local log=cuda_tests lim=270 sel=("$REPO/tests/cuda" "$REPO/tests/unit/test_gpu_choices.py"
+    "$REPO/tests/multiproc/test_forking.py")
+[ $# -ge 2 ] && { log=$1; lim=$2; shift 2; sel=("$@"); }
+stamp "CUDA tests ($log)"
+grep -E "^(python|gpu|cudnn) " "$RESULTS/machine.txt" > "$RESULTS/$log.log"  # the log names its GPU
+# (--import-mode=append: the installed psring, psring.servers with it, comes before the
+# source tree, which has no psring/servers; tests.helpers still come from the repository)
+timeout "$(limit "$lim")" $PY -m pytest "${sel[@]}" -n 4 --dist loadgroup -p no:cacheprovider \
+    --import-mode=append -rA --durations=0 >> "$RESULTS/$log.log" 2>&1
+echo "exit $?" >> "$RESULTS/$log.log"
+tail -n 45 "$RESULTS/$log.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|exit"
 }
 
 if [ "$PARTS" = ps ]; then

@@ -28,7 +28,11 @@ if cal.exists():
           "ps round %s" % (f"alpha {a * 1e3:.2f} ms, {1 / b / 1e9:.2f} GB/s a worker" if a else "-"))
 EOF
 
-# 2. compare's workload under ps (1 and 2 servers) and allreduce on the GPU, traced,
+# 2. the examples under psring launch on CUDA (issue 44), before anything long
+EXAMPLES_TEST="$REPO/tests/cuda/test_cuda.py::test_the_examples_run_on_cuda_and_train_singles_model"
+cuda_tests cuda_examples 200 "$EXAMPLES_TEST"
+
+# 3. compare's workload under ps (1 and 2 servers) and allreduce on the GPU, traced,
 #    and where each ps step goes
 stamp "ps traced"
 WL=(--model mlp --width 1024 --depth 3 --batch-size 64 --steps 30 --eval-every 0
@@ -48,7 +52,7 @@ for name in ps ps2 allreduce; do
         "$RESULTS/runs/$name" > /dev/null 2>&1
 done
 
-# 3. the PS round against raw pyzmq: every core, then two (the control)
+# 4. the PS round against raw pyzmq: every core, then two (the control)
 stamp "bench_ps"
 if [ -z "$DRY" ]; then
     timeout "$(limit 100)" $PY "$REPO/benchmarks/bench_ps.py" --quick 2>&1 \
@@ -58,5 +62,7 @@ if [ -z "$DRY" ]; then
         | tee "$RESULTS/bench_ps_2cores.txt"
 fi
 
-# 4. the CUDA tests with what is left
-cuda_tests
+# 5. the other CUDA tests with what is left (compare and the examples ran above)
+cuda_tests cuda_tests 270 "$REPO/tests/cuda" "$REPO/tests/unit/test_gpu_choices.py" \
+    "$REPO/tests/multiproc/test_forking.py" \
+    -k "not test_the_examples_run_on_cuda and not test_compare_runs_on_cuda"
