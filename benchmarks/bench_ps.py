@@ -226,34 +226,38 @@ def main() -> int:
     mb = 16
     numel = mb * 2**20 // 4
     res: dict[str, list[float]] = {"ps1": [], "sync-raw": [], "raw": [], "ps2": []}
+    print(f"psring PS benchmark (N={N} workers, {os.cpu_count()} cores, ipc (Unix sockets), "
+          f"{reps} repetitions alternated)", flush=True)
+    t0 = time.perf_counter()
     for i in range(reps):
         for name in (list(res) if i % 2 == 0 else list(res)[::-1]):
             if name.endswith("raw"):
                 res[name].append(run_raw(numel * 4, big_rounds, barrier=name == "sync-raw"))
             else:
                 res[name].append(run_ps(numel, int(name[-1]), big_rounds))
+            # (on stderr: where the time goes, should a machine be slow to start processes)
+            print(f"  [{time.perf_counter() - t0:6.1f} s] repetition {i + 1}: {name} "
+                  f"{res[name][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     # Pair each repetition's PS round with the raw transport measured right beside it
     # (the faster of the two relays: the strictest bound), then take the median ratio.
     ratios = [p / min(a, b) for p, a, b in zip(res["ps1"], res["sync-raw"], res["raw"])]
     ps1, sraw, raw, ps2 = (st.median(res[k]) for k in ("ps1", "sync-raw", "raw", "ps2"))
-    arith = server_arithmetic(numel)
-    small = st.median(run_ps(10 * 1024 // 4, 1, small_rounds) for _ in range(reps))
-    small_raw = st.median(run_raw(10 * 1024, small_rounds, barrier=True) for _ in range(reps))
-    print(f"psring PS benchmark (N={N} workers, {os.cpu_count()} cores, ipc (Unix sockets), "
-          f"{reps} repetitions alternated)")
     print(f"1. sync round, M = {mb} MiB, 1 server: {ps1 * 1e3:.1f} ms. Raw pyzmq moving the "
           f"same 2*N*M bytes through one process: {sraw * 1e3:.1f} ms answering once all N "
           f"are in, {raw * 1e3:.1f} ms answering each at once. Paired ratio to the faster "
           f"raw relay of the same repetition: median {st.median(ratios):.2f} (target <= "
-          f"1.25; per repetition {', '.join(f'{r:.2f}' for r in ratios)})")
+          f"1.25; per repetition {', '.join(f'{r:.2f}' for r in ratios)})", flush=True)
+    arith = server_arithmetic(numel)
     floor = 1 + arith / min(sraw, raw)
     print(f"   the server's arithmetic for that round, alone: {arith * 1e3:.1f} ms = "
           f"{arith / min(sraw, raw):.0%} of the faster raw round; with no core free to "
-          f"overlap it, the ratio's floor is {floor:.2f}")
+          f"overlap it, the ratio's floor is {floor:.2f}", flush=True)
+    print(f"3. sync round, M = {mb} MiB: 2 servers {ps2 * 1e3:.1f} ms vs 1 server "
+          f"{ps1 * 1e3:.1f} ms -> 2 servers are {ps1 / ps2:.2f}x as fast", flush=True)
+    small = st.median(run_ps(10 * 1024 // 4, 1, small_rounds) for _ in range(reps))
+    small_raw = st.median(run_raw(10 * 1024, small_rounds, barrier=True) for _ in range(reps))
     print(f"2. sync round, M = 10 KiB, 1 server: median {small * 1e3:.3f} ms (target <= 1 ms); "
           f"raw pyzmq (synchronous): {small_raw * 1e3:.3f} ms")
-    print(f"3. sync round, M = {mb} MiB: 2 servers {ps2 * 1e3:.1f} ms vs 1 server "
-          f"{ps1 * 1e3:.1f} ms -> 2 servers are {ps1 / ps2:.2f}x as fast")
     return 0
 
 
