@@ -82,14 +82,14 @@ def _get() -> _Zygote | None:
             return None
         if _zygote is None:
             try:
-                _zygote = _Zygote() if _serves() else None
+                _zygote = _Zygote() if serves() else None
             except OSError:
                 _zygote = None
             _unavailable = _zygote is None
         return _zygote
 
 
-def _serves() -> bool:
+def serves() -> bool:
     """Linux, a CPU build of torch (a GPU runtime may not be forked), setproctitle."""
     import importlib.util
 

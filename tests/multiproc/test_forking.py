@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import assert_no_processes
+from tests.helpers import assert_no_processes, zygote
 
 SCRIPT = r"""
 import os, sys, threading, time
@@ -123,11 +123,14 @@ def test_a_gpu_build_of_torch_never_forks():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(not zygote.serves(), reason="the tests' zygote forks only on Linux with a "
+                    "CPU build of torch and setproctitle (a GPU runtime may not be forked): "
+                    "here every test command starts anew")
 def test_the_tests_forked_commands_behave_as_new_interpreters(tmp_path):
     """tests/helpers/zygote.py: a command forked for a test sees its own arguments,
     environment (a plugin on its PYTHONPATH), working directory and streams, exits
     with its own status, and carries its own command line, as `python -m psring` does."""
-    from tests.helpers import env_with_plugins, processes_mentioning, zygote
+    from tests.helpers import env_with_plugins, processes_mentioning
 
     env = env_with_plugins()
     runs = [(["strategies"], env), (["run", "--strategy", "nonsense", "--out", "x"], None)]
