@@ -206,11 +206,16 @@ def test_phase_times_mean_the_same_on_cuda(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_the_examples_run_on_cuda_and_train_singles_model(tmp_path):
+def test_the_examples_run_on_cuda_and_train_singles_model(tmp_path, monkeypatch):
     """The three example scripts under psring launch on the GPU (inputs, held-out sets
     and labels moved by the wrapped model and dist.to_device), each strategy against
     the same script under single on CUDA; ddp_style with its clip and GradScaler where
     the workers update."""
+    # cuDNN runs float32 convolutions in TF32 unless told not to (torch's default,
+    # cudnn.allow_tf32): with 10 mantissa bits, two workers' half batches and single's
+    # whole one round apart at ~1e-3 (digits.py, seen on an H100). Parity is checked in
+    # float32 proper; docs/your-script.md states the TF32 caveat.
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     examples = Path(__file__).resolve().parents[2] / "examples"
     runs, pairs = [], []
     for script, flags in (("digits.py", ["--epochs", "1"]), ("ddp_style.py", []),
@@ -230,10 +235,13 @@ def test_the_examples_run_on_cuda_and_train_singles_model(tmp_path):
                          tmp_path / "ddp_style-single-plain", "--", "python",
                          examples / script, "--clip", "0", "--no-scaler"])
     psring_together(*runs, timeout=380)
+    diffs = {}
     for name, ref in pairs:
         ref = ref + ("-plain" if name.endswith("-plain") else "")
-        assert max_rel_diff(load_model(tmp_path / name), load_model(tmp_path / ref)) < 1e-4
+        diffs[name] = max_rel_diff(load_model(tmp_path / name), load_model(tmp_path / ref))
         assert manifest(tmp_path / name)["device"].startswith("cuda"), name
+    print("relative difference from single:", diffs)
+    assert all(d < 1e-4 for d in diffs.values()), diffs
     assert_no_processes(str(tmp_path))
 
 
