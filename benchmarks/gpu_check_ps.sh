@@ -34,21 +34,23 @@ cuda_tests cuda_examples 200 "$EXAMPLES_TEST"
 
 # 3. compare's workload under ps (1 and 2 servers) and allreduce on the GPU, traced,
 #    and where each ps step goes; ps-t1 is ps with one torch thread a worker (torchrun's
-#    OMP_NUM_THREADS=1), to tell the servers' stalls (2026-11-27: pushes' sums p10
-#    0.05 ms, p90 8 ms) from cores taken by the workers' threads
+#    OMP_NUM_THREADS=1) and ps-cpu the same on the box's CPU: whether the servers' stalls
+#    (2026-11-27: pushes' sums p10 0.05 ms, p90 8 ms) come from cores the workers'
+#    threads take, or from the CUDA workers themselves
 stamp "ps traced"
 WL=(--model mlp --width 1024 --depth 3 --batch-size 64 --steps 30 --eval-every 0
     --workers 2 --device "$DEVICE" --trace)
 [ -n "$DRY" ] && WL=(--model mlp --width 256 --depth 2 --batch-size 16 --steps 8
     --eval-every 0 --workers 2 --device cpu --trace)
-for name in ps ps2 allreduce ps-t1; do
+for name in ps ps2 allreduce ps-t1 ps-cpu; do
     case $name in ps) S=(--strategy ps);; ps2) S=(--strategy ps --servers 2);;
-        allreduce) S=(--strategy allreduce);; ps-t1) S=(--strategy ps --threads 1);; esac
-    timeout "$(limit 60)" $PY -m psring run "${S[@]}" "${WL[@]}" --out "$RESULTS/runs/$name" \
+        allreduce) S=(--strategy allreduce);; ps-t1) S=(--strategy ps --threads 1);;
+        ps-cpu) S=(--strategy ps --device cpu);; esac  # (S last: its --device wins)
+    timeout "$(limit 60)" $PY -m psring run "${WL[@]}" "${S[@]}" --out "$RESULTS/runs/$name" \
         > "$RESULTS/runs/$name.log" 2>&1 || { echo "$name failed:"; tail -n 5 "$RESULTS/runs/$name.log"; }
 done
 $PY "$REPO/benchmarks/ps_breakdown.py" "$RESULTS/runs/ps" "$RESULTS/runs/ps2" \
-    "$RESULTS/runs/allreduce" "$RESULTS/runs/ps-t1" 2>&1 | tee "$RESULTS/ps_breakdown.txt"
+    "$RESULTS/runs/allreduce" "$RESULTS/runs/ps-t1" "$RESULTS/runs/ps-cpu" 2>&1 | tee "$RESULTS/ps_breakdown.txt"
 for name in ps ps2 allreduce; do
     [ -f "$RESULTS/runs/$name/trace.json" ] && timeout 30 $PY -m psring trace \
         "$RESULTS/runs/$name" > /dev/null 2>&1
