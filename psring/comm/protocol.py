@@ -372,8 +372,9 @@ def error_frames(message: str, request: dict[str, Any] | None = None,
 # A datagram that breaks a rule is dropped and counted by the server, never answered.
 DATAGRAM_MAGIC = b"PSRG"
 DATAGRAM_VERSION = 1
-_DATAGRAM = struct.Struct("<4sBBHHIQIII")
-DATAGRAM_HEADER = _DATAGRAM.size
+#: the header, packed and unpacked at once (DATAGRAM_DTYPE: the same, for many)
+DATAGRAM_STRUCT = struct.Struct("<4sBBHHIQIII")
+DATAGRAM_HEADER = DATAGRAM_STRUCT.size
 #: the header as a numpy record, to read many datagrams' headers at once
 DATAGRAM_DTYPE = np.dtype([("magic", "S4"), ("version", "u1"), ("code", "u1"),
                          ("worker", "<u2"), ("shard", "<u2"), ("tag", "<u4"),
@@ -417,7 +418,7 @@ def _datagram_mac(key: bytes, body: memoryview) -> bytes:
 
 def encode_datagram(d: Datagram, key: bytes | None = None) -> bytes:
     n = len(d.payload) // DTYPES[d.dtype].itemsize
-    body = _DATAGRAM.pack(DATAGRAM_MAGIC, DATAGRAM_VERSION, WIRE_CODES.index(d.dtype),
+    body = DATAGRAM_STRUCT.pack(DATAGRAM_MAGIC, DATAGRAM_VERSION, WIRE_CODES.index(d.dtype),
                           d.worker, d.shard, d.run_tag, d.transfer, d.index, d.packets,
                           n) + bytes(d.payload)
     return body + _datagram_mac(key, memoryview(body)) if key else body
@@ -477,7 +478,7 @@ def decode_datagram(data: bytes | memoryview, key: bytes | None = None) -> Datag
     if len(buf) < DATAGRAM_HEADER:
         raise ProtocolError(f"datagram of {len(buf)} bytes is shorter than its header")
     magic, version, code, worker, shard, tag, transfer, index, packets, n = \
-        _DATAGRAM.unpack_from(buf)
+        DATAGRAM_STRUCT.unpack_from(buf)
     if magic != DATAGRAM_MAGIC or version != DATAGRAM_VERSION:
         raise ProtocolError("not a psring gradient datagram of this version")
     if code >= len(WIRE_CODES):

@@ -302,6 +302,23 @@ def test_a_coalesced_receive_with_bad_datagrams_keeps_the_good_ones():
     assert torch.allclose(kept[:352], grad[:352] * 10 / 9)
 
 
+def test_coalesced_receives_out_of_order_or_seen_before_keep_each_packet_once():
+    # (the fast path takes a receive whole: in order, or each number once; a run whose
+    # packets came before goes one by one, where each one seen is refused)
+    grad = torch.randn(352 * 12 + 7)
+    packets = packets_of(grad)
+    ing = Ingress()
+    order = [5, 0, 9, 2, 11, 7]
+    ing.datagrams(*coalesced([packets[i] for i in order]))
+    assert ing.counts == {"datagrams": 6, "bad_datagrams": 0, "evicted": 0}
+    # (counted as datagrams when they decode, as bad when refused)
+    ing.datagrams(*coalesced(packets[:4]))  # (0 and 2 again: 1 and 3 kept)
+    assert ing.counts["datagrams"] == 10 and ing.counts["bad_datagrams"] == 2
+    ing.datagrams(*coalesced([packets[i] for i in (3, 4, 6, 8, 10, 12)]))  # (3 again)
+    assert ing.counts["datagrams"] == 16 and ing.counts["bad_datagrams"] == 3
+    assert torch.equal(ing.complete(lossy_push(grad, 0.0)).tensors[0], grad)
+
+
 def test_a_datagram_claiming_more_than_may_be_held_is_refused(monkeypatch):
     monkeypatch.setattr(ingress, "MAX_HELD_BYTES", 10_000)
     ing = Ingress()
