@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import socket
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -36,12 +37,18 @@ from psring.comm.protocol import (
     DATAGRAM_STRUCT,
     DATAGRAM_VERSION,
     DTYPES,
+    END_MAGIC,
     MAX_PACKETS,
+    NACK_MAGIC,
     WIRE_CODES,
     Datagram,
+    End,
     Message,
+    Nack,
     ProtocolError,
     decode_datagram,
+    decode_end,
+    decode_nack,
     per_datagram,
     run_tag,
 )
@@ -102,6 +109,16 @@ def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None,
     return n
 
 
+#: end markers and completed transfers an Ingress remembers (the oldest forgotten first)
+REMEMBERED = 4096
+
+
+def _remember(seen: OrderedDict, key: tuple[int, int], value) -> None:
+    seen[key] = value
+    while len(seen) > REMEMBERED:
+        seen.popitem(last=False)
+
+
 #: bytes of datagrams kept waiting for their lossy_push, over all transfers
 MAX_HELD_BYTES = 1 << 30
 
@@ -121,6 +138,8 @@ class _Arriving:
     data: np.ndarray = field(default=None)  # type: ignore[assignment]
     #: the last packet's payload bytes, once it arrived (every other one is whole)
     last: int = -1
+    #: when a packet of it last arrived (time.monotonic)
+    heard: float = 0.0
 
     def __post_init__(self) -> None:
         self.got = np.zeros(self.packets, np.bool_)
@@ -144,16 +163,38 @@ def whole_bytes(dtype: str) -> int:
 
 
 class Ingress:
-    """The datagrams of transfers in progress, by (worker, transfer id)."""
+    """The datagrams of transfers in progress, by (worker, transfer id); the end
+    markers and resend requests that arrived (the transpose all-reduce's); the
+    transfers completed lately, whose datagrams that come late are dropped (counted
+    ``late``) rather than held as a new transfer."""
 
     def __init__(self, key: bytes | None = None):
         self.key = key
         self.transfers: OrderedDict[tuple[int, int], _Arriving] = OrderedDict()
         self.held = 0
-        self.counts = {"datagrams": 0, "bad_datagrams": 0, "evicted": 0}
+        self.counts = {"datagrams": 0, "bad_datagrams": 0, "evicted": 0, "late": 0}
+        self.ends: OrderedDict[tuple[int, int], End] = OrderedDict()
+        self.finished: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.nacks: list[Nack] = []
+
+    def ended(self, worker: int, transfer: int) -> bool:
+        """Whether the transfer's end marker arrived (all of its packets have left)."""
+        return (worker, transfer) in self.ends
+
+    def heard(self, worker: int, transfer: int) -> float | None:
+        """When a packet of the transfer last arrived (time.monotonic), None if none."""
+        t = self.transfers.get((worker, transfer))
+        return t.heard if t is not None else None
 
     def datagram(self, data: bytes) -> None:
-        """Keep one datagram (or count it as bad and drop it)."""
+        """Keep one datagram or end marker (or count it as bad and drop it)."""
+        magic = bytes(data[:4])
+        if magic == END_MAGIC:
+            self._end(data)
+            return
+        if magic == NACK_MAGIC:
+            self._nack(data)
+            return
         try:
             d = decode_datagram(data, self.key)
         except ProtocolError:
@@ -226,12 +267,39 @@ class Ingress:
         self.counts["datagrams"] += k
         return True
 
+    def _end(self, data: bytes | memoryview) -> None:
+        try:
+            e = decode_end(data, self.key)
+        except ProtocolError:
+            self.counts["bad_datagrams"] += 1
+            return
+        if (e.worker, e.transfer) not in self.finished:  # (a copy come after its push)
+            _remember(self.ends, (e.worker, e.transfer), e)
+
+    def _nack(self, data: bytes | memoryview) -> None:
+        try:
+            n = decode_nack(data, self.key)
+        except ProtocolError:
+            self.counts["bad_datagrams"] += 1
+            return
+        if len(self.nacks) < REMEMBERED:  # (taken by take_nacks as they come)
+            self.nacks.append(n)
+
+    def take_nacks(self) -> list[Nack]:
+        """The resend requests that arrived since the last call."""
+        got, self.nacks = self.nacks, []
+        return got
+
     def _arriving(self, worker: int, transfer: int, packets: int, dtype: str, tag: int,
                   shard: int) -> _Arriving | None:
         """The transfer's record, made at its first packet; None when the packet
-        disagrees with it or the transfer would not fit what may be held."""
+        disagrees with it, the transfer is complete already (a packet come late) or
+        would not fit what may be held."""
         key = (worker, transfer)
         t = self.transfers.get(key)
+        if t is None and key in self.finished:
+            self.counts["late"] += 1
+            return None
         if t is None:
             if packets * whole_bytes(dtype) > MAX_HELD_BYTES:
                 return None
@@ -243,6 +311,7 @@ class Ingress:
                 self.counts["evicted"] += 1
         if (t.packets, t.dtype, t.tag, t.shard) != (packets, dtype, tag, shard):
             return None
+        t.heard = time.monotonic()
         return t
 
     def keep(self, d: Datagram) -> None:
@@ -293,8 +362,11 @@ class Ingress:
             excess = lost - math.floor(h["tolerance"] * numel)
             return min(len(missing), math.ceil(excess / per)), missing.tolist()
         grad = self._assemble(t, numel, DTYPES[dtype], lost)
-        if self.transfers.pop((h["worker"], h["transfer"]), None) is not None:
+        key = (h["worker"], h["transfer"])
+        if self.transfers.pop(key, None) is not None:
             self.held -= t.nbytes
+        self.ends.pop(key, None)
+        _remember(self.finished, key, None)
         header = {"v": h["v"], "op": "push", "run": h["run"], "worker": h["worker"],
                   "seq": h["seq"], "shard": h["shard"], "step": h["step"],
                   "offset": h["offset"], "tensors": [[dtype, [numel]]],

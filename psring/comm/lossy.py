@@ -50,10 +50,12 @@ from psring.comm.protocol import (
     DATAGRAM_PAYLOAD,
     DATAGRAM_SIGNATURE,
     DTYPE_NAMES,
+    End,
     ProtocolError,
     decode_grant,
     encode_block,
     encode_datagrams,
+    encode_end,
     per_datagram,
     run_tag,
 )
@@ -72,6 +74,9 @@ GSO_MAX_BYTES = 65000
 #: its own (four of its measured round trips if longer): a lost grant or datagram costs
 #: this, never TCP's 200 ms retransmission timeout
 GRANT_WAIT_S = 0.004
+#: copies of a transfer's end marker, back to back: all of them lost (p**3 at a loss
+#: rate p) costs its receiver an idle timeout (psring.comm.transpose)
+END_COPIES = 3
 #: errors that say the kernel or the route cannot segment (then one send a datagram)
 NO_GSO = {errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EIO}
 #: the IPv4 TOS byte of a datagram of each priority level, lowest first (DSCP class
@@ -127,6 +132,8 @@ class Transfer:
     levels: np.ndarray | None = None
     #: the transfer's id (the lossy_push's ``transfer``): what its grants name
     transfer: int = 0
+    #: the shard it is a part of (the receiver's)
+    shard: int = 0
 
     def run(self, i: int, j: int) -> list[memoryview]:
         """Packets i to j − 1, as the buffers of one send."""
@@ -148,7 +155,7 @@ class LossySender:
     def __init__(self, endpoint: str, run: str, worker: int, key: bytes | None = None,
                  on_sent: Callable[[object], None] = lambda token: None,
                  pace_bits: float | None = None, marks: Marks | None = None,
-                 credits: bool = False):
+                 credits: bool = False, ends: bool = False):
         u = urlparse(endpoint)
         if u.scheme != "tcp" or u.hostname is None or u.port is None:
             raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
@@ -164,6 +171,9 @@ class LossySender:
         #: --credit-window: a transfer's datagrams beyond the first UNSCHEDULED wait for
         #: the server's grants (psring.comm.credits), each wait bounded
         self.credits = credits
+        #: a transfer's datagrams followed by END_COPIES end markers (the transpose
+        #: all-reduce: its receivers wait for them, not for a barrier over TCP)
+        self.ends = ends
         self.rtt = GRANT_WAIT_S / 4  # (a first guess; each first grant measures it)
         self.probes = 0
         self.datagrams = 0
@@ -191,7 +201,7 @@ class LossySender:
                          last)
         if self.marks is not None:
             t.levels = self.marks.levels(grad, offset, t.per)
-        t.transfer = transfer_id
+        t.transfer, t.shard = transfer_id, shard
         self.jobs.put((t, range(t.count), token))
         return t
 
@@ -218,7 +228,19 @@ class LossySender:
         while (job := self.jobs.get()) is not None:
             t, which, token = job
             self._out(t, which)
+            if self.ends and isinstance(which, range) and len(which) == t.count:
+                self._end(t)
             self.on_sent(token)
+
+    def _end(self, t: Transfer) -> None:
+        """The end markers of transfer ``t``: all of its packets have left."""
+        marker = encode_end(End(self.worker, t.shard, self.tag, t.transfer, t.count),
+                            self.key)
+        # (at a priority switch, marked as the lowest level: behind every datagram of
+        # the transfer still queued, never ahead of them)
+        tos = None if self.marks is None else PRIORITY_TOS[0]
+        for _ in range(END_COPIES):
+            self._send([memoryview(marker)], 1, len(marker), tos)
 
     def _out(self, t: Transfer, which) -> None:
         """Send packets ``which`` of ``t``: with credits a whole transfer as its grants

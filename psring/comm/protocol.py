@@ -493,21 +493,31 @@ def decode_datagram(data: bytes | memoryview, key: bytes | None = None) -> Datag
     return Datagram(worker, shard, tag, transfer, index, packets, dtype, payload)
 
 
-# ----------------------------------------------------------------- credit grants
-# --credit-window: a server grants each bounded-loss transfer the packets it may send
-# (NDP's and Homa's receiver-driven pacing), in a small UDP datagram back to the socket
-# the transfer's datagrams come from:
+# ------------------------------------------------ control datagrams: grants, end markers
+# Two small UDP datagrams of one layout steer the gradient datagrams:
 #
-#     magic "PSRC", version, worker, shard, run tag, transfer, upto (packets [0, upto)
-#     may leave)
+#     magic, version, worker, shard, run tag, transfer, a packet count
 #     then with a shared secret 16 bytes of HMAC-SHA256 over all of the above
 #
-# Grants are cumulative: a lost one is made good by the next. A sender drops any grant
-# that breaks a rule, or that names another transfer than the one it is sending.
+# A grant ("PSRC", --credit-window) goes from a receiver back to the socket a transfer's
+# datagrams come from: packets [0, upto) may leave (NDP's and Homa's receiver-driven
+# pacing). Grants are cumulative: a lost one is made good by the next. An end marker
+# ("PSRE", the transpose all-reduce) follows a transfer's datagrams to their receiver,
+# a few copies: all of its packets have left, so what is missing once it is in is lost.
+# A resend request ("PSRN", the transpose all-reduce) goes from that receiver to the
+# transfer's sender: worker is the receiver's rank, the count how many packets it needs
+# again, and up to NACK_MOST of the missing packets' numbers (u32 each) follow, chosen
+# at random among them, before the signature. A datagram that breaks a rule is dropped.
 GRANT_MAGIC = b"PSRC"
-GRANT_VERSION = 1
-_GRANT = struct.Struct("<4sBxHHIQI")
-_GRANT_TAG = b"psring-grant-hmac-sha256-v1"
+END_MAGIC = b"PSRE"
+NACK_MAGIC = b"PSRN"
+#: the most packet numbers one resend request lists (they fit one Ethernet frame)
+NACK_MOST = 340
+CONTROL_VERSION = 1
+_CONTROL = struct.Struct("<4sBxHHIQI")
+_CONTROL_TAGS = {GRANT_MAGIC: b"psring-grant-hmac-sha256-v1",
+                 END_MAGIC: b"psring-end-hmac-sha256-v1",
+                 NACK_MAGIC: b"psring-nack-hmac-sha256-v1"}
 
 
 class Grant(NamedTuple):
@@ -518,30 +528,85 @@ class Grant(NamedTuple):
     upto: int
 
 
+class End(NamedTuple):
+    worker: int
+    shard: int
+    run_tag: int
+    transfer: int
+    packets: int
+
+
+class Nack(NamedTuple):
+    worker: int
+    shard: int
+    run_tag: int
+    transfer: int
+    need: int
+    missing: tuple[int, ...]
+
+
+def _sign_control(magic: bytes, body: bytes, key: bytes) -> bytes:
+    return hmac.new(key, _CONTROL_TAGS[magic] + body, hashlib.sha256).digest()[
+        :DATAGRAM_SIGNATURE]
+
+
+def _encode_control(magic: bytes, fields: tuple, key: bytes | None) -> bytes:
+    body = _CONTROL.pack(magic, CONTROL_VERSION, *fields)
+    return body + _sign_control(magic, body, key) if key else body
+
+
+def _decode_control(data: bytes | memoryview, key: bytes | None, magic: bytes,
+                    what: str, extra: int = 0) -> tuple:
+    buf = bytes(data)
+    size = _CONTROL.size + extra + (DATAGRAM_SIGNATURE if key else 0)
+    if len(buf) != size:
+        raise ProtocolError(f"{what} is {size} bytes, not {len(buf)}")
+    body = _CONTROL.size + extra
+    if key and not hmac.compare_digest(_sign_control(magic, buf[:body], key), buf[body:]):
+        raise AuthenticationError(f"{what} with a bad signature")
+    got, version, *fields = _CONTROL.unpack_from(buf)
+    if got != magic or version != CONTROL_VERSION:
+        raise ProtocolError(f"not {what} of this version")
+    if not 0 < fields[-1] <= MAX_PACKETS:
+        raise ProtocolError(f"{what} of {fields[-1]} packets")
+    return tuple(fields)
+
+
 def encode_grant(g: Grant, key: bytes | None = None) -> bytes:
-    body = _GRANT.pack(GRANT_MAGIC, GRANT_VERSION, g.worker, g.shard, g.run_tag,
-                       g.transfer, g.upto)
-    if key:
-        body += hmac.new(key, _GRANT_TAG + body, hashlib.sha256).digest()[:DATAGRAM_SIGNATURE]
-    return body
+    return _encode_control(GRANT_MAGIC, tuple(g), key)
 
 
 def decode_grant(data: bytes | memoryview, key: bytes | None = None) -> Grant:
     """Validate one grant; ProtocolError (AuthenticationError for a signature) on any
     violation."""
-    buf = bytes(data)
-    size = _GRANT.size + (DATAGRAM_SIGNATURE if key else 0)
-    if len(buf) != size:
-        raise ProtocolError(f"a grant is {size} bytes, not {len(buf)}")
-    if key:
-        body, sig = buf[:_GRANT.size], buf[_GRANT.size:]
-        if not hmac.compare_digest(
-                hmac.new(key, _GRANT_TAG + body, hashlib.sha256).digest()[:DATAGRAM_SIGNATURE],
-                sig):
-            raise AuthenticationError("grant with a bad signature")
-    magic, version, worker, shard, tag, transfer, upto = _GRANT.unpack_from(buf)
-    if magic != GRANT_MAGIC or version != GRANT_VERSION:
-        raise ProtocolError("not a psring credit grant of this version")
-    if not 0 < upto <= MAX_PACKETS:
-        raise ProtocolError(f"a grant of {upto} packets")
-    return Grant(worker, shard, tag, transfer, upto)
+    return Grant(*_decode_control(data, key, GRANT_MAGIC, "a psring credit grant"))
+
+
+def encode_end(e: End, key: bytes | None = None) -> bytes:
+    return _encode_control(END_MAGIC, tuple(e), key)
+
+
+def decode_end(data: bytes | memoryview, key: bytes | None = None) -> End:
+    """Validate one end marker; ProtocolError (AuthenticationError for a signature) on
+    any violation."""
+    return End(*_decode_control(data, key, END_MAGIC, "a psring end marker"))
+
+
+def encode_nack(n: Nack, key: bytes | None = None) -> bytes:
+    body = _CONTROL.pack(NACK_MAGIC, CONTROL_VERSION, n.worker, n.shard, n.run_tag,
+                         n.transfer, n.need) + np.asarray(n.missing, "<u4").tobytes()
+    return body + _sign_control(NACK_MAGIC, body, key) if key else body
+
+
+def decode_nack(data: bytes | memoryview, key: bytes | None = None) -> Nack:
+    """Validate one resend request; ProtocolError (AuthenticationError for a
+    signature) on any violation."""
+    listed = (len(data) - _CONTROL.size - (DATAGRAM_SIGNATURE if key else 0)) // 4
+    if not 0 < listed <= NACK_MOST:
+        raise ProtocolError(f"a resend request listing {listed} packets")
+    worker, shard, tag, transfer, need = _decode_control(
+        data, key, NACK_MAGIC, "a psring resend request", 4 * listed)
+    missing = np.frombuffer(bytes(data), "<u4", listed, _CONTROL.size)
+    if not (missing < MAX_PACKETS).all():
+        raise ProtocolError("a resend request for packets beyond MAX_PACKETS")
+    return Nack(worker, shard, tag, transfer, need, tuple(int(i) for i in missing))

@@ -14,23 +14,53 @@ import torch
 
 from psring.comm import credits, lossy, protocol
 from psring.comm.ingress import Ingress, drain, receiving_socket
-from psring.comm.protocol import Grant, ProtocolError
+from psring.comm.protocol import End, Grant, Nack, ProtocolError
 
 KEY = b"k" * 32
 
 
-def test_a_grant_round_trips_and_a_broken_one_is_refused():
-    g = Grant(worker=3, shard=1, run_tag=77, transfer=9, upto=12)
+@pytest.mark.parametrize("kind", ["grant", "end"])
+def test_a_control_datagram_round_trips_and_a_broken_one_is_refused(kind):
+    # grants (--credit-window) and end markers (the transpose all-reduce): one layout
+    make, encode, decode = {"grant": (Grant, protocol.encode_grant, protocol.decode_grant),
+                            "end": (End, protocol.encode_end, protocol.decode_end)}[kind]
+    g = make(3, 1, 77, 9, 12)
     for key in (None, KEY):
-        assert protocol.decode_grant(protocol.encode_grant(g, key), key) == g
-    wire = protocol.encode_grant(g)
-    for bad in (wire[:-1], b"XXXX" + wire[4:], protocol.encode_grant(g._replace(upto=0))):
+        assert decode(encode(g, key), key) == g
+    wire = encode(g)
+    for bad in (wire[:-1], b"XXXX" + wire[4:], encode(make(3, 1, 77, 9, 0))):
         with pytest.raises(ProtocolError):
-            protocol.decode_grant(bad)
+            decode(bad)
     with pytest.raises(ProtocolError):  # unsigned where a secret is set, or forged
-        protocol.decode_grant(wire, KEY)
+        decode(wire, KEY)
     with pytest.raises(ProtocolError):
-        protocol.decode_grant(protocol.encode_grant(g, b"x" * 32), KEY)
+        decode(encode(g, b"x" * 32), KEY)
+    other = protocol.encode_end if kind == "grant" else protocol.encode_grant
+    with pytest.raises(ProtocolError):  # (the other kind's magic)
+        decode(other(g))
+
+
+def test_a_resend_request_round_trips_and_a_broken_one_is_refused():
+    # (the transpose all-reduce's: some of the missing packets' numbers, and how many)
+    n = Nack(worker=2, shard=2, run_tag=77, transfer=9, need=3, missing=(4, 8, 15, 16))
+    for key in (None, KEY):
+        assert protocol.decode_nack(protocol.encode_nack(n, key), key) == n
+    wire = protocol.encode_nack(n)
+    most = n._replace(missing=tuple(range(protocol.NACK_MOST)))
+    assert len(protocol.encode_nack(most, KEY)) + 28 <= 1500  # (one Ethernet frame)
+    for bad in (wire[:-1], b"XXXX" + wire[4:], wire[:-16],  # (cut; not one; no numbers)
+                protocol.encode_nack(n._replace(need=0)),
+                protocol.encode_nack(n._replace(missing=(protocol.MAX_PACKETS,))),
+                protocol.encode_nack(n._replace(missing=tuple(range(protocol.NACK_MOST + 1))))):
+        with pytest.raises(ProtocolError):
+            protocol.decode_nack(bad)
+    with pytest.raises(ProtocolError):  # unsigned where a secret is set
+        protocol.decode_nack(wire, KEY)
+    ing = Ingress(KEY)  # (kept for the receiving thread to answer; forged ones dropped)
+    ing.datagram(protocol.encode_nack(n, KEY))
+    ing.datagram(protocol.encode_nack(n, b"x" * 32))
+    assert ing.take_nacks() == [n] and ing.take_nacks() == []
+    assert ing.counts["bad_datagrams"] == 1
 
 
 def _head(worker: int, transfer: int, packets: int, index: int = 0) -> bytes:

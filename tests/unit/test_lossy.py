@@ -14,6 +14,7 @@ import math
 import queue
 import random
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -281,7 +282,7 @@ def test_a_coalesced_receive_is_kept_at_once_and_is_the_gradient():
     ing = Ingress()
     data, size = coalesced(packets_of(grad, transfer=2))
     ing.datagrams(data, size)
-    assert ing.counts == {"datagrams": 41, "bad_datagrams": 0, "evicted": 0}
+    assert ing.counts == {"datagrams": 41, "bad_datagrams": 0, "evicted": 0, "late": 0}
     assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=2)).tensors[0], grad)
 
 
@@ -310,13 +311,41 @@ def test_coalesced_receives_out_of_order_or_seen_before_keep_each_packet_once():
     ing = Ingress()
     order = [5, 0, 9, 2, 11, 7]
     ing.datagrams(*coalesced([packets[i] for i in order]))
-    assert ing.counts == {"datagrams": 6, "bad_datagrams": 0, "evicted": 0}
+    assert ing.counts == {"datagrams": 6, "bad_datagrams": 0, "evicted": 0, "late": 0}
     # (counted as datagrams when they decode, as bad when refused)
     ing.datagrams(*coalesced(packets[:4]))  # (0 and 2 again: 1 and 3 kept)
     assert ing.counts["datagrams"] == 10 and ing.counts["bad_datagrams"] == 2
     ing.datagrams(*coalesced([packets[i] for i in (3, 4, 6, 8, 10, 12)]))  # (3 again)
     assert ing.counts["datagrams"] == 16 and ing.counts["bad_datagrams"] == 3
     assert torch.equal(ing.complete(lossy_push(grad, 0.0)).tensors[0], grad)
+
+
+def test_end_markers_follow_a_transfer_and_late_datagrams_are_not_held():
+    # (the transpose all-reduce's senders end each part with markers; its receivers
+    # wait for them, and drop what comes of a part after it was completed)
+    rx = ingress.receiving_socket("127.0.0.1", 0, 1 << 24)
+    done = queue.SimpleQueue()
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 1,
+                               on_sent=done.put, ends=True)
+    grad = torch.randn(352 * 30)
+    sender.send(7, 0, grad, token="sent")
+    assert done.get(timeout=5) == "sent"
+    ing = Ingress()
+    assert not ing.ended(1, 7)
+    deadline = time.monotonic() + 5
+    while not ing.ended(1, 7) and time.monotonic() < deadline:
+        ingress.drain(rx, ing)
+    assert ing.ended(1, 7) and ing.ends[(1, 7)].packets == 30
+    assert ing.heard(1, 7) is not None and ing.counts["bad_datagrams"] == 0
+    assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=7)).tensors[0], grad)
+    assert not ing.ended(1, 7) and ing.heard(1, 7) is None
+    for p in packets_of(grad, transfer=7)[:3]:  # (come late: dropped, not held)
+        ing.datagram(p)
+    ing.datagram(protocol.encode_end(protocol.End(1, 0, protocol.run_tag("r"), 7, 30)))
+    assert ing.counts["late"] == 3 and not ing.transfers and ing.held == 0
+    assert not ing.ended(1, 7)
+    sender.close()
+    rx.close()
 
 
 def test_a_datagram_claiming_more_than_may_be_held_is_refused(monkeypatch):
