@@ -7,14 +7,20 @@ bounded loss).
 
 Each rank owns one of ``world`` equal shards of a bucket. Every rank sends each other
 rank that rank's shard of its gradient as UDP datagrams (psring.comm.lossy), all at once
-(no ring of world - 1 dependent hops for a loss to hold up), then a barrier over gloo
-marks the end of the sends: what was sent before it and has not arrived is lost. The
-owner keeps each source's shard when at most the fraction F of it is missing (the
-missing elements zero, the rest scaled by numel / delivered: unbiased); beyond F the
-source sends the owner enough of the missing packets again, chosen at random, over
-gloo (reliable: one round, never more). The owner sums the shards and an all-gather
-over gloo, reliable, gives every rank the same result: the replicas cannot drift
-apart, whatever was lost.
+(no ring of world - 1 dependent hops for a loss to hold up), each part followed by end
+markers. Its control runs over the same datagrams, as OptiReduce's does, not over TCP:
+a source's part is looked at once its end marker arrives, or once the source has been
+quiet for an idle timeout that adapts to the gaps between its datagrams (its markers
+lost). The owner keeps the part when at most the fraction F of it is missing (the
+missing elements zero, the rest scaled by numel / delivered: unbiased); beyond F it
+asks the source for the missing packets (a resend request, a datagram naming some of
+them, chosen at random), again after each quiet spell, until the part is within F;
+a source never heard at all is asked for everything after a while (all of its part
+lost, markers included; a straggler ignores a request for a transfer it has not sent
+yet). Each rank answers requests on a thread of its own, which receives every
+datagram, so a rank already in the all-gather still answers. The owner sums the parts,
+and an all-gather over gloo, reliable, gives every rank the same result: the replicas
+cannot drift apart, whatever was lost. One exchange over TCP a bucket.
 
 The datagrams' addresses are exchanged once, as tensors (nothing is pickled).
 """
@@ -23,8 +29,9 @@ from __future__ import annotations
 
 import ipaddress
 import math
-import queue
+import random
 import select
+import threading
 import time
 
 import torch
@@ -34,10 +41,12 @@ from psring.comm.credits import Granter
 from psring.comm.ingress import Ingress, drain, receiving_socket
 from psring.comm.lossy import LossySender, Marks
 from psring.comm.protocol import (
-    Datagram,
+    NACK_MOST,
     Message,
+    Nack,
     decode,
     encode,
+    encode_nack,
     per_datagram,
     run_tag,
 )
@@ -45,11 +54,28 @@ from psring.comm.protocol import (
 #: bytes of datagrams the kernel may hold for the receiving socket: a bucket's shards
 #: from every peer, not dropped for want of room
 RECEIVE_BUFFER_BYTES = 64 << 20
-#: seconds a rank waits for datagrams between looks at its senders (grants go out as
-#: datagrams come: a long wait would hold the others' credit back)
-WAIT_S = 2e-4
+#: seconds the waiting thread sleeps between looks at the parts (the receiving thread
+#: wakes it at each receive)
+WAIT_S = 2e-3
 #: the run id the datagrams carry (the group's own: every rank the same)
 RUN = "transpose"
+#: seconds a source may be quiet, at least, before what has not arrived of its part
+#: counts as lost (its end markers lost too) or a resend request is made again (a
+#: tenth of TCP's least retransmission timeout, and beyond a credited sender's wait
+#: for a lost grant) ...
+IDLE_MIN_S = 0.02
+#: ... or this many times the longest gap between its receives, this transfer or the
+#: last, or this many round trips of a resend request
+IDLE_GAPS = 4
+#: seconds a source never heard is waited for, once every other part is in, before it
+#: is asked for everything, then again after each idle timeout: all of its part lost,
+#: its end markers too, or a straggler (which ignores a request for a transfer it has
+#: not sent yet, or sends the part twice if the request comes just as it sends)
+SILENT_S = 1.0
+#: transfers whose datagrams a rank keeps to answer resend requests
+KEPT = 4
+#: copies of a resend request, back to back
+NACK_COPIES = 2
 
 
 class TransposeAllReduce:
@@ -58,20 +84,33 @@ class TransposeAllReduce:
                  key: bytes | None = None, marks: Marks | None = None,
                  credit_window: int = 0):
         self.rank, self.world, self.tolerance, self.timeout = rank, world, tolerance, timeout
+        self.key = key
         self.sock = receiving_socket(address, 0, RECEIVE_BUFFER_BYTES)
-        peers = self._exchange_addresses(address, self.sock.getsockname()[1])
+        self.peers = self._exchange_addresses(address, self.sock.getsockname()[1])
         self.ingress = Ingress(key)  # (with the run's secret: signed datagrams only)
         #: --credit-window: this rank grants the others what they may send it
         self.granter = Granter(self.sock, credit_window, key) if credit_window else None
-        self.sent: queue.SimpleQueue = queue.SimpleQueue()
         self.senders = {p: LossySender(f"tcp://{a}:{port}", RUN, rank, key,
-                                       on_sent=self.sent.put, pace_bits=pace_bits,
-                                       marks=marks, credits=bool(credit_window))
-                        for p, (a, port) in enumerate(peers) if p != rank}
+                                       pace_bits=pace_bits, marks=marks,
+                                       credits=bool(credit_window), ends=True)
+                        for p, (a, port) in enumerate(self.peers) if p != rank}
         self.transfer = 0
+        #: the last KEPT transfers' datagrams, by transfer and receiver: what a resend
+        #: request may ask for
+        self.outgoing: dict[int, dict] = {}
+        #: per source: the longest gap between its receives in the last transfer
+        self.gaps = dict.fromkeys(self.senders, 0.0)
+        #: seconds from a resend request to the first packet it brought (smoothed)
+        self.rtt = 0.0
         #: elements of this rank's shard that arrived from the others (resends
         #: included), and that they sent: the delivered fraction is their ratio
         self.delivered = self.expected = 0
+        # every datagram is received, and every request answered, by one thread
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.receiver = threading.Thread(target=self._receive, daemon=True,
+                                         name="transpose-receive")
+        self.receiver.start()
 
     def _exchange_addresses(self, address: str, port: int) -> list[tuple[str, int]]:
         mine = torch.tensor([int(ipaddress.IPv4Address(address)), port], dtype=torch.int64)
@@ -88,44 +127,94 @@ class TransposeAllReduce:
         padded = torch.zeros(size * self.world, dtype=torch.float32)
         padded[:buf.numel()] = buf
         shards = padded.view(self.world, size)
-        transfers = {p: s.send(self.transfer, p, shards[p], token=p, offset=offset + p * size)
-                     for p, s in self.senders.items()}
-        self._wait_sent(len(transfers))
-        dist.barrier()  # everyone's datagrams are out: what is missing now is lost
-        self._drain()
-        if self.granter is not None:  # (nothing more comes of this transfer's)
-            for key in list(self.granter.flows):
-                self.granter.done(key)
+        with self.cond:  # (before any request for it can come)
+            self.outgoing[self.transfer] = {
+                p: s.send(self.transfer, p, shards[p], offset=offset + p * size)
+                for p, s in self.senders.items()}
+            for old in [t for t in self.outgoing if t <= self.transfer - KEPT]:
+                del self.outgoing[old]
         mine = shards[self.rank].clone()
-        for part in self._complete(transfers, size):
+        for part in self._collect(size):
             mine += part
         gathered = [torch.empty(size, dtype=torch.float32) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
         buf.copy_(torch.cat(gathered)[:buf.numel()])
 
-    def _wait_sent(self, jobs: int) -> None:
-        """Until the senders' threads have sent ``jobs`` shards, reading what the
-        others send meanwhile (the socket's buffer may be small: rmem_max) and, with
-        credits, granting as it comes."""
-        deadline = time.monotonic() + self.timeout
-        while jobs:
-            try:
-                self.sent.get_nowait()
-                jobs -= 1
-                continue
-            except queue.Empty:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("transpose all-reduce: the datagrams were not sent "
-                                   "within --timeout")
-            select.select([self.sock], [], [], WAIT_S)
-            self._drain()
+    # -- the owner's side: the parts of its shard -----------------------------------------
+    def _collect(self, size: int) -> list[torch.Tensor]:
+        """Each other rank's part of this rank's shard, within the bound: waited for,
+        and asked for again (resend requests) until it is; bounded by --timeout."""
+        start = time.monotonic()
+        parts: dict[int, Message] = {}
+        last = dict.fromkeys(self.senders)  # (when each was last heard)
+        longest = dict.fromkeys(self.senders, 0.0)
+        asked: dict[int, float] = {}  # (when each was last asked)
+        with self.cond:
+            while len(parts) < len(self.senders):
+                now = time.monotonic()
+                for p in self.senders:
+                    if p not in parts:
+                        self._look(p, size, now, start, parts, last, longest, asked)
+                if len(parts) == len(self.senders):
+                    break
+                if now - start > self.timeout:
+                    late = sorted(set(self.senders) - set(parts))
+                    raise TimeoutError(f"transpose all-reduce: the parts of rank(s) {late} "
+                                       f"did not come within --timeout")
+                self.cond.wait(WAIT_S)
+            if self.granter is not None:  # (nothing more comes of this transfer's)
+                for key in [k for k in self.granter.flows if k[1] == self.transfer]:
+                    self.granter.done(key)
+        self.gaps.update(longest)
+        out = []
+        for p in self.senders:
+            self.delivered += parts[p].header["delivered"]
+            self.expected += size
+            out.append(parts[p].tensors[0])
+        return out
 
-    def _drain(self) -> None:
-        drain(self.sock, self.ingress,
-              heard=self.granter.heard if self.granter is not None else None)
-        if self.granter is not None:
-            self.granter.expire()
+    def _look(self, p: int, size: int, now: float, start: float, parts: dict,
+              last: dict, longest: dict, asked: dict) -> None:
+        """Source ``p``'s part: kept once in (its end marker, or quiet) and within the
+        bound; asked for again when it is not, and quiet."""
+        heard = self.ingress.heard(p, self.transfer)
+        if heard is not None and last[p] is not None and heard > last[p]:
+            longest[p] = max(longest[p], heard - last[p])
+            if p in asked and last[p] < asked[p] <= heard:  # (what a request brought)
+                self.rtt = 0.8 * self.rtt + 0.2 * (heard - asked[p]) if self.rtt \
+                    else heard - asked[p]
+        last[p] = heard
+        idle = max(IDLE_MIN_S, IDLE_GAPS * max(longest[p], self.gaps[p], self.rtt))
+        quiet = now - max(heard or 0.0, asked.get(p, 0.0)) > idle
+        if heard is None:
+            # never heard: asked for everything once the others are in (or it was
+            # asked before and has stayed quiet)
+            others_in = all(q in parts or q == p for q in self.senders)
+            if (p in asked and quiet) or (p not in asked and others_in
+                                          and now - start > SILENT_S):
+                packets = math.ceil(size / per_datagram("float32"))
+                self._ask(p, packets, list(range(packets)), now, asked)
+            return
+        if not (self.ingress.ended(p, self.transfer) or quiet or p in asked):
+            return
+        got = self.ingress.complete(self._header(p, size))
+        if isinstance(got, Message):
+            parts[p] = got
+        elif p not in asked or quiet:
+            need, missing = got
+            self._ask(p, need, missing, now, asked)
+
+    def _ask(self, p: int, need: int, missing: list[int], now: float, asked: dict) -> None:
+        """A resend request to source ``p``: ``need`` packets, some of ``missing``."""
+        listed = sorted(random.sample(missing, min(len(missing), NACK_MOST)))
+        wire = encode_nack(Nack(self.rank, self.rank, run_tag(RUN), self.transfer,
+                                min(need, len(listed)), tuple(listed)), self.key)
+        for _ in range(NACK_COPIES):
+            try:
+                self.sock.sendto(wire, self.peers[p])
+            except OSError:
+                pass  # (as if lost on the wire: asked again after the idle timeout)
+        asked[p] = now
 
     def _header(self, source: int, numel: int) -> Message:
         """The end marker of ``source``'s shard of this transfer, as a server gets it
@@ -136,72 +225,34 @@ class TransposeAllReduce:
             "step": 0, "offset": 0, "numel": numel, "packets": packets, "dtype": "float32",
             "tolerance": self.tolerance, "transfer": self.transfer}))
 
-    def _complete(self, transfers: dict, size: int) -> list[torch.Tensor]:
-        """Each other rank's part of this rank's shard, within the bound after one
-        reliable round of resends for those beyond it."""
-        done = {p: self.ingress.complete(self._header(p, size)) for p in self.senders}
-        asks = {p: d for p, d in done.items() if isinstance(d, tuple)}
-        self._resend_round(asks, transfers, size)
-        out = []
-        for p in self.senders:
-            push = self.ingress.complete(self._header(p, size)) if p in asks else done[p]
-            if isinstance(push, tuple):
-                raise RuntimeError(f"transpose all-reduce: rank {p}'s part still misses "
-                                   f"{len(push[1])} packets after its resend")
-            self.delivered += push.header["delivered"]
-            self.expected += size
-            out.append(push.tensors[0])
-        return out
+    # -- the receiving thread: every datagram, every request answered ------------------------
+    def _receive(self) -> None:
+        while not self.stopping:
+            try:
+                ready, _, _ = select.select([self.sock], [], [], 0.05)
+            except (OSError, ValueError):  # (closed)
+                return
+            with self.cond:
+                if ready:
+                    drain(self.sock, self.ingress,
+                          heard=self.granter.heard if self.granter is not None else None)
+                    for n in self.ingress.take_nacks():
+                        self._answer(n)
+                if self.granter is not None:
+                    self.granter.expire()
+                self.cond.notify_all()
 
-    def _resend_round(self, asks: dict[int, tuple[int, list[int]]], transfers: dict,
-                      size: int) -> None:
-        """Over gloo, every rank taking part asked or not: each owner tells each source
-        which packets it misses (``need`` first); each source answers with the ones it
-        chooses (at random: LossySender.choose), as [k, their numbers..., their
-        elements...]."""
-        empty = torch.empty(0, dtype=torch.float32)
-        requests = [torch.tensor([asks[p][0], *asks[p][1]], dtype=torch.float32)
-                    if p in asks else empty for p in range(self.world)]
-        replies = []
-        for p, req in enumerate(_all_to_all(requests)):
-            if req.numel() == 0:
-                replies.append(empty)
-                continue
-            t = transfers[p]
-            chosen = LossySender.choose(t, [int(i) for i in req[1:]], int(req[0]))
-            replies.append(torch.cat([torch.tensor([len(chosen), *chosen], dtype=torch.float32),
-                                      *(t.grad[i * t.per:(i + 1) * t.per] for i in chosen)]))
-        for p, ans in enumerate(_all_to_all(replies)):
-            if ans.numel():
-                self._keep_resent(p, ans, size)
-
-    def _keep_resent(self, source: int, ans: torch.Tensor, size: int) -> None:
-        per = per_datagram("float32")
-        packets = math.ceil(size / per)
-        k = int(ans[0])
-        at = 1 + k
-        for i in (int(x) for x in ans[1:1 + k]):
-            n = min(per, size - i * per)
-            payload = memoryview(ans[at:at + n].numpy().tobytes())
-            at += n
-            self.ingress.keep(Datagram(source, self.rank, run_tag(RUN), self.transfer, i,
-                                       packets, "float32", payload))
+    def _answer(self, n: Nack) -> None:
+        """Send again ``n.need`` of the packets rank ``n.worker`` asks for, if the
+        transfer is still kept (a request for one not sent yet, or long done, waits
+        for the next, or is moot)."""
+        t = self.outgoing.get(n.transfer, {}).get(n.worker)
+        if t is not None and n.run_tag == run_tag(RUN):
+            self.senders[n.worker].resend(t, list(n.missing), n.need)
 
     def close(self) -> None:
+        self.stopping = True
+        self.receiver.join(timeout=5.0)
         for s in self.senders.values():
             s.close()
         self.sock.close()
-
-
-def _all_to_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """tensors[p] to rank p; returns what each rank sent this one (float32, any
-    lengths): their lengths first, then the elements, two all_to_all_single's."""
-    world = len(tensors)
-    sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
-    theirs = torch.empty(world, dtype=torch.int64)
-    dist.all_to_all_single(theirs, sizes)
-    out = torch.empty(int(theirs.sum()), dtype=torch.float32)
-    dist.all_to_all_single(out, torch.cat(tensors) if world else torch.empty(0),
-                           output_split_sizes=theirs.tolist(),
-                           input_split_sizes=sizes.tolist())
-    return list(out.split(theirs.tolist()))
