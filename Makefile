@@ -20,13 +20,14 @@ $(STAMP): pyproject.toml
 # Two pytest runs: every test but the emulated clusters' two at a time (most of a
 # test's time is one core's: an interpreter starting, torch importing, a run waiting
 # out a deadline), then those that time what crosses emulated links, one at a time
-# (tests/conftest.py: SERIAL_FOLDERS). Plain `pytest` runs them all one at a time.
+# (tests/conftest.py: SERIAL_FOLDERS, tests/emulation: only that folder is collected
+# again). Plain `pytest` runs them all one at a time.
 # First the sources are compiled once: with PYTHONDONTWRITEBYTECODE set (as on this
 # project's machines) every process of every test would compile psring's modules anew.
 test: $(STAMP)
 	$(BIN)/python -m compileall -q psring workers servers tests examples > /dev/null
 	$(BIN)/pytest -n 2 --dist loadgroup -m "not serial"
-	$(BIN)/pytest -m serial
+	$(BIN)/pytest -m serial tests/emulation
 
 # ruff's rules are in pyproject.toml ([tool.ruff]); .ci/run runs this before the tests
 lint: $(STAMP)

@@ -79,3 +79,11 @@ def pytest_collection_modifyitems(config, items):
         if Path(str(item.fspath)).parent.name in SERIAL_FOLDERS \
                 and item.get_closest_marker("untimed") is None:
             item.add_marker(pytest.mark.serial)
+    # the longest first, so that two xdist workers end together rather than one waiting
+    # on the other's last long test: one test on compare_run (the fixture's minute),
+    # then the slow ones, then the rest (the other tests on compare_run among them: not
+    # beside the first, where they would wait for the fixture, idle)
+    on_compare = [i for i in items if "compare_run" in getattr(i, "fixturenames", ())]
+    items.sort(key=lambda item: 0 if on_compare and item is on_compare[0]
+               else 1 if item.get_closest_marker("slow") is not None
+               and item not in on_compare else 2)
