@@ -64,8 +64,8 @@ RUN = "transpose"
 #: tenth of TCP's least retransmission timeout, and beyond a credited sender's wait
 #: for a lost grant) ...
 IDLE_MIN_S = 0.02
-#: ... or this many times the longest gap between its receives, this transfer or the
-#: last, or this many round trips of a resend request
+#: ... or this many times the usual gap between its receives (smoothed: one long pause
+#: must not stretch every later wait), or this many round trips of a resend request
 IDLE_GAPS = 4
 #: seconds a source never heard is waited for, once every other part is in, before it
 #: is asked for everything, then again after each idle timeout: all of its part lost,
@@ -98,7 +98,7 @@ class TransposeAllReduce:
         #: the last KEPT transfers' datagrams, by transfer and receiver: what a resend
         #: request may ask for
         self.outgoing: dict[int, dict] = {}
-        #: per source: the longest gap between its receives in the last transfer
+        #: per source: the usual gap between its receives (smoothed)
         self.gaps = dict.fromkeys(self.senders, 0.0)
         #: seconds from a resend request to the first packet it brought (smoothed)
         self.rtt = 0.0
@@ -147,14 +147,13 @@ class TransposeAllReduce:
         start = time.monotonic()
         parts: dict[int, Message] = {}
         last = dict.fromkeys(self.senders)  # (when each was last heard)
-        longest = dict.fromkeys(self.senders, 0.0)
         asked: dict[int, float] = {}  # (when each was last asked)
         with self.cond:
             while len(parts) < len(self.senders):
                 now = time.monotonic()
                 for p in self.senders:
                     if p not in parts:
-                        self._look(p, size, now, start, parts, last, longest, asked)
+                        self._look(p, size, now, start, parts, last, asked)
                 if len(parts) == len(self.senders):
                     break
                 if now - start > self.timeout:
@@ -165,7 +164,6 @@ class TransposeAllReduce:
             if self.granter is not None:  # (nothing more comes of this transfer's)
                 for key in [k for k in self.granter.flows if k[1] == self.transfer]:
                     self.granter.done(key)
-        self.gaps.update(longest)
         out = []
         for p in self.senders:
             self.delivered += parts[p].header["delivered"]
@@ -174,17 +172,18 @@ class TransposeAllReduce:
         return out
 
     def _look(self, p: int, size: int, now: float, start: float, parts: dict,
-              last: dict, longest: dict, asked: dict) -> None:
+              last: dict, asked: dict) -> None:
         """Source ``p``'s part: kept once in (its end marker, or quiet) and within the
         bound; asked for again when it is not, and quiet."""
         heard = self.ingress.heard(p, self.transfer)
         if heard is not None and last[p] is not None and heard > last[p]:
-            longest[p] = max(longest[p], heard - last[p])
+            gap = heard - last[p]
+            self.gaps[p] = 0.8 * self.gaps[p] + 0.2 * gap if self.gaps[p] else gap
             if p in asked and last[p] < asked[p] <= heard:  # (what a request brought)
                 self.rtt = 0.8 * self.rtt + 0.2 * (heard - asked[p]) if self.rtt \
                     else heard - asked[p]
         last[p] = heard
-        idle = max(IDLE_MIN_S, IDLE_GAPS * max(longest[p], self.gaps[p], self.rtt))
+        idle = max(IDLE_MIN_S, IDLE_GAPS * max(self.gaps[p], self.rtt))
         quiet = now - max(heard or 0.0, asked.get(p, 0.0)) > idle
         if heard is None:
             # never heard: asked for everything once the others are in (or it was
