@@ -16,7 +16,7 @@ from psring.errors import ConfigError
 from psring.library.start import script_refusals
 from psring.records.profile import MODEL_KEYS, Profile, load_host_copy
 from psring.runs.launch import launch
-from psring.train.models import backward_shares
+from psring.train.models import ModelSettings, meta_backward_shares
 from psring.train.workload import meta_model
 
 
@@ -93,14 +93,15 @@ def paper_profile(cfg: RunConfig, forward_ms: float | None, backward_ms: float |
         if not (v >= 0 and v != float("inf")):
             raise ConfigError(f"--{name}-ms must be a time in milliseconds >= 0 (got {v}).")
 
-    model, inputs = meta_model(cfg)
+    model, _ = meta_model(cfg)
     sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
     rule = ("forward and backward as given" if step_ms is None else
             f"step {step_ms:g} ms split {1 - BACKWARD_SHARE:.2f}:{BACKWARD_SHARE:.2f} "
             f"forward:backward")
     # where in backward each gradient is ready: as backward's FLOPs reach it (on the meta
     # device, at this configuration's data shape: image size and sequence length count)
-    shares = backward_shares(model, inputs)
+    shares = meta_backward_shares(cfg.model, ModelSettings.from_config(cfg))
+    shares = None if shares is None else list(shares)
     rule += ("; each gradient ready when backward's FLOPs (torch's counter, autograd's "
              "order) reach it" if shares is not None else
              "; gradients ready in proportion to their bytes, last parameter first "

@@ -195,6 +195,17 @@ def backward_shares(model: nn.Module, inputs: Inputs) -> list[float] | None:
     return [(t - forward) / backward for t in at]
 
 
+@functools.lru_cache(maxsize=32)
+def meta_backward_shares(name: str, settings: ModelSettings) -> tuple[float, ...] | None:
+    """:func:`backward_shares` of :func:`meta_build`'s model, counted once a process:
+    FLOP-counting a seed's model on the meta device takes a second or more of Python,
+    and the same model comes back in a sweep's profiles, advise's candidates and the
+    tests' sweep definitions."""
+    model, inputs = meta_build(name, settings)
+    shares = backward_shares(model, inputs)
+    return None if shares is None else tuple(shares)
+
+
 @functools.lru_cache(maxsize=8)
 def meta_build(name: str, settings: ModelSettings) -> tuple[nn.Module, Inputs]:
     """The model on the meta device (shapes only: no memory, no compute); a user's
