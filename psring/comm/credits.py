@@ -13,7 +13,7 @@ N pushes into one server put at most a window on its port whatever N is — the
 incast a window of senders each pacing to its own link does not avoid.
 
 A grant is a small UDP datagram to the address the flow's datagrams come from
-(psring.comm.protocol.encode_grant), cumulative, so a lost one is made good by the
+(psring.comm.datagrams.encode_grant), cumulative, so a lost one is made good by the
 next. A datagram lost on the way never arrives: its grant stays outstanding until the
 flow goes quiet for :data:`EXPIRE_S` (or ends), and the sender, granted nothing for its
 own bounded wait, sends one packet more on its own (psring.comm.lossy): a loss costs a
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from psring.comm.protocol import (
+from psring.comm.datagrams import (
     DATAGRAM_DTYPE,
     DATAGRAM_HEADER,
     DATAGRAM_MAGIC,

@@ -30,28 +30,26 @@ from typing import Callable
 import numpy as np
 import torch
 
-from psring.comm.protocol import (
+from psring.comm.datagrams import (
     DATAGRAM_DTYPE,
     DATAGRAM_HEADER,
     DATAGRAM_MAGIC,
     DATAGRAM_STRUCT,
     DATAGRAM_VERSION,
-    DTYPES,
     END_MAGIC,
     MAX_PACKETS,
     NACK_MAGIC,
     WIRE_CODES,
     Datagram,
     End,
-    Message,
     Nack,
-    ProtocolError,
     decode_datagram,
     decode_end,
     decode_nack,
     per_datagram,
     run_tag,
 )
+from psring.comm.protocol import DTYPES, Message, ProtocolError
 
 #: Linux's UDP_GRO option: the kernel hands a socket many datagrams of one flow in one
 #: receive, with their size (an int) in a control message

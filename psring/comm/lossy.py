@@ -45,13 +45,11 @@ import numpy as np
 import torch
 
 from psring.comm.credits import UNSCHEDULED
-from psring.comm.protocol import (
+from psring.comm.datagrams import (
     DATAGRAM_HEADER,
     DATAGRAM_PAYLOAD,
     DATAGRAM_SIGNATURE,
-    DTYPE_NAMES,
     End,
-    ProtocolError,
     decode_grant,
     encode_block,
     encode_datagrams,
@@ -59,6 +57,7 @@ from psring.comm.protocol import (
     per_datagram,
     run_tag,
 )
+from psring.comm.protocol import DTYPE_NAMES, ProtocolError
 
 #: bytes each datagram's frame adds: Ethernet 14, IPv4 20, UDP 8
 FRAME_OVERHEAD = 42

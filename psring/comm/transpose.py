@@ -38,18 +38,10 @@ import torch
 import torch.distributed as dist
 
 from psring.comm.credits import Granter
+from psring.comm.datagrams import NACK_MOST, Nack, encode_nack, per_datagram, run_tag
 from psring.comm.ingress import Ingress, drain, receiving_socket
 from psring.comm.lossy import LossySender, Marks
-from psring.comm.protocol import (
-    NACK_MOST,
-    Message,
-    Nack,
-    decode,
-    encode,
-    encode_nack,
-    per_datagram,
-    run_tag,
-)
+from psring.comm.protocol import Message, decode, encode
 
 #: bytes of datagrams the kernel may hold for the receiving socket: a bucket's shards
 #: from every peer, not dropped for want of room

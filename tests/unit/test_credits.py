@@ -12,9 +12,10 @@ import time
 import pytest
 import torch
 
-from psring.comm import credits, lossy, protocol
+from psring.comm import credits, datagrams, lossy
+from psring.comm.datagrams import End, Grant, Nack
 from psring.comm.ingress import Ingress, drain, receiving_socket
-from psring.comm.protocol import End, Grant, Nack, ProtocolError
+from psring.comm.protocol import ProtocolError
 
 KEY = b"k" * 32
 
@@ -22,8 +23,8 @@ KEY = b"k" * 32
 @pytest.mark.parametrize("kind", ["grant", "end"])
 def test_a_control_datagram_round_trips_and_a_broken_one_is_refused(kind):
     # grants (--credit-window) and end markers (the transpose all-reduce): one layout
-    make, encode, decode = {"grant": (Grant, protocol.encode_grant, protocol.decode_grant),
-                            "end": (End, protocol.encode_end, protocol.decode_end)}[kind]
+    make, encode, decode = {"grant": (Grant, datagrams.encode_grant, datagrams.decode_grant),
+                            "end": (End, datagrams.encode_end, datagrams.decode_end)}[kind]
     g = make(3, 1, 77, 9, 12)
     for key in (None, KEY):
         assert decode(encode(g, key), key) == g
@@ -35,7 +36,7 @@ def test_a_control_datagram_round_trips_and_a_broken_one_is_refused(kind):
         decode(wire, KEY)
     with pytest.raises(ProtocolError):
         decode(encode(g, b"x" * 32), KEY)
-    other = protocol.encode_end if kind == "grant" else protocol.encode_grant
+    other = datagrams.encode_end if kind == "grant" else datagrams.encode_grant
     with pytest.raises(ProtocolError):  # (the other kind's magic)
         decode(other(g))
 
@@ -44,30 +45,30 @@ def test_a_resend_request_round_trips_and_a_broken_one_is_refused():
     # (the transpose all-reduce's: some of the missing packets' numbers, and how many)
     n = Nack(worker=2, shard=2, run_tag=77, transfer=9, need=3, missing=(4, 8, 15, 16))
     for key in (None, KEY):
-        assert protocol.decode_nack(protocol.encode_nack(n, key), key) == n
-    wire = protocol.encode_nack(n)
-    most = n._replace(missing=tuple(range(protocol.NACK_MOST)))
-    assert len(protocol.encode_nack(most, KEY)) + 28 <= 1500  # (one Ethernet frame)
+        assert datagrams.decode_nack(datagrams.encode_nack(n, key), key) == n
+    wire = datagrams.encode_nack(n)
+    most = n._replace(missing=tuple(range(datagrams.NACK_MOST)))
+    assert len(datagrams.encode_nack(most, KEY)) + 28 <= 1500  # (one Ethernet frame)
     for bad in (wire[:-1], b"XXXX" + wire[4:], wire[:-16],  # (cut; not one; no numbers)
-                protocol.encode_nack(n._replace(need=0)),
-                protocol.encode_nack(n._replace(missing=(protocol.MAX_PACKETS,))),
-                protocol.encode_nack(n._replace(missing=tuple(range(protocol.NACK_MOST + 1))))):
+                datagrams.encode_nack(n._replace(need=0)),
+                datagrams.encode_nack(n._replace(missing=(datagrams.MAX_PACKETS,))),
+                datagrams.encode_nack(n._replace(missing=tuple(range(datagrams.NACK_MOST + 1))))):
         with pytest.raises(ProtocolError):
-            protocol.decode_nack(bad)
+            datagrams.decode_nack(bad)
     with pytest.raises(ProtocolError):  # unsigned where a secret is set
-        protocol.decode_nack(wire, KEY)
+        datagrams.decode_nack(wire, KEY)
     ing = Ingress(KEY)  # (kept for the receiving thread to answer; forged ones dropped)
-    ing.datagram(protocol.encode_nack(n, KEY))
-    ing.datagram(protocol.encode_nack(n, b"x" * 32))
+    ing.datagram(datagrams.encode_nack(n, KEY))
+    ing.datagram(datagrams.encode_nack(n, b"x" * 32))
     assert ing.take_nacks() == [n] and ing.take_nacks() == []
     assert ing.counts["bad_datagrams"] == 1
 
 
 def _head(worker: int, transfer: int, packets: int, index: int = 0) -> bytes:
     """Packet ``index``'s datagram header (what the granter reads of a receive)."""
-    buf, _ = protocol.encode_block(worker, 0, 5, transfer, "float32",
+    buf, _ = datagrams.encode_block(worker, 0, 5, transfer, "float32",
                                    torch.zeros(352 * packets).view(torch.uint8).numpy())
-    return bytes(buf[index, :protocol.DATAGRAM_HEADER])
+    return bytes(buf[index, :datagrams.DATAGRAM_HEADER])
 
 
 class _Grants:
@@ -82,7 +83,7 @@ class _Grants:
     def last(self) -> dict[tuple, int]:
         out = {}
         for data, addr in self.sent:
-            out[addr] = protocol.decode_grant(data).upto
+            out[addr] = datagrams.decode_grant(data).upto
         return out
 
 

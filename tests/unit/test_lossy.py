@@ -22,9 +22,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psring.comm import ingress, lossy, protocol
+from psring.comm import datagrams, ingress, lossy, protocol
+from psring.comm.datagrams import Datagram
 from psring.comm.ingress import Ingress
-from psring.comm.protocol import Datagram, Message, ProtocolError
+from psring.comm.protocol import Message, ProtocolError
 
 KEY = b"k" * 32
 
@@ -32,12 +33,12 @@ KEY = b"k" * 32
 def packets_of(grad: torch.Tensor, transfer: int = 7, worker: int = 1,
                key: bytes | None = None) -> list[bytes]:
     dtype = protocol.DTYPE_NAMES[grad.dtype]
-    per = protocol.per_datagram(dtype)
+    per = datagrams.per_datagram(dtype)
     raw = grad.view(torch.uint8).numpy()
     size = grad.element_size()
     count = math.ceil(grad.numel() / per)
-    return [protocol.encode_datagram(Datagram(
-        worker, 0, protocol.run_tag("r"), transfer, i, count, dtype,
+    return [datagrams.encode_datagram(Datagram(
+        worker, 0, datagrams.run_tag("r"), transfer, i, count, dtype,
         memoryview(raw[i * per * size:min(grad.numel(), (i + 1) * per) * size])), key)
         for i in range(count)]
 
@@ -48,7 +49,7 @@ def lossy_push(grad: torch.Tensor, tolerance: float, transfer: int = 7,
     return Message({"v": protocol.VERSION, "op": "lossy_push", "run": "r", "worker": worker,
                     "seq": transfer, "shard": 0, "step": 3, "offset": 100,
                     "numel": grad.numel(),
-                    "packets": math.ceil(grad.numel() / protocol.per_datagram(dtype)),
+                    "packets": math.ceil(grad.numel() / datagrams.per_datagram(dtype)),
                     "dtype": dtype, "tolerance": tolerance, "transfer": transfer,
                     "tensors": []})
 
@@ -56,13 +57,13 @@ def lossy_push(grad: torch.Tensor, tolerance: float, transfer: int = 7,
 def test_a_datagram_round_trips_and_fits_one_ethernet_frame():
     grad = torch.randn(1000)
     ps = packets_of(grad)
-    assert len(ps) == 3 and max(map(len, ps)) <= 1472 - protocol.DATAGRAM_SIGNATURE
-    d = protocol.decode_datagram(ps[2])
+    assert len(ps) == 3 and max(map(len, ps)) <= 1472 - datagrams.DATAGRAM_SIGNATURE
+    d = datagrams.decode_datagram(ps[2])
     assert (d.worker, d.transfer, d.index, d.packets, d.dtype) == (1, 7, 2, 3, "float32")
     assert torch.equal(torch.frombuffer(bytearray(d.payload), dtype=torch.float32),
                        grad[704:])
     signed = packets_of(grad, key=KEY)[0]
-    assert protocol.decode_datagram(signed, KEY).index == 0
+    assert datagrams.decode_datagram(signed, KEY).index == 0
 
 
 @pytest.mark.parametrize("breakage", ["short", "magic", "dtype", "length", "index"])
@@ -72,16 +73,16 @@ def test_a_broken_datagram_is_refused(breakage):
            "dtype": good[:5] + b"\x09" + good[6:], "length": good[:-4],
            "index": good[:22] + (99).to_bytes(4, "little") + good[26:]}[breakage]
     with pytest.raises(ProtocolError):
-        protocol.decode_datagram(bytes(bad))
+        datagrams.decode_datagram(bytes(bad))
 
 
 def test_a_signed_datagram_is_authenticated():
     signed = bytearray(packets_of(torch.randn(500), key=KEY)[0])
     with pytest.raises(protocol.AuthenticationError):
-        protocol.decode_datagram(packets_of(torch.randn(500))[0], KEY)  # unsigned
+        datagrams.decode_datagram(packets_of(torch.randn(500))[0], KEY)  # unsigned
     signed[40] ^= 1
     with pytest.raises(protocol.AuthenticationError):
-        protocol.decode_datagram(bytes(signed), KEY)
+        datagrams.decode_datagram(bytes(signed), KEY)
     ing = Ingress(KEY)
     ing.datagram(bytes(signed))
     assert ing.counts["bad_datagrams"] == 1 and not ing.transfers
@@ -159,7 +160,7 @@ def test_the_sender_sends_every_datagram_then_says_so_and_resends_at_random():
     again = lossy.LossySender.choose(t, [0, 2, 4, 5], need=1)
     assert sender.resend(t, [0, 2, 4, 5], need=1, token="again") == len(again) == 2
     assert done.get(timeout=5) == "again"
-    got = sorted(protocol.decode_datagram(rx.recv(2048)).index for _ in range(2))
+    got = sorted(datagrams.decode_datagram(rx.recv(2048)).index for _ in range(2))
     assert got == again
     sender.close()
     rx.close()
@@ -248,8 +249,8 @@ def test_runs_are_consecutive_and_within_a_millisecond_of_the_link():
     fast = lossy.LossySender("tcp://127.0.0.1:9", "r", 0)
     slow = lossy.LossySender("tcp://127.0.0.1:9", "r", 0)
     fast.pace_bits, slow.pace_bits = 1e9, 1e7  # (as to a server across a link)
-    assert fast.batch_limit() == lossy.GSO_MAX_BYTES // (protocol.DATAGRAM_HEADER
-                                                         + protocol.DATAGRAM_PAYLOAD)
+    assert fast.batch_limit() == lossy.GSO_MAX_BYTES // (datagrams.DATAGRAM_HEADER
+                                                         + datagrams.DATAGRAM_PAYLOAD)
     assert slow.batch_limit() == 1
     fast.close()
     slow.close()
@@ -341,7 +342,7 @@ def test_end_markers_follow_a_transfer_and_late_datagrams_are_not_held():
     assert not ing.ended(1, 7) and ing.heard(1, 7) is None
     for p in packets_of(grad, transfer=7)[:3]:  # (come late: dropped, not held)
         ing.datagram(p)
-    ing.datagram(protocol.encode_end(protocol.End(1, 0, protocol.run_tag("r"), 7, 30)))
+    ing.datagram(datagrams.encode_end(datagrams.End(1, 0, datagrams.run_tag("r"), 7, 30)))
     assert ing.counts["late"] == 3 and not ing.transfers and ing.held == 0
     assert not ing.ended(1, 7)
     sender.close()
@@ -436,7 +437,7 @@ def test_any_bytes_decode_to_a_datagram_or_a_protocol_error(data, flip):
     good[flip % len(good)] ^= 0xFF
     for raw in (data, bytes(good)):
         try:
-            d = protocol.decode_datagram(raw)
+            d = datagrams.decode_datagram(raw)
         except ProtocolError:
             continue
         assert d.index < d.packets and len(d.payload) > 0
@@ -445,16 +446,16 @@ def test_any_bytes_decode_to_a_datagram_or_a_protocol_error(data, flip):
 def test_datagrams_and_lossy_pushes_that_disagree_are_refused():
     grad = torch.randn(1000)
     ing = Ingress()
-    short = protocol.encode_datagram(Datagram(1, 0, protocol.run_tag("r"), 7, 0, 3,
+    short = datagrams.encode_datagram(Datagram(1, 0, datagrams.run_tag("r"), 7, 0, 3,
                                               "float32", memoryview(bytes(400))))
     ing.datagram(short)  # packet 0 of 3 carrying 100 elements, not 352
-    other_run = packets_of(grad)[1][:10] + protocol.run_tag("x").to_bytes(4, "little") + \
+    other_run = packets_of(grad)[1][:10] + datagrams.run_tag("x").to_bytes(4, "little") + \
         packets_of(grad)[1][14:]
     for p in packets_of(grad):
         ing.datagram(p)
     ing.datagram(other_run)  # a second copy of packet 1, of another run: refused too
     assert ing.counts["bad_datagrams"] == 2
-    for field, value in (("run", "x"), ("shard", 3), ("packets", protocol.MAX_PACKETS + 1),
+    for field, value in (("run", "x"), ("shard", 3), ("packets", datagrams.MAX_PACKETS + 1),
                          ("numel", 10**12)):
         bad = lossy_push(grad, 0.0)
         bad.header[field] = value
@@ -490,7 +491,7 @@ def test_datagrams_to_this_host_are_not_paced():
 # -- DLCP's priority marks (--switch priority) --------------------------------------------
 
 def test_marks_rank_front_layers_and_large_gradients_higher():
-    per = protocol.per_datagram("float32")
+    per = datagrams.per_datagram("float32")
     g = torch.full((4 * per,), 1e-3)
     g[per:2 * per] = 1.0  # packet 1 loud
     g[3 * per:] = 1.0  # packet 3 loud
@@ -514,7 +515,7 @@ def test_marked_datagrams_leave_with_their_levels_tos():
     recv.bind(("127.0.0.1", 0))
     recv.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
     recv.settimeout(5)
-    per = protocol.per_datagram("float32")
+    per = datagrams.per_datagram("float32")
     g = torch.randn(40 * per)
     sender = lossy.LossySender(f"tcp://127.0.0.1:{recv.getsockname()[1]}", "r", 0,
                                marks=lossy.Marks(model_numel=80 * per))
@@ -523,7 +524,7 @@ def test_marked_datagrams_leave_with_their_levels_tos():
         got = {}
         for _ in range(t.count):
             data, anc, _, _ = recv.recvmsg(4096, 64)
-            got[protocol.decode_datagram(data).index] = anc[0][2][0]
+            got[datagrams.decode_datagram(data).index] = anc[0][2][0]
     finally:
         sender.close()
         recv.close()
