@@ -265,22 +265,22 @@ class Ingress:
         self.counts["datagrams"] += k
         return True
 
-    def _end(self, data: bytes | memoryview) -> None:
+    def _control(self, data: bytes | memoryview, decode: Callable):
+        """A control datagram decoded by ``decode``, or None (counted as bad)."""
         try:
-            e = decode_end(data, self.key)
+            return decode(data, self.key)
         except ProtocolError:
             self.counts["bad_datagrams"] += 1
-            return
-        if (e.worker, e.transfer) not in self.finished:  # (a copy come after its push)
-            _remember(self.ends, (e.worker, e.transfer), e)
+            return None
+
+    def _end(self, data: bytes | memoryview) -> None:
+        e = self._control(data, decode_end)
+        if e is not None and (e.worker, e.transfer) not in self.finished:  # (not a copy
+            _remember(self.ends, (e.worker, e.transfer), e)                # come late)
 
     def _nack(self, data: bytes | memoryview) -> None:
-        try:
-            n = decode_nack(data, self.key)
-        except ProtocolError:
-            self.counts["bad_datagrams"] += 1
-            return
-        if len(self.nacks) < REMEMBERED:  # (taken by take_nacks as they come)
+        n = self._control(data, decode_nack)
+        if n is not None and len(self.nacks) < REMEMBERED:  # (taken by take_nacks)
             self.nacks.append(n)
 
     def take_nacks(self) -> list[Nack]:
