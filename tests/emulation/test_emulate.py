@@ -277,6 +277,7 @@ def _as_ordinary_user(argv: list[str], home: Path) -> list[str]:
             "sh", *run]
 
 
+@pytest.mark.untimed  # (a refusal: nothing timed)
 @needs_emulation
 @pytest.mark.timeout(60)
 def test_without_permission_the_refusal_names_what_is_missing(tmp_path):
@@ -296,6 +297,7 @@ def test_without_permission_the_refusal_names_what_is_missing(tmp_path):
     assert_no_processes(out)
 
 
+@pytest.mark.untimed  # (ownership and hosts checked, nothing timed)
 @needs_emulation
 @pytest.mark.slow
 @pytest.mark.timeout(120)
@@ -550,6 +552,7 @@ def test_calibrate_measures_alpha_and_beta_across_an_emulated_link(tmp_path):
     assert_paragraph(refused, "--link 1gbit")
 
 
+@pytest.mark.untimed  # (a refusal: nothing timed)
 @pytest.mark.timeout(60)
 def test_a_worker_started_outside_an_emulated_cluster_refuses_cluster_flags(tmp_path):
     """Under torchrun the hosts are real: --hosts there would only mislabel the logs."""

@@ -105,6 +105,7 @@ def statistics_of(steps: list[dict], step: int) -> float:
     return st.mean(r["loss"] for r in steps if r["step"] == step)
 
 
+@pytest.mark.untimed  # (the bound and the replicas' digests checked, nothing timed)
 @needs_emulation
 @pytest.mark.timeout(240)
 def test_a_transpose_all_reduce_under_loss_keeps_its_bound_and_its_replicas_equal(tmp_path):

@@ -51,6 +51,7 @@ def _run_ids(d: Path) -> set[str]:
     return {w["run"] for w in read_steps(d, "workers.jsonl")}
 
 
+@pytest.mark.untimed  # (parameters compared, nothing timed)
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("strategy", ["allreduce", "ddp"])
 def test_collectives_across_two_hosts_match_single_and_merge(tmp_path, small_runs, strategy):
@@ -84,6 +85,7 @@ def test_collectives_across_two_hosts_match_single_and_merge(tmp_path, small_run
     assert_no_processes(tmp_path)
 
 
+@pytest.mark.untimed  # (parameters compared, nothing timed)
 @pytest.mark.timeout(200)
 def test_ps_with_a_signed_server_on_a_third_host_and_a_new_run_id_per_launch(tmp_path,
                                                                              small_runs):
