@@ -24,16 +24,15 @@ from psring.comm import ingress, lossy
 from psring.comm.protocol import VERSION, Message
 
 
-def one(rx, port: int, grad: torch.Tensor, transfer: int) -> tuple[float, float]:
-    """(sending, receiving) CPU seconds of one push of ``grad``."""
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    sender = lossy.LossySender(f"tcp://127.0.0.1:{port}", "diag", 0, on_sent=done.put)
+def one(rx, sender: lossy.LossySender, done: queue.SimpleQueue,
+        arriving: ingress.Ingress, grad: torch.Tensor, transfer: int) -> tuple[float, float]:
+    """(sending, receiving) CPU seconds of one push of ``grad`` from ``sender`` (whose
+    ``on_sent`` puts on ``done``) into ``arriving``: one of each for every push, as a
+    worker keeps a sender for its server and a server keeps its ingress."""
     c0 = time.process_time()
     sender.send(transfer, 0, grad, token=transfer)
     done.get(timeout=60)
     c1 = time.process_time()
-    sender.close()
-    arriving = ingress.Ingress()
     c2 = time.process_time()
     n = ingress.drain(rx, arriving)
     push = arriving.complete(Message({
@@ -53,7 +52,13 @@ def main() -> None:
     torch.set_num_threads(1)
     rx = ingress.receiving_socket("127.0.0.1", 0, 200 << 20)
     grad = torch.randn(10_000_000)
-    costs = [one(rx, rx.getsockname()[1], grad, i) for i in range(max(2, args.rounds))][1:]
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "diag", 0,
+                               on_sent=done.put)
+    arriving = ingress.Ingress()
+    costs = [one(rx, sender, done, arriving, grad, i)
+             for i in range(max(2, args.rounds))][1:]
+    sender.close()
     per_gbit = 1e9 / (grad.numel() * 32)
     send = statistics.median(c[0] for c in costs) * per_gbit
     recv = statistics.median(c[1] for c in costs) * per_gbit

@@ -82,15 +82,22 @@ def encode_datagram(d: Datagram, key: bytes | None = None) -> bytes:
     return body + _datagram_mac(key, memoryview(body)) if key else body
 
 
+def block_bytes(nbytes: int) -> int:
+    """The bytes of :func:`encode_block`'s buffer for ``nbytes`` of payload."""
+    return max(1, -(-nbytes // DATAGRAM_PAYLOAD)) * (DATAGRAM_HEADER + DATAGRAM_PAYLOAD)
+
+
 def encode_block(worker: int, shard: int, tag: int, transfer: int, dtype: str,
-                 raw: np.ndarray) -> tuple[np.ndarray, int]:
+                 raw: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """All unsigned datagrams of one transfer in one buffer, built at once: row i is
     packet i (its header, then its piece of ``raw``, the range's bytes as uint8, cut
     every DATAGRAM_PAYLOAD), rows end to end, so consecutive packets are consecutive
-    bytes; and the last packet's length (the rest of its row is not sent)."""
+    bytes; and the last packet's length (the rest of its row is not sent). ``out``:
+    the memory to build it in (uint8, :func:`block_bytes` of them), else new."""
     itemsize = DTYPES[dtype].itemsize
     count = max(1, -(-len(raw) // DATAGRAM_PAYLOAD))
-    buf = np.empty((count, DATAGRAM_HEADER + DATAGRAM_PAYLOAD), np.uint8)
+    shape = (count, DATAGRAM_HEADER + DATAGRAM_PAYLOAD)
+    buf = np.empty(shape, np.uint8) if out is None else out.reshape(shape)
     sizes = np.full(count, DATAGRAM_PAYLOAD, np.int64)
     sizes[-1] = len(raw) - DATAGRAM_PAYLOAD * (count - 1)
     head = np.zeros(count, DATAGRAM_DTYPE)

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from psring.comm.buffers import Buffers
 from psring.comm.datagrams import (
     DATAGRAM_DTYPE,
     DATAGRAM_HEADER,
@@ -127,13 +128,14 @@ class _Arriving:
 
     packets: int
     dtype: str
+    #: packet i's payload at [i * whole, ...); a missing one's place is zeroed when the
+    #: push is made (psring.comm.buffers: the memory may be a finished push's)
+    data: np.ndarray
     #: the run tag and shard its first datagram named (the others must agree)
     tag: int = -1
     shard: int = -1
     #: which packets arrived
     got: np.ndarray = field(default=None)  # type: ignore[assignment]
-    #: packet i's payload at [i * whole, ...), a missing one's place zero
-    data: np.ndarray = field(default=None)  # type: ignore[assignment]
     #: the last packet's payload bytes, once it arrived (every other one is whole)
     last: int = -1
     #: when a packet of it last arrived (time.monotonic)
@@ -141,10 +143,6 @@ class _Arriving:
 
     def __post_init__(self) -> None:
         self.got = np.zeros(self.packets, np.bool_)
-        # (zeroed now, in one pass: the pages a transfer's datagrams would otherwise
-        # fault in one by one, between them, cost ten times as much)
-        self.data = np.empty(self.packets * whole_bytes(self.dtype), np.uint8)
-        self.data.fill(0)
 
     @property
     def nbytes(self) -> int:
@@ -174,6 +172,7 @@ class Ingress:
         self.ends: OrderedDict[tuple[int, int], End] = OrderedDict()
         self.finished: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.nacks: list[Nack] = []
+        self.buffers = Buffers(MAX_HELD_BYTES)
 
     def ended(self, worker: int, transfer: int) -> bool:
         """Whether the transfer's end marker arrived (all of its packets have left)."""
@@ -301,7 +300,7 @@ class Ingress:
         if t is None:
             if packets * whole_bytes(dtype) > MAX_HELD_BYTES:
                 return None
-            t = self.transfers[key] = _Arriving(packets, dtype, tag, shard)
+            t = self.transfers[key] = self._new(packets, dtype, tag, shard)
             self.held += t.nbytes
             while self.held > MAX_HELD_BYTES and len(self.transfers) > 1:
                 _, old = self.transfers.popitem(last=False)
@@ -311,6 +310,10 @@ class Ingress:
             return None
         t.heard = time.monotonic()
         return t
+
+    def _new(self, packets: int, dtype: str, tag: int, shard: int) -> _Arriving:
+        return _Arriving(packets, dtype, self.buffers.take(packets * whole_bytes(dtype)),
+                         tag, shard)
 
     def keep(self, d: Datagram) -> None:
         """Keep one packet of a transfer: a datagram's, or one sent again over a
@@ -352,14 +355,14 @@ class Ingress:
         if t is not None and t.last >= 0 and t.last != tail * itemsize:
             raise ProtocolError("a datagram's elements do not fit its place in the push")
         if t is None:  # (nothing arrived)
-            t = _Arriving(packets, dtype, run_tag(h["run"]), h["shard"])
+            t = self._new(packets, dtype, run_tag(h["run"]), h["shard"])
         missing = np.flatnonzero(~t.got)
         lost = len(missing) * per - (per - tail if t.got.size and not t.got[-1] else 0)
         if lost > h["tolerance"] * numel:
             # the fewest packets that bring the missing part within the tolerance
             excess = lost - math.floor(h["tolerance"] * numel)
             return min(len(missing), math.ceil(excess / per)), missing.tolist()
-        grad = self._assemble(t, numel, DTYPES[dtype], lost)
+        grad = self._assemble(t, numel, DTYPES[dtype], lost, missing)
         key = (h["worker"], h["transfer"])
         if self.transfers.pop(key, None) is not None:
             self.held -= t.nbytes
@@ -372,8 +375,11 @@ class Ingress:
         return Message(header, [grad])
 
     @staticmethod
-    def _assemble(t: _Arriving, numel: int, dtype: torch.dtype, lost: int) -> torch.Tensor:
+    def _assemble(t: _Arriving, numel: int, dtype: torch.dtype, lost: int,
+                  missing: np.ndarray) -> torch.Tensor:
         """The transfer's elements (a missing packet's zero), scaled up by what was lost."""
+        if len(missing):
+            t.data.reshape(t.packets, -1)[missing] = 0
         # (the tensor takes the transfer's buffer over: the transfer is done with it)
         grad = torch.frombuffer(t.data, dtype=dtype, count=numel)
         if lost:  # unbiased: each element arrived with probability delivered / numel

@@ -44,12 +44,14 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
+from psring.comm.buffers import Buffers
 from psring.comm.credits import UNSCHEDULED
 from psring.comm.datagrams import (
     DATAGRAM_HEADER,
     DATAGRAM_PAYLOAD,
     DATAGRAM_SIGNATURE,
     End,
+    block_bytes,
     decode_grant,
     encode_block,
     encode_datagrams,
@@ -63,6 +65,9 @@ from psring.comm.protocol import DTYPE_NAMES, ProtocolError
 FRAME_OVERHEAD = 42
 #: bytes of datagrams the kernel holds for the socket before a send waits
 SEND_BUFFER_BYTES = 1 << 20
+#: bytes of blocks of datagrams a sender keeps for its next transfers (a worker's
+#: gradients for its server, sent again every step: psring.comm.buffers)
+SEND_KEPT_BYTES = 1 << 30
 #: Linux's UDP_SEGMENT option (linux/udp.h; Python's socket module lacks it before
 #: 3.12): one send of many equal datagrams that the kernel cuts apart (UDP GSO), so a
 #: push costs Python a call per batch, not per datagram
@@ -177,6 +182,8 @@ class LossySender:
         self.probes = 0
         self.datagrams = 0
         self.gso = True  # (until the kernel refuses a segmented send)
+        #: the blocks of datagrams, kept for the next transfers (psring.comm.buffers)
+        self.buffers = Buffers(SEND_KEPT_BYTES)
         self.stopping = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, daemon=True,
@@ -195,7 +202,8 @@ class LossySender:
                                       self.key)
             t = Transfer(*common, len(signed), each=signed)
         else:
-            buf, last = encode_block(self.worker, shard, self.tag, transfer_id, dtype, raw)
+            buf, last = encode_block(self.worker, shard, self.tag, transfer_id, dtype, raw,
+                                     self.buffers.take(block_bytes(len(raw))))
             t = Transfer(*common, buf.shape[0], memoryview(buf).cast("B"), buf.shape[1],
                          last)
         if self.marks is not None:
@@ -230,6 +238,7 @@ class LossySender:
             if self.ends and isinstance(which, range) and len(which) == t.count:
                 self._end(t)
             self.on_sent(token)
+            job = t = None  # (its block goes back to the buffers once its sender is done)
 
     def _end(self, t: Transfer) -> None:
         """The end markers of transfer ``t``: all of its packets have left."""

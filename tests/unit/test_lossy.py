@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psring.comm import datagrams, ingress, lossy, protocol
+from psring.comm import buffers, datagrams, ingress, lossy, protocol
 from psring.comm.datagrams import Datagram
 from psring.comm.ingress import Ingress
 from psring.comm.protocol import Message, ProtocolError
@@ -111,6 +111,67 @@ def test_a_push_missing_within_its_tolerance_is_scaled_and_zero_where_missing():
     assert push.header["delivered"] == 352 * 19
     assert torch.all(got[4 * 352:5 * 352] == 0)
     assert torch.allclose(got[:4 * 352], grad[:4 * 352] * 20 / 19)
+
+
+def test_a_finished_pushs_memory_serves_the_next_once_its_tensor_is_gone():
+    # the same shard every step: its memory is the last step's, never while in use, and
+    # the places of packets lost this time are zero, not last step's values
+    ing = Ingress()
+    first = torch.randn(352 * 20)
+    for p in packets_of(first, transfer=1):
+        ing.datagram(p)
+    held = ing.complete(lossy_push(first, 0.0, transfer=1)).tensors[0]
+    second = torch.randn(352 * 20)
+    for i, p in enumerate(packets_of(second, transfer=2)):
+        if i != 4:
+            ing.datagram(p)
+    push = ing.complete(lossy_push(second, 0.05, transfer=2)).tensors[0]
+    assert held.data_ptr() != push.data_ptr()  # (the first was still held)
+    assert torch.equal(held, first)
+    assert torch.all(push[4 * 352:5 * 352] == 0)
+    assert torch.allclose(push[:4 * 352], second[:4 * 352] * 20 / 19)
+    address = held.data_ptr()
+    del held
+    third = torch.randn(352 * 20)
+    for i, p in enumerate(packets_of(third, transfer=3)):
+        if i != 7:
+            ing.datagram(p)
+    again = ing.complete(lossy_push(third, 0.05, transfer=3)).tensors[0]
+    assert again.data_ptr() == address
+    assert torch.all(again[7 * 352:8 * 352] == 0)
+    assert torch.allclose(again[:7 * 352], third[:7 * 352] * 20 / 19)
+
+
+def test_buffers_are_kept_up_to_their_bound_and_lent_once():
+    kept = buffers.Buffers(most=100)
+    a = kept.take(60)
+    assert kept.take(60) is not a  # (a is held)
+    b_address = kept.kept[0].ctypes.data
+    del a
+    assert kept.take(60).ctypes.data == b_address  # free again: the same memory
+    assert sum(b.nbytes for b in kept.kept) <= 100
+
+
+def test_a_senders_blocks_are_reused_once_sent():
+    sent: queue.SimpleQueue = queue.SimpleQueue()
+    rx = ingress.receiving_socket("127.0.0.1", 0, 8 << 20)
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
+                               on_sent=sent.put)
+    try:
+        grad = torch.randn(352 * 30)
+        sender.send(1, 0, grad, token=1)
+        sent.get(timeout=10)
+        first = [b.ctypes.data for b in sender.buffers.kept]
+        sender.send(2, 0, grad, token=2)
+        sent.get(timeout=10)
+        assert [b.ctypes.data for b in sender.buffers.kept] == first and len(first) == 1
+        got = Ingress()
+        ingress.drain(rx, got)
+        assert torch.equal(got.complete(lossy_push(grad, 0.0, transfer=2, worker=0))
+                           .tensors[0], grad)
+    finally:
+        sender.close()
+        rx.close()
 
 
 def test_a_push_missing_more_asks_for_the_fewest_packets_then_takes_them():
