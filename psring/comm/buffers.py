@@ -18,6 +18,13 @@ import sys
 import numpy as np
 
 
+def _refs(kept: list, i: int) -> int:
+    """References to ``kept[i]``, as counted from here: compared only with the count
+    of a buffer no one else holds, taken by this same call (an interpreter's own
+    counting, borrowed references and all, is the same for both)."""
+    return sys.getrefcount(kept[i])
+
+
 class Buffers:
     """Transfers' memory, kept for the next transfers of the same size. A kept buffer
     is free again once nothing but this pool refers to it (a received push's tensor,
@@ -27,18 +34,22 @@ class Buffers:
     def __init__(self, most: int):
         self.most = most
         self.kept: list[np.ndarray] = []
+        #: what :func:`_refs` counts for a buffer only the pool holds
+        self.free = _refs([np.empty(0, np.uint8)], 0)
+
+    def _free(self, i: int) -> bool:
+        return _refs(self.kept, i) == self.free
 
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of memory no one else holds (its contents whatever they were)."""
-        for buf in self.kept:
-            # (references: the list's, the loop's and getrefcount's own argument)
-            if buf.nbytes == nbytes and sys.getrefcount(buf) == 3:
-                return buf
+        for i in range(len(self.kept)):  # (by index: a loop variable would hold it)
+            if self.kept[i].nbytes == nbytes and self._free(i):
+                return self.kept[i]
         buf = np.empty(nbytes, np.uint8)
         # (touched now, in one pass: the pages a transfer's datagrams would otherwise
         # fault in one by one, between them, cost ten times as much)
         buf.fill(0)
-        self.kept = [b for b in self.kept if sys.getrefcount(b) > 3]  # (free ones go)
+        self.kept = [self.kept[i] for i in range(len(self.kept)) if not self._free(i)]
         if sum(b.nbytes for b in self.kept) + nbytes <= self.most:
             self.kept.append(buf)
         return buf
