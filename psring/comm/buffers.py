@@ -2,7 +2,7 @@
 worker's blocks of datagrams (psring.comm.lossy) and a receiver's transfers as they
 arrive (psring.comm.ingress) are the same sizes every step.
 
-    buffers = Buffers(1 << 30)
+    buffers = Buffers()          # keeps at most KEPT_BYTES
     buf = buffers.take(nbytes)   # memory no one else holds: a kept one, or new
 
 Why not fresh memory each time: on Linux its first write costs the kernel's page
@@ -16,6 +16,12 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+
+#: bytes of transfers' memory a pool keeps, in use or free: a step's transfers for most
+#: models (a worker's pushes of ResNet-50's 98 MB of gradients), part of a larger one's
+#: (VGG-16's 553 MB: the rest is used once, as before); beyond it a worker or a server
+#: would hold memory it no longer uses
+KEPT_BYTES = 256 << 20
 
 
 def _refs(kept: list, i: int) -> int:
@@ -31,7 +37,7 @@ class Buffers:
     which takes its transfer's buffer over, is gone; a sent transfer is done). At most
     ``most`` bytes are kept; beyond them a buffer is used once."""
 
-    def __init__(self, most: int):
+    def __init__(self, most: int = KEPT_BYTES):
         self.most = most
         self.kept: list[np.ndarray] = []
         #: what :func:`_refs` counts for a buffer only the pool holds

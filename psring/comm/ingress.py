@@ -172,7 +172,7 @@ class Ingress:
         self.ends: OrderedDict[tuple[int, int], End] = OrderedDict()
         self.finished: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.nacks: list[Nack] = []
-        self.buffers = Buffers(MAX_HELD_BYTES)
+        self.buffers = Buffers()
 
     def ended(self, worker: int, transfer: int) -> bool:
         """Whether the transfer's end marker arrived (all of its packets have left)."""

@@ -65,9 +65,6 @@ from psring.comm.protocol import DTYPE_NAMES, ProtocolError
 FRAME_OVERHEAD = 42
 #: bytes of datagrams the kernel holds for the socket before a send waits
 SEND_BUFFER_BYTES = 1 << 20
-#: bytes of blocks of datagrams a sender keeps for its next transfers (a worker's
-#: gradients for its server, sent again every step: psring.comm.buffers)
-SEND_KEPT_BYTES = 1 << 30
 #: Linux's UDP_SEGMENT option (linux/udp.h; Python's socket module lacks it before
 #: 3.12): one send of many equal datagrams that the kernel cuts apart (UDP GSO), so a
 #: push costs Python a call per batch, not per datagram
@@ -183,7 +180,7 @@ class LossySender:
         self.datagrams = 0
         self.gso = True  # (until the kernel refuses a segmented send)
         #: the blocks of datagrams, kept for the next transfers (psring.comm.buffers)
-        self.buffers = Buffers(SEND_KEPT_BYTES)
+        self.buffers = Buffers()
         self.stopping = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, daemon=True,
