@@ -15,7 +15,9 @@ random: DLCP's bounded loss), if at most the fraction F is missing; else it says
 packets to send again. Datagrams are validated (and with a shared secret authenticated)
 before use; what is kept waiting is bounded (MAX_HELD_BYTES, counted from each
 transfer's whole size; oldest transfers dropped first). The socket asks for UDP GRO: a
-coalesced receive's whole datagrams are checked together (numpy) and written in place.
+coalesced receive's whole datagrams, and those of the receives of the same transfer
+that follow it (received one after another into the ingress's arena), are checked
+together (numpy) and written in place.
 """
 
 from __future__ import annotations
@@ -82,30 +84,79 @@ def receiving_socket(host: str, port: int, buffer_bytes: int) -> socket.socket:
     return s
 
 
+#: bytes one receive may return: a coalesced receive's (UDP GRO) 64 KiB at most
+RECEIVE_MOST = 65536
+#: bytes of consecutive receives a drain keeps together (psring.comm.ingress.drain)
+ARENA_BYTES = 1 << 20
+
+
+@dataclass
+class _Run:
+    """Consecutive coalesced receives of one transfer's whole datagrams, end to end in
+    the ingress's arena, kept together: one numpy check for many receives."""
+
+    start: int = 0
+    end: int = 0
+    size: int = 0
+    #: the header of its first datagram but the packet's number
+    head: bytes = b""
+
+    def joins(self, data: memoryview, size: int) -> bool:
+        """Whether ``data`` (just received at ``end``) continues this run."""
+        head = bytes(data[:_INDEX.start]) + bytes(data[_INDEX.stop:DATAGRAM_HEADER])
+        if self.end > self.start and (size != self.size or head != self.head):
+            return False
+        if self.end == self.start:
+            self.size, self.head = size, head
+        self.end += len(data)
+        return True
+
+
 def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None,
           heard: Callable[[tuple, bytes, int], None] | None = None) -> int:
     """Hand the datagrams waiting on ``sock`` to ``ingress`` (all, or about ``most``:
     a coalesced receive is handed whole); returns how many. ``heard(addr, first
-    header, count)`` hears of each receive (psring.comm.credits.Granter.heard)."""
+    header, count)`` hears of each receive (psring.comm.credits.Granter.heard).
+    Receives go into the ingress's arena; consecutive coalesced receives of one
+    transfer's whole, unsigned datagrams are kept together, once the arena is full
+    or the run ends."""
     n = 0
     control = socket.CMSG_SPACE(4)
+    arena = ingress.arena
+    run = _Run()
     while most is None or n < most:
+        if run.end + RECEIVE_MOST > len(arena):
+            run = _flush(ingress, run)
+        room = memoryview(arena)[run.end:run.end + RECEIVE_MOST]
         try:
-            data, ancillary, _, addr = sock.recvmsg(65536, control)
+            got, ancillary, _, addr = sock.recvmsg_into([room], control)
         except (BlockingIOError, InterruptedError):
             break
+        data = room[:got]
         size = next((int.from_bytes(c[2][:4], "little") for c in ancillary
                      if c[0] == socket.SOL_UDP and c[1] == UDP_GRO), 0)
-        if size and len(data) > size:  # (coalesced: UDP GRO)
+        k = -(-got // size) if size and got > size else 1
+        if k > 1 and ingress.key is None and got % size == 0 and size > DATAGRAM_HEADER:
+            if not run.joins(data, size):  # (another transfer's: it starts a run)
+                _flush(ingress, run)
+                run = _Run(run.end, run.end)
+                run.joins(data, size)
+        elif k > 1:  # (coalesced, signed or with a short last datagram)
             ingress.datagrams(data, size)
-            k = -(-len(data) // size)
         else:
             ingress.datagram(data)
-            k = 1
         n += k
         if heard is not None:
             heard(addr, data[:DATAGRAM_HEADER], k)
+    _flush(ingress, run)
     return n
+
+
+def _flush(ingress: "Ingress", run: _Run) -> _Run:
+    """Keep ``run``'s datagrams; an empty run at the arena's start."""
+    if run.end > run.start:
+        ingress.datagrams(memoryview(ingress.arena)[run.start:run.end], run.size)
+    return _Run()
 
 
 #: end markers and completed transfers an Ingress remembers (the oldest forgotten first)
@@ -173,6 +224,8 @@ class Ingress:
         self.finished: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.nacks: list[Nack] = []
         self.buffers = Buffers()
+        #: where drain receives (psring.comm.ingress.drain)
+        self.arena = bytearray(ARENA_BYTES)
 
     def ended(self, worker: int, transfer: int) -> bool:
         """Whether the transfer's end marker arrived (all of its packets have left)."""

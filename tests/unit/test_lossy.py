@@ -436,6 +436,33 @@ def test_segmented_sends_arrive_coalesced_and_whole():
     rx.close()
 
 
+def test_interleaved_transfers_beyond_the_arena_are_each_kept_whole():
+    # two workers' pushes at once, 2.6 MB in all (the drain's arena holds 1 MB): runs of
+    # one transfer's receives are kept together, a receive of the other ends a run, a
+    # datagram sent twice is kept once, and both pushes are their gradients exactly
+    rx = ingress.receiving_socket("127.0.0.1", 0, 1 << 24)
+    done = queue.SimpleQueue()
+    port = rx.getsockname()[1]
+    senders = [lossy.LossySender(f"tcp://127.0.0.1:{port}", "r", w, on_sent=done.put)
+               for w in (0, 1)]
+    grads = [torch.randn(352 * 900 + 5), torch.randn(352 * 950)]
+    try:
+        sent = [s.send(9, 0, g, token=w) for w, (s, g) in enumerate(zip(senders, grads))]
+        assert {done.get(timeout=5), done.get(timeout=5)} == {0, 1}
+        senders[1].resend(sent[1], list(range(40, 80)), 40, token="again")
+        assert done.get(timeout=5) == "again"
+        ing = Ingress()
+        assert ingress.drain(rx, ing) == 901 + 950 + 40  # (all 40 asked for)
+        assert ing.counts["bad_datagrams"] == 40  # (the second copies, kept once)
+        for w, g in enumerate(grads):
+            push = ing.complete(lossy_push(g, 0.0, transfer=9, worker=w))
+            assert torch.equal(push.tensors[0], g)
+    finally:
+        for s in senders:
+            s.close()
+        rx.close()
+
+
 def test_the_ingress_is_unbiased_over_random_losses():
     grad = torch.randn(352 * 10)
     rng = random.Random(0)
