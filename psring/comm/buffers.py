@@ -14,13 +14,15 @@ times stall on the kernel's compaction (benchmarks/diag_datagrams.py: a receive'
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 
 #: bytes of transfers' memory a pool keeps, in use or free: a step's transfers for most
 #: models (a worker's pushes of ResNet-50's 98 MB of gradients), part of a larger one's
 #: (VGG-16's 553 MB: the rest is used once, as before); beyond it a worker or a server
-#: would hold memory it no longer uses
+#: would hold memory it no longer uses. One pool a process (:data:`SHARED`): its
+#: senders and its ingress draw on it
 KEPT_BYTES = 256 << 20
 
 
@@ -40,6 +42,7 @@ class Buffers:
     def __init__(self, most: int = KEPT_BYTES):
         self.most = most
         self.kept: list[np.ndarray] = []
+        self.lock = threading.Lock()  # (a process's senders and receivers share one)
         #: what :func:`_refs` counts for a buffer only the pool holds
         self.free = _refs([np.empty(0, np.uint8)], 0)
 
@@ -48,6 +51,10 @@ class Buffers:
 
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of memory no one else holds (its contents whatever they were)."""
+        with self.lock:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> np.ndarray:
         for i in range(len(self.kept)):  # (by index: a loop variable would hold it)
             if self.kept[i].nbytes == nbytes and self._free(i):
                 return self.kept[i]
@@ -55,7 +62,18 @@ class Buffers:
         # (touched now, in one pass: the pages a transfer's datagrams would otherwise
         # fault in one by one, between them, cost ten times as much)
         buf.fill(0)
-        self.kept = [self.kept[i] for i in range(len(self.kept)) if not self._free(i)]
-        if sum(b.nbytes for b in self.kept) + nbytes <= self.most:
+        # room for it: free buffers go, the oldest first, only as far as the bound asks
+        total, i = sum(b.nbytes for b in self.kept), 0
+        while total + nbytes > self.most and i < len(self.kept):
+            if self._free(i):
+                total -= self.kept.pop(i).nbytes
+            else:
+                i += 1
+        if total + nbytes <= self.most:
             self.kept.append(buf)
         return buf
+
+
+#: the process's pool (a worker's senders, one per server or peer, and a receiver's
+#: ingress): at most KEPT_BYTES a process
+SHARED = Buffers()

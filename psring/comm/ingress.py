@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from psring.comm.buffers import Buffers
+from psring.comm import buffers
 from psring.comm.datagrams import (
     DATAGRAM_DTYPE,
     DATAGRAM_HEADER,
@@ -124,31 +124,34 @@ def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None,
     control = socket.CMSG_SPACE(4)
     arena = ingress.arena
     run = _Run()
-    while most is None or n < most:
-        if run.end + RECEIVE_MOST > len(arena):
-            run = _flush(ingress, run)
-        room = memoryview(arena)[run.end:run.end + RECEIVE_MOST]
-        try:
-            got, ancillary, _, addr = sock.recvmsg_into([room], control)
-        except (BlockingIOError, InterruptedError):
-            break
-        data = room[:got]
-        size = next((int.from_bytes(c[2][:4], "little") for c in ancillary
-                     if c[0] == socket.SOL_UDP and c[1] == UDP_GRO), 0)
-        k = -(-got // size) if size and got > size else 1
-        if k > 1 and ingress.key is None and got % size == 0 and size > DATAGRAM_HEADER:
-            if not run.joins(data, size):  # (another transfer's: it starts a run)
-                _flush(ingress, run)
-                run = _Run(run.end, run.end)
-                run.joins(data, size)
-        elif k > 1:  # (coalesced, signed or with a short last datagram)
-            ingress.datagrams(data, size)
-        else:
-            ingress.datagram(data)
-        n += k
-        if heard is not None:
-            heard(addr, data[:DATAGRAM_HEADER], k)
-    _flush(ingress, run)
+    try:
+        while most is None or n < most:
+            if run.end + RECEIVE_MOST > len(arena):
+                run = _flush(ingress, run)
+            room = memoryview(arena)[run.end:run.end + RECEIVE_MOST]
+            try:
+                got, ancillary, _, addr = sock.recvmsg_into([room], control)
+            except (BlockingIOError, InterruptedError):
+                break
+            data = room[:got]
+            size = next((int.from_bytes(c[2][:4], "little") for c in ancillary
+                         if c[0] == socket.SOL_UDP and c[1] == UDP_GRO), 0)
+            k = -(-got // size) if size and got > size else 1
+            if k > 1 and ingress.key is None and got % size == 0 \
+                    and size > DATAGRAM_HEADER:
+                if not run.joins(data, size):  # (another transfer's: it starts a run)
+                    _flush(ingress, run)
+                    run = _Run(run.end, run.end)
+                    run.joins(data, size)
+            elif k > 1:  # (coalesced, signed or with a short last datagram)
+                ingress.datagrams(data, size)
+            else:
+                ingress.datagram(data)
+            n += k
+            if heard is not None:
+                heard(addr, data[:DATAGRAM_HEADER], k)
+    finally:  # (what was received is kept, even when a receive or a callback fails)
+        _flush(ingress, run)
     return n
 
 
@@ -223,7 +226,7 @@ class Ingress:
         self.ends: OrderedDict[tuple[int, int], End] = OrderedDict()
         self.finished: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.nacks: list[Nack] = []
-        self.buffers = Buffers()
+        self.buffers = buffers.SHARED
         #: where drain receives (psring.comm.ingress.drain)
         self.arena = bytearray(ARENA_BYTES)
 

@@ -44,7 +44,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from psring.comm.buffers import Buffers
+from psring.comm import buffers
 from psring.comm.credits import UNSCHEDULED
 from psring.comm.datagrams import (
     DATAGRAM_HEADER,
@@ -180,7 +180,7 @@ class LossySender:
         self.datagrams = 0
         self.gso = True  # (until the kernel refuses a segmented send)
         #: the blocks of datagrams, kept for the next transfers (psring.comm.buffers)
-        self.buffers = Buffers()
+        self.buffers = buffers.SHARED
         self.stopping = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, daemon=True,

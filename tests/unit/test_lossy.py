@@ -117,6 +117,7 @@ def test_a_finished_pushs_memory_serves_the_next_once_its_tensor_is_gone():
     # the same shard every step: its memory is the last step's, never while in use, and
     # the places of packets lost this time are zero, not last step's values
     ing = Ingress()
+    ing.buffers = buffers.Buffers()  # (its own pool: no other test's buffers in it)
     first = torch.randn(352 * 20)
     for p in packets_of(first, transfer=1):
         ing.datagram(p)
@@ -145,11 +146,15 @@ def test_a_finished_pushs_memory_serves_the_next_once_its_tensor_is_gone():
 def test_buffers_are_kept_up_to_their_bound_and_lent_once():
     kept = buffers.Buffers(most=100)
     a = kept.take(60)
-    assert kept.take(60) is not a  # (a is held)
-    b_address = kept.kept[0].ctypes.data
+    assert kept.take(60) is not a  # (a is held; the second is used once: over the bound)
+    address = a.ctypes.data
     del a
-    assert kept.take(60).ctypes.data == b_address  # free again: the same memory
-    assert sum(b.nbytes for b in kept.kept) <= 100
+    assert kept.take(60).ctypes.data == address  # free again: the same memory
+    # a free buffer of another size stays while there is room, and goes when there is not
+    small = kept.take(30).ctypes.data
+    assert kept.take(30).ctypes.data == small
+    kept.take(90)  # (60 and 30 are free: both go for it)
+    assert [b.nbytes for b in kept.kept] == [90]
 
 
 def test_a_senders_blocks_are_reused_once_sent():
@@ -157,17 +162,25 @@ def test_a_senders_blocks_are_reused_once_sent():
     rx = ingress.receiving_socket("127.0.0.1", 0, 8 << 20)
     sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
                                on_sent=sent.put)
+    sender.buffers = buffers.Buffers()  # (its own pool: no other test's buffers in it)
+
+    def address(t: lossy.Transfer) -> int:
+        return np.frombuffer(t.block, np.uint8).ctypes.data
+
     try:
         grad = torch.randn(352 * 30)
-        sender.send(1, 0, grad, token=1)
+        first = sender.send(1, 0, grad, token=1)
         sent.get(timeout=10)
-        first = [b.ctypes.data for b in sender.buffers.kept]
-        sender.send(2, 0, grad, token=2)
+        held = sender.send(2, 0, grad, token=2)
         sent.get(timeout=10)
-        assert [b.ctypes.data for b in sender.buffers.kept] == first and len(first) == 1
+        assert address(held) != address(first)  # (the first still held)
+        was = address(first)
+        del first
+        assert address(sender.send(3, 0, grad, token=3)) == was
+        sent.get(timeout=10)
         got = Ingress()
         ingress.drain(rx, got)
-        assert torch.equal(got.complete(lossy_push(grad, 0.0, transfer=2, worker=0))
+        assert torch.equal(got.complete(lossy_push(grad, 0.0, transfer=3, worker=0))
                            .tensors[0], grad)
     finally:
         sender.close()
