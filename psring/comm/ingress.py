@@ -100,6 +100,8 @@ class _Run:
     size: int = 0
     #: the header of its first datagram but the packet's number
     head: bytes = b""
+    #: where each of its receives ends, from ``start``
+    ends: list[int] = field(default_factory=list)
 
     def joins(self, data: memoryview, size: int) -> bool:
         """Whether ``data`` (just received at ``end``) continues this run."""
@@ -109,6 +111,7 @@ class _Run:
         if self.end == self.start:
             self.size, self.head = size, head
         self.end += len(data)
+        self.ends.append(self.end - self.start)
         return True
 
 
@@ -158,7 +161,8 @@ def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None,
 def _flush(ingress: "Ingress", run: _Run) -> _Run:
     """Keep ``run``'s datagrams; an empty run at the arena's start."""
     if run.end > run.start:
-        ingress.datagrams(memoryview(ingress.arena)[run.start:run.end], run.size)
+        ingress.datagrams(memoryview(ingress.arena)[run.start:run.end], run.size,
+                          run.ends)
     return _Run()
 
 
@@ -256,15 +260,25 @@ class Ingress:
         self.counts["datagrams"] += 1
         self.keep(d)
 
-    def datagrams(self, data: bytes | memoryview, size: int) -> None:
+    def datagrams(self, data: bytes | memoryview, size: int,
+                  receives: list[int] | None = None) -> None:
         """Keep the datagrams of one coalesced receive (UDP GRO): ``data`` cut every
         ``size`` bytes, the last piece perhaps shorter. Unsigned ones of one transfer,
-        whole, are checked and kept all at once (numpy); any other piece one by one."""
+        whole, are checked and kept all at once (numpy); any other piece one by one.
+        ``receives``: where in ``data`` each of several receives ends (drain's runs):
+        when the whole cannot be kept at once, each receive is tried at once first."""
         buf = memoryview(data)
         k = len(buf) // size
         if self.key is None and k > 1 and size > DATAGRAM_HEADER:
             rows = np.frombuffer(buf, np.uint8, count=k * size).reshape(k, size)
-            if not self._keep_rows(rows):
+            if self._keep_rows(rows):
+                pass
+            elif receives and len(receives) > 1:  # (a packet seen before, say)
+                begin = 0
+                for end in receives:
+                    self.datagrams(buf[begin:end], size)
+                    begin = end
+            else:
                 for i in range(k):
                     self.datagram(buf[i * size:(i + 1) * size])
         else:

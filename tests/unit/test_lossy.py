@@ -476,6 +476,23 @@ def test_interleaved_transfers_beyond_the_arena_are_each_kept_whole():
         rx.close()
 
 
+def test_a_run_with_a_packet_seen_before_keeps_its_other_receives_at_once(monkeypatch):
+    # drain's run of three receives, the second with a packet kept already (a resend's):
+    # only that receive is kept one by one, and every packet once
+    grad = torch.randn(352 * 30)
+    packets = packets_of(grad)
+    ing = Ingress()
+    ing.datagram(packets[12])
+    one_by_one = []
+    keep = Ingress.datagram
+    monkeypatch.setattr(Ingress, "datagram",
+                        lambda self, d: (one_by_one.append(1), keep(self, d))[1])
+    ing.datagrams(b"".join(packets), len(packets[0]), [10 * len(packets[0]) * (i + 1)
+                                                        for i in range(3)])
+    assert len(one_by_one) == 10 and ing.counts["bad_datagrams"] == 1
+    assert torch.equal(ing.complete(lossy_push(grad, 0.0)).tensors[0], grad)
+
+
 def test_the_ingress_is_unbiased_over_random_losses():
     grad = torch.randn(352 * 10)
     rng = random.Random(0)
