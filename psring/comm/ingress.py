@@ -101,7 +101,7 @@ class _Run:
     #: the header of its first datagram but the packet's number
     head: bytes = b""
     #: where each of its receives ends, from ``start``
-    ends: list[int] = field(default_factory=list)
+    receives: list[int] = field(default_factory=list)
 
     def joins(self, data: memoryview, size: int) -> bool:
         """Whether ``data`` (just received at ``end``) continues this run."""
@@ -111,7 +111,7 @@ class _Run:
         if self.end == self.start:
             self.size, self.head = size, head
         self.end += len(data)
-        self.ends.append(self.end - self.start)
+        self.receives.append(self.end - self.start)
         return True
 
 
@@ -162,7 +162,7 @@ def _flush(ingress: "Ingress", run: _Run) -> _Run:
     """Keep ``run``'s datagrams; an empty run at the arena's start."""
     if run.end > run.start:
         ingress.datagrams(memoryview(ingress.arena)[run.start:run.end], run.size,
-                          run.ends)
+                          run.receives)
     return _Run()
 
 
@@ -271,14 +271,13 @@ class Ingress:
         k = len(buf) // size
         if self.key is None and k > 1 and size > DATAGRAM_HEADER:
             rows = np.frombuffer(buf, np.uint8, count=k * size).reshape(k, size)
-            if self._keep_rows(rows):
-                pass
-            elif receives and len(receives) > 1:  # (a packet seen before, say)
+            kept = self._keep_rows(rows)
+            if not kept and receives and len(receives) > 1:  # (a packet seen before)
                 begin = 0
                 for end in receives:
                     self.datagrams(buf[begin:end], size)
                     begin = end
-            else:
+            elif not kept:
                 for i in range(k):
                     self.datagram(buf[i * size:(i + 1) * size])
         else:
