@@ -43,7 +43,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -155,10 +155,36 @@ class DeviceTimes:
                    data_s=prof.data_s * scale * time_scale, profile=prof)
 
 
-def _sleep_until(t: float) -> None:
-    left = t - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
+class OnTime:
+    """Sleeps that end on time on average: each wakes its process's typical lateness
+    early. A sleep wakes late by the timer's slack and, on cores shared by a run's
+    workers, servers and links, by the wait for a core: a few per cent of each phase,
+    which a device's compute does not take and the prediction of a device-mode run
+    does not price. The lateness is learnt from the sleeps themselves (each moves the
+    estimate by GAIN of its error), so a process's phases keep the profile's length
+    however loaded its cores are."""
+
+    #: the share of a sleep's error that moves the estimate
+    GAIN = 0.25
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.clock, self.sleep = clock, sleep
+        #: seconds a sleep is started early by
+        self.early = 0.0
+
+    def until(self, t: float) -> None:
+        """Return at ``t`` (a ``clock`` time), on average."""
+        left = t - self.clock()
+        if left <= self.early:
+            return  # (past, or too close to sleep at all: nothing learnt)
+        self.sleep(left - self.early)
+        self.early = max(0.0, self.early + self.GAIN * (self.clock() - t))
+
+    def take(self, seconds: float) -> None:
+        """Last ``seconds`` from now, on average."""
+        if seconds > 0:
+            self.until(self.clock() + seconds)
 
 
 class _Release(torch.autograd.Function):
@@ -189,6 +215,7 @@ class DeviceCompute:
         self._backward_start: float | None = None
         self._forward_start: float | None = None
         self._last = -1
+        self.on_time = OnTime()  # every phase of this worker's device: one lateness
 
     def install(self, model: nn.Module) -> None:
         """Replace ``model``'s forward by the device's (the parameters stay the model's:
@@ -216,13 +243,13 @@ class DeviceCompute:
         return {"device_digest": [params, grads]}
 
     def optimizer(self) -> "DeviceSGD":
-        return DeviceSGD(self.times.update_s)
+        return DeviceSGD(self.times.update_s, self.on_time)
 
     def loaded(self, start: float) -> None:
         """The micro-batch's data phase, begun at ``start``, lasts at least the device's
         (its input copy); the host's own slicing counts towards it. The forward that
         follows is timed from here: the call into the model is the device's time too."""
-        _sleep_until(start + self.times.data_s)
+        self.on_time.until(start + self.times.data_s)
         self._forward_start = time.perf_counter()
 
     def copy(self, direction: str, nbytes: int) -> None:
@@ -231,7 +258,7 @@ class DeviceCompute:
         parameter server's worker makes them where psring makes them on a GPU."""
         t = self.times.profile.copy_s(direction, nbytes) if self.times.profile else 0.0
         if t:
-            time.sleep(t * self.time_scale)
+            self.on_time.take(t * self.time_scale)
 
     def begin_backward(self) -> None:
         """The loop starts backward now: the gradients' ready times count from here, so
@@ -247,7 +274,7 @@ class DeviceCompute:
         for i in reversed(self.order):  # the last link built is the first walked back
             chain = _Release.apply(chain, self.params[i], i, self)
         rows = x.numel() if self.kind == "tokens" else x.shape[0]
-        _sleep_until(start + self.times.forward_s)
+        self.on_time.until(start + self.times.forward_s)
         return chain.reshape(1, 1).expand(rows, self.classes)
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -264,7 +291,7 @@ class DeviceCompute:
         t = self.times.ready_s[i]
         if i == self._last:
             t = max(t, self.times.backward_s)
-        _sleep_until(self._backward_start + t)
+        self.on_time.until(self._backward_start + t)
         # one deterministic, finite value per (seed, worker, step, parameter)
         v = ((self.seed * 1_000_003 + self.rank * 7_919 + self.step * 104_729 + i * 31)
              % 9_973) / 9_973 * 1e-3 + 1e-4
@@ -286,12 +313,13 @@ class DeviceCompute:
 class DeviceSGD:
     """The optimizer step on the device: its time, no change to the host's parameters."""
 
-    def __init__(self, update_s: float):
+    def __init__(self, update_s: float, on_time: OnTime | None = None):
         self.update_s = update_s
+        self.on_time = on_time or OnTime()
         self.state: dict = {}
 
     def step(self) -> None:
-        time.sleep(self.update_s)
+        self.on_time.take(self.update_s)
 
 
 def host_profile(cfg: RunConfig) -> Profile:
