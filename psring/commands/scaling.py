@@ -171,6 +171,11 @@ def _print_table(curves: dict[str, Curve], target: float, per_host: int,
 #: the largest size --verify runs (device-mode workers; psring.commands.advise's limit
 #: of processes holds a server or two beside them)
 VERIFY_MAX_WORKERS = 16
+#: draws of TCP's uneven shares a checked setting is priced by: one draw's step moves by
+#: tens of per cent on a parameter server's small cluster, so the table's few draws
+#: leave their mean as far off as the check's target; more cost under a second a
+#: setting, against the minutes of the run it is checked against
+VERIFY_DRAWS = 16
 
 
 def check(curves: dict[str, Curve], classes: dict[str, Any], prof: Profile, cal: Any,
@@ -181,7 +186,8 @@ def check(curves: dict[str, Curve], classes: dict[str, Any], prof: Profile, cal:
     each) at every size from 2 to VERIFY_MAX_WORKERS, its scaling setting run on this
     machine's emulation (``flags_of``: the run's RunConfig fields; ``measure``: runs
     them, returns the measured step and the --time-scale it ran at) and priced again on
-    that run's clock (``cal.faster(S)``, as advise's --verify prices its own).
+    that run's clock (``cal.faster(S)``, as advise's --verify prices its own), by the
+    mean of VERIFY_DRAWS draws where its events price it.
     Returns advise.json's "scaling"["verify"]; prints each pair and the errors."""
     seen: set[str | None] = set()
     rows = []
@@ -198,7 +204,7 @@ def check(curves: dict[str, Curve], classes: dict[str, Any], prof: Profile, cal:
             c = p.candidate
             predicted = priced(prof, cal.faster(scale_s), caps.cost_model, c.cluster,
                                c.bucket_mb, update_on=p.update_on or "server",
-                               inside=inside).step_s
+                               inside=inside, draws=VERIFY_DRAWS).step_s
             rows.append({"strategy": name, "workers": p.workers, "setting": p.setting,
                          "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
                          "error": predicted / measured - 1, "time_scale": scale_s})

@@ -63,15 +63,15 @@ def by_fluid(profile: Profile, cluster: Cluster, bucket_mb: float) -> bool:
 
 def priced(profile: Profile, cal: Any, cost_model: str, cluster: Cluster, bucket_mb: float,
            compress: str = "none", update_on: str = "server",
-           inside: tuple[float, float] | None = None):
+           inside: tuple[float, float] | None = None, draws: int = EVENTS_DRAWS):
     """A setting's step as the scaling question prices it: the rings by their timeline,
-    the parameter servers by their events (the mean of EVENTS_DRAWS draws of TCP's
+    the parameter servers by their events (the mean of ``draws`` draws of TCP's
     shares) where :func:`by_fluid` allows, else by the fluid."""
     fluid = by_fluid(profile, cluster, bucket_mb)
     return simulate(profile, cluster, cost_model, cal, compress=compress,
                     bucket_mb=bucket_mb, update_on=update_on,
                     inside=inside if cluster.workers > cluster.hosts else None,
-                    fluid=fluid, draws=1 if fluid else EVENTS_DRAWS)
+                    fluid=fluid, draws=1 if fluid else draws)
 
 
 def worker_counts(max_workers: int) -> list[int]:

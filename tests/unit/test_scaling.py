@@ -264,6 +264,30 @@ def test_the_check_runs_each_cost_model_once_and_prices_on_the_runs_clock(monkey
     assert out["median_abs_error"] is not None
 
 
+def test_the_check_prices_a_servers_events_by_the_mean_of_many_draws():
+    """A parameter server's small cluster is priced by its events, whose step depends on
+    the draw of TCP's shares: the check prices it by VERIFY_DRAWS of them, not the
+    table's few, so that its prediction is the events' mean, not one draw's luck."""
+    from psring.commands.scaling import VERIFY_DRAWS, check
+
+    prof = Profile.on_paper([1_000_000] * 8, forward_s=0.05, backward_s=0.15,
+                            update_s=0.0, batch_size=32)
+    classes = {"ps": STRATEGIES.get("ps")}
+    curves = scale(prof, CAL, classes, 4, per_host=2, link_bits=1e9)
+    out = check(curves, classes, prof, CAL, None, lambda c, cls, w: {}, lambda f: (0.5, 3))
+    r = next(r for r in out["runs"] if r["workers"] == 4)
+    c = curves["ps"].at(4).candidate
+    assert not scaling.by_fluid(prof, c.cluster, c.bucket_mb)
+
+    def events(draws):
+        return simulate(prof, c.cluster, "ps", CAL.faster(3), bucket_mb=c.bucket_mb,
+                        draws=draws).step_s * 1e3
+
+    assert VERIFY_DRAWS > scaling.EVENTS_DRAWS
+    assert r["predicted_ms"] == pytest.approx(events(VERIFY_DRAWS))
+    assert r["predicted_ms"] != pytest.approx(events(scaling.EVENTS_DRAWS))
+
+
 def test_verify_never_picks_a_strategy_device_mode_cannot_run():
     """On one host hogwild (no messages) ranks first, but device mode has no device to
     emulate for it: advise --verify runs the best ones that it can."""
