@@ -20,7 +20,8 @@ lost, markers included; a straggler ignores a request for a transfer it has not 
 yet). Each rank answers requests on a thread of its own, which receives every
 datagram, so a rank already in the all-gather still answers. The owner sums the parts,
 and an all-gather over gloo, reliable, gives every rank the same result: the replicas
-cannot drift apart, whatever was lost. One exchange over TCP a bucket.
+cannot drift apart, whatever was lost. One exchange over TCP a bucket, in flight while
+the next bucket's datagrams go out (:meth:`TransposeAllReduce.start`).
 
 The datagrams' addresses are exchanged once, as tensors (nothing is pickled).
 """
@@ -70,6 +71,18 @@ KEPT = 4
 NACK_COPIES = 2
 
 
+class Gathering:
+    """A transpose all-reduce's all-gather in flight (gloo's, reliable): ``wait()``
+    ends it and writes the gathered sum into the bucket."""
+
+    def __init__(self, work: dist.Work, gathered: list[torch.Tensor], buf: torch.Tensor):
+        self.work, self.gathered, self.buf = work, gathered, buf
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.buf.copy_(torch.cat(self.gathered)[:self.buf.numel()])
+
+
 class TransposeAllReduce:
     def __init__(self, rank: int, world: int, address: str, tolerance: float,
                  pace_bits: float | None = None, timeout: float = 300.0,
@@ -114,6 +127,14 @@ class TransposeAllReduce:
         """``buf`` (1-d float32, each rank's gradient already divided by world; its
         elements from ``offset`` of the flat model, for the marks) becomes the sum over
         the ranks, the same on every rank, in place."""
+        self.start(buf, offset).wait()
+
+    def start(self, buf: torch.Tensor, offset: int = 0) -> "Gathering":
+        """:meth:`all_reduce` up to its all-gather: the reduce-scatter done, the
+        all-gather launched; ``buf`` holds the sum once the handle's ``wait()`` returns.
+        Buckets started one after another on one thread keep gloo's all-gathers in the
+        same order on every rank, and a bucket's datagrams go out while the one before
+        it is gathered: the links do not idle while a phase ends and the next begins."""
         self.transfer += 1
         size = math.ceil(buf.numel() / self.world)
         padded = torch.zeros(size * self.world, dtype=torch.float32)
@@ -129,8 +150,7 @@ class TransposeAllReduce:
         for part in self._collect(size):
             mine += part
         gathered = [torch.empty(size, dtype=torch.float32) for _ in range(self.world)]
-        dist.all_gather(gathered, mine)
-        buf.copy_(torch.cat(gathered)[:buf.numel()])
+        return Gathering(dist.all_gather(gathered, mine, async_op=True), gathered, buf)
 
     # -- the owner's side: the parts of its shard -----------------------------------------
     def _collect(self, size: int) -> list[torch.Tensor]:

@@ -48,11 +48,16 @@ class Pending:
     """The handle of a bucket reduced on the communication thread; its error, if any,
     is raised where the step waits."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, then_wait: bool = False):
         self.future = future
+        #: the thread's work returns a handle of its own to wait on (a transpose
+        #: all-reduce's all-gather, in flight while the thread goes on to the next bucket)
+        self.then_wait = then_wait
 
     def wait(self) -> None:
-        self.future.result()
+        rest = self.future.result()
+        if self.then_wait:
+            rest.wait()
 
 
 def ring_bytes(param_bytes: int, world: int) -> int:
@@ -130,8 +135,8 @@ class AllReduce(Strategy):
 
     def _launch(self, bucket: Bucket) -> Handle:
         if self.tar is not None:
-            return self._on_thread(self.tar.all_reduce, bucket.buffer,
-                                   self.bucket_offset[bucket.index])
+            return self._on_thread(self.tar.start, bucket.buffer,
+                                   self.bucket_offset[bucket.index], then_wait=True)
         if self.adasum:
             counts = [p.numel() for p in bucket.params]
             return self._on_thread(adasum.reduce, bucket.buffer, counts, self.comm)
@@ -148,13 +153,13 @@ class AllReduce(Strategy):
             return self.ring.all_reduce(t)
         return interconnect.all_reduce(t)  # (bfloat16 through the host on gloo + CUDA)
 
-    def _on_thread(self, fn, *args) -> Handle:
+    def _on_thread(self, fn, *args, then_wait: bool = False) -> Handle:
         """Run a reduction of several collectives on the worker's one communication
         thread (started at first use): backward goes on meanwhile, and buckets are
         reduced in launch order, so every rank issues the same collectives in order."""
         if getattr(self, "pool", None) is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="psring-comm")
-        return Pending(self.pool.submit(fn, *args))
+        return Pending(self.pool.submit(fn, *args), then_wait)
 
     def no_sync(self) -> ContextManager[None]:
         return self.buckets.paused()
