@@ -161,8 +161,9 @@ class OnTime:
     workers, servers and links, by the wait for a core: a few per cent of each phase,
     which a device's compute does not take and the prediction of a device-mode run
     does not price. The lateness is learnt from the sleeps themselves (each moves the
-    estimate by GAIN of its error), so a process's phases keep the profile's length
-    however loaded its cores are."""
+    estimate by GAIN of its error), so a process's phases keep the profile's length on
+    average while the load on its cores changes slowly against its steps; a phase
+    shorter than the lateness learnt returns at once."""
 
     #: the share of a sleep's error that moves the estimate
     GAIN = 0.25
@@ -246,9 +247,10 @@ class DeviceCompute:
         return DeviceSGD(self.times.update_s, self.on_time)
 
     def loaded(self, start: float) -> None:
-        """The micro-batch's data phase, begun at ``start``, lasts at least the device's
-        (its input copy); the host's own slicing counts towards it. The forward that
-        follows is timed from here: the call into the model is the device's time too."""
+        """The micro-batch's data phase, begun at ``start``, lasts the device's (its
+        input copy; on average: :class:`OnTime`) or the host's own slicing if longer.
+        The forward that follows is timed from here: the call into the model is the
+        device's time too."""
         self.on_time.until(start + self.times.data_s)
         self._forward_start = time.perf_counter()
 
