@@ -26,7 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from psring.cluster.link import FRAME_BITS, LossModel, forward, open_tap, priority_queue
+from psring.cluster.link import (
+    FRAME_BITS,
+    LossModel,
+    forward,
+    kernel_loss,
+    open_tap,
+    priority_queue,
+    save_kernel_loss,
+)
 from psring.cluster.netns import (
     CLONE_NEWNET,
     CLONE_NEWUSER,
@@ -199,14 +207,15 @@ def _run(argv: list[str], stdin: str, what: str) -> None:
 
 
 def _shaping(dev: str, plan: dict) -> list[str]:
-    """tc batch lines shaping ``dev``'s egress with tbf to the link's rate; with
-    ``--switch priority``, tbf's queue is a strict-priority one
-    (psring.cluster.link.priority_queue)."""
+    """tc batch lines shaping ``dev``'s egress with tbf to the link's rate (with
+    ``--switch priority`` a strict-priority queue: link.priority_queue); with
+    ``--loss-in kernel`` what arrives on ``dev`` loses --loss (link.kernel_loss)."""
+    lines = kernel_loss(dev, plan["loss"]) if in_kernel(plan) else []
     if not plan["link_bits"]:
-        return []
+        return lines
     burst, limit = tbf_params(plan["link_bits"], plan.get("buffer_bytes"))
-    lines = [f"qdisc add dev {dev} root handle 1: tbf rate {int(plan['link_bits'])}bit "
-             f"burst {burst} limit {limit}"]
+    lines += [f"qdisc add dev {dev} root handle 1: tbf rate {int(plan['link_bits'])}bit "
+              f"burst {burst} limit {limit}"]
     if plan.get("switch") == "priority":
         lines += priority_queue(dev, limit)
     return lines
@@ -218,18 +227,24 @@ TAP_QUEUE = 20000
 
 
 def _frames(dev: str, plan: dict) -> list[str]:
-    """ip batch lines that make a veth hand its queue Ethernet frames, not 64 KiB GSO
-    packets, where the queue is shallow (--link-buffer): a switch port's buffer holds
-    frames, and a drop loses one, not 44. (A TAP link never offers GSO; its own queue
-    is made long instead.)"""
+    """ip batch lines that make a veth hand on Ethernet frames, not 64 KiB GSO packets,
+    where the queue is shallow (--link-buffer) or the kernel drops (--loss-in kernel):
+    a drop loses one frame, not 44. (A TAP link never offers GSO; its own queue is made
+    long instead.)"""
     if user_space(plan):
         return [f"link set dev {dev} txqueuelen {TAP_QUEUE}"]
-    return [f"link set dev {dev} gso_max_segs 1"] if plan.get("buffer_bytes") else []
+    frames = plan.get("buffer_bytes") or in_kernel(plan)
+    return [f"link set dev {dev} gso_max_segs 1"] if frames else []
+
+
+def in_kernel(plan: dict) -> bool:
+    """Does the kernel drop --loss (``--loss-in kernel``)?"""
+    return bool(plan.get("loss")) and plan.get("loss_in") == "kernel"
 
 
 def user_space(plan: dict) -> bool:
-    """Do the links need the forwarder (psring.cluster.link): loss or delay?"""
-    return bool(plan.get("loss") or plan.get("delay_us"))
+    """Do the links need the forwarder (psring.cluster.link): loss it drops, or delay?"""
+    return bool((plan.get("loss") and not in_kernel(plan)) or plan.get("delay_us"))
 
 
 def _no_ipv6() -> None:
@@ -423,6 +438,8 @@ class Agent:
         # how each host's TCP met the links: retransmissions, timeouts (incast, loss)
         self.state["tcp"] = {h["name"]: tcp_counters(h["pid"]) for h in self.state["hosts"]}
         self._save()
+        if in_kernel(self.plan):  # the forwarders' records, without forwarders
+            save_kernel_loss(self.state_path.parent / "links", self.state["hosts"], tool("tc"))
 
     def close(self) -> None:
         self.record_link_bytes()  # before the hosts (and their links) go

@@ -150,7 +150,7 @@ class EmulatedCluster(Network):
                 # shaped as the cluster it stands for, slowed by --time-scale
                 "link_bits": p.emulated_link_bits, "delay_us": round(p.emulated_delay_s * 1e6),
                 "loss": p.loss, "loss_burst": p.loss_burst, "seed": p.seed,
-                "buffer_bytes": p.buffer_bytes, "switch": p.switch}
+                "buffer_bytes": p.buffer_bytes, "switch": p.switch, "loss_in": p.loss_in}
         return ProcessSpec("cluster", [sys.executable, "-m", "psring.cluster.emulate", "agent",
                                        json.dumps(plan), str(self.state_path)], service=True)
 
@@ -245,14 +245,15 @@ class EmulatedCluster(Network):
 @contextlib.contextmanager
 def standalone(hosts: int, link: str = "", delay: str = "", log_dir: Path | None = None,
                loss: float = 0.0, loss_burst: float = 1.0, seed: int = 0,
-               link_buffer: str = "", switch: str = "fifo") -> Iterator[EmulatedCluster]:
+               link_buffer: str = "", switch: str = "fifo",
+               loss_in: str = "forwarder") -> Iterator[EmulatedCluster]:
     """An emulated cluster outside a run (calibration, benchmarks): its agent is
     supervised here and stopped on exit; ``cluster.command(host, argv)`` runs a program
     on a host, ``enter(cluster.host(name), cluster.mode)`` moves a fresh process there."""
     with tempfile.TemporaryDirectory(prefix="psring-cluster-") as tmp:
         d = Path(log_dir) if log_dir else Path(tmp)
         cluster = EmulatedCluster(Cluster.bare(hosts, link, delay, loss, loss_burst, seed,
-                                               link_buffer, switch), d)
+                                               link_buffer, switch, loss_in), d)
         sup = Supervisor(d / "logs")
         try:
             cluster.start(sup)

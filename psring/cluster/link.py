@@ -34,14 +34,17 @@ import fcntl
 import json
 import os
 import random
+import re
 import resource
 import select
 import signal
 import struct
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from psring.cluster.netns import CLONE_NEWNET, HOST_IFACE, _setns
 from psring.records.runlog import atomic_write_json
 
 TUNSETIFF = 0x400454CA
@@ -181,6 +184,68 @@ def priority_queue(dev: str, limit: int) -> list[str]:
         lines.append(f"filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip tos "
                      f"{tos:#04x} 0xfc flowid 10:{lv + 1}")
     return lines
+
+
+#: classic BPF's ancillary load of a random 32-bit number (SKF_AD_OFF + SKF_AD_RANDOM,
+#: as an unsigned 32-bit offset)
+_BPF_LOAD_RANDOM = (-0x1000 + 56) & 0xFFFFFFFF
+#: tc's verdicts a direct-action classifier returns: pass the packet on, drop it
+_TC_ACT_OK, _TC_ACT_SHOT = 0, 2
+
+
+def kernel_loss(dev: str, rate: float) -> list[str]:
+    """tc batch lines dropping the fraction ``rate`` of the IPv4 packets that arrive on
+    ``dev`` (--loss-in kernel: no forwarder, no Python per frame): an ingress qdisc
+    whose classic-BPF classifier, in direct-action mode, draws the kernel's random
+    number per packet and drops when it falls in the top ``rate`` of its range. Put on
+    the far end of each link direction, a packet is lost after it took the link's time,
+    as the forwarder's are. Independent losses only, not seeded (the kernel's generator)."""
+    if not 0 < rate < 1:
+        raise ValueError(f"a kernel loss rate is in (0, 1) (got {rate!r})")
+    above = min(round((1 - rate) * 2**32), 2**32 - 1)
+    # A = random; if A >= above: drop, else pass (cBPF: "code jt jf k", jumps relative)
+    program = [(0x20, 0, 0, _BPF_LOAD_RANDOM), (0x35, 1, 0, above),
+               (0x06, 0, 0, _TC_ACT_OK), (0x06, 0, 0, _TC_ACT_SHOT)]
+    code = ",".join(" ".join(map(str, op)) for op in program)
+    return [f"qdisc add dev {dev} handle ffff: ingress",
+            f"filter add dev {dev} parent ffff: protocol ip bpf da bytecode "
+            f"'{len(program)},{code}'"]
+
+
+def kernel_loss_counts(tc_stats: str) -> dict[str, int]:
+    """``tc -s qdisc show dev D ingress``'s packets and drops (what :func:`kernel_loss`
+    saw and dropped), in a link record's terms; zeros where there is no ingress qdisc."""
+    for block in tc_stats.split("qdisc ")[1:]:
+        if not block.startswith("ingress"):
+            continue
+        m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+)", block)
+        if m:
+            return {"packets": int(m[2]), "bytes": int(m[1]), "dropped": int(m[3])}
+    return {"packets": 0, "bytes": 0, "dropped": 0}
+
+
+def _tc_stats(tc: str, dev: str, pid: int | None = None) -> str:
+    """``tc -s qdisc show dev DEV``, in the namespace of process ``pid`` (None: this
+    one's); '' if it fails (a record then counts nothing rather than ending the run)."""
+    enter = (lambda: _setns(f"/proc/{pid}/ns/net", CLONE_NEWNET)) if pid else None
+    try:
+        return subprocess.run([tc, "-s", "qdisc", "show", "dev", dev], capture_output=True,
+                              text=True, timeout=10, preexec_fn=enter).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def save_kernel_loss(out: Path, hosts: list[dict], tc: str) -> None:
+    """--loss-in kernel: each host link's record (``links/<host>.json``, in the
+    forwarder's shape: packets and drops each way), from the counters of its ingress
+    qdiscs, read by the cluster's agent from the switch's namespace: up arrives at the
+    switch's port (``port``), down at the host's eth0 (in the namespace of ``pid``)."""
+    out.mkdir(exist_ok=True)
+    for h in hosts:
+        atomic_write_json(out / f"{h['name']}.json", {
+            "host": h["name"], "loss_in": "kernel",
+            "up": kernel_loss_counts(_tc_stats(tc, h["port"])),
+            "down": kernel_loss_counts(_tc_stats(tc, HOST_IFACE, h["pid"]))})
 
 
 class Direction:

@@ -184,21 +184,23 @@ def _client(cluster: Any, *args: str) -> Any:
 
 def measure(link: str = "", delay: str = "", loss: float = 0.0, loss_burst: float = 1.0,
             seed: int = 0, pings: int = 200, datagrams: int = 4000, seconds: float = 3.0,
-            log_dir: Path | None = None) -> dict[str, Any]:
+            log_dir: Path | None = None, loss_in: str = "forwarder") -> dict[str, Any]:
     """Build the two hosts, measure, take them down; the figures as set and as seen."""
     with tempfile.TemporaryDirectory(prefix="psring-linkcheck-") as tmp:
         d = Path(log_dir or tmp)
-        out = _measure(d, link, delay, loss, loss_burst, seed, pings, datagrams, seconds)
+        out = _measure(d, link, delay, loss, loss_burst, seed, pings, datagrams, seconds,
+                       loss_in)
         # the forwarders write their records when the cluster stops
         out["forwarders"] = read_links(d)
     return out
 
 
 def _measure(d: Path, link: str, delay: str, loss: float, loss_burst: float, seed: int,
-             pings: int, datagrams: int, seconds: float) -> dict[str, Any]:
+             pings: int, datagrams: int, seconds: float, loss_in: str) -> dict[str, Any]:
 
-    out: dict[str, Any] = {"link": link, "delay": delay, "loss": loss, "loss_burst": loss_burst}
-    with standalone(2, link, delay, d, loss, loss_burst, seed) as cluster:
+    out: dict[str, Any] = {"link": link, "delay": delay, "loss": loss, "loss_burst": loss_burst,
+                           "loss_in": loss_in}
+    with standalone(2, link, delay, d, loss, loss_burst, seed, loss_in=loss_in) as cluster:
         peer = cluster.host("host-1")["address"]
         if pings:
             echo = _on(cluster, "host-1", "echo", peer, str(pings))
@@ -257,6 +259,8 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
         packets = sum(w["packets"] for w in ways)
         res["forwarded_packets"] = packets
         res["dropped_fraction"] = round(sum(w["dropped"] for w in ways) / max(packets, 1), 5)
+        if any(r.get("loss_in") == "kernel" for r in fw.values()):
+            return res  # (the kernel's drops are counted; nothing is delayed)
         counts = [sum(c) for c in zip(*(w["late_us_counts"] for w in ways))]
         edges = ways[0]["late_us_edges"]
         res["late_us_p50"], res["late_us_p99"] = (_quantile(counts, edges, q)
@@ -288,11 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay", default="", help="one-way delay of each link direction")
     p.add_argument("--loss", type=float, default=0.0, help="fraction each direction drops")
     p.add_argument("--loss-burst", type=float, default=1.0, help="mean loss burst, packets")
+    p.add_argument("--loss-in", choices=("forwarder", "kernel"), default="forwarder",
+                   help="where --loss drops (psring run --loss-in)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=3.0, help="length of the TCP stream")
     args = p.parse_args(argv)
     res = measure(args.link, args.delay, args.loss, args.loss_burst, args.seed,
-                  seconds=args.seconds)
+                  seconds=args.seconds, loss_in=args.loss_in)
     print(json.dumps(_summary(res), indent=1))
     return 0
 

@@ -41,10 +41,14 @@ DEFAULTS: Mapping[str, Any] = {"workers": 1, "hosts": 1, "workers_per_host": 0, 
                                "delay": "", "servers": 1, "server_placement": "colocated",
                                "master_addr": "127.0.0.1", "time_scale": 1.0,
                                "loss": 0.0, "loss_burst": 1.0, "link_buffer": "", "seed": 0,
-                               "switch": "fifo"}
+                               "switch": "fifo", "loss_in": "forwarder"}
 #: the emulated switch's ports: one queue dropping whatever comes (fifo), or DLCP's
 #: priorities for bounded-loss datagrams (psring.cluster.link, psring.comm.lossy.Marks)
 SWITCHES = ("fifo", "priority")
+#: where --loss drops: a forwarder per host in user space (seeded, bursts, delay, the
+#: priority switch, a trace), or the kernel (independent losses at any rate the links
+#: carry, no Python per frame: psring.cluster.link.kernel_loss)
+LOSS_PATHS = ("forwarder", "kernel")
 
 def link_key(bits: float, delay_s: float = 0.0) -> str:
     """How a calibration names a link: its rate, and its delay when it has one."""
@@ -112,6 +116,8 @@ class Cluster:
     seed: int = 0
     #: --switch: "fifo", or "priority" (DLCP's: the lowest-priority datagrams go first)
     switch: str = "fifo"
+    #: --loss-in: "forwarder" or "kernel" (LOSS_PATHS)
+    loss_in: str = "forwarder"
     #: parameter servers the run starts (0: a strategy without them)
     servers: int = 0
     placement: str = "colocated"
@@ -186,11 +192,25 @@ class Cluster:
                               f">= 1 (1 = independent losses; got {burst!r}).")
         if burst != 1 and not loss:
             raise ConfigError("--loss-burst shapes the losses of --loss: give --loss too.")
+        self._check_loss_in()
         if loss > burst / (1 + burst):
             # (the chain's bad state would have to be entered with probability above 1)
             raise ConfigError(f"--loss {loss:g} in bursts of {burst:g} cannot be: bursts "
                               f"of B packets lose at most B / (B + 1) of them; lower --loss "
                               f"or raise --loss-burst.")
+
+    def _check_loss_in(self) -> None:
+        if self.loss_in not in LOSS_PATHS:
+            raise ConfigError(f"--loss-in is one of {', '.join(LOSS_PATHS)} (got "
+                              f"{self.loss_in!r}).")
+        if self.loss_in == "forwarder" or not self.loss:
+            return  # (without --loss nothing drops: a sweep's lossless row)
+        why = ("--loss-burst" if self.loss_burst != 1 else "--delay" if self.delay
+               else "--switch priority" if self.switch != "fifo" else "")
+        if why:
+            raise ConfigError(f"--loss-in kernel drops independent packets only; {why} "
+                              f"needs the user-space forwarder: drop --loss-in kernel "
+                              f"(at link rates a forwarder carries), or drop {why}.")
 
     # -- from what a run records -----------------------------------------------------
     @classmethod
@@ -206,7 +226,8 @@ class Cluster:
                    workers_per_host=v["workers_per_host"], link=v["link"], delay=v["delay"],
                    servers=servers, placement=placement, local_address=v["master_addr"],
                    time_scale=v["time_scale"], loss=v["loss"], loss_burst=v["loss_burst"],
-                   link_buffer=v["link_buffer"], seed=v["seed"], switch=v["switch"])
+                   link_buffer=v["link_buffer"], seed=v["seed"], switch=v["switch"],
+                   loss_in=v["loss_in"])
 
     @classmethod
     def of(cls, hosts: int = 1, workers_per_host: int = 1, link_bits: float | None = None,
@@ -232,10 +253,11 @@ class Cluster:
     @classmethod
     def bare(cls, hosts: int, link: str = "", delay: str = "", loss: float = 0.0,
              loss_burst: float = 1.0, seed: int = 0, link_buffer: str = "",
-             switch: str = "fifo") -> "Cluster":
+             switch: str = "fifo", loss_in: str = "forwarder") -> "Cluster":
         """``hosts`` emulated hosts, one process slot each (calibration, benchmarks)."""
         return cls(workers=hosts, hosts=hosts, link=link, delay=delay, loss=loss,
-                   loss_burst=loss_burst, seed=seed, link_buffer=link_buffer, switch=switch)
+                   loss_burst=loss_burst, seed=seed, link_buffer=link_buffer, switch=switch,
+                   loss_in=loss_in)
 
     def replace(self, **changes: Any) -> "Cluster":
         return dataclasses.replace(self, **changes)
@@ -328,6 +350,7 @@ class Cluster:
                 "link_bits_per_s": self.link_bits, "delay": self.delay or None,
                 "loss": self.loss, "loss_burst": self.loss_burst,
                 "link_buffer_bytes": self.buffer_bytes, "switch": self.switch,
+                "loss_in": self.loss_in,
                 "server_placement": self.placement if self.servers else None,
                 "time_scale": self.time_scale,
                 "emulated_link_bits_per_s": self.emulated_link_bits}
@@ -351,6 +374,8 @@ class Cluster:
             text += f", {self.loss:.3g} loss"
             if self.loss_burst != 1:
                 text += f" (bursts of {self.loss_burst:g})"
+            if self.loss_in != "forwarder":
+                text += f" in the {self.loss_in}"
         if self.time_scale != 1:
             text += f", time scale {self.time_scale:g}"
         if self.servers:

@@ -318,10 +318,16 @@ class Links:
     loss: float = field(default=0.0, metadata=_flag(
         "fraction of IPv4 packets each direction of every emulated link drops, in [0, 1), "
         "e.g. 0.01; seeded by --seed, so runs of one seed drop the same packet numbers "
-        "(a user-space link; the drops are logged in DIR/links)"))
+        "(a user-space link, --loss-in; the drops are logged in DIR/links)"))
     loss_burst: float = field(default=1.0, metadata=_flag(
         "mean number of packets --loss drops in a row: 1 = independent losses, more = "
         "bursts (a Gilbert-Elliott chain with --loss as its long-run rate)"))
+    loss_in: Literal["forwarder", "kernel"] = field(default="forwarder", metadata=_flag(
+        "where --loss drops: forwarder (a user-space process per host: seeded, bursts, "
+        "--delay, --switch priority, the drops logged; a frame costs it a few "
+        "microseconds of a core, which caps the links it carries) or kernel (a BPF "
+        "classifier on each link's far end: independent losses at any rate, not seeded, "
+        "counted)"))
     link_buffer: str = field(default="", metadata=_flag(
         "bytes each emulated link's queue holds before it drops (tc's sizes: 64kb, 1mb); "
         "a shallow switch port, for incast; empty = deep (100 ms of the rate, at least "

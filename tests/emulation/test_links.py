@@ -55,6 +55,25 @@ def test_a_links_delay_and_loss_are_as_set_and_its_drops_the_seeds(tmp_path):
     assert_no_processes(tmp_path)  # the probes on the hosts, the agent, the forwarders
 
 
+@needs_emulation
+@pytest.mark.timeout(120)
+def test_the_kernel_drops_loss_in_kernel_without_forwarders(tmp_path):
+    res = linkcheck.measure(link="1gbit", loss=0.05, pings=0, datagrams=1500, seconds=0,
+                            log_dir=tmp_path, loss_in="kernel")
+    # as the forwarder's: two directions of 5% each, 0.8 points of binomial spread
+    assert abs(res["delivered_seen"] - res["delivered_set"]) < 0.04, res
+    state = json.loads((tmp_path / "cluster.json").read_text())
+    assert not any("forwarder_pid" in h for h in state["hosts"])  # nothing in user space
+    records = res["forwarders"]
+    assert set(records) == {"host-0", "host-1"}
+    up = records["host-0"]["up"]  # what host-0 sent, counted where the switch got it
+    assert records["host-0"]["loss_in"] == "kernel"
+    assert up["packets"] >= 1500 and 0.03 < up["dropped"] / up["packets"] < 0.07, up
+    assert records["host-1"]["down"]["dropped"] > 0
+    assert_cluster_gone(tmp_path)
+    assert_no_processes(tmp_path)
+
+
 @pytest.mark.untimed  # (parameters compared, nothing timed)
 @needs_emulation
 @pytest.mark.timeout(240)

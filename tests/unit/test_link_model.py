@@ -8,12 +8,16 @@ started)."""
 
 from __future__ import annotations
 
+import json
 import re
 import statistics as st
 
 import pytest
 
 from psring.cluster import link
+from psring.cluster.agent import in_kernel, user_space
+from psring.cluster.emulate import EmulatedCluster
+from psring.cluster.spec import Cluster
 from psring.comm import lossy
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError
@@ -95,6 +99,12 @@ def test_a_seed_fixes_each_directions_decisions():
     (dict(strategy="ps", loss_tolerance=0.01, credit_window="lots"), "is not a size"),
     (dict(strategy="ps", credit_window="64kb"), "give --loss-tolerance F"),
     (dict(credit_window="64kb"), "give --loss-tolerance F"),
+    # --loss-in kernel: independent losses, nothing the forwarder alone does
+    (dict(loss_in="switch"), "'switch'"),
+    (dict(loss=0.01, loss_burst=2, loss_in="kernel"), "--loss-burst needs the user-space"),
+    (dict(loss=0.01, delay="1ms", loss_in="kernel"), "--delay needs the user-space"),
+    (dict(loss=0.01, switch="priority", loss_tolerance=0.01, loss_in="kernel"),
+     "--switch priority needs the user-space"),
 ])
 def test_bad_link_settings_are_refused(kw, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -197,3 +207,57 @@ def test_a_frames_level_is_its_tos_mark_and_tcp_ranks_above():
         [0, 1, 2, 3, link.UNMARKED, link.UNMARKED]
     # the switch reads the marks the senders write (two layers that import neither)
     assert link.LEVELS == {tos: lv for lv, tos in enumerate(lossy.PRIORITY_TOS)}
+
+
+# -- --loss-in kernel: the classifier's program and its counters -----------------------
+
+def run_cbpf(program: list[tuple[int, int, int, int]], random: int) -> int:
+    """What the classic-BPF program kernel_loss writes returns for one packet, the
+    kernel's random number being ``random`` (its three opcodes, interpreted)."""
+    a, pc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == 0x20:  # ld [k]: k is the random ancillary load
+            assert k == (-0x1000 + 56) & 0xFFFFFFFF
+            a, pc = random, pc + 1
+        elif code == 0x35:  # jge #k
+            pc += 1 + (jt if a >= k else jf)
+        elif code == 0x06:  # ret #k
+            return k
+        else:
+            raise AssertionError(f"unexpected opcode {code:#x}")
+
+
+def test_the_kernels_classifier_drops_the_top_rate_of_its_random_numbers():
+    lines = link.kernel_loss("psr-h0", 0.02)
+    assert lines[0] == "qdisc add dev psr-h0 handle ffff: ingress"
+    # IPv4 only (ARP is never dropped, as the forwarder's), verdicts in direct action
+    assert "protocol ip bpf da bytecode" in lines[1]
+    text = re.search(r"bytecode '(\d+),(.*)'", lines[1])
+    program = [tuple(map(int, op.split())) for op in text[2].split(",")]
+    assert int(text[1]) == len(program)
+    verdicts = [run_cbpf(program, r) for r in range(0, 2**32, 2**32 // 10000)]
+    assert verdicts.count(2) == pytest.approx(200, abs=2)  # TC_ACT_SHOT: 2% of them
+    assert set(verdicts) == {0, 2}
+    with pytest.raises(ValueError):
+        link.kernel_loss("psr-h0", 0.0)
+
+
+def test_the_kernels_drops_are_read_from_the_ingress_qdiscs_counters():
+    stats = ("qdisc noqueue 0: root refcnt 2 \n Sent 9 bytes 9 pkt (dropped 9, overlimits 0)"
+             "\nqdisc ingress ffff: parent ffff:fff1 ---------------- \n Sent 20655072 bytes "
+             "20101 pkt (dropped 2038, overlimits 0 requeues 0) \n backlog 0b 0p\n")
+    assert link.kernel_loss_counts(stats) == {"packets": 20101, "bytes": 20655072,
+                                              "dropped": 2038}
+    assert link.kernel_loss_counts("")["packets"] == 0
+
+
+def test_loss_in_kernel_reaches_the_agents_plan(tmp_path):
+    cfg = RunConfig(strategy="allreduce", workers=2, hosts=2, link="1gbit", loss=0.01,
+                    loss_in="kernel")
+    cluster = Cluster.from_config(cfg, uses_servers=False)
+    assert cluster.loss_in == "kernel" and "loss in the kernel" in cluster.text()
+    plan = json.loads(EmulatedCluster(cluster, tmp_path).agent_spec().argv[-2])
+    assert plan["loss_in"] == "kernel"
+    assert in_kernel(plan) and not user_space(plan)  # no TAPs, no forwarders
+    assert not in_kernel({**plan, "loss_in": "forwarder"})
