@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from psring.cluster.agent import tbf_params
 from psring.cluster.emulate import standalone
+from psring.cluster.shaping import tbf_params
 from psring.units import PAYLOAD_FRACTION, parse_rate
 
 RATES = ["100mbit", "200mbit", "500mbit", "1gbit", "2gbit", "5gbit"]

@@ -26,15 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from psring.cluster.link import (
-    FRAME_BITS,
-    LossModel,
-    forward,
-    kernel_loss,
-    open_tap,
-    priority_queue,
-    save_kernel_loss,
-)
+from psring.cluster.link import FRAME_BITS, LossModel, forward, open_tap, save_kernel_loss
 from psring.cluster.netns import (
     CLONE_NEWNET,
     CLONE_NEWUSER,
@@ -47,6 +39,7 @@ from psring.cluster.netns import (
     setns_fd,
     tcp_counters,
 )
+from psring.cluster.shaping import frames, in_kernel, shaping, user_space
 from psring.cluster.spec import NETWORK
 from psring.errors import PsringError
 from psring.records.runlog import atomic_write_json
@@ -60,35 +53,6 @@ BRIDGE = "psr-br"
 CLUSTER_FILE = "cluster.json"
 #: seconds the agent may take to build a cluster
 READY_TIMEOUT_S = 30.0
-
-# -- links, in tc's syntax ----------------------------------------------------------------
-
-#: bytes: one of veth's largest GSO packets (64 KiB) and room to spare (tbf_params)
-GSO_BURST = 72 * 1024
-
-
-def tbf_params(bits: float, limit: int | None = None) -> tuple[int, int]:
-    """(burst, limit) bytes of the token bucket that shapes a link of ``bits``/s.
-
-    burst: 1 ms of the rate, and never less than 72 KiB, one of veth's largest GSO
-    packets (64 KiB) with room to spare. A packet larger than the burst is split by tbf
-    into frames; where only some of a flow's packets are (a burst just under 64 KiB,
-    about 300-600 Mbit/s), gloo's ring over the link carried 74% of 500 Mbit/s and 86%
-    of 400 against 95% with the larger burst
-    (docs/results/2026-11-23-emulation-runs-and-prediction.md, "Link fidelity").
-    A full bucket lets a burst through at once, so a transfer can beat the rate by
-    burst/rate: 1 ms, or 6 ms at 100 Mbit/s, small against the gradients of a step.
-    limit, the queue: 100 ms of the rate, at least 4 MiB. Deep on purpose: a switch port
-    that drops packets sends TCP into 200 ms retransmission timeouts, which would measure
-    TCP's loss recovery instead of the link; with a deep queue, a link shared by several
-    flows (a parameter server's) is a work-conserving pipe of RATE, as the cost model
-    assumes. The price is queueing delay under load, which a real shallow-buffered
-    switch would not add (docs/emulation.md). ``limit`` (--link-buffer) replaces it: a
-    shallow port that drops when full, for incast."""
-    bytes_per_s = bits / 8
-    burst = max(GSO_BURST, int(bytes_per_s * 1e-3))
-    return burst, limit or max(4 * 2**20, int(bytes_per_s * 0.1))
-
 
 class EmulationError(PsringError):
     """The machine cannot build the cluster (permissions, tools, kernel): exit 2."""
@@ -206,47 +170,6 @@ def _run(argv: list[str], stdin: str, what: str) -> None:
                              f"`{' '.join(argv)}` said: {msg}")
 
 
-def _shaping(dev: str, plan: dict) -> list[str]:
-    """tc batch lines shaping ``dev``'s egress with tbf to the link's rate (with
-    ``--switch priority`` a strict-priority queue: link.priority_queue); with
-    ``--loss-in kernel`` what arrives on ``dev`` loses --loss (link.kernel_loss)."""
-    lines = kernel_loss(dev, plan["loss"]) if in_kernel(plan) else []
-    if not plan["link_bits"]:
-        return lines
-    burst, limit = tbf_params(plan["link_bits"], plan.get("buffer_bytes"))
-    lines += [f"qdisc add dev {dev} root handle 1: tbf rate {int(plan['link_bits'])}bit "
-              f"burst {burst} limit {limit}"]
-    if plan.get("switch") == "priority":
-        lines += priority_queue(dev, limit)
-    return lines
-
-
-#: frames a TAP device queues for its forwarder (the kernel's default is 1000): room
-#: for the forwarder's pauses, so that only tbf's queue and the loss model drop
-TAP_QUEUE = 20000
-
-
-def _frames(dev: str, plan: dict) -> list[str]:
-    """ip batch lines that make a veth hand on Ethernet frames, not 64 KiB GSO packets,
-    where the queue is shallow (--link-buffer) or the kernel drops (--loss-in kernel):
-    a drop loses one frame, not 44. (A TAP link never offers GSO; its own queue is made
-    long instead.)"""
-    if user_space(plan):
-        return [f"link set dev {dev} txqueuelen {TAP_QUEUE}"]
-    frames = plan.get("buffer_bytes") or in_kernel(plan)
-    return [f"link set dev {dev} gso_max_segs 1"] if frames else []
-
-
-def in_kernel(plan: dict) -> bool:
-    """Does the kernel drop --loss (``--loss-in kernel``)?"""
-    return bool(plan.get("loss")) and plan.get("loss_in") == "kernel"
-
-
-def user_space(plan: dict) -> bool:
-    """Do the links need the forwarder (psring.cluster.link): loss it drops, or delay?"""
-    return bool((plan.get("loss") and not in_kernel(plan)) or plan.get("delay_us"))
-
-
 def _no_ipv6() -> None:
     """IPv6 off in the current namespace: no autoconfiguration chatter on the links,
     and no address outside 198.18.0.0/15 (namespace_is_isolated)."""
@@ -301,12 +224,12 @@ class Agent:
             else:
                 lines.append(f"link add name {h['port']} type veth peer name {HOST_IFACE} "
                              f"netns {h['pid']}")
-            lines += [f"link set dev {h['port']} master {BRIDGE}", *_frames(h["port"], plan),
+            lines += [f"link set dev {h['port']} master {BRIDGE}", *frames(h["port"], plan),
                       f"link set dev {h['port']} up"]
         _run([ip, "-batch", "-"], "\n".join(lines) + "\n", "the switch")
-        shaping = [ln for h in self.state["hosts"] for ln in _shaping(h["port"], plan)]
-        if shaping:
-            _run([tc, "-batch", "-"], "\n".join(shaping) + "\n", "the switch's links")
+        tc_lines = [ln for h in self.state["hosts"] for ln in shaping(h["port"], plan)]
+        if tc_lines:
+            _run([tc, "-batch", "-"], "\n".join(tc_lines) + "\n", "the switch's links")
         switch = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
             for h in self.state["hosts"]:
@@ -380,11 +303,11 @@ class Agent:
         self.host_socks.append(_link_socket())  # bound here: it hears this host's links
         lines = ["link set dev lo up",
                  f"addr add {h['address']}/{NETWORK.prefixlen} dev {HOST_IFACE}",
-                 *_frames(HOST_IFACE, self.plan), f"link set dev {HOST_IFACE} up"]
+                 *frames(HOST_IFACE, self.plan), f"link set dev {HOST_IFACE} up"]
         _run([ip, "-batch", "-"], "\n".join(lines) + "\n", h["name"])
-        shaping = _shaping(HOST_IFACE, self.plan)
-        if shaping:
-            _run([tc, "-batch", "-"], "\n".join(shaping) + "\n", f"{h['name']}'s link")
+        tc_lines = shaping(HOST_IFACE, self.plan)
+        if tc_lines:
+            _run([tc, "-batch", "-"], "\n".join(tc_lines) + "\n", f"{h['name']}'s link")
 
     def _save(self) -> None:
         atomic_write_json(self.state_path, self.state)

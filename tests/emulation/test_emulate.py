@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from psring import units
-from psring.cluster import agent, emulate, netns
+from psring.cluster import emulate, netns, shaping
 from psring.cluster import spec as clusters
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError
@@ -70,10 +70,19 @@ def test_delays_take_tc_syntax():
 
 def test_token_bucket_is_a_millisecond_of_the_rate_and_the_queue_deep():
     for bits in (1e8, 5e8, 1e9, 1e10):
-        burst, limit = agent.tbf_params(bits)
-        assert burst == max(int(bits / 8 / 1000), agent.GSO_BURST)
-        assert burst > 2**16  # tbf never splits a 64 KiB GSO packet (agent.tbf_params)
+        burst, limit = shaping.tbf_params(bits)
+        assert burst == max(int(bits / 8 / 1000), shaping.GSO_BURST)
+        assert burst > 2**16  # tbf never splits a 64 KiB GSO packet (shaping.tbf_params)
         assert limit >= 4 * 2**20 and limit >= bits / 8 * 0.1
+
+
+def test_a_shallow_ports_bucket_splits_gso_sends_into_frames():
+    # a 64 KiB segmented UDP send (bounded loss) must queue as frames at a 64 KB port:
+    # counted whole it exceeds the port and every such send is lost (a resend livelock)
+    for bits in (1e8, 1e9):
+        burst, limit = shaping.tbf_params(bits, 65536)
+        assert limit == 65536 and 1514 <= burst < 2**16
+    assert shaping.tbf_params(1e9, 3028) == (3028, 3028)
 
 
 def plan(**kw) -> clusters.Cluster:
@@ -364,8 +373,8 @@ def test_gradients_cross_the_link_at_its_rate(tmp_path, strategy):
         records = read_steps(out)
         crossing = [r for r in records if r["worker"] == 1 and r["step"] >= 2]
         # tbf lets a full token bucket through at once: a transfer can beat the rate by
-        # burst / rate (6 ms at 100 Mbit/s; agent.tbf_params), and 1 ms of clocks
-        slack = agent.tbf_params(bits)[0] * 8 / bits + 1e-3
+        # burst / rate (6 ms at 100 Mbit/s; shaping.tbf_params), and 1 ms of clocks
+        slack = shaping.tbf_params(bits)[0] * 8 / bits + 1e-3
         for r in crossing:
             # nothing crosses before the first bucket is launched, and the last one is
             # done only once its bytes have crossed: every step's communication spans at

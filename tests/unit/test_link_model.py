@@ -15,8 +15,8 @@ import statistics as st
 import pytest
 
 from psring.cluster import link
-from psring.cluster.agent import in_kernel, user_space
 from psring.cluster.emulate import EmulatedCluster
+from psring.cluster.shaping import in_kernel, user_space
 from psring.cluster.spec import Cluster
 from psring.comm import lossy
 from psring.config import RunConfig, validate
