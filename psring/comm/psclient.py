@@ -199,6 +199,17 @@ class PSClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted({self.addrs[k[0]] for k in keys if k not in self.replies})
+                if self.resent and any(k in self.pending for k in self._lossy):
+                    raise PsringError(
+                        f"worker {self.worker}: no answer to {what} from parameter "
+                        f"server(s) {', '.join(missing)} within "
+                        f"{timeout or self.timeout:.0f} s: they still missed this worker's "
+                        f"bounded-loss pushes after it sent {self.resent} datagrams again; "
+                        f"its datagrams are not getting through (a switch port too shallow "
+                        f"for the senders' bursts, or more loss than resends recover). Give "
+                        f"--credit-window SIZE (the servers pace their senders), a deeper "
+                        f"--link-buffer, a larger --loss-tolerance, or drop "
+                        f"--loss-tolerance (TCP).")
                 secret = ("the same shared secret as this worker" if self.key else
                           "no shared secret, as this worker has none")
                 raise PsringError(

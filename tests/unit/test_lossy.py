@@ -548,6 +548,24 @@ def test_a_push_without_tolerance_is_todays_reliable_push(monkeypatch):
     client.close()
 
 
+def test_a_timeout_behind_resends_names_the_datagrams_not_the_server():
+    # a push the server keeps asking for again is no unreachable server: the error
+    # names the datagrams that do not get through and the flags that help
+    from psring.comm.psclient import PSClient
+    from psring.errors import PsringError
+
+    client = PSClient(["tcp://127.0.0.1:9"], "r", 0, timeout=1)
+    key = (0, 7)
+    client.pending.add(key)
+    with pytest.raises(PsringError, match="no shared secret"):
+        client.wait([key], "a push", timeout=0.05)
+    client._lossy[key] = [None, {}]
+    client.resent = 12
+    with pytest.raises(PsringError, match=r"after it sent 12 datagrams again.*--credit-window"):
+        client.wait([key], "a push", timeout=0.05)
+    client.close()
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=1600), flip=st.integers(0, 1599))
 def test_any_bytes_decode_to_a_datagram_or_a_protocol_error(data, flip):
