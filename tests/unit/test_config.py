@@ -99,7 +99,7 @@ MANIFEST_ORDER = [
     "delay", "server_placement", "slow_worker", "out", "timeout", "master_addr",
     "master_port", "threads", "checkpoint_every", "resume", "compute", "device_profile",
     "device_speed", "time_scale", "device_link", "trace", "kill_worker", "kill_server",
-    "max_restarts", "backup_workers", "eliminate_every", "loss", "loss_burst",
+    "max_restarts", "backup_workers", "eliminate_every", "loss", "loss_burst", "loss_in",
     "link_buffer", "switch", "credit_window", "loss_tolerance"]
 
 
