@@ -9,7 +9,12 @@ retransmission timeouts per step, summed over the hosts (the kernel's counters o
 host's namespace, recorded by the cluster's agent in cluster.json: set-up included),
 the fraction of IPv4 packets the links dropped (their forwarders' records, with --loss),
 and with held-out evaluation the final accuracy and the time to the target. A Markdown
-table on stdout.
+table on stdout; with ``--plot FILE``, also a figure of the time to the target against
+the links' loss, one line per strategy and transport (TCP, or bounded loss), and per
+queue and host count where the sweep has several (medians of the seeds, their range as
+bars).
+
+    python experiments/network_report.py runs/loss_kernel --plot tta-loss.png
 """
 
 from __future__ import annotations
@@ -75,12 +80,74 @@ def rows(paths: list[str]) -> list[str]:
     return out
 
 
+def tta_series(paths: list[str]) -> dict[str, dict[float, list[float]]]:
+    """Time to the target by loss (per cent), per line: the strategy, its transport and,
+    where the runs differ in them, the hosts and the queue."""
+    runs = []
+    for d in iter_run_dirs(paths):
+        cfg = json.loads((d / "manifest.json").read_text())["config"]
+        runs.append((cfg, summarize(d).get("time_to_accuracy_s")))
+    vary = {k for k in ("hosts", "link_buffer") if len({c.get(k) for c, _ in runs}) > 1}
+    series: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for cfg, tta in runs:
+        if tta is None:
+            continue
+        name = cfg["strategy"] + (" bounded" if cfg.get("loss_tolerance") else " TCP")
+        if "hosts" in vary:
+            name += f", {cfg['hosts']} hosts"
+        if "link_buffer" in vary:
+            name += f", {cfg.get('link_buffer') or 'deep'} port"
+        series[name][100 * cfg.get("loss", 0.0)].append(tta)
+    return series
+
+
+def plot_tta(paths: list[str], out: Path) -> Path:
+    """The figure of :func:`tta_series`, written to ``out``."""
+    # imported here: matplotlib costs half a second and only --plot needs it
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    series = tta_series(paths)
+    # a color per strategy (and hosts, queue), solid for TCP, dashed for bounded loss
+    kinds = sorted({name.replace(" bounded", "").replace(" TCP", "") for name in series})
+    color = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    for name, by_loss in sorted(series.items()):
+        xs = sorted(by_loss)
+        mid = [statistics.median(by_loss[x]) for x in xs]
+        err = [[m - min(by_loss[x]) for x, m in zip(xs, mid)],
+               [max(by_loss[x]) - m for x, m in zip(xs, mid)]]
+        ax.errorbar(xs, mid, yerr=err, marker="o", capsize=3, label=name,
+                    linestyle="--" if "bounded" in name else "-",
+                    color=color[name.replace(" bounded", "").replace(" TCP", "")])
+    ax.set_xlabel("loss per link direction (%)")
+    ax.set_ylabel("seconds to the target accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str]) -> int:
+    plot = None
+    if "--plot" in argv:
+        i = argv.index("--plot")
+        if i + 1 >= len(argv):
+            print("--plot needs a file name, e.g. --plot tta-loss.png", file=sys.stderr)
+            return 2
+        plot, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
     if not argv:
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
-        print("usage: python experiments/network_report.py SWEEP_DIR...", file=sys.stderr)
+        print("usage: python experiments/network_report.py SWEEP_DIR... [--plot FILE]",
+              file=sys.stderr)
         return 2
     print("\n".join(rows(argv)))
+    if plot is not None:
+        print(f"figure: {plot_tta(argv, plot)}")
     return 0
 
 
