@@ -180,6 +180,16 @@ def _no_ipv6() -> None:
             pass  # a kernel without IPv6
 
 
+def _set_rto_min(us: int) -> None:
+    """--tcp-rto-min in the current namespace (a host's)."""
+    try:
+        Path("/proc/sys/net/ipv4/tcp_rto_min_us").write_text(str(us))
+    except OSError as e:
+        raise EmulationError(f"--tcp-rto-min needs net.ipv4.tcp_rto_min_us (Linux 6.11 or "
+                             f"later), which this kernel refused ({e.strerror}); drop "
+                             f"--tcp-rto-min.") from None
+
+
 def _link_socket() -> socket.socket:
     """An rtnetlink socket of this namespace that hears its links go up and down."""
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)  # NETLINK_ROUTE
@@ -305,6 +315,8 @@ class Agent:
                  f"addr add {h['address']}/{NETWORK.prefixlen} dev {HOST_IFACE}",
                  *frames(HOST_IFACE, self.plan), f"link set dev {HOST_IFACE} up"]
         _run([ip, "-batch", "-"], "\n".join(lines) + "\n", h["name"])
+        if self.plan.get("tcp_rto_min_us"):
+            _set_rto_min(self.plan["tcp_rto_min_us"])
         tc_lines = shaping(HOST_IFACE, self.plan)
         if tc_lines:
             _run([tc, "-batch", "-"], "\n".join(tc_lines) + "\n", f"{h['name']}'s link")

@@ -150,7 +150,9 @@ class EmulatedCluster(Network):
                 # shaped as the cluster it stands for, slowed by --time-scale
                 "link_bits": p.emulated_link_bits, "delay_us": round(p.emulated_delay_s * 1e6),
                 "loss": p.loss, "loss_burst": p.loss_burst, "seed": p.seed,
-                "buffer_bytes": p.buffer_bytes, "switch": p.switch, "loss_in": p.loss_in}
+                "buffer_bytes": p.buffer_bytes, "switch": p.switch, "loss_in": p.loss_in,
+                # TCP's floor, slowed by --time-scale as the link's times are
+                "tcp_rto_min_us": round(p.tcp_rto_min_s * p.time_scale * 1e6)}
         return ProcessSpec("cluster", [sys.executable, "-m", "psring.cluster.emulate", "agent",
                                        json.dumps(plan), str(self.state_path)], service=True)
 
@@ -246,14 +248,14 @@ class EmulatedCluster(Network):
 def standalone(hosts: int, link: str = "", delay: str = "", log_dir: Path | None = None,
                loss: float = 0.0, loss_burst: float = 1.0, seed: int = 0,
                link_buffer: str = "", switch: str = "fifo",
-               loss_in: str = "forwarder") -> Iterator[EmulatedCluster]:
+               loss_in: str = "forwarder", tcp_rto_min: str = "") -> Iterator[EmulatedCluster]:
     """An emulated cluster outside a run (calibration, benchmarks): its agent is
     supervised here and stopped on exit; ``cluster.command(host, argv)`` runs a program
     on a host, ``enter(cluster.host(name), cluster.mode)`` moves a fresh process there."""
     with tempfile.TemporaryDirectory(prefix="psring-cluster-") as tmp:
         d = Path(log_dir) if log_dir else Path(tmp)
         cluster = EmulatedCluster(Cluster.bare(hosts, link, delay, loss, loss_burst, seed,
-                                               link_buffer, switch, loss_in), d)
+                                               link_buffer, switch, loss_in, tcp_rto_min), d)
         sup = Supervisor(d / "logs")
         try:
             cluster.start(sup)

@@ -41,7 +41,8 @@ DEFAULTS: Mapping[str, Any] = {"workers": 1, "hosts": 1, "workers_per_host": 0, 
                                "delay": "", "servers": 1, "server_placement": "colocated",
                                "master_addr": "127.0.0.1", "time_scale": 1.0,
                                "loss": 0.0, "loss_burst": 1.0, "link_buffer": "", "seed": 0,
-                               "switch": "fifo", "loss_in": "forwarder"}
+                               "switch": "fifo", "loss_in": "forwarder",
+                               "tcp_rto_min": ""}
 #: the emulated switch's ports: one queue dropping whatever comes (fifo), or DLCP's
 #: priorities for bounded-loss datagrams (psring.cluster.link, psring.comm.lossy.Marks)
 SWITCHES = ("fifo", "priority")
@@ -118,6 +119,8 @@ class Cluster:
     switch: str = "fifo"
     #: --loss-in: "forwarder" or "kernel" (LOSS_PATHS)
     loss_in: str = "forwarder"
+    #: --tcp-rto-min: the emulated hosts' TCP retransmission floor ('5ms'); '': Linux's
+    tcp_rto_min: str = ""
     #: parameter servers the run starts (0: a strategy without them)
     servers: int = 0
     placement: str = "colocated"
@@ -164,11 +167,17 @@ class Cluster:
             raise ConfigError(f"--time-scale must be a positive number (got {scale!r}).")
         self.link_bits, self.delay_s, self.buffer_bytes  # noqa: B018 - errors now
         self._check_loss()
-        if (self.link or self.delay or self.loss or self.link_buffer) and not self.emulated:
+        if self.tcp_rto_min and not 0 < self.tcp_rto_min_s <= 120:
+            raise ConfigError(f"--tcp-rto-min is the hosts' least retransmission timeout, "
+                              f"above 0 and at most 120 s: e.g. 5ms (Linux's default is "
+                              f"200ms; got {self.tcp_rto_min!r}).")
+        if (self.link or self.delay or self.loss or self.link_buffer
+                or self.tcp_rto_min) and not self.emulated:
             raise ConfigError(
-                "--link, --delay, --loss and --link-buffer shape the links between emulated "
-                "hosts, and with --hosts 1 (and servers, if any, colocated) nothing crosses "
-                "one; give --hosts 2 or more, or --server-placement own-hosts.")
+                "--link, --delay, --loss, --link-buffer and --tcp-rto-min shape the links "
+                "between emulated hosts and their TCP, and with --hosts 1 (and servers, if "
+                "any, colocated) nothing crosses one; give --hosts 2 or more, or "
+                "--server-placement own-hosts.")
         if self.link_buffer and not self.link:
             raise ConfigError("--link-buffer is the queue of a shaped link: give --link "
                               "RATE too (an unshaped link queues nothing).")
@@ -227,7 +236,7 @@ class Cluster:
                    servers=servers, placement=placement, local_address=v["master_addr"],
                    time_scale=v["time_scale"], loss=v["loss"], loss_burst=v["loss_burst"],
                    link_buffer=v["link_buffer"], seed=v["seed"], switch=v["switch"],
-                   loss_in=v["loss_in"])
+                   loss_in=v["loss_in"], tcp_rto_min=v["tcp_rto_min"])
 
     @classmethod
     def of(cls, hosts: int = 1, workers_per_host: int = 1, link_bits: float | None = None,
@@ -253,11 +262,12 @@ class Cluster:
     @classmethod
     def bare(cls, hosts: int, link: str = "", delay: str = "", loss: float = 0.0,
              loss_burst: float = 1.0, seed: int = 0, link_buffer: str = "",
-             switch: str = "fifo", loss_in: str = "forwarder") -> "Cluster":
+             switch: str = "fifo", loss_in: str = "forwarder",
+             tcp_rto_min: str = "") -> "Cluster":
         """``hosts`` emulated hosts, one process slot each (calibration, benchmarks)."""
         return cls(workers=hosts, hosts=hosts, link=link, delay=delay, loss=loss,
                    loss_burst=loss_burst, seed=seed, link_buffer=link_buffer, switch=switch,
-                   loss_in=loss_in)
+                   loss_in=loss_in, tcp_rto_min=tcp_rto_min)
 
     def replace(self, **changes: Any) -> "Cluster":
         return dataclasses.replace(self, **changes)
@@ -283,6 +293,11 @@ class Cluster:
     @property
     def emulated_delay_s(self) -> float:
         return self.delay_s * self.time_scale
+
+    @cached_property
+    def tcp_rto_min_s(self) -> float:
+        """--tcp-rto-min in seconds (0: the kernel's own floor)."""
+        return parse_delay(self.tcp_rto_min) if self.tcp_rto_min else 0.0
 
     @property
     def emulated(self) -> bool:
@@ -350,7 +365,7 @@ class Cluster:
                 "link_bits_per_s": self.link_bits, "delay": self.delay or None,
                 "loss": self.loss, "loss_burst": self.loss_burst,
                 "link_buffer_bytes": self.buffer_bytes, "switch": self.switch,
-                "loss_in": self.loss_in,
+                "loss_in": self.loss_in, "tcp_rto_min": self.tcp_rto_min or None,
                 "server_placement": self.placement if self.servers else None,
                 "time_scale": self.time_scale,
                 "emulated_link_bits_per_s": self.emulated_link_bits}
@@ -376,6 +391,8 @@ class Cluster:
                 text += f" (bursts of {self.loss_burst:g})"
             if self.loss_in != "forwarder":
                 text += f" in the {self.loss_in}"
+        if self.tcp_rto_min:
+            text += f", TCP's floor {self.tcp_rto_min}"
         if self.time_scale != 1:
             text += f", time scale {self.time_scale:g}"
         if self.servers:

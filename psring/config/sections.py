@@ -328,6 +328,10 @@ class Links:
         "microseconds of a core, which caps the links it carries) or kernel (a BPF "
         "classifier on each link's far end: independent losses at any rate, not seeded, "
         "counted)"))
+    tcp_rto_min: str = field(default="", metadata=_flag(
+        "the emulated hosts' least TCP retransmission timeout (net.ipv4.tcp_rto_min_us "
+        "in each host; tc's times: 5ms), as a datacenter may lower Linux's 200ms; slowed "
+        "by --time-scale as the links are. Empty = the kernel's"))
     link_buffer: str = field(default="", metadata=_flag(
         "bytes each emulated link's queue holds before it drops (tc's sizes: 64kb, 1mb); "
         "a shallow switch port, for incast; empty = deep (100 ms of the rate, at least "

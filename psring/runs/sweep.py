@@ -326,7 +326,7 @@ def _normalize_cluster(values: dict[str, Any], strategy: Any) -> None:
     own = strategy.caps.uses_servers and values.get("server_placement") == "own-hosts"
     if values["hosts"] == 1 and not own:
         values.update(link="", delay="", loss=0.0, loss_burst=1.0, link_buffer="",
-                      switch="fifo", loss_in="forwarder")
+                      switch="fifo", loss_in="forwarder", tcp_rto_min="")
     elif values.get("transport") == "ipc":  # hosts talk over their links
         values["transport"] = "auto"
 

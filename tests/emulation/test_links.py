@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import statistics as st
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from psring.cluster import link, linkcheck
+from psring.cluster.emulate import standalone
 from psring.config import RunConfig
 from tests.helpers import (
     SMALL,
@@ -70,6 +73,20 @@ def test_the_kernel_drops_loss_in_kernel_without_forwarders(tmp_path):
     assert records["host-0"]["loss_in"] == "kernel"
     assert up["packets"] >= 1500 and 0.03 < up["dropped"] / up["packets"] < 0.07, up
     assert records["host-1"]["down"]["dropped"] > 0
+    assert_cluster_gone(tmp_path)
+    assert_no_processes(tmp_path)
+
+
+@needs_emulation
+@pytest.mark.timeout(60)
+def test_tcp_rto_min_is_each_hosts_own(tmp_path):
+    with standalone(2, "1gbit", log_dir=tmp_path, tcp_rto_min="5ms") as cluster:
+        for host in ("host-0", "host-1"):
+            floor = subprocess.run(
+                cluster.command(host, ["cat", "/proc/sys/net/ipv4/tcp_rto_min_us"]),
+                capture_output=True, text=True, timeout=30, check=True).stdout
+            assert int(floor) == 5000
+    assert Path("/proc/sys/net/ipv4/tcp_rto_min_us").read_text().strip() != "5000"
     assert_cluster_gone(tmp_path)
     assert_no_processes(tmp_path)
 

@@ -18,6 +18,7 @@ def test_old_manifests_without_cluster_settings_ran_on_this_machine():
          "processes": ["worker-0", "worker-1", "server-0"]}], "worker_hosts": 1,
         "link": None, "link_bits_per_s": None, "delay": None, "loss": 0.0,
         "loss_burst": 1.0, "link_buffer_bytes": None, "switch": "fifo", "loss_in": "forwarder",
+        "tcp_rto_min": None,
         "server_placement": "colocated", "time_scale": 1.0, "emulated_link_bits_per_s": None}
 
 

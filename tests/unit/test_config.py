@@ -100,7 +100,7 @@ MANIFEST_ORDER = [
     "master_port", "threads", "checkpoint_every", "resume", "compute", "device_profile",
     "device_speed", "time_scale", "device_link", "trace", "kill_worker", "kill_server",
     "max_restarts", "backup_workers", "eliminate_every", "loss", "loss_burst", "loss_in",
-    "link_buffer", "switch", "credit_window", "loss_tolerance"]
+    "tcp_rto_min", "link_buffer", "switch", "credit_window", "loss_tolerance"]
 
 
 def test_derived_values_come_from_derived_and_reach_the_manifest():

@@ -105,6 +105,10 @@ def test_a_seed_fixes_each_directions_decisions():
     (dict(loss=0.01, delay="1ms", loss_in="kernel"), "--delay needs the user-space"),
     (dict(loss=0.01, switch="priority", loss_tolerance=0.01, loss_in="kernel"),
      "--switch priority needs the user-space"),
+    # --tcp-rto-min: a time, above 0, between emulated hosts
+    (dict(tcp_rto_min="0ms"), "above 0 and at most 120 s"),
+    (dict(tcp_rto_min="soon"), "is not a time"),
+    (dict(hosts=1, tcp_rto_min="5ms"), "nothing crosses one"),
 ])
 def test_bad_link_settings_are_refused(kw, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -261,3 +265,16 @@ def test_loss_in_kernel_reaches_the_agents_plan(tmp_path):
     assert plan["loss_in"] == "kernel"
     assert in_kernel(plan) and not user_space(plan)  # no TAPs, no forwarders
     assert not in_kernel({**plan, "loss_in": "forwarder"})
+
+
+def test_tcp_rto_min_reaches_the_plan_slowed_by_the_time_scale(tmp_path):
+    cfg = RunConfig(strategy="allreduce", workers=2, hosts=2, link="1gbit",
+                    tcp_rto_min="5ms", time_scale=3)
+    cluster = Cluster.from_config(cfg, uses_servers=False)
+    assert "TCP's floor 5ms" in cluster.text()
+    plan = json.loads(EmulatedCluster(cluster, tmp_path).agent_spec().argv[-2])
+    assert plan["tcp_rto_min_us"] == 15000  # 5 ms of the cluster described, 3x slower
+    cfg = RunConfig(strategy="allreduce", workers=2, hosts=2, link="1gbit")
+    plan = json.loads(EmulatedCluster(Cluster.from_config(cfg, uses_servers=False),
+                                      tmp_path).agent_spec().argv[-2])
+    assert plan["tcp_rto_min_us"] == 0  # the kernel's own
