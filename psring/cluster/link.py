@@ -23,7 +23,10 @@ carried (``links/<host>.json``: frames, bytes, drops, how late delayed frames le
 seconds) into the run directory. Non-IPv4 frames (ARP) are never dropped nor counted.
 
 Pure Python on purpose (no extension to build): a frame costs a few microseconds of a
-core, which caps a link (docs/emulation.md, "Loss and delay").
+core, which caps a link (docs/emulation.md, "Loss and delay"). Where that cap matters,
+``--loss-in kernel`` drops independent losses in the kernel instead, with no forwarder
+(:func:`kernel_loss`: a classic-BPF classifier on each link end's ingress; its counts
+in the same ``links/<host>.json``, :func:`save_kernel_loss`).
 """
 
 from __future__ import annotations
