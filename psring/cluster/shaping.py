@@ -68,8 +68,8 @@ def frames(dev: str, plan: dict) -> list[str]:
     long instead.)"""
     if user_space(plan):
         return [f"link set dev {dev} txqueuelen {TAP_QUEUE}"]
-    frames = plan.get("buffer_bytes") or in_kernel(plan)
-    return [f"link set dev {dev} gso_max_segs 1"] if frames else []
+    by_frame = plan.get("buffer_bytes") or in_kernel(plan)
+    return [f"link set dev {dev} gso_max_segs 1"] if by_frame else []
 
 
 def in_kernel(plan: dict) -> bool:
