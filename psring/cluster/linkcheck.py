@@ -27,6 +27,7 @@ from typing import Any
 
 from psring.cluster.emulate import standalone
 from psring.cluster.link import read_links
+from psring.cluster.spec import LOSS_PATHS
 from psring.units import PAYLOAD_FRACTION, parse_delay, parse_rate
 
 PORT = 47000
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay", default="", help="one-way delay of each link direction")
     p.add_argument("--loss", type=float, default=0.0, help="fraction each direction drops")
     p.add_argument("--loss-burst", type=float, default=1.0, help="mean loss burst, packets")
-    p.add_argument("--loss-in", choices=("forwarder", "kernel"), default="forwarder",
+    p.add_argument("--loss-in", choices=LOSS_PATHS, default=LOSS_PATHS[0],
                    help="where --loss drops (psring run --loss-in)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=3.0, help="length of the TCP stream")
