@@ -153,8 +153,11 @@ class Rendezvous(Launch):
                 f"that this host reaches {self.host}.") from None
         self._peer_failure: str | None = None
         self._progress = time.monotonic()  # the join's --timeout starts now
-        for name, target in (("watchdog", self._watchdog), ("heartbeat", self._heartbeat)):
-            threading.Thread(target=target, name=f"psring-{name}", daemon=True).start()
+        self._threads = [threading.Thread(target=target, name=f"psring-{name}", daemon=True)
+                         for name, target in (("watchdog", self._watchdog),
+                                              ("heartbeat", self._heartbeat))]
+        for t in self._threads:
+            t.start()
 
     def key(self, name: str) -> str:
         return self.ns + name
@@ -351,7 +354,16 @@ class Rendezvous(Launch):
                 "hosts": count_hosts(self.peers), "workers": self.peers}
 
     def close(self) -> None:
+        """Stop the watchdog and the heartbeat, waiting for a store operation the
+        heartbeat is in: a script's interpreter that exits while a daemon thread is in
+        a TCPStore call ends that thread in C++ when it takes the GIL back, and the
+        process aborts ("terminate called without an active exception", SIGABRT) after
+        the run succeeded. A store that no longer answers is waited for at most
+        STORE_OP_S + BEAT_S."""
         self._stop.set()
+        deadline = time.monotonic() + STORE_OP_S + BEAT_S
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 _current: Launch = Launch(0, 1)
