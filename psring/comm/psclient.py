@@ -85,17 +85,26 @@ class PSClient:
         self._attempts: dict[tuple[int, int], tuple[int, int]] = {}
         self.resent = 0
         self.lossy_elements = self.lossy_delivered = 0
+        #: lossy pushes whose lossy_push is not sent yet, and the pulls held behind them
+        #: per shard (:meth:`pull`)
+        self._unannounced: set[tuple[int, int]] = set()
+        self._held: dict[int, list[tuple[tuple[int, int], dict]]] = {}
+        self._renamed: dict[tuple[int, int], tuple[int, int]] = {}  # held pulls, as sent
 
     def send(self, shard: int, op: str, fields: dict, tensors=()) -> tuple[int, int]:
         with self.lock:
             self._send_ready()  # (lossy_pushes whose datagrams are out go first)
             self.seq += 1
-            frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
-                                 "shard": shard, **fields}, tensors, self.key)
-            self.socks[shard].send_multipart(frames, copy=False)
+            self._send_frames(shard, op, fields, tensors)
             self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
             self.pending.add((shard, self.seq))
             return shard, self.seq
+
+    def _send_frames(self, shard: int, op: str, fields: dict, tensors=()) -> None:
+        """Under the lock: one request under the current seq."""
+        frames = encode(op, {"run": self.run, "worker": self.worker, "seq": self.seq,
+                             "shard": shard, **fields}, tensors, self.key)
+        self.socks[shard].send_multipart(frames, copy=False)
 
     def push(self, shard: int, fields: dict, grad: torch.Tensor,
              tolerance: float = 0.0) -> tuple[int, int]:
@@ -141,6 +150,7 @@ class PSClient:
             transfer = sender.send(self.seq, shard, grad, token=key,
                                    offset=fields.get("offset", 0))
             self._lossy[key][0] = transfer
+            self._unannounced.add(key)
             header["packets"] = transfer.count
             self.bytes_sent += grad.numel() * grad.element_size()
             self.lossy_elements += grad.numel()
@@ -171,6 +181,18 @@ class PSClient:
                 header["seq"] = self.seq
                 self._attempts[(key[0], self.seq)] = key
                 self.socks[key[0]].send_multipart(encode("lossy_push", header, (), self.key))
+            self._unannounced.discard(key)
+            self._send_held(key[0])
+
+    def _send_held(self, shard: int) -> None:
+        """Under the lock: the pulls held for ``shard``, once no lossy_push to it is
+        still unsent, each under a seq taken now that answers to its key."""
+        if not self._held.get(shard) or any(k[0] == shard for k in self._unannounced):
+            return
+        for key, fields in self._held.pop(shard):
+            self.seq += 1
+            self._renamed[(shard, self.seq)] = key  # (every piece of the answer bears it)
+            self._send_frames(shard, "pull", fields)
 
     def _resend(self, key: tuple[int, int], msg: Message) -> None:
         """The server misses more of a lossy push than it may: send the packets it
@@ -188,7 +210,18 @@ class PSClient:
         arrives (the server streams ranges as they are updated); the request is answered
         when the pieces cover what was asked."""
         with self.lock:  # (the piece may arrive before the stream is known otherwise)
-            key = self.send(shard, "pull", {"min_version": min_version, **fields})
+            self._send_ready()
+            fields = {"min_version": min_version, **fields}
+            if any(k[0] == shard for k in self._unannounced):
+                # behind this worker's lossy_pushes, as a pull is behind its pushes over
+                # TCP: sent before them, it would have the server stream the parameters
+                # of the buckets already in ahead of those pushes' acks
+                self.seq += 1
+                key = (shard, self.seq)
+                self.pending.add(key)
+                self._held.setdefault(shard, []).append((key, fields))
+            else:
+                key = self.send(shard, "pull", fields)
             self._streams[key] = [numel, on_piece]
         return key
 
@@ -245,7 +278,8 @@ class PSClient:
         if msg.op == "error":
             raise PsringError(f"parameter server {self.addrs[shard]} refused a request of "
                               f"worker {self.worker}: {h['message']}")
-        key = self._attempts.pop((shard, h["seq"]), (shard, h["seq"]))
+        sent = (shard, h["seq"])
+        key = self._attempts.pop(sent, None) or self._renamed.get(sent, sent)
         if h["run"] != self.run or h["worker"] != self.worker or key not in self.pending:
             return  # a late answer meant for an earlier run, or for nothing asked
         if key in self._lossy:
@@ -268,6 +302,7 @@ class PSClient:
         stream[0] -= msg.tensors[0].numel()
         if stream[0] == 0:
             del self._streams[key]
+            self._renamed.pop(sent, None)
             self.pending.discard(key)
             self.replies[key] = msg
 

@@ -666,3 +666,54 @@ def test_marked_datagrams_leave_with_their_levels_tos():
         recv.close()
     want = {i: lossy.PRIORITY_TOS[int(lv)] for i, lv in enumerate(t.levels)}
     assert got == want and set(got.values()) == set(lossy.PRIORITY_TOS)
+
+
+@pytest.mark.timeout(60)
+def test_a_pull_goes_behind_the_lossy_pushes_to_its_server():
+    """A pull made while a lossy push's datagrams are still leaving waits for its
+    lossy_push, as a pull follows the pushes on a TCP connection: sent first, the server
+    would stream the parameters of the buckets already in ahead of that push's ack.
+    Its answer, in pieces under the seq it was sent with, completes the pull's key."""
+    import threading
+
+    import zmq
+
+    from psring.comm.protocol import decode, encode
+    from psring.comm.psclient import PSClient
+
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    addr = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+    ops: list[str] = []
+
+    def serve() -> None:  # (the datagrams go to a UDP port nobody reads: ignored)
+        for _ in range(2):
+            peer, *frames = fake.recv_multipart()
+            msg = decode(frames)
+            ops.append(msg.op)
+            head = {"run": "r", "worker": 0, "seq": msg.header["seq"], "shard": 0}
+            if msg.op == "lossy_push":
+                fake.send_multipart([peer, *encode("ack", {**head, "version": 1,
+                                                           "staleness": 0, "delivered": 4000})])
+            else:
+                for offset in (0, 2000):
+                    fake.send_multipart([peer, *encode(
+                        "params", {**head, "version": 1, "offset": offset},
+                        [torch.full((2000,), float(offset))])])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = PSClient([addr], run="r", worker=0, timeout=10, pace_bits=1e8)
+    pieces = []
+    try:
+        push = client.send_lossy(0, {"step": 0, "offset": 0}, torch.ones(4000), 0.05)
+        pull = client.pull(0, 1, 4000, pieces.append)
+        client.wait([push, pull], "a push and a pull")
+    finally:
+        client.close()
+        thread.join(5)
+        fake.close(linger=0)
+        ctx.term()
+    assert ops == ["lossy_push", "pull"]
+    assert [p.header["offset"] for p in pieces] == [0, 2000]
