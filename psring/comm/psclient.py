@@ -208,7 +208,8 @@ class PSClient:
         """Request ``numel`` elements of a shard (all of it; or ``lo``/``hi``, a range of
         the flat vector, in ``fields``); ``on_piece`` gets each ``params`` piece as it
         arrives (the server streams ranges as they are updated); the request is answered
-        when the pieces cover what was asked."""
+        when the pieces cover what was asked. Made while a lossy push to the shard is
+        still leaving, it is sent behind that push's lossy_push."""
         with self.lock:  # (the piece may arrive before the stream is known otherwise)
             self._send_ready()
             fields = {"min_version": min_version, **fields}
