@@ -187,12 +187,16 @@ class PSClient:
     def _send_held(self, shard: int) -> None:
         """Under the lock: the pulls held for ``shard``, once no lossy_push to it is
         still unsent, each under a seq taken now that answers to its key."""
-        if not self._held.get(shard) or any(k[0] == shard for k in self._unannounced):
+        if not self._held.get(shard) or self._leaving(shard):
             return
         for key, fields in self._held.pop(shard):
             self.seq += 1
             self._renamed[(shard, self.seq)] = key  # (every piece of the answer bears it)
             self._send_frames(shard, "pull", fields)
+
+    def _leaving(self, shard: int) -> bool:
+        """A lossy push to ``shard`` whose lossy_push is not sent yet."""
+        return any(k[0] == shard for k in self._unannounced)
 
     def _resend(self, key: tuple[int, int], msg: Message) -> None:
         """The server misses more of a lossy push than it may: send the packets it
@@ -213,7 +217,7 @@ class PSClient:
         with self.lock:  # (the piece may arrive before the stream is known otherwise)
             self._send_ready()
             fields = {"min_version": min_version, **fields}
-            if any(k[0] == shard for k in self._unannounced):
+            if self._leaving(shard):
                 # behind this worker's lossy_pushes, as a pull is behind its pushes over
                 # TCP: sent before them, it would have the server stream the parameters
                 # of the buckets already in ahead of those pushes' acks
