@@ -18,19 +18,23 @@ bucket's push is one job that loads each resource it crosses for its bytes' time
 - each sender's transport: its own bytes (byteps: a worker's 1/G part).
 
 The resources serve the jobs first come, first served, each at its own pace (a job is
-done when its last resource is). A bucket is pushed once it is ready (after the host's
-reduce-scatter under byteps, its device-to-host copy and its cast, each a stage of its
-own); byteps pulls each partition back once summed, while later ones are pushed; a ps
-worker pulls a server's shard once its pushes to it are in and backward has ended,
-after its pushes; then the copy back, the cast and byteps's all-gather. A step starts
-when the previous one's parameters are in, so one step is the period. What the events
-have and this does not: TCP's uneven shares (FLOW_SPREAD; the fluid is the events'
-``flow_spread=0``) and the per-message α of every piece but the last.
+done when its last resource is), but for a sender host's link out where no server lives
+on it: its connections to the servers share it evenly (:func:`fair_share`), as TCP's
+flows do, so a sender's pushes to all its servers progress together. A bucket is pushed
+once it is ready (after the host's reduce-scatter under byteps, its device-to-host copy
+and its cast, each a stage of its own); byteps pulls each partition back once summed,
+while later ones are pushed; a ps worker pulls a server's shard once its pushes to it
+are in and backward has ended, after its pushes; then the copy back, the cast and
+byteps's all-gather. A step starts when the previous one's parameters are in, so one
+step is the period. What the events have and this does not: TCP's uneven shares
+(FLOW_SPREAD; the fluid is the events' ``flow_spread=0``) and the per-message α of every
+piece but the last.
 tests/unit/test_scaling.py holds the two against each other where both run.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import Counter
 
@@ -163,6 +167,22 @@ class _Round:
                 heapq.heappush(jobs, (t, len(jobs), True, self.pieces[i] / parts))
         return jobs
 
+    def shared_out(self, jobs: list[tuple[float, int, bool, np.ndarray]]) -> dict[int, float]:
+        """When each push (by its order) has left a sender host that holds no server, if
+        its link out is shared evenly among its connections to the servers, as TCP's
+        flows share it (:func:`fair_share`), rather than served first come, first
+        served: a sender queues a bucket to every server within backward, so the
+        servers' shards complete together at the end of its pushes, not one after
+        another (the events agree; a host that holds a server also carries its replies
+        out, which the first-come order already puts behind the pushes). Every such host
+        is alike: played once."""
+        res = self.res
+        plain = [on for h, on in enumerate(res.on) if on and not (res.col == h).any()]
+        if not plain:
+            return {}
+        work = np.stack([j[3] for j in jobs]) * plain[0] * self.sim.wire * res.b_link
+        return {j[1]: float(t) for j, t in zip(jobs, fair_share([j[0] for j in jobs], work))}
+
     def serve(self) -> float:
         """Every job in the order it becomes ready: when the last parameters are in.
         byteps pulls each partition once summed; a ps worker pulls a server's shard
@@ -172,6 +192,7 @@ class _Round:
         way)."""
         D, F, B, _ = self.sim.compute
         jobs, alpha = self.pushes(), self.res.alpha
+        shared = self.shared_out(sorted(jobs))
         shard = self.pieces.sum(axis=0)
         left = (self.pieces > 0).sum(axis=0)  # pushes still to come to each server
         pulled, pulls = 0.0, []
@@ -180,7 +201,7 @@ class _Round:
             if not push:
                 pulled = max(pulled, self.run(p, ready, up=False))
                 continue
-            done = self.run(p, ready, up=True)
+            done = max(self.run(p, ready, up=True), shared.get(order, 0.0))
             if self.byteps:
                 heapq.heappush(jobs, (done + alpha, order, False, p))
                 continue
@@ -218,14 +239,68 @@ def _pieces(sim: Sim, G: int, byteps: bool) -> np.ndarray:
     """(buckets, K) float32 bytes a sender pushes of each bucket to each server: the
     servers' element ranges as psring.strategies.ps splits the flat vector, or byteps's
     columns (a host's G parts of a bucket, each on the servers holding that part)."""
-    K = sim.cluster.servers
-    out = np.zeros((len(sim.buckets), K))
+    return _layout(tuple(m for m, _ in sim.buckets), G, sim.cluster.servers, byteps)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(sizes: tuple[int, ...], G: int, K: int, byteps: bool) -> np.ndarray:
+    # (the scaling question prices every setting at every size: the same buckets over
+    # the same servers many times; read-only, shared)
+    buckets = [(m, 0.0) for m in sizes]
+    out = np.zeros((len(buckets), K))
     if byteps:
-        for (_, i), ps in column_pieces(sim.buckets, G, K).items():
+        for (_, i), ps in column_pieces(buckets, G, K).items():
             for k, m in ps:
                 out[i, k] += m
     else:
-        for i, ps in enumerate(shard_pieces(sim.buckets, K)[0]):
+        for i, ps in enumerate(shard_pieces(buckets, K)[0]):
             for k, m in ps:
                 out[i, k] += m
+    out.flags.writeable = False
     return out
+
+
+def fair_share(ready: list[float], work: np.ndarray) -> np.ndarray:
+    """When each job's last byte is through one link that the K connections with bytes
+    queued share evenly (generalized processor sharing), each connection first in,
+    first out: job j arrives at ``ready[j]`` (in order) with ``work[j, k]`` seconds of
+    the link's time on connection k. Played by the link's virtual clock V (as weighted
+    fair queueing does), which runs at 1/(connections busy): a job's bytes on k finish
+    when V reaches their tag, max(V on arrival, k's last tag) + work."""
+    last: dict[int, float] = {}            # each busy connection's last tag
+    tags: list[tuple[float, int]] = []     # (tag, k) heap; stale entries skipped
+    waiting: list[tuple[float, int]] = []  # (the job's largest tag, j)
+    done = np.asarray(ready, dtype=float).copy()
+    t = v = 0.0
+
+    def advance(until: float) -> None:
+        nonlocal t, v
+        while last:
+            n = len(last)
+            while tags[0][0] != last.get(tags[0][1]):
+                heapq.heappop(tags)
+            t_next = t + (tags[0][0] - v) * n
+            reach = min(t_next, until)
+            v_end = v + (reach - t) / n
+            while waiting and waiting[0][0] <= v_end + 1e-15:
+                tag, j = heapq.heappop(waiting)
+                done[j] = t + (tag - v) * n
+            t, v = reach, v_end
+            if t_next > until:
+                return
+            while tags and tags[0][0] <= v + 1e-15:
+                tag, k = heapq.heappop(tags)
+                if last.get(k) == tag:
+                    del last[k]
+        t = max(t, until)
+
+    for j, row in enumerate(work):
+        advance(ready[j])
+        ks = np.nonzero(row > 0)[0]
+        for k, w in zip(ks.tolist(), row[ks].tolist()):
+            last[k] = last.get(k, v) + w
+            heapq.heappush(tags, (last[k], k))
+        if len(ks):
+            heapq.heappush(waiting, (max(last[k] for k in ks.tolist()), j))
+    advance(float("inf"))
+    return done
