@@ -89,7 +89,8 @@ def answer(args: argparse.Namespace, prof: Profile, cal: Any, per_host: int,
     lines.append(f"(Priced {sum(len(c.points) for c in curves.values())} sizes x "
                  f"strategies, every setting of each, in {priced:.1f} s; the parameter "
                  f"servers' best settings by the simulator's events on small clusters (up to "
-                 f"{EVENTS_UP_TO} workers), by its fluid beyond, psring.predict.sim.fluid.)")
+                 f"{EVENTS_UP_TO} workers, the fluid's best of each placement), by its fluid "
+                 f"beyond, psring.predict.sim.fluid.)")
     for line in lines:
         print(line)
     marks = matching(prof.source.get("model"), per_host, link)

@@ -16,9 +16,10 @@ their own; byteps's update site) is priced, and the best synchronous uncompresse
 kept (what one worker would train). The rings are played by the simulator's
 timeline; the parameter servers' settings are ranked by its fluid
 (psring.predict.sim.fluid), whose cost does not grow with workers × servers, and on
-small clusters (:func:`by_fluid`) the setting it picks is priced again by its events,
-TCP's uneven shares drawn (the mean of several draws, as advise ranks): the fluid
-leaves that cost out.
+small clusters (:func:`by_fluid`) its best with the servers among the workers and its
+best with them on hosts of their own are priced again by its events, TCP's uneven
+shares drawn (the mean of several draws, as advise ranks), and the faster kept: the
+fluid leaves that cost out (:func:`by_events`).
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ HIDDEN = 0.05
 TIE = 0.005
 #: the parameter servers' chosen settings are priced by their events (the mean of
 #: EVENTS_DRAWS draws of TCP's uneven shares) up to this many workers, where the
-#: events' work, workers × servers × buckets, is at most EVENTS_WORK (their cost grows
-#: as that product: the pricing of 1 to 1024 workers stays within seconds); else by
-#: the fluid
-EVENTS_UP_TO = 8
-EVENTS_WORK = 640
+#: events' messages a step, workers × (servers + buckets), are at most EVENTS_MESSAGES
+#: (their cost grows with that count: the pricing of 1 to 1024 workers stays within
+#: seconds); else by the fluid
+EVENTS_UP_TO = 16
+EVENTS_MESSAGES = 320
 EVENTS_DRAWS = 2
 
 
@@ -57,8 +58,8 @@ def by_fluid(profile: Profile, cluster: Cluster, bucket_mb: float) -> bool:
     than by its events."""
     if not 1 < cluster.workers <= EVENTS_UP_TO:
         return True  # (one worker's flows share nothing; many: the events' cost)
-    return cluster.workers * max(1, cluster.servers) * len(profile.buckets(bucket_mb)) \
-        > EVENTS_WORK
+    return cluster.workers * (max(1, cluster.servers) + len(profile.buckets(bucket_mb))) \
+        > EVENTS_MESSAGES
 
 
 def priced(profile: Profile, cal: Any, cost_model: str, cluster: Cluster, bucket_mb: float,
@@ -201,21 +202,41 @@ def scale(profile: Profile, cal: Any, classes: dict[str, Any], max_workers: int,
         own = 2 * base.hosts if link_bits else base.hosts
         cands = candidates(profile, base, cal, can, max_servers=max(1, own), cores=None,
                            inside=inside if base.workers > base.hosts else None, fluid=True)
-        best, squeezed = best_of_each(cands), best_of_each(cands, compressed=True)
+        best = by_events(profile, cal, classes, cands, inside)
+        squeezed = best_of_each(cands, compressed=True)
         for c in best.values():
             caps = classes[c.strategy].caps
-            if caps.cost_model and COST_MODELS.get(caps.cost_model).fluid is not None \
-                    and not by_fluid(profile, c.cluster, c.bucket_mb):
-                # (the fluid ranked the settings; the events price the one it picked)
-                c.prediction = priced(profile, cal, caps.cost_model, c.cluster, c.bucket_mb,
-                                      c.compress, c.prediction.settings.get(
-                                          "update_on", "server"), inside)
             point = Point.of(c, caps.uses_servers, caps.supports_compression)
             fp16 = squeezed.get(c.strategy)
             if fp16 is not None and fp16.prediction.step_s < point.step_s:
                 point.compressed_step_s = fp16.prediction.step_s
             curves[c.strategy].points.append(point)
     return {k: v for k, v in curves.items() if v.points}
+
+
+def by_events(profile: Profile, cal: Any, classes: dict[str, Any], cands: list[Candidate],
+              inside: tuple[float, float] | None) -> dict[str, Candidate]:
+    """Each strategy's best uncompressed setting (:func:`best_of_each`); a parameter
+    server's fluid ranks its settings, and where :func:`by_fluid` allows, the fluid's
+    best with the servers among the workers and its best with them on hosts of their
+    own are priced again by the events and the faster kept: TCP's uneven shares, which
+    the fluid leaves out, cost a round whose hosts carry replies beside their pushes
+    far more than one whose servers have hosts of their own."""
+    best = best_of_each(cands)
+    for name, c in best.items():
+        model = classes[name].caps.cost_model
+        if not model or COST_MODELS.get(model).fluid is None \
+                or by_fluid(profile, c.cluster, c.bucket_mb):
+            continue
+        places = best_of_each([x for x in cands if x.strategy == name
+                               and x.cluster.placement != c.cluster.placement])
+        tried = [c, *[x for x in places.values()
+                      if not by_fluid(profile, x.cluster, x.bucket_mb)]]
+        for x in tried:
+            x.prediction = priced(profile, cal, model, x.cluster, x.bucket_mb, x.compress,
+                                  x.prediction.settings.get("update_on", "server"), inside)
+        best[name] = min(tried, key=lambda x: x.prediction.step_s)
+    return best
 
 
 def best_of_each(cands: list[Candidate], compressed: bool = False) -> dict[str, Candidate]:

@@ -229,12 +229,13 @@ def test_scale_answers_for_every_strategy_and_keeps_the_target(monkeypatch):
 
 def test_small_clusters_price_the_servers_by_their_events_large_ones_by_the_fluid():
     # the fluid leaves out TCP's uneven shares; where the events are affordable the
-    # setting it picks is priced by them (the mean of draws), beyond it stays the fluid's
+    # fluid's best setting of each placement is priced by them (the mean of draws) and
+    # the faster kept; beyond, the fluid's stays
     light = Profile.on_paper([1_000_000] * 10, forward_s=0.005, backward_s=0.015,
                              update_s=0.0, batch_size=32)
     classes = {"ps": STRATEGIES.get("ps")}
-    curves = scale(light, CAL, classes, 2 * EVENTS_UP_TO, per_host=2, link_bits=1e9,
-                   sizes=[EVENTS_UP_TO, 2 * EVENTS_UP_TO])
+    curves = scale(light, CAL, classes, 32, per_host=2, link_bits=1e9, sizes=[8, 32])
+    kinds = []
     for point in curves["ps"].points:
         c = point.candidate
         events = simulate(light, c.cluster, "ps", CAL, bucket_mb=c.bucket_mb,
@@ -242,8 +243,29 @@ def test_small_clusters_price_the_servers_by_their_events_large_ones_by_the_flui
         fluid = simulate(light, c.cluster, "ps", CAL, bucket_mb=c.bucket_mb,
                          fluid=True).step_s
         assert events != pytest.approx(fluid, rel=0.01)  # (they differ: which is which?)
-        expected = events if point.workers <= EVENTS_UP_TO else fluid
-        assert point.step_s == pytest.approx(expected, rel=1e-9)
+        by_fluid = scaling.by_fluid(light, c.cluster, c.bucket_mb)
+        kinds.append(by_fluid)
+        assert point.step_s == pytest.approx(fluid if by_fluid else events, rel=1e-9)
+    assert kinds == [False, True]
+    assert 32 > EVENTS_UP_TO
+
+
+def test_the_events_choose_between_the_fluids_best_of_each_placement():
+    """At 16 workers, 2 a host, 1 Gbit/s, the fluid puts a server on each worker host
+    (it leaves out TCP's uneven shares, which cost colocated servers, carrying replies
+    beside pushes, tens of per cent); the events price its best of each placement and
+    keep the faster, servers on hosts of their own, as device-mode runs measure."""
+    light = Profile.on_paper([2_500_000] * 4, forward_s=0.005, backward_s=0.015,
+                             update_s=0.0, batch_size=32)
+    ps = STRATEGIES.get("ps")
+    point = scale(light, CAL, {"ps": ps}, 16, per_host=2, link_bits=1e9,
+                  sizes=[16])["ps"].points[0]
+    assert point.placement == "own-hosts"
+    colocated = Cluster.of(hosts=8, workers_per_host=2, link_bits=1e9, servers=16)
+    assert simulate(light, colocated, "ps", CAL, bucket_mb=1.0, fluid=True).step_s \
+        < point.step_s  # (the fluid alone would have picked it)
+    assert simulate(light, colocated, "ps", CAL, bucket_mb=1.0,
+                    draws=EVENTS_DRAWS).step_s > point.step_s
 
 
 def test_the_guidelines_batch_is_the_smallest_that_keeps_the_target():
