@@ -153,7 +153,7 @@ class PSRound:
         self.units = {lr: sum(c[0] for key, c in self.chunks.items() if key[0] == lr)
                       for lr in range(G)}
         self.got_i: dict[tuple, float] = {}   # (s, unit) -> bytes in
-        self.pushed_buckets: set[tuple[int, int]] = set()
+        self.pushed_buckets: set[tuple[int, int, int]] = set()
 
     def at(self, t: float, event: Callable[..., None], *args) -> None:
         """``event(*args, t)`` at time t."""
@@ -186,7 +186,7 @@ class PSRound:
             t = self.rs_done[key]
         t = self.copied(w, "d2h", sum(m for _, m in parts), t)  # (a GPU's: to the host)
         if self.mode == "byteps":
-            self.at(t, self.push_partitions, s, i)
+            self.at(t, self.push_partitions, self.whost[w], s, i)
             return
         if sim.cast:  # the worker casts the bucket before it goes out
             t = self.w_cast[w].occupy(t, sum(m for _, m in parts) * sim.cast)
@@ -311,16 +311,19 @@ class PSRound:
 
     # -- byteps's partitions -------------------------------------------------------------
 
-    def push_partitions(self, s: int, i: int, t: float) -> None:
-        """Every worker pushes its part of bucket i (the first to get here plays all n: a
-        synchronous step launches a bucket on every host at once) to the servers holding
-        it, in partitions, one after another on each connection."""
-        if (s, i) in self.pushed_buckets:
+    def push_partitions(self, host: int, s: int, i: int, t: float) -> None:
+        """The workers of ``host`` push their parts of bucket i (the first of them to get
+        here plays the host's G: they reduce-scattered it together) to the servers
+        holding them, in partitions, one after another on each connection. Each host
+        pushes when its own backward has the bucket: a host behind pushes late."""
+        if (host, s, i) in self.pushed_buckets:
             return
-        self.pushed_buckets.add((s, i))
+        self.pushed_buckets.add((host, s, i))
         local, wire = self.local, self.sim.wire
-        timed = self.timed(s, t)
+        timed = self.timed(s, t) if host == self.whost[0] else None
         for x in range(self.n):
+            if self.whost[x] != host:
+                continue
             for k, _ in self.col[(local[x], i)]:
                 nparts, m = self.chunks[(local[x], i, k)]
                 for j in range(nparts):
