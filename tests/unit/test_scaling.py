@@ -234,7 +234,7 @@ def test_small_clusters_price_the_servers_by_their_events_large_ones_by_the_flui
     light = Profile.on_paper([1_000_000] * 10, forward_s=0.005, backward_s=0.015,
                              update_s=0.0, batch_size=32)
     classes = {"ps": STRATEGIES.get("ps")}
-    curves = scale(light, CAL, classes, 32, per_host=2, link_bits=1e9, sizes=[8, 32])
+    curves = scale(light, CAL, classes, 18, per_host=2, link_bits=1e9, sizes=[8, 18])
     kinds = []
     for point in curves["ps"].points:
         c = point.candidate
@@ -247,7 +247,7 @@ def test_small_clusters_price_the_servers_by_their_events_large_ones_by_the_flui
         kinds.append(by_fluid)
         assert point.step_s == pytest.approx(fluid if by_fluid else events, rel=1e-9)
     assert kinds == [False, True]
-    assert 32 > EVENTS_UP_TO
+    assert 18 > EVENTS_UP_TO
 
 
 def test_the_events_choose_between_the_fluids_best_of_each_placement():
