@@ -228,10 +228,10 @@ def by_events(profile: Profile, cal: Any, classes: dict[str, Any], cands: list[C
         if not model or COST_MODELS.get(model).fluid is None \
                 or by_fluid(profile, c.cluster, c.bucket_mb):
             continue
-        places = best_of_each([x for x in cands if x.strategy == name
-                               and x.cluster.placement != c.cluster.placement])
-        tried = [c, *[x for x in places.values()
-                      if not by_fluid(profile, x.cluster, x.bucket_mb)]]
+        other = best_of_each([x for x in cands if x.strategy == name
+                              and x.cluster.placement != c.cluster.placement]).get(name)
+        tried = [c] if other is None or by_fluid(profile, other.cluster, other.bucket_mb) \
+            else [c, other]
         for x in tried:
             x.prediction = priced(profile, cal, model, x.cluster, x.bucket_mb, x.compress,
                                   x.prediction.settings.get("update_on", "server"), inside)

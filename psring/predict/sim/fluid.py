@@ -177,10 +177,11 @@ class _Round:
         out, which the first-come order already puts behind the pushes). Every such host
         is alike: played once."""
         res = self.res
-        plain = [on for h, on in enumerate(res.on) if on and not (res.col == h).any()]
-        if not plain:
+        serving = set(res.col.tolist())
+        on = next((on for h, on in enumerate(res.on) if on and h not in serving), 0)
+        if not on:
             return {}
-        work = np.stack([j[3] for j in jobs]) * plain[0] * self.sim.wire * res.b_link
+        work = np.stack([j[3] for j in jobs]) * on * self.sim.wire * res.b_link
         return {j[1]: float(t) for j, t in zip(jobs, fair_share([j[0] for j in jobs], work))}
 
     def serve(self) -> float:
