@@ -69,8 +69,8 @@ def compare_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 #: folders whose tests run one at a time, after the others (``make test``'s second
 #: pytest): emulated clusters build network namespaces and shape links, and time what
 #: crosses them; a test running beside them on the 2 cores would skew what they measure.
-#: A test there marked ``untimed`` (it compares parameters, not times or deadlines)
-#: runs with the others.
+#: A test there marked ``untimed`` (it compares parameters, or waits out a deadline
+#: whose slack allows for a loaded machine: it times no link) runs with the others.
 SERIAL_FOLDERS = ("emulation",)
 
 
