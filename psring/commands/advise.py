@@ -182,11 +182,27 @@ def verify_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[s
     return flags
 
 
+#: the smallest --time-scale a verifying run takes. The rule's own minimum
+#: (psring.train.device.required_time_scale) holds the device's compute: the workers'
+#: passes over their gradients fit the cores. It leaves out the servers' and the
+#: transports' work, which then waits for busy cores where the calibration measured
+#: idle ones, so a run of short steps (one host, no link to wait on) came out far
+#: slower than priced at that minimum and within its price here (docs/prediction.md,
+#: "Checked here"). A run slower than this already is not slowed further.
+VERIFY_MIN_TIME_SCALE = 16
+
+
+def verify_time_scale(flags: dict[str, Any]) -> int:
+    """The --time-scale a verifying run of RunConfig fields ``flags`` takes: the device
+    rule's, and at least :data:`VERIFY_MIN_TIME_SCALE`."""
+    return max(VERIFY_MIN_TIME_SCALE, required_time_scale(RunConfig(**flags)))
+
+
 def verify_clock(cal: Calibration, args: argparse.Namespace, model: dict[str, Any], n: int,
                  device_profile: Path) -> Callable[[Cluster], Calibration]:
     """The calibration each candidate cluster is priced with: this machine's software
     costs on the clock of the run that would verify it, ``cal.faster(S)`` at its
-    --time-scale S (psring.train.device.required_time_scale, as :func:`verify` runs
+    --time-scale S (:func:`verify_time_scale`, as :func:`verify` runs
     it, and as psring.predict.replay reads a device-mode run). A described cluster's
     links are then its own: at S = 1 a host link would be floored at this machine's
     loopback (about 31 Gbit/s here), which a GPU cluster's 100 Gbit/s link is not.
@@ -201,7 +217,7 @@ def verify_clock(cal: Calibration, args: argparse.Namespace, model: dict[str, An
                      "strategy": "ps" if key[1] else "allreduce"}
             if key[1]:  # (servers on hosts of their own: more hosts, more links)
                 flags.update(servers=cl.servers, server_placement=key[1])
-            scaled[key] = cal.faster(required_time_scale(RunConfig(**flags)))
+            scaled[key] = cal.faster(verify_time_scale(flags))
         return scaled[key]
 
     return cal_of
@@ -214,14 +230,14 @@ def verify(top: list[Candidate], classes: dict[str, Any], args: argparse.Namespa
     device with the ranked profile's times (--compute device: the verified cluster is
     the described one, a device per worker, not these shared cores), the profiled
     ``model`` at global batch ``batch``; predicted vs measured step time. Each run takes
-    the smallest --time-scale at which this machine emulates it faithfully
-    (psring.train.device.required_time_scale)."""
+    the --time-scale at which this machine emulates it faithfully
+    (:func:`verify_time_scale`)."""
 
     results = []
     for c in top:
         cls = classes[c.strategy]
         flags = verify_flags(c, cls, args, model, batch, n, out, device_profile)
-        scale = required_time_scale(RunConfig(**flags))
+        scale = verify_time_scale(flags)
         setting = c.setting(cls.caps.uses_servers, cls.caps.supports_compression)
         print(f"psring: verifying {c.strategy} ({setting})"
               f"{f', --time-scale {scale}' if scale > 1 else ''}", flush=True)
@@ -252,7 +268,7 @@ def _scaling_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict
 def _measure(flags: dict[str, Any]) -> tuple[float, int]:
     """Run a verifying run at the --time-scale this machine needs for it: (measured step
     p50, that scale)."""
-    scale = required_time_scale(RunConfig(**flags))
+    scale = verify_time_scale(flags)
     run_dir = launch(RunConfig(**flags, time_scale=scale))
     return summarize(run_dir)["step_p50_s"], scale
 

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from psring.config import RunConfig
 from psring.predict.calibration import Calibration
 from psring.records.profile import Profile
 from psring.strategies.buckets import GradientBuckets, bucket_caps
@@ -275,6 +276,23 @@ def test_verify_runs_take_the_device_link_where_their_strategy_accepts_it(tmp_pa
                 assert flags.get("device_link", "") == \
                     (device_link if cls.caps.inside_host else ""), (hosts, c.strategy, flags)
                 validate(RunConfig(**flags))  # psring run would take it
+
+
+def test_verify_runs_at_least_the_floor_and_the_rule_above_it(tmp_path):
+    """A verifying run's --time-scale: the device rule's where it asks for more than
+    VERIFY_MIN_TIME_SCALE, the floor where the rule would leave the cores busy."""
+    from psring.commands.advise import VERIFY_MIN_TIME_SCALE, verify_time_scale
+    from psring.train.device import required_time_scale
+
+    sizes = [4 * 1024 * 1024, 4096]
+    flags = dict(model="mlp", strategy="ps", workers=2, servers=2, compute="device")
+    for step_s, above in ((1e-2, False), (1e-5, True)):
+        path = Profile.on_paper(sizes, step_s / 3, 2 * step_s / 3, batch_size=8).save(
+            tmp_path / f"p{step_s:g}")
+        run = {**flags, "device_profile": str(path)}
+        rule = required_time_scale(RunConfig(**run))
+        assert (rule > VERIFY_MIN_TIME_SCALE) == above, rule
+        assert verify_time_scale(run) == max(rule, VERIFY_MIN_TIME_SCALE)
 
 
 def test_a_described_link_faster_than_loopback_is_not_floored_at_it(big, tmp_path):
