@@ -187,8 +187,10 @@ def verify_flags(c: Candidate, cls: Any, args: argparse.Namespace, model: dict[s
 #: passes over their gradients fit the cores. It leaves out the servers' and the
 #: transports' work, which then waits for busy cores where the calibration measured
 #: idle ones, so a run of short steps (one host, no link to wait on) came out far
-#: slower than priced at that minimum and within its price here (docs/prediction.md,
-#: "Checked here"). A run slower than this already is not slowed further.
+#: slower than priced at that minimum and close to its price at this floor
+#: (docs/prediction.md, "Checked here", on a 2-core machine; a machine of more cores
+#: needs less, and loses only time to it). A run the rule already slows further is
+#: unchanged.
 VERIFY_MIN_TIME_SCALE = 16
 
 
