@@ -88,12 +88,15 @@ def block_bytes(nbytes: int) -> int:
 
 
 def encode_block(worker: int, shard: int, tag: int, transfer: int, dtype: str,
-                 raw: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+                 raw: np.ndarray, out: np.ndarray | None = None, first: int = 0,
+                 packets: int | None = None) -> tuple[np.ndarray, int]:
     """All unsigned datagrams of one transfer in one buffer, built at once: row i is
     packet i (its header, then its piece of ``raw``, the range's bytes as uint8, cut
     every DATAGRAM_PAYLOAD), rows end to end, so consecutive packets are consecutive
     bytes; and the last packet's length (the rest of its row is not sent). ``out``:
-    the memory to build it in (uint8, :func:`block_bytes` of them), else new."""
+    the memory to build it in (uint8, :func:`block_bytes` of them), else new. A part
+    of a transfer (``raw`` its packets ``first`` on, of ``packets`` in all: a pull
+    answered as its ranges are ready, psring.comm.egress) is numbered in the whole."""
     itemsize = DTYPES[dtype].itemsize
     count = max(1, -(-len(raw) // DATAGRAM_PAYLOAD))
     shape = (count, DATAGRAM_HEADER + DATAGRAM_PAYLOAD)
@@ -105,7 +108,8 @@ def encode_block(worker: int, shard: int, tag: int, transfer: int, dtype: str,
         WIRE_CODES.index(dtype)
     head["worker"], head["shard"], head["tag"], head["transfer"] = worker, shard, tag, \
         transfer
-    head["index"], head["packets"], head["n"] = np.arange(count), count, sizes // itemsize
+    head["index"] = np.arange(first, first + count)
+    head["packets"], head["n"] = count if packets is None else packets, sizes // itemsize
     buf[:, :DATAGRAM_HEADER] = head.view(np.uint8).reshape(count, DATAGRAM_HEADER)
     full = len(raw) // DATAGRAM_PAYLOAD  # (whole payloads: one copy into their rows)
     buf[:full, DATAGRAM_HEADER:] = raw[:full * DATAGRAM_PAYLOAD].reshape(full, DATAGRAM_PAYLOAD)
@@ -116,10 +120,13 @@ def encode_block(worker: int, shard: int, tag: int, transfer: int, dtype: str,
 
 
 def encode_datagrams(worker: int, shard: int, tag: int, transfer: int, dtype: str,
-                     raw: np.ndarray, key: bytes | None = None) -> list[memoryview]:
-    """All datagrams of one transfer, one object each (:func:`encode_block`'s rows),
-    each signed with ``key`` when there is one."""
-    buf, last = encode_block(worker, shard, tag, transfer, dtype, raw)
+                     raw: np.ndarray, key: bytes | None = None, first: int = 0,
+                     packets: int | None = None) -> list[memoryview]:
+    """All datagrams of one transfer (or part: ``first``, ``packets`` as for
+    :func:`encode_block`), one object each (its rows), each signed with ``key`` when
+    there is one."""
+    buf, last = encode_block(worker, shard, tag, transfer, dtype, raw, first=first,
+                             packets=packets)
     count, width = buf.shape
     flat = memoryview(buf).cast("B")
     out = [flat[i * width:(i + 1) * width] for i in range(count - 1)]

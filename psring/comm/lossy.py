@@ -191,22 +191,38 @@ class LossySender:
              token: object = None, offset: int = 0) -> Transfer:
         """Cut ``grad`` (1-d, contiguous, CPU; elements from ``offset`` of the flat
         model, for the marks) into datagrams and queue them all."""
+        t = self._transfer(transfer_id, shard, grad)
+        if self.marks is not None:
+            t.levels = self.marks.levels(grad, offset, t.per)
+        self.jobs.put((t, range(t.count), token))
+        return t
+
+    def send_part(self, transfer_id: int, shard: int, part: torch.Tensor, first: int,
+                  packets: int, token: object = None) -> Transfer:
+        """Queue packets ``first`` on of a transfer of ``packets`` in all, ``part``
+        (1-d, contiguous, CPU) their elements: a pull answered range by range
+        (psring.comm.egress). Unmarked: parameters rank above gradients at a
+        priority switch, as TCP does."""
+        t = self._transfer(transfer_id, shard, part, first, packets)
+        self.jobs.put((t, range(t.count), token))
+        return t
+
+    def _transfer(self, transfer_id: int, shard: int, grad: torch.Tensor, first: int = 0,
+                  packets: int | None = None) -> Transfer:
+        """``grad``'s datagrams, numbered from ``first`` of ``packets`` (None: its own)."""
         dtype = DTYPE_NAMES[grad.dtype]
         raw = grad.reshape(-1).view(torch.uint8).numpy()
         common = (grad, per_datagram(dtype), grad.numel(), dtype)
         if self.key:
             signed = encode_datagrams(self.worker, shard, self.tag, transfer_id, dtype, raw,
-                                      self.key)
+                                      self.key, first, packets)
             t = Transfer(*common, len(signed), each=signed)
         else:
             buf, last = encode_block(self.worker, shard, self.tag, transfer_id, dtype, raw,
-                                     self.buffers.take(block_bytes(len(raw))))
+                                     self.buffers.take(block_bytes(len(raw))), first, packets)
             t = Transfer(*common, buf.shape[0], memoryview(buf).cast("B"), buf.shape[1],
                          last)
-        if self.marks is not None:
-            t.levels = self.marks.levels(grad, offset, t.per)
         t.transfer, t.shard = transfer_id, shard
-        self.jobs.put((t, range(t.count), token))
         return t
 
     def resend(self, t: Transfer, missing: list[int], need: int,
