@@ -32,7 +32,7 @@ from psring.comm.protocol import (
     error_frames,
 )
 from psring.servers.acks import Replays
-from psring.servers.replies import Deferred, Reply, RequestError
+from psring.servers.replies import Deferred, Piece, Reply, RequestError
 from psring.servers.state import RunState
 
 #: pulls held back at once, beyond which new ones are refused (bounded memory)
@@ -399,6 +399,9 @@ class Handler:
         out = []
         snapshot = snapshot or bool(st.backups)
         a, b = d.part
+        h = d.msg.header
+        # as datagrams when asked (the server knows where): a sync pull of its version
+        datagrams = h["datagrams"] > 0 and not snapshot and version == h["min_version"]
         values = st.store.sendable(version)
         for start, n in ranges:
             start, n = max(start, a), min(start + n, b) - max(start, a)
@@ -411,6 +414,11 @@ class Handler:
                 params = self._cast(st, start, n, version, params, snapshot)
             elif snapshot:
                 params = params.clone()
+            if datagrams:  # (the egress copies it into the pull's datagrams at once)
+                out.append(Reply(d.peer, None, self._record(
+                    d.msg, t0, t0 - d.since, bytes_out=n * params.element_size(),
+                    datagrams=True), Piece(h, b - a, start - a, params)))
+                continue
             out.append(self._reply(d.peer, d.msg, "params",
                                    {"version": version, "offset": st.store.lo + start},
                                    [params], t0=t0, wait=t0 - d.since))

@@ -16,10 +16,23 @@ class RequestError(Exception):
 
 
 @dataclass
+class Piece:
+    """A ready range of a pull answered as datagrams (psring.comm.egress): elements
+    [start, start + len(values)) of the ``numel`` its request (``header``) asks for."""
+
+    header: dict[str, Any]
+    numel: int
+    start: int
+    values: Any  # torch.Tensor (this module stays free of torch)
+
+
+@dataclass
 class Reply:
     peer: bytes
-    frames: list | None  # None: nothing to send (a dropped replay), only the record
+    #: None: nothing to send over ZeroMQ (a dropped replay, or a ``piece``), the record
+    frames: list | None
     record: dict[str, Any]
+    piece: Piece | None = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ import zmq
 from psring.cluster.netns import inside_cluster
 from psring.cluster.spec import in_network
 from psring.comm.credits import Granter
+from psring.comm.egress import Egress
 from psring.comm.endpoints import HOW_TO_SET_A_SECRET, is_local
 from psring.comm.ingress import Ingress, drain, receiving_socket
 from psring.comm.protocol import (
@@ -186,6 +187,8 @@ class Server:
         #: --credit-window: grants to the bounded-loss senders (psring.comm.credits)
         self.granter = Granter(self.udp, credit_window, secret) \
             if credit_window and self.udp is not None else None
+        #: a sync run's bounded-loss pulls, answered as datagrams (psring.comm.egress)
+        self.egress = Egress(secret)
         self.handler = Handler(name, key=secret)
         self.log = RequestLog(log_path)
         self.invalid = 0  # answered with an error: malformed, or the handler failed
@@ -197,7 +200,8 @@ class Server:
         return {**self.handler.counts, "invalid": self.invalid,
                 "unauthenticated": self.unauthenticated,
                 **({k: v for k, v in self.ingress.counts.items() if v} if self.udp else {}),
-                **(self.granter.counts if self.granter is not None else {})}
+                **(self.granter.counts if self.granter is not None else {}),
+                **{k: v for k, v in self.egress.counts.items() if v}}
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         poller = zmq.Poller()
@@ -222,6 +226,8 @@ class Server:
         """Hand up to ``most`` datagrams waiting on the UDP socket to the ingress."""
         drain(self.udp, self.ingress, most,
               heard=self.granter.heard if self.granter is not None else None)
+        for nack in self.ingress.take_nacks():  # (a worker misses some of a pull)
+            self.egress.nacked(nack)
 
     def _note(self, record: dict) -> None:
         """Log a refused or dropped message, at most NOTES_PER_S records per kind."""
@@ -256,6 +262,8 @@ class Server:
                 msg = self._lossy(peer, msg)
                 if msg is None:
                     return
+            if msg.op == "pull" and msg.header["datagrams"]:
+                self._datagram_pull(body[0], msg.header)
             replies = self.handler.handle(peer, msg)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
             self.invalid += 1
@@ -266,6 +274,11 @@ class Server:
                 msg.header, self.secret)], copy=False)
             return
         for reply in replies:
+            if reply.piece is not None:  # a ready range of a pull, as datagrams
+                p = reply.piece
+                self.egress.piece(p.header, p.numel, p.start, p.values)
+                self.log.add(reply.record)
+                continue
             if reply.frames is None:  # a dropped replay: only noted
                 self._note(reply.record)
                 continue
@@ -296,7 +309,25 @@ class Server:
                       "missing": len(missing), "need": need})
         return None
 
+    def _datagram_pull(self, frame: zmq.Frame, h: dict) -> None:
+        """A pull that asks for datagrams: learn where its worker's go (the address
+        its request came from, the port it names), or answer it over TCP (no UDP
+        socket here, or no address: h["datagrams"] = 0)."""
+        if not 0 < h["datagrams"] < 65536 or h["pace"] < 0:
+            raise ProtocolError(f"a pull's datagram port {h['datagrams']} or pace "
+                                f"{h['pace']} is out of range")
+        try:
+            host = frame.get("Peer-Address") if isinstance(frame, zmq.Frame) else None
+        except zmq.ZMQError:  # (not over TCP)
+            host = None
+        if self.udp is None or not host:
+            h["datagrams"] = 0
+            return
+        self.egress.learn(h["run"], h["worker"], host, h["datagrams"], h["pace"])
+
     def close(self) -> None:
+        if getattr(self, "egress", None) is not None:
+            self.egress.close()
         if hasattr(self, "log"):
             # peak memory (Linux reports ru_maxrss in KiB): the load tests bound it
             peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

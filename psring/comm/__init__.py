@@ -6,7 +6,12 @@
 - ``compress``: the wire dtype of gradients (``--compress``);
 - ``adasum``: the adaptive sum ``allreduce --reduce adasum`` uses;
 - ``interconnect``: a host's device interconnect timed in device mode (``--device-link``);
-- ``psclient``: the parameter-server client a worker uses (ps, async-ps, byteps).
+- ``psclient``: the parameter-server client a worker uses (ps, async-ps, byteps);
+- ``datagrams``, ``lossy``, ``ingress``, ``buffers``, ``credits``: bounded-loss pushes
+  as datagrams (``--loss-tolerance``), their wire format, sending and receiving sides,
+  memory and receiver-driven pacing; ``egress``, ``pulls``: a sync run's pulls as
+  datagrams, the server's and the worker's sides; ``transpose``: the transpose
+  all-reduce built on them.
 """
 
 from psring._lazy import lazy_exports

@@ -222,8 +222,12 @@ class Ingress:
     transfers completed lately, whose datagrams that come late are dropped (counted
     ``late``) rather than held as a new transfer."""
 
-    def __init__(self, key: bytes | None = None):
+    def __init__(self, key: bytes | None = None,
+                 accept: Callable[[int, int, int, str, int, int], bool] | None = None):
         self.key = key
+        #: accept(worker, transfer, packets, dtype, tag, shard): whether a transfer not
+        #: seen before may be held (a worker's pulls: only those it asked for)
+        self.accept = accept
         self.transfers: OrderedDict[tuple[int, int], _Arriving] = OrderedDict()
         self.held = 0
         self.counts = {"datagrams": 0, "bad_datagrams": 0, "evicted": 0, "late": 0}
@@ -367,7 +371,8 @@ class Ingress:
             self.counts["late"] += 1
             return None
         if t is None:
-            if packets * whole_bytes(dtype) > MAX_HELD_BYTES:
+            if packets * whole_bytes(dtype) > MAX_HELD_BYTES or self.accept is not None \
+                    and not self.accept(worker, transfer, packets, dtype, tag, shard):
                 return None
             t = self.transfers[key] = self._new(packets, dtype, tag, shard)
             self.held += t.nbytes
@@ -442,6 +447,28 @@ class Ingress:
                   "offset": h["offset"], "tensors": [[dtype, [numel]]],
                   "delivered": numel - lost}
         return Message(header, [grad])
+
+    def whole(self, worker: int, transfer: int, numel: int) -> torch.Tensor | None:
+        """A transfer of exactly ``numel`` elements once every packet of it arrived
+        (the tensor takes its memory over), else None: a pull's, which loses nothing."""
+        key = (worker, transfer)
+        t = self.transfers.get(key)
+        if t is None or not t.got.all():
+            return None
+        whole = whole_bytes(t.dtype)
+        itemsize = DTYPES[t.dtype].itemsize
+        if t.last != numel * itemsize - (t.packets - 1) * whole:
+            return None  # (a last packet that does not end the elements: never taken)
+        del self.transfers[key]
+        self.held -= t.nbytes
+        _remember(self.finished, key, None)
+        return torch.frombuffer(t.data, dtype=DTYPES[t.dtype], count=numel)
+
+    def missing(self, worker: int, transfer: int, packets: int) -> np.ndarray:
+        """The packet numbers of a transfer of ``packets`` not arrived yet (all of them
+        when none did)."""
+        t = self.transfers.get((worker, transfer))
+        return np.arange(packets) if t is None else np.flatnonzero(~t.got)
 
     @staticmethod
     def _assemble(t: _Arriving, numel: int, dtype: torch.dtype, lost: int,

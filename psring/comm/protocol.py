@@ -106,8 +106,12 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "lossy_push": {"step": _INT, "offset": _INT, "numel": _INT, "packets": _INT,
                    "dtype": _STR, "tolerance": _NUM, "transfer": _INT, "tensors": (list,)},
     # worker -> server: send me the shard once its version is >= `min_version`; with
-    # `hi` > 0 only flat elements [lo, hi) of it (byteps: the part a worker pushed)
-    "pull": {"min_version": _INT, "lo": _INT, "hi": _INT, "tensors": (list,)},
+    # `hi` > 0 only flat elements [lo, hi) of it (byteps: the part a worker pushed);
+    # with `datagrams` P > 0 (a sync run's bounded-loss pulls) as datagrams to UDP port
+    # P at the address this request came from (DATAGRAM, transfer = this seq, paced at
+    # `pace` bit/s, 0: unpaced) rather than params messages, when the server can
+    "pull": {"min_version": _INT, "lo": _INT, "hi": _INT, "datagrams": _INT, "pace": _INT,
+             "tensors": (list,)},
     # worker -> server: this worker is done with the run (it stops counting as in flight)
     "leave": {"tensors": (list,)},
     # worker -> shard 0 (with backups), once every push of its step `step` is
@@ -147,7 +151,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 OPTIONAL: dict[str, dict[str, Any]] = {
     "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0, "wire_dtype": "float32",
              "group": 1, "update": "sgd", "backups": 0},
-    "pull": {"lo": 0, "hi": 0},
+    "pull": {"lo": 0, "hi": 0, "datagrams": 0, "pace": 0},
     "ack": {"dropped": False, "delivered": -1},
 }
 

@@ -29,6 +29,7 @@ from psring.comm.protocol import (
     decode,
     encode,
 )
+from psring.comm.pulls import DatagramPulls
 from psring.errors import PsringError
 
 
@@ -38,7 +39,8 @@ class PSClient:
 
     def __init__(self, addrs: list[str], run: str, worker: int, timeout: float,
                  secret: bytes | None = None, pace_bits: float | None = None,
-                 marks: Marks | None = None, credits: bool = False):
+                 marks: Marks | None = None, credits: bool = False,
+                 datagram_pulls: bool = False):
         self.addrs = addrs
         self.run = run
         self.worker = worker
@@ -90,6 +92,14 @@ class PSClient:
         self._unannounced: set[tuple[int, int]] = set()
         self._held: dict[int, list[tuple[tuple[int, int], dict]]] = {}
         self._renamed: dict[tuple[int, int], tuple[int, int]] = {}  # held pulls, as sent
+        #: a sync run's bounded-loss pulls, answered as datagrams (psring.comm.pulls):
+        #: the pulls that ask for them, by key -> (offset, min_version); the sent seq
+        #: of each -> its key
+        self.pulls = DatagramPulls(addrs, run, worker, secret) if datagram_pulls else None
+        if self.pulls is not None:
+            self.poller.register(self.pulls.fileno(), zmq.POLLIN)
+        self._by_datagram: dict[tuple[int, int], tuple[int, int]] = {}
+        self._sent_as: dict[int, tuple[int, int]] = {}
 
     def send(self, shard: int, op: str, fields: dict, tensors=()) -> tuple[int, int]:
         with self.lock:
@@ -192,7 +202,15 @@ class PSClient:
         for key, fields in self._held.pop(shard):
             self.seq += 1
             self._renamed[(shard, self.seq)] = key  # (every piece of the answer bears it)
+            self._expect(key, self.seq)
             self._send_frames(shard, "pull", fields)
+
+    def _expect(self, key: tuple[int, int], seq: int) -> None:
+        """Under the lock: the pull ``key``, about to leave under ``seq``, is answered
+        as datagrams if it asked for them."""
+        if key in self._by_datagram:
+            self.pulls.expect(seq, key[0], self._streams[key][0])
+            self._sent_as[seq] = key
 
     def _leaving(self, shard: int) -> bool:
         """A lossy push to ``shard`` whose lossy_push is not sent yet."""
@@ -208,26 +226,34 @@ class PSClient:
         self.bytes_sent += sent * transfer.per * transfer.grad.element_size()
 
     def pull(self, shard: int, min_version: int, numel: int,
-             on_piece: Callable[[Message], None], **fields: int) -> tuple[int, int]:
+             on_piece: Callable[[Message], None], at: int | None = None,
+             **fields: int) -> tuple[int, int]:
         """Request ``numel`` elements of a shard (all of it; or ``lo``/``hi``, a range of
         the flat vector, in ``fields``); ``on_piece`` gets each ``params`` piece as it
         arrives (the server streams ranges as they are updated); the request is answered
         when the pieces cover what was asked. Made while a lossy push to the shard is
-        still leaving, it is sent behind that push's lossy_push."""
+        still leaving, it is sent behind that push's lossy_push. ``at``: the flat
+        offset of what is asked, given by a sync strategy: with datagram pulls the
+        answer may come as one piece of datagrams, at ``min_version``."""
         with self.lock:  # (the piece may arrive before the stream is known otherwise)
             self._send_ready()
             fields = {"min_version": min_version, **fields}
+            if self.pulls is not None and at is not None:
+                fields.update(datagrams=self.pulls.port, pace=int(self.pace_bits or 0))
+            self.seq += 1
+            key = (shard, self.seq)
+            self.pending.add(key)
+            self._streams[key] = [numel, on_piece]
+            if "datagrams" in fields:
+                self._by_datagram[key] = (at, min_version)
             if self._leaving(shard):
                 # behind this worker's lossy_pushes, as a pull is behind its pushes over
                 # TCP: sent before them, it would have the server stream the parameters
                 # of the buckets already in ahead of those pushes' acks
-                self.seq += 1
-                key = (shard, self.seq)
-                self.pending.add(key)
                 self._held.setdefault(shard, []).append((key, fields))
             else:
-                key = self.send(shard, "pull", fields)
-            self._streams[key] = [numel, on_piece]
+                self._expect(key, self.seq)
+                self._send_frames(shard, "pull", fields)
         return key
 
     def wait(self, keys: list[tuple[int, int]], what: str,
@@ -258,11 +284,15 @@ class PSClient:
                     f"PSRING_SECRET), or raise --timeout.")
             with self.lock:
                 self._send_ready()
-                for sock, _ in self.poller.poll(min(left, 1.0) * 1000):
+                due = self.pulls.due() if self.pulls is not None else None
+                wait = min(left, 1.0, 1.0 if due is None else due)
+                for sock, _ in self.poller.poll(wait * 1000):
                     if sock == self._wake_r:  # a lossy push's datagrams are out
                         os.read(self._wake_r, 4096)
-                    else:
+                    elif isinstance(sock, zmq.Socket):
                         self._receive(sock)
+                if self.pulls is not None:
+                    self._take_pulls()
                 self._send_ready()
         return [self.replies.pop(k) for k in keys]
 
@@ -294,6 +324,12 @@ class PSClient:
             del self._lossy[key]  # answered: its datagrams are not needed again
             if msg.op == "ack":
                 self.lossy_delivered += max(0, h["delivered"])
+        self._answer(key, sent, msg)
+
+    def _answer(self, key: tuple[int, int], sent: tuple[int, int], msg: Message) -> None:
+        """Under the lock: a reply to request ``key`` (sent as ``sent``), or a piece of
+        the answer to a pull."""
+        shard = key[0]
         self.bytes_recv += sum(t.numel() * t.element_size() for t in msg.tensors)
         stream = self._streams.get(key)
         if stream is None:
@@ -308,13 +344,33 @@ class PSClient:
         if stream[0] == 0:
             del self._streams[key]
             self._renamed.pop(sent, None)
+            if self._by_datagram.pop(key, None) is not None:  # (answered either way)
+                self.pulls.forget(sent[1])
+                self._sent_as.pop(sent[1], None)
             self.pending.discard(key)
             self.replies[key] = msg
+
+    def _take_pulls(self) -> None:
+        """Under the lock: pulls whose datagrams have all arrived, each one piece at its
+        version; resend requests for those quiet too long."""
+        for seq, tensor in self.pulls.receive():
+            key = self._sent_as.get(seq)
+            if key is None or key not in self._streams:
+                continue  # (answered over TCP meanwhile)
+            at, version = self._by_datagram[key]
+            header = {"op": "params", "run": self.run, "worker": self.worker, "seq": seq,
+                      "shard": key[0], "version": version, "offset": at,
+                      "tensors": [[DTYPE_NAMES[tensor.dtype], [tensor.numel()]]]}
+            self._answer(key, (key[0], seq), Message(header, [tensor]))
+        if self.pulls.due() == 0:
+            self.pulls.ask_again()
 
     def close(self) -> None:
         with self.lock:  # (never under a send of another thread)
             for sender in self._senders.values():
                 sender.close()
+            if self.pulls is not None:
+                self.pulls.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
             for s in self.socks:

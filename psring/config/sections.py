@@ -353,7 +353,8 @@ class Links:
         "ps, async-ps, byteps: push gradients as UDP datagrams and let each push lose at "
         "most this fraction of its elements (DLCP's bounded loss): the servers sum what "
         "arrived, scaled to stay unbiased, and ask for the rest again only beyond the "
-        "bound; pulls stay reliable. allreduce: a transpose all-reduce whose scatter "
+        "bound; pulls lose nothing (sync runs: as datagrams, asked again after a few "
+        "ms). allreduce: a transpose all-reduce whose scatter "
         "goes as datagrams under the same bound and whose all-gather is reliable "
         "(OptiReduce's). The delivered fraction is logged per step. 0 = every byte "
         "over TCP"))

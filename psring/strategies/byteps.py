@@ -143,7 +143,8 @@ class BytePS(ParameterServer):
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
                                pace_bits=cfg.cluster.emulated_link_bits,
                                marks=Marks.for_switch(cfg.switch, total),
-                               credits=bool(cfg.credit_window))
+                               credits=bool(cfg.credit_window),
+                               datagram_pulls=bool(cfg.loss_tolerance))
         self.wire_dtype = torch.float32
         self.finished = False
         self._early_recv = 0
@@ -205,7 +206,7 @@ class BytePS(ParameterServer):
         worker pulls every shard whole once, which with updates on the servers also
         gives it the initial parameters; a summing server's answer is ignored."""
         recv = self.client.bytes_recv
-        keys = [self.client.pull(k, 0, hi - lo, self._initial_piece)
+        keys = [self.client.pull(k, 0, hi - lo, self._initial_piece, at=lo)
                 for k, (lo, hi) in enumerate(self.ranges)]
         Replies(self.client, keys, "a pull of parameters").wait()
         self._early_recv = self.client.bytes_recv - recv
@@ -320,7 +321,7 @@ class BytePS(ParameterServer):
         self.gathers: list = []
         for k, a, b in overlaps(lo, hi, self.ranges):
             key = self.client.pull(k, version, b - a, lambda m, a=a, b=b, v=version:
-                                   self._column_piece(m, a, b, v), lo=a, hi=b)
+                                   self._column_piece(m, a, b, v), at=a, lo=a, hi=b)
             self.pull_keys.append(key)
 
     def _column_piece(self, msg: Message, lo: int, hi: int, version: int) -> None:

@@ -109,15 +109,16 @@ class ParameterServer(Strategy):
                              torch.empty(b.numel, dtype=self.wire_dtype)
                              for b in self.buckets.buckets]
         self.ranges = even_split(total, len(cfg.server_addr_list))
+        # (bounded-loss pulls as datagrams where each is answered at the version it asks)
+        dgram = bool(cfg.loss_tolerance) and self.mode == "sync" and not self.backups
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
                                pace_bits=cfg.cluster.emulated_link_bits,
                                marks=Marks.for_switch(cfg.switch, total),
-                               credits=bool(cfg.credit_window))
+                               credits=bool(cfg.credit_window), datagram_pulls=dgram)
         self.finished = False  # the last step's pushes were acknowledged
         self._early_recv = 0  # bytes of the next step's pull received early (set-up, eval_model)
-        self.step = 0
-        self._staleness = -1
+        self.step, self._staleness = 0, -1
         self.version0 = self._start_version(resume)
         self.pulled = self.version0  # the version of the parameters last pulled
         if ctx.rank == 0:
@@ -125,8 +126,7 @@ class ParameterServer(Strategy):
         self.pull = self._send_pull(min_version=self.version0 if self.mode == "sync" else 0)
         # Start together: servers answer the first pulls once every worker has sent
         # one, so waiting here is the rendezvous torch.distributed does for allreduce
-        # during set-up, outside the steps and the training clock. The bytes belong
-        # to step 0, as they did when step 0 received them.
+        # during set-up, outside the steps and the clock; its bytes belong to step 0.
         recv = self.client.bytes_recv
         self.pull.wait()
         self._early_recv = self.client.bytes_recv - recv
@@ -204,7 +204,7 @@ class ParameterServer(Strategy):
 
     def _send_pull(self, min_version: int) -> Replies:
         self._pull_version: int | None = None  # the oldest version among its pieces
-        keys = [self.client.pull(k, min_version, hi - lo, self._apply_piece)
+        keys = [self.client.pull(k, min_version, hi - lo, self._apply_piece, at=lo)
                 for k, (lo, hi) in enumerate(self.ranges)]
         return Replies(self.client, keys, "a pull of parameters")
 

@@ -1,5 +1,6 @@
 """Bounded-loss gradients (--loss-tolerance) on this machine's loopback, where nothing is
-lost: every datagram arrives, so ps and the transpose all-reduce train single's model.
+lost: every datagram arrives, so ps, byteps (their pulls as datagrams too) and the
+transpose all-reduce train single's model.
 (Under loss, on emulated hosts: tests/emulation/test_links.py.)"""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from tests.helpers import SMALL, assert_no_processes, load_model, max_rel_diff, 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,extra", [
-    ("ps", []), ("allreduce", []),
+    ("ps", []), ("byteps", []), ("allreduce", []),
     # receiver-driven: each transpose rank grants what may be sent (ps's servers grant
     # in tests/emulation/test_links.py's incast)
     ("allreduce", ["--credit-window", "16kb"])])
@@ -26,4 +27,8 @@ def test_bounded_loss_without_loss_trains_singles_model(tmp_path, small_runs, st
     assert max_rel_diff(load_model(out), load_model(small_runs["single"])) < 1e-4
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert {r["delivered"] for r in steps} == {1.0}
+    if strategy != "allreduce":  # (a sync run's pulls came back as datagrams, all of them)
+        stats = [json.loads(x) for x in (out / "servers.jsonl").read_text().splitlines()
+                 if '"stats"' in x]
+        assert stats and all(s["pulled_datagrams"] > 0 for s in stats)
     assert_no_processes(out)

@@ -1,0 +1,170 @@
+"""Pulled parameters as datagrams (a synchronous run's bounded-loss pulls), the
+server's side; the worker's is psring.comm.pulls.
+
+    egress = Egress(key)
+    egress.learn(run, worker, "198.18.0.2", port=40123, pace_bits=1e9)  # from its pull
+    egress.piece(pull_header, numel=n, start=0, values=params[:m])       # a ready range
+    egress.nacked(nack)        # a worker's resend request: what of it was sent, again
+
+A pull whose request names a datagram port is answered as one transfer of UDP
+datagrams (psring.comm.datagrams; its id the pull's seq) to that port at the address
+the request came from, instead of params messages over TCP. Packet i holds the pull's
+elements [i·per, …), as over TCP they would arrive range by range: each range the
+handler answers is copied into the pull's staging buffer, and the packets it completes
+leave at once (a sender thread per worker, paced at the run's link rate and batched
+by UDP GSO: psring.comm.lossy), so the pull streams as a TCP one does. Nothing of a
+pull may be lost (a replica must be the servers' parameters exactly): the worker asks
+for the packets it misses, after a quiet spell of a few round trips rather than TCP's
+retransmission timeout, and the server sends those of them it has sent before again,
+as often as asked. Each worker's last KEPT pulls are kept for that.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from psring.comm.datagrams import Nack, per_datagram, run_tag
+from psring.comm.lossy import LossySender, Transfer
+from psring.comm.protocol import DTYPE_NAMES
+
+#: pulls per worker kept for its resend requests (a synchronous worker has one in
+#: flight per shard; the one before may still be asked for by a late request)
+KEPT = 2
+#: seconds after a part has left during which a request for it is not answered: the
+#: request may have crossed it on the way, or waited in the server's socket while the
+#: server was busy (the worker asks again, a few milliseconds later, if it was lost)
+CROSSED_S = 0.005
+
+
+@dataclass
+class _Pull:
+    """One pull answered as datagrams: its elements as their ranges arrive, and which
+    of its packets are whole (staged) and sent."""
+
+    shard: int
+    tag: int
+    staged: torch.Tensor
+    per: int
+    packets: int
+    #: elements staged, per packet
+    covered: np.ndarray
+    sent: np.ndarray
+    #: (first packet, its transfer) of each batch sent: what a resend is cut from
+    parts: list[tuple[int, Transfer]]
+
+    def size(self, i: np.ndarray) -> np.ndarray:
+        """Elements of packets ``i`` (the last one's are what is left)."""
+        return np.minimum((i + 1) * self.per, self.staged.numel()) - i * self.per
+
+
+class Egress:
+    """The datagram pulls of one server: where each worker's go, what was sent."""
+
+    def __init__(self, key: bytes | None = None):
+        self.key = key
+        #: (run tag, worker) -> the LossySender to its datagram port
+        self.senders: dict[tuple[int, int], LossySender] = {}
+        #: (worker, transfer) -> the pull; each worker's last KEPT
+        self.pulls: OrderedDict[tuple[int, int], _Pull] = OrderedDict()
+        #: (worker, transfer, first packet) of each part its sender has handed to the
+        #: kernel -> when (set by the senders' threads): only those are sent again when
+        #: asked, not what still waits for its turn (the pace, the other workers')
+        self.left: dict[tuple[int, int, int], float] = {}
+        self.counts = {"pulled_datagrams": 0, "pull_resends": 0}
+
+    def learn(self, run: str, worker: int, host: str, port: int, pace_bits: int) -> None:
+        """Worker ``worker``'s pulls go to (``host``, ``port``) at ``pace_bits`` bit/s
+        (0: unpaced): the address its pull came from, the port it named."""
+        key = (run_tag(run), worker)
+        old = self.senders.get(key)
+        if old is not None and old.addr == (host, port):
+            return
+        if old is not None:
+            old.close()
+        where = f"[{host}]" if ":" in host else host
+        self.senders[key] = LossySender(f"tcp://{where}:{port}", run, worker, self.key,
+                                        on_sent=self._left, pace_bits=pace_bits or None)
+
+    def _left(self, token: object) -> None:
+        if token is not None:  # (a resend's is None)
+            self.left[token] = time.monotonic()
+
+    def knows(self, run: str, worker: int) -> bool:
+        return (run_tag(run), worker) in self.senders
+
+    def piece(self, header: dict, numel: int, start: int, values: torch.Tensor) -> None:
+        """Elements [start, start + len(values)) of the ``numel`` a pull (its request's
+        ``header``) asks for are ready: send the packets they complete."""
+        tag, worker, transfer = run_tag(header["run"]), header["worker"], header["seq"]
+        p = self.pulls.get((worker, transfer))
+        if p is None:
+            p = self._new(worker, transfer, header["shard"], tag, numel, values.dtype)
+        n = values.numel()
+        p.staged[start:start + n].copy_(values.reshape(-1))
+        first, last = start // p.per, (start + n - 1) // p.per
+        idx = np.arange(first, last + 1)
+        lo = np.maximum(idx * p.per, start)
+        hi = np.minimum((idx + 1) * p.per, start + n)
+        p.covered[first:last + 1] += hi - lo
+        ready = (p.covered[first:last + 1] == p.size(idx)) & ~p.sent[first:last + 1]
+        sender = self.senders[(tag, worker)]
+        for i, j in _spans(idx[ready]):
+            part = p.staged[i * p.per:min(j * p.per, p.staged.numel())]
+            p.parts.append((i, sender.send_part(transfer, p.shard, part, i, p.packets,
+                                                token=(worker, transfer, i))))
+            p.sent[i:j] = True
+            self.counts["pulled_datagrams"] += j - i
+
+    def _new(self, worker: int, transfer: int, shard: int, tag: int, numel: int,
+             dtype: torch.dtype) -> _Pull:
+        per = per_datagram(DTYPE_NAMES[dtype])
+        packets = max(1, math.ceil(numel / per))
+        p = _Pull(shard, tag, torch.empty(numel, dtype=dtype), per, packets,
+                  np.zeros(packets, np.int64), np.zeros(packets, np.bool_), [])
+        self.pulls[(worker, transfer)] = p
+        mine = [k for k in self.pulls if k[0] == worker]
+        for k in mine[:-KEPT]:  # (oldest first)
+            for first, _ in self.pulls.pop(k).parts:
+                self.left.pop((*k, first), None)
+        return p
+
+    def nacked(self, nack: Nack) -> int:
+        """Send again the packets a resend request names that were sent; how many."""
+        p = self.pulls.get((nack.worker, nack.transfer))
+        sender = self.senders.get((nack.run_tag, nack.worker))
+        if p is None or sender is None or (p.tag, p.shard) != (nack.run_tag, nack.shard):
+            return 0  # (a request for a pull long done, or not this server's)
+        asked = np.asarray(nack.missing, np.int64)
+        asked = asked[asked < p.packets]
+        asked = asked[p.sent[asked]]  # (a packet not yet sent goes when it is whole)
+        again, now = 0, time.monotonic()
+        for first, t in p.parts:
+            left = self.left.get((nack.worker, nack.transfer, first))
+            if left is None or now - left < CROSSED_S:
+                continue  # (still to leave, or just left: not lost)
+            mine = asked[(asked >= first) & (asked < first + t.count)] - first
+            if mine.size:
+                again += sender.resend(t, mine.tolist(), int(mine.size))
+        self.counts["pull_resends"] += again
+        return again
+
+    def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
+        self.senders.clear()
+        self.pulls.clear()
+
+
+def _spans(idx: np.ndarray) -> list[tuple[int, int]]:
+    """Ascending packet numbers as [i, j) runs of consecutive ones."""
+    if idx.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+    return [(int(idx[a]), int(idx[b - 1]) + 1)
+            for a, b in zip(np.r_[0, cuts], np.r_[cuts, idx.size])]

@@ -1,0 +1,154 @@
+"""Pulls answered as datagrams (psring.comm.egress, the server's side; psring.comm.pulls,
+the worker's), over loopback: a pull arrives whole and exact, range by range as the
+server answers it, whatever is lost on the way (resend requests); nothing of it is
+taken before all of it is there; datagrams nobody asked for are not held."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from psring.comm.datagrams import encode_block, run_tag
+from psring.comm.egress import Egress
+from psring.comm.ingress import Ingress, drain, receiving_socket
+from psring.comm.pulls import DatagramPulls
+
+RUN = "pulls-test"
+
+
+class Pair:
+    """A server's egress and UDP port, and a worker's DatagramPulls, on loopback."""
+
+    def __init__(self, key: bytes | None = None, drop: float = 0.0, seed: int = 0):
+        self.key = key
+        self.server_sock = receiving_socket("127.0.0.1", 0, 8 << 20)
+        self.server_ingress = Ingress(key)  # (the server's: it hears resend requests)
+        port = self.server_sock.getsockname()[1]
+        self.pulls = DatagramPulls([f"tcp://127.0.0.1:{port}"], RUN, worker=3, key=key)
+        self.egress = Egress(key)
+        self.egress.learn(RUN, 3, "127.0.0.1", self.pulls.port, pace_bits=0)
+        self.dropped = 0
+        if drop:
+            self._lossy(self.egress.senders[(run_tag(RUN), 3)], drop, random.Random(seed))
+
+    def _lossy(self, sender, drop: float, rng: random.Random) -> None:
+        """Each datagram the sender sends lost with probability ``drop``."""
+        send = sender._send
+
+        def lossy_send(data, k, size, tos=None):
+            whole = b"".join(bytes(d) for d in data)
+            for m in range(k):
+                if rng.random() < drop:
+                    self.dropped += 1
+                    continue
+                send([memoryview(whole[m * size:(m + 1) * size])], 1, size, tos)
+
+        sender._send = lossy_send
+
+    def header(self, seq: int, shard: int = 0) -> dict:
+        return {"run": RUN, "worker": 3, "seq": seq, "shard": shard}
+
+    def serve(self) -> None:
+        """The server's part of a poll: resend requests heard, answered."""
+        drain(self.server_sock, self.server_ingress)
+        for nack in self.server_ingress.take_nacks():
+            self.egress.nacked(nack)
+
+    def until_done(self, seconds: float = 10.0) -> dict[int, torch.Tensor]:
+        got, deadline = {}, time.monotonic() + seconds
+        while self.pulls.expected and time.monotonic() < deadline:
+            time.sleep(0.0005)
+            got.update(self.pulls.receive())
+            if self.pulls.due() == 0:
+                self.pulls.ask_again()
+            self.serve()
+        return got
+
+    def close(self) -> None:
+        self.egress.close()
+        self.pulls.close()
+        self.server_sock.close()
+
+
+@pytest.fixture
+def pair_of():
+    made = []
+
+    def make(**kw) -> Pair:
+        made.append(Pair(**kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def ranges(numel: int, cuts: list[int]) -> list[tuple[int, int]]:
+    edges = [0, *cuts, numel]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 32])
+def test_a_pull_arrives_whole_and_exact_range_by_range(pair_of, key):
+    p = pair_of(key=key)
+    values = torch.randn(100_003)
+    p.pulls.expect(seq=41, shard=0, numel=values.numel())
+    # ranges that cut packets apart, answered out of order: a packet leaves once whole
+    parts = ranges(values.numel(), [1_000, 35_511, 35_512, 77_777])
+    for i, (a, b) in enumerate(reversed(parts)):
+        p.egress.piece(p.header(41), values.numel(), a, values[a:b])
+        time.sleep(0.01)
+        if i < len(parts) - 1:
+            assert p.pulls.receive() == []  # (not taken before all of it is there)
+    got = p.until_done()
+    assert list(got) == [41] and torch.equal(got[41], values)
+    assert p.egress.counts["pulled_datagrams"] == -(-values.numel() * 4 // 1408)
+
+
+def test_what_is_lost_is_asked_for_until_the_pull_is_exact(pair_of):
+    p = pair_of(drop=0.1, seed=5)
+    values = torch.randn(60_000)
+    p.pulls.expect(seq=7, shard=0, numel=values.numel())
+    for a, b in ranges(values.numel(), [20_000, 40_001]):
+        p.egress.piece(p.header(7), values.numel(), a, values[a:b])
+    got = p.until_done()
+    assert p.dropped > 0 and p.pulls.counts["pull_nacks"] > 0
+    assert p.egress.counts["pull_resends"] > 0
+    assert torch.equal(got[7], values)
+
+
+def test_a_pull_not_yet_answered_asks_seldom_and_gets_nothing_twice(pair_of):
+    # the server still waits for the other workers: nothing of the pull was sent, so
+    # its requests, seldom, are answered with nothing
+    p = pair_of()
+    p.pulls.expect(seq=9, shard=0, numel=5_000)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.3:
+        p.pulls.receive()
+        if p.pulls.due() == 0:
+            p.pulls.ask_again()
+        p.serve()
+        time.sleep(0.0005)
+    asked = p.pulls.counts["pull_nacks"]
+    assert 3 <= asked <= 8  # (a pull not heard of asks every 50 ms: about 6 in 0.3 s)
+    assert p.egress.counts["pull_resends"] == 0
+    values = torch.randn(5_000)
+    p.egress.piece(p.header(9), 5_000, 0, values)
+    assert torch.equal(p.until_done()[9], values)
+
+
+def test_datagrams_of_a_pull_not_asked_for_are_not_held(pair_of):
+    p = pair_of()
+    p.pulls.expect(seq=5, shard=0, numel=1_000)
+    for transfer, shard, worker in ((6, 0, 3), (5, 1, 3), (5, 0, 4)):  # not this pull's
+        buf, _ = encode_block(worker, shard, run_tag(RUN), transfer, "float32",
+                              torch.ones(1_000).view(torch.uint8).numpy())
+        p.pulls.sock.sendto(bytes(buf[0]), ("127.0.0.1", p.pulls.port))
+    wrong = torch.ones(2_000)  # a transfer of another size under the pull's seq
+    buf, _ = encode_block(3, 0, run_tag(RUN), 5, "float32", wrong.view(torch.uint8).numpy())
+    p.pulls.sock.sendto(bytes(buf[0]), ("127.0.0.1", p.pulls.port))
+    time.sleep(0.05)
+    assert p.pulls.receive() == [] and p.pulls.ingress.transfers == {}
