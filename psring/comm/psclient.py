@@ -274,6 +274,15 @@ class PSClient:
                         f"--credit-window SIZE (the servers pace their senders), a deeper "
                         f"--link-buffer, a larger --loss-tolerance, or drop "
                         f"--loss-tolerance (TCP).")
+                if any(k in self._by_datagram for k in keys if k not in self.replies):
+                    raise PsringError(
+                        f"worker {self.worker}: a pull of parameters from parameter "
+                        f"server(s) {', '.join(missing)} was not complete within "
+                        f"{timeout or self.timeout:.0f} s after {self.pulls.counts['pull_nacks']}"
+                        f" resend requests: its datagrams (UDP, from the server to this "
+                        f"worker's port {self.pulls.port}) are not getting through, or the "
+                        f"server stopped. Let UDP through between them, or drop "
+                        f"--loss-tolerance (pulls and pushes over TCP).")
                 secret = ("the same shared secret as this worker" if self.key else
                           "no shared secret, as this worker has none")
                 raise PsringError(

@@ -152,3 +152,58 @@ def test_datagrams_of_a_pull_not_asked_for_are_not_held(pair_of):
     p.pulls.sock.sendto(bytes(buf[0]), ("127.0.0.1", p.pulls.port))
     time.sleep(0.05)
     assert p.pulls.receive() == [] and p.pulls.ingress.transfers == {}
+
+
+# -- through a server: the handler's ranges, the server's egress, the client's wait ----
+
+def test_a_servers_sync_pull_comes_back_as_datagrams_to_the_client():
+    from psring.comm.psclient import PSClient, Replies
+    from tests.helpers.servers import LiveServer, RawClient
+
+    params = torch.randn(50_000)
+    with LiveServer() as server:
+        with RawClient(server.endpoint, run="dg") as raw:
+            raw.init(n=params.numel(), workers=1, params=params)
+        client = PSClient([server.endpoint], run="dg", worker=0, timeout=20,
+                          datagram_pulls=True)
+        try:
+            got = []
+            key = client.pull(0, 0, params.numel(), got.append, at=0)
+            Replies(client, [key], "a pull").wait()
+        finally:
+            client.close()
+        assert len(got) == 1 and got[0].header["offset"] == 0
+        assert torch.equal(got[0].tensors[0], params)
+        assert server.stats["pulled_datagrams"] == -(-params.numel() * 4 // 1408)
+
+
+@pytest.mark.parametrize("port,pace", [(70_000, 0), (-1, 0), (5_000, -1)])
+def test_a_pull_naming_an_impossible_port_or_pace_is_refused(port, pace):
+    from tests.helpers.servers import LiveServer, RawClient
+
+    with LiveServer() as server, RawClient(server.endpoint, run="dg") as raw:
+        raw.init(n=8)
+        reply = raw.request("pull", min_version=0, datagrams=port, pace=pace)
+        assert reply.op == "error" and "datagram port" in reply.header["message"]
+        assert raw.pull().numel() == 8  # (and it serves on, over TCP)
+
+
+def test_a_pull_whose_datagrams_never_arrive_fails_naming_them(monkeypatch):
+    from psring.comm.lossy import LossySender
+    from psring.comm.psclient import PSClient, Replies
+    from psring.errors import PsringError
+    from tests.helpers.servers import LiveServer, RawClient
+
+    monkeypatch.setattr(LossySender, "_send", lambda *a, **k: None)  # (all lost)
+    with LiveServer() as server:
+        with RawClient(server.endpoint, run="dg") as raw:
+            raw.init(n=5_000, workers=1)
+        client = PSClient([server.endpoint], run="dg", worker=0, timeout=1.5,
+                          datagram_pulls=True)
+        try:
+            key = client.pull(0, 0, 5_000, lambda m: None, at=0)
+            with pytest.raises(PsringError, match="datagrams .* are not getting through"):
+                Replies(client, [key], "a pull").wait()
+            assert client.pulls.counts["pull_nacks"] > 0
+        finally:
+            client.close()
