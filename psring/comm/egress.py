@@ -36,6 +36,9 @@ from psring.comm.protocol import DTYPE_NAMES
 #: pulls per worker kept for its resend requests (a synchronous worker has one in
 #: flight per shard; the one before may still be asked for by a late request)
 KEPT = 2
+#: seconds of link time a server's pull senders may catch up on after a late wake-up
+#: (a busy server's threads wake later than a worker's)
+CATCH_UP_S = 0.004
 #: seconds after a part has left during which a request for it is not answered: the
 #: request may have crossed it on the way, or waited in the server's socket while the
 #: server was busy (the worker asks again, a few milliseconds later, if it was lost)
@@ -89,14 +92,12 @@ class Egress:
             old.close()
         where = f"[{host}]" if ":" in host else host
         self.senders[key] = LossySender(f"tcp://{where}:{port}", run, worker, self.key,
-                                        on_sent=self._left, pace_bits=pace_bits or None)
+                                        on_sent=self._left, pace_bits=pace_bits or None,
+                                        catch_up_s=CATCH_UP_S)
 
     def _left(self, token: object) -> None:
         if token is not None:  # (a resend's is None)
             self.left[token] = time.monotonic()
-
-    def knows(self, run: str, worker: int) -> bool:
-        return (run_tag(run), worker) in self.senders
 
     def piece(self, header: dict, numel: int, start: int, values: torch.Tensor) -> None:
         """Elements [start, start + len(values)) of the ``numel`` a pull (its request's
@@ -105,9 +106,15 @@ class Egress:
         p = self.pulls.get((worker, transfer))
         if p is None:
             p = self._new(worker, transfer, header["shard"], tag, numel, values.dtype)
-        n = values.numel()
-        p.staged[start:start + n].copy_(values.reshape(-1))
-        first, last = start // p.per, (start + n - 1) // p.per
+        n, flat, per = values.numel(), values.reshape(-1), p.per
+        end = start + n
+        # only the packets this range shares with another are staged (their part in
+        # it); the packets wholly inside it leave straight from it
+        inner = (-(-start // per), end // per if end < p.staged.numel() else p.packets)
+        head, tail = min(end, inner[0] * per), max(start, min(end, inner[1] * per))
+        p.staged[start:head].copy_(flat[:head - start])
+        p.staged[tail:end].copy_(flat[tail - start:])
+        first, last = start // per, (end - 1) // per
         idx = np.arange(first, last + 1)
         lo = np.maximum(idx * p.per, start)
         hi = np.minimum((idx + 1) * p.per, start + n)
@@ -115,9 +122,11 @@ class Egress:
         ready = (p.covered[first:last + 1] == p.size(idx)) & ~p.sent[first:last + 1]
         sender = self.senders[(tag, worker)]
         for i, j in _spans(idx[ready]):
-            part = p.staged[i * p.per:min(j * p.per, p.staged.numel())]
-            p.parts.append((i, sender.send_part(transfer, p.shard, part, i, p.packets,
-                                                token=(worker, transfer, i))))
+            for a, b, staged in _by_source(i, j, inner):
+                lo, hi = a * per, min(b * per, p.staged.numel())
+                part = p.staged[lo:hi] if staged else flat[lo - start:hi - start]
+                p.parts.append((a, sender.send_part(transfer, p.shard, part, a, p.packets,
+                                                    token=(worker, transfer, a))))
             p.sent[i:j] = True
             self.counts["pulled_datagrams"] += j - i
 
@@ -159,6 +168,14 @@ class Egress:
             sender.close()
         self.senders.clear()
         self.pulls.clear()
+
+
+def _by_source(i: int, j: int, inner: tuple[int, int]) -> list[tuple[int, int, bool]]:
+    """Packets [i, j) as runs of one source each: (a, b, staged), the ``inner``
+    packets [k0, k1) from the range itself, the others from the staging buffer."""
+    k0, k1 = inner
+    cuts = sorted({i, j, min(max(k0, i), j), min(max(k1, i), j)})
+    return [(a, b, not (k0 <= a and b <= k1)) for a, b in zip(cuts, cuts[1:])]
 
 
 def _spans(idx: np.ndarray) -> list[tuple[int, int]]:

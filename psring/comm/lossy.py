@@ -156,7 +156,8 @@ class LossySender:
     def __init__(self, endpoint: str, run: str, worker: int, key: bytes | None = None,
                  on_sent: Callable[[object], None] = lambda token: None,
                  pace_bits: float | None = None, marks: Marks | None = None,
-                 credits: bool = False, ends: bool = False):
+                 credits: bool = False, ends: bool = False,
+                 catch_up_s: float | None = None):
         u = urlparse(endpoint)
         if u.scheme != "tcp" or u.hostname is None or u.port is None:
             raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
@@ -168,6 +169,8 @@ class LossySender:
         #: the link's rate (bit/s) the datagrams leave at, as frames; None: unpaced
         #: (also to a server on this host: its datagrams never cross the link)
         self.pace_bits = None if same_host(self.addr) else pace_bits
+        #: seconds of link time it may catch up on after a late wake-up (_Pacer)
+        self.catch_up_s = _Pacer.CREDIT_S if catch_up_s is None else catch_up_s
         self.marks = marks
         #: --credit-window: a transfer's datagrams beyond the first UNSCHEDULED wait for
         #: the server's grants (psring.comm.credits), each wait bounded
@@ -330,7 +333,8 @@ class LossySender:
             self._send(data, j - i, t.width if t.each is None else len(data[0]), tos)
             self.datagrams += j - i
             if self.pace_bits:  # at the link's pace: a burst beyond it queues, or drops
-                pace(self.pace_bits, sum(len(d) for d in data) + FRAME_OVERHEAD * (j - i))
+                pace(self.pace_bits, sum(len(d) for d in data) + FRAME_OVERHEAD * (j - i),
+                     self.catch_up_s)
 
     def batch_limit(self) -> int:
         """The most datagrams one send carries: what fits GSO_MAX_BYTES, and when paced
@@ -407,8 +411,9 @@ class _Pacer:
     transpose all-reduce's peers share the host's one link): each send takes its
     frame's time at the link's rate, and a sender ahead of the clock by more than a
     millisecond sleeps it off. A sender behind the clock keeps up to a millisecond of
-    credit: a sleep wakes late, and without it each oversleep would be lost link
-    time (a tenth of the rate at 100 Mbit/s); tbf's burst holds far more."""
+    credit (or what its caller allows): a sleep wakes late, and without it each
+    oversleep would be lost link time (a tenth of the rate at 100 Mbit/s); tbf's burst
+    holds far more."""
 
     #: seconds of link time a late sender may catch up on
     CREDIT_S = 1e-3
@@ -417,10 +422,10 @@ class _Pacer:
         self.lock = threading.Lock()
         self.free_at = 0.0  # when the link would be idle
 
-    def __call__(self, bits_per_s: float, frame_bytes: int) -> None:
+    def __call__(self, bits_per_s: float, frame_bytes: int, credit_s: float = CREDIT_S) -> None:
         with self.lock:
             now = time.perf_counter()
-            self.free_at = max(self.free_at, now - self.CREDIT_S) + frame_bytes * 8 / bits_per_s
+            self.free_at = max(self.free_at, now - credit_s) + frame_bytes * 8 / bits_per_s
             ahead = self.free_at - now
         if ahead > 1e-3:
             time.sleep(ahead)
