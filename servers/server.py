@@ -313,9 +313,9 @@ class Server:
         """A pull that asks for datagrams: learn where its worker's go (the address
         its request came from, the port it names), or answer it over TCP (no UDP
         socket here, or no address: h["datagrams"] = 0)."""
-        if not 0 < h["datagrams"] < 65536 or h["pace"] < 0:
-            raise ProtocolError(f"a pull's datagram port {h['datagrams']} or pace "
-                                f"{h['pace']} is out of range")
+        if not 0 < h["datagrams"] < 65536 or h["pace"] < 0 or h["burst"] < 0:
+            raise ProtocolError(f"a pull's datagram port {h['datagrams']}, pace "
+                                f"{h['pace']} or burst {h['burst']} is out of range")
         try:
             host = frame.get("Peer-Address") if isinstance(frame, zmq.Frame) else None
         except zmq.ZMQError:  # (not over TCP)
@@ -323,7 +323,7 @@ class Server:
         if self.udp is None or not host:
             h["datagrams"] = 0
             return
-        self.egress.learn(h["run"], h["worker"], host, h["datagrams"], h["pace"])
+        self.egress.learn(h["run"], h["worker"], host, h["datagrams"], h["pace"], h["burst"])
 
     def close(self) -> None:
         if getattr(self, "egress", None) is not None:

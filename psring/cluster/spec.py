@@ -28,6 +28,10 @@ from urllib.parse import urlparse
 from psring.errors import ConfigError
 from psring.units import format_rate, parse_delay, parse_rate, parse_size
 
+#: seconds of link time a paced datagram sender may run ahead or catch up on at a deep
+#: port (Cluster.pacing_burst): a busy process's threads wake late
+PACING_BURST_S = 0.004
+
 if TYPE_CHECKING:  # (psring.config sits above: it validates against the registries)
     from psring.config import RunConfig
 
@@ -284,6 +288,18 @@ class Cluster:
     @cached_property
     def buffer_bytes(self) -> int | None:
         return parse_size(self.link_buffer) if self.link_buffer else None
+
+    @property
+    def pacing_burst(self) -> int:
+        """Bytes a paced datagram sender may run ahead of its link's rate, or catch up
+        on after a late wake-up, in one go: half of a --link-buffer port, else
+        PACING_BURST_S of the rate (the default port holds 100 ms); 0 without emulated
+        links (psring.comm.lossy)."""
+        bits = self.emulated_link_bits
+        if not bits:
+            return 0
+        most = int(bits / 8 * PACING_BURST_S)
+        return min(most, self.buffer_bytes // 2) if self.buffer_bytes else most
 
     @property
     def emulated_link_bits(self) -> float | None:

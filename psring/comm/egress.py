@@ -36,9 +36,6 @@ from psring.comm.protocol import DTYPE_NAMES
 #: pulls per worker kept for its resend requests (a synchronous worker has one in
 #: flight per shard; the one before may still be asked for by a late request)
 KEPT = 2
-#: seconds of link time a server's pull senders may catch up on after a late wake-up
-#: (a busy server's threads wake later than a worker's)
-CATCH_UP_S = 0.004
 #: seconds after a part has left during which a request for it is not answered: the
 #: request may have crossed it on the way, or waited in the server's socket while the
 #: server was busy (the worker asks again, a few milliseconds later, if it was lost)
@@ -81,19 +78,21 @@ class Egress:
         self.left: dict[tuple[int, int, int], float] = {}
         self.counts = {"pulled_datagrams": 0, "pull_resends": 0}
 
-    def learn(self, run: str, worker: int, host: str, port: int, pace_bits: int) -> None:
+    def learn(self, run: str, worker: int, host: str, port: int, pace_bits: int,
+              burst: int = 0) -> None:
         """Worker ``worker``'s pulls go to (``host``, ``port``) at ``pace_bits`` bit/s
-        (0: unpaced): the address its pull came from, the port it named."""
+        (0: unpaced), at most ``burst`` bytes ahead of that pace (0: a millisecond's):
+        the address its pull came from, the port, pace and burst it named."""
         key = (run_tag(run), worker)
         old = self.senders.get(key)
-        if old is not None and old.addr == (host, port):
+        if old is not None and (old.addr, old.burst_bytes) == ((host, port), burst):
             return
         if old is not None:
             old.close()
         where = f"[{host}]" if ":" in host else host
         self.senders[key] = LossySender(f"tcp://{where}:{port}", run, worker, self.key,
                                         on_sent=self._left, pace_bits=pace_bits or None,
-                                        catch_up_s=CATCH_UP_S)
+                                        burst_bytes=burst)
 
     def _left(self, token: object) -> None:
         if token is not None:  # (a resend's is None)

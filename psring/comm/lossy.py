@@ -156,8 +156,7 @@ class LossySender:
     def __init__(self, endpoint: str, run: str, worker: int, key: bytes | None = None,
                  on_sent: Callable[[object], None] = lambda token: None,
                  pace_bits: float | None = None, marks: Marks | None = None,
-                 credits: bool = False, ends: bool = False,
-                 catch_up_s: float | None = None):
+                 credits: bool = False, ends: bool = False, burst_bytes: int = 0):
         u = urlparse(endpoint)
         if u.scheme != "tcp" or u.hostname is None or u.port is None:
             raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
@@ -169,8 +168,11 @@ class LossySender:
         #: the link's rate (bit/s) the datagrams leave at, as frames; None: unpaced
         #: (also to a server on this host: its datagrams never cross the link)
         self.pace_bits = None if same_host(self.addr) else pace_bits
-        #: seconds of link time it may catch up on after a late wake-up (_Pacer)
-        self.catch_up_s = _Pacer.CREDIT_S if catch_up_s is None else catch_up_s
+        #: bytes it may run ahead of the pace or catch up on in one go (the run's
+        #: Cluster.pacing_burst: a shallow port's half), 0: a millisecond's
+        self.burst_bytes = burst_bytes
+        self.burst_s = burst_bytes * 8 / self.pace_bits if burst_bytes and self.pace_bits \
+            else _Pacer.CREDIT_S
         self.marks = marks
         #: --credit-window: a transfer's datagrams beyond the first UNSCHEDULED wait for
         #: the server's grants (psring.comm.credits), each wait bounded
@@ -334,7 +336,7 @@ class LossySender:
             self.datagrams += j - i
             if self.pace_bits:  # at the link's pace: a burst beyond it queues, or drops
                 pace(self.pace_bits, sum(len(d) for d in data) + FRAME_OVERHEAD * (j - i),
-                     self.catch_up_s)
+                     self.burst_s, min(_Pacer.AHEAD_S, self.burst_s))
 
     def batch_limit(self) -> int:
         """The most datagrams one send carries: what fits GSO_MAX_BYTES, and when paced
@@ -343,6 +345,8 @@ class LossySender:
         most = GSO_MAX_BYTES // size
         if self.pace_bits:
             most = min(most, int(self.pace_bits * 1e-3 / 8 / (size + FRAME_OVERHEAD)))
+        if self.burst_bytes:  # (one send within what the port may take at once)
+            most = min(most, self.burst_bytes // (size + FRAME_OVERHEAD))
         return max(1, most) if self.gso else 1
 
     def _send(self, data: list[memoryview], k: int, size: int, tos: int | None = None) -> None:
@@ -411,23 +415,27 @@ class _Pacer:
     transpose all-reduce's peers share the host's one link): each send takes its
     frame's time at the link's rate, and a sender ahead of the clock by more than a
     millisecond sleeps it off. A sender behind the clock keeps up to a millisecond of
-    credit (or what its caller allows): a sleep wakes late, and without it each
-    oversleep would be lost link time (a tenth of the rate at 100 Mbit/s); tbf's burst
-    holds far more."""
+    credit: a sleep wakes late, and without it each oversleep would be lost link time
+    (a tenth of the rate at 100 Mbit/s); tbf's burst holds far more. A sender may
+    allow itself more credit (a deep port), or less of both (a shallow one: what runs
+    ahead of the pace queues at the port, LossySender.burst_bytes)."""
 
     #: seconds of link time a late sender may catch up on
     CREDIT_S = 1e-3
+    #: seconds a sender may run ahead of the clock before it sleeps
+    AHEAD_S = 1e-3
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.free_at = 0.0  # when the link would be idle
 
-    def __call__(self, bits_per_s: float, frame_bytes: int, credit_s: float = CREDIT_S) -> None:
+    def __call__(self, bits_per_s: float, frame_bytes: int, credit_s: float = CREDIT_S,
+                 ahead_s: float = AHEAD_S) -> None:
         with self.lock:
             now = time.perf_counter()
             self.free_at = max(self.free_at, now - credit_s) + frame_bytes * 8 / bits_per_s
             ahead = self.free_at - now
-        if ahead > 1e-3:
+        if ahead > ahead_s:
             time.sleep(ahead)
 
 

@@ -109,9 +109,10 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # `hi` > 0 only flat elements [lo, hi) of it (byteps: the part a worker pushed);
     # with `datagrams` P > 0 (a sync run's bounded-loss pulls) as datagrams to UDP port
     # P at the address this request came from (DATAGRAM, transfer = this seq, paced at
-    # `pace` bit/s, 0: unpaced) rather than params messages, when the server can
+    # `pace` bit/s, 0: unpaced, at most `burst` bytes ahead, 0: a millisecond's) rather
+    # than params messages, when the server can
     "pull": {"min_version": _INT, "lo": _INT, "hi": _INT, "datagrams": _INT, "pace": _INT,
-             "tensors": (list,)},
+             "burst": _INT, "tensors": (list,)},
     # worker -> server: this worker is done with the run (it stops counting as in flight)
     "leave": {"tensors": (list,)},
     # worker -> shard 0 (with backups), once every push of its step `step` is
@@ -151,7 +152,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 OPTIONAL: dict[str, dict[str, Any]] = {
     "init": {"version": 0, "snapshot_every": 0, "snapshot_last": 0, "wire_dtype": "float32",
              "group": 1, "update": "sgd", "backups": 0},
-    "pull": {"lo": 0, "hi": 0, "datagrams": 0, "pace": 0},
+    "pull": {"lo": 0, "hi": 0, "datagrams": 0, "pace": 0, "burst": 0},
     "ack": {"dropped": False, "delivered": -1},
 }
 

@@ -40,7 +40,7 @@ class PSClient:
     def __init__(self, addrs: list[str], run: str, worker: int, timeout: float,
                  secret: bytes | None = None, pace_bits: float | None = None,
                  marks: Marks | None = None, credits: bool = False,
-                 datagram_pulls: bool = False):
+                 datagram_pulls: bool = False, pace_burst: int = 0):
         self.addrs = addrs
         self.run = run
         self.worker = worker
@@ -79,6 +79,7 @@ class PSClient:
         # pushes whose datagrams are out, and a pipe that wakes a waiting poll for them
         self._senders: dict[int, LossySender] = {}
         self.pace_bits = pace_bits  # the datagrams' pace: the host's link rate
+        self.pace_burst = pace_burst  # bytes they may run ahead of it (its port's share)
         self._ready: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self._wake_r, zmq.POLLIN)
@@ -149,7 +150,7 @@ class PSClient:
             if sender is None:
                 sender = self._senders[shard] = LossySender(
                     self.addrs[shard], self.run, self.worker, self.key, self._datagrams_sent,
-                    self.pace_bits, self.marks, self.credits)
+                    self.pace_bits, self.marks, self.credits, burst_bytes=self.pace_burst)
             self.seq += 1
             key = (shard, self.seq)
             header = {"run": self.run, "worker": self.worker, "seq": self.seq,
@@ -239,7 +240,8 @@ class PSClient:
             self._send_ready()
             fields = {"min_version": min_version, **fields}
             if self.pulls is not None and at is not None:
-                fields.update(datagrams=self.pulls.port, pace=int(self.pace_bits or 0))
+                fields.update(datagrams=self.pulls.port, pace=int(self.pace_bits or 0),
+                              burst=self.pace_burst)
             self.seq += 1
             key = (shard, self.seq)
             self.pending.add(key)

@@ -142,6 +142,7 @@ class BytePS(ParameterServer):
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
                                pace_bits=cfg.cluster.emulated_link_bits,
+                               pace_burst=cfg.cluster.pacing_burst,
                                marks=Marks.for_switch(cfg.switch, total),
                                credits=bool(cfg.credit_window),
                                datagram_pulls=bool(cfg.loss_tolerance))

@@ -99,9 +99,8 @@ class ParameterServer(Strategy):
         # its resume is a step only, its parameters come with the first pull)
         resume = ctx.resume.tensors if ctx.resume is not None and ctx.resume.tensors else None
         total = self._flatten(resume)
-        cuda = ctx.device.type == "cuda"
-        self.host_buckets = [torch.empty(b.numel, pin_memory=True) if cuda else None
-                             for b in self.buckets.buckets]
+        self.host_buckets = [torch.empty(b.numel, pin_memory=True)
+                             if ctx.device.type == "cuda" else None for b in self.buckets.buckets]
         # --compress: pushes and pulls travel in the wire dtype, one cast buffer per
         # bucket (psring.comm.compress); the servers keep float32
         self.wire_dtype = wire_dtype(cfg.compress)
@@ -114,6 +113,7 @@ class ParameterServer(Strategy):
         self.client = PSClient(cfg.server_addr_list, run=run_id(cfg), worker=ctx.rank,
                                timeout=cfg.timeout, secret=load_secret(cfg.secret_file),
                                pace_bits=cfg.cluster.emulated_link_bits,
+                               pace_burst=cfg.cluster.pacing_burst,
                                marks=Marks.for_switch(cfg.switch, total),
                                credits=bool(cfg.credit_window), datagram_pulls=dgram)
         self.finished = False  # the last step's pushes were acknowledged

@@ -330,6 +330,20 @@ def test_runs_are_consecutive_and_within_a_millisecond_of_the_link():
     slow.close()
 
 
+def test_a_shallow_ports_senders_keep_their_bursts_within_half_of_it():
+    from psring.cluster.spec import PACING_BURST_S, Cluster
+
+    deep = Cluster.bare(hosts=2, link="1gbit")
+    shallow = Cluster.bare(hosts=2, link="1gbit", link_buffer="64kb")
+    assert deep.pacing_burst == int(1e9 / 8 * PACING_BURST_S)  # (the default port: deep)
+    assert shallow.pacing_burst == 32_768 and Cluster.bare(hosts=2).pacing_burst == 0
+    sender = lossy.LossySender("tcp://127.0.0.1:9", "r", 0, burst_bytes=shallow.pacing_burst)
+    sender.pace_bits = 1e9  # (as to a server across a link)
+    frame = datagrams.DATAGRAM_HEADER + datagrams.DATAGRAM_PAYLOAD + lossy.FRAME_OVERHEAD
+    assert sender.batch_limit() == 32_768 // frame  # (22 frames, not GSO's 44)
+    sender.close()
+
+
 def test_a_transfers_runs_are_its_datagrams_end_to_end():
     grad = torch.randn(352 * 5 + 3)
     expected = packets_of(grad, transfer=1, worker=0)
