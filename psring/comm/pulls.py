@@ -61,8 +61,7 @@ class _Expected:
     numel: int
     #: the server's datagram address, where its resend requests go
     server: tuple[str, int]
-    asked: float
-    #: when its last packet arrived or it last asked (the wait runs from the later)
+    #: when it was sent, its last packet arrived or it last asked (the wait runs from it)
     since: float
     #: resend requests in a row that nothing followed (the wait doubles with each)
     unanswered: int = 0
@@ -89,8 +88,7 @@ class DatagramPulls:
 
     def expect(self, seq: int, shard: int, numel: int) -> None:
         """The pull sent under ``seq`` to ``shard`` for ``numel`` elements."""
-        now = time.monotonic()
-        self.expected[seq] = _Expected(shard, numel, self.servers[shard], now, now)
+        self.expected[seq] = _Expected(shard, numel, self.servers[shard], time.monotonic())
 
     def forget(self, seq: int) -> None:
         """A pull answered otherwise (over TCP), or abandoned."""
