@@ -9,10 +9,11 @@ server's side; the worker's is psring.comm.pulls.
 A pull whose request names a datagram port is answered as one transfer of UDP
 datagrams (psring.comm.datagrams; its id the pull's seq) to that port at the address
 the request came from, instead of params messages over TCP. Packet i holds the pull's
-elements [i·per, …), as over TCP they would arrive range by range: each range the
-handler answers is copied into the pull's staging buffer, and the packets it completes
-leave at once (a sender thread per worker, paced at the run's link rate and batched
-by UDP GSO: psring.comm.lossy), so the pull streams as a TCP one does. Nothing of a
+elements [i·per, …), as over TCP they would arrive range by range: as the handler
+answers each range, the packets it completes leave at once (those wholly inside it
+straight from it, those it shares with a neighbouring range from a staging buffer;
+a sender thread per worker, paced at the run's link rate and batched by UDP GSO:
+psring.comm.lossy), so the pull streams as a TCP one does. Nothing of a
 pull may be lost (a replica must be the servers' parameters exactly): the worker asks
 for the packets it misses, after a quiet spell of a few round trips rather than TCP's
 retransmission timeout, and the server sends those of them it has sent before again,
@@ -44,8 +45,8 @@ CROSSED_S = 0.005
 
 @dataclass
 class _Pull:
-    """One pull answered as datagrams: its elements as their ranges arrive, and which
-    of its packets are whole (staged) and sent."""
+    """One pull answered as datagrams: the elements of the packets its ranges share
+    (staged), how much of each packet is ready, and which are sent."""
 
     shard: int
     tag: int
@@ -115,9 +116,8 @@ class Egress:
         p.staged[tail:end].copy_(flat[tail - start:])
         first, last = start // per, (end - 1) // per
         idx = np.arange(first, last + 1)
-        lo = np.maximum(idx * p.per, start)
-        hi = np.minimum((idx + 1) * p.per, start + n)
-        p.covered[first:last + 1] += hi - lo
+        p.covered[first:last + 1] += np.minimum((idx + 1) * per, end) - np.maximum(
+            idx * per, start)
         ready = (p.covered[first:last + 1] == p.size(idx)) & ~p.sent[first:last + 1]
         sender = self.senders[(tag, worker)]
         for i, j in _spans(idx[ready]):

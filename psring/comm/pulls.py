@@ -137,6 +137,8 @@ class DatagramPulls:
         for seq, e in self.expected.items():
             if now < e.since + self.wait_s(e):
                 continue
+            # (nothing heard yet: counted as float32; a server ignores numbers beyond
+            # the pull's packets)
             packets = e.packets or max(1, math.ceil(e.numel / per_datagram(WIRE_CODES[0])))
             missing = self.ingress.missing(self.worker, seq, min(packets, MAX_PACKETS))
             for k in range(0, min(missing.size, NACKS_AT_ONCE * NACK_MOST), NACK_MOST):
@@ -169,4 +171,3 @@ def _local_address(server: tuple[str, int]) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(server)
         return probe.getsockname()[0]
-
