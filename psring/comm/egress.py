@@ -13,9 +13,10 @@ elements [i·per, …), as over TCP they would arrive range by range: as the han
 answers each range, the packets it completes leave at once (those wholly inside it
 straight from it, those it shares with a neighbouring range from a staging buffer;
 a sender thread per worker, paced at the run's link rate and batched by UDP GSO:
-psring.comm.lossy), so the pull streams as a TCP one does. Nothing of a
-pull may be lost (a replica must be the servers' parameters exactly): the worker asks
-for the packets it misses, after a quiet spell of a few round trips rather than TCP's
+psring.comm.lossy), so the pull streams as a TCP one does; end markers follow its last
+packet. Nothing of a pull may be lost (a replica must be the servers' parameters
+exactly): the worker asks for the packets it misses, at once when the end markers
+say the rest was lost, else after a quiet spell, rather than after TCP's
 retransmission timeout, and the server sends those of them it has sent before again,
 as often as asked. Each worker's last KEPT pulls are kept for that.
 """
@@ -37,6 +38,8 @@ from psring.comm.protocol import DTYPE_NAMES
 #: pulls per worker kept for its resend requests (a synchronous worker has one in
 #: flight per shard; the one before may still be asked for by a late request)
 KEPT = 2
+#: the ``left`` key's third part for a pull's end markers (packet numbers are >= 0)
+ENDED = -1
 #: seconds after a part has left during which a request for it is not answered: the
 #: request may have crossed it on the way, or waited in the server's socket while the
 #: server was busy (the worker asks again, a few milliseconds later, if it was lost)
@@ -128,6 +131,8 @@ class Egress:
                                                     token=(worker, transfer, a))))
             p.sent[i:j] = True
             self.counts["pulled_datagrams"] += j - i
+        if ready.any() and p.sent.all():  # (its last packets: the end markers follow)
+            sender.send_end(transfer, p.shard, p.packets, token=(worker, transfer, ENDED))
 
     def _new(self, worker: int, transfer: int, shard: int, tag: int, numel: int,
              dtype: torch.dtype) -> _Pull:
@@ -140,6 +145,7 @@ class Egress:
         for k in mine[:-KEPT]:  # (oldest first)
             for first, _ in self.pulls.pop(k).parts:
                 self.left.pop((*k, first), None)
+            self.left.pop((*k, ENDED), None)
         return p
 
     def nacked(self, nack: Nack) -> int:
@@ -152,9 +158,12 @@ class Egress:
         asked = asked[asked < p.packets]
         asked = asked[p.sent[asked]]  # (a packet not yet sent goes when it is whole)
         again, now = 0, time.monotonic()
+        # (once its end markers have left, a request can only have come after them, or
+        # after a long quiet: what it names did not arrive, however lately it left)
+        ended = (nack.worker, nack.transfer, ENDED) in self.left
         for first, t in p.parts:
             left = self.left.get((nack.worker, nack.transfer, first))
-            if left is None or now - left < CROSSED_S:
+            if left is None or (now - left < CROSSED_S and not ended):
                 continue  # (still to leave, or just left: not lost)
             mine = asked[(asked >= first) & (asked < first + t.count)] - first
             if mine.size:

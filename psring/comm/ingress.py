@@ -461,6 +461,7 @@ class Ingress:
             return None  # (a last packet that does not end the elements: never taken)
         del self.transfers[key]
         self.held -= t.nbytes
+        self.ends.pop(key, None)
         _remember(self.finished, key, None)
         return torch.frombuffer(t.data, dtype=DTYPES[t.dtype], count=numel)
 

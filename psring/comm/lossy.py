@@ -212,6 +212,13 @@ class LossySender:
         self.jobs.put((t, range(t.count), token))
         return t
 
+    def send_end(self, transfer_id: int, shard: int, packets: int,
+                 token: object = None) -> None:
+        """Queue the end markers of a transfer of ``packets`` sent in parts
+        (send_part), behind its last part: every packet of it has left. ``on_sent``
+        (token) once they have."""
+        self.jobs.put((End(self.worker, shard, self.tag, transfer_id, packets), None, token))
+
     def _transfer(self, transfer_id: int, shard: int, grad: torch.Tensor, first: int = 0,
                   packets: int | None = None) -> Transfer:
         """``grad``'s datagrams, numbered from ``first`` of ``packets`` (None: its own)."""
@@ -252,7 +259,10 @@ class LossySender:
     def _loop(self) -> None:
         while (job := self.jobs.get()) is not None:
             t, which, token = job
-            self._out(t, which)
+            if isinstance(t, End):
+                self._markers(t)
+            else:
+                self._out(t, which)
             if self.ends and isinstance(which, range) and len(which) == t.count:
                 self._end(t)
             self.on_sent(token)
@@ -260,8 +270,11 @@ class LossySender:
 
     def _end(self, t: Transfer) -> None:
         """The end markers of transfer ``t``: all of its packets have left."""
-        marker = encode_end(End(self.worker, t.shard, self.tag, t.transfer, t.count),
-                            self.key)
+        self._markers(End(self.worker, t.shard, self.tag, t.transfer, t.count))
+
+    def _markers(self, end: End) -> None:
+        """END_COPIES copies of ``end``, back to back."""
+        marker = encode_end(end, self.key)
         # (at a priority switch, marked as the lowest level: behind every datagram of
         # the transfer still queued, never ahead of them)
         tos = None if self.marks is None else PRIORITY_TOS[0]

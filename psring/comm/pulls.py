@@ -10,12 +10,16 @@ worker's side; the server's is psring.comm.egress.
 The pull's answer arrives as one transfer of datagrams (its id the request's seq) on a
 UDP socket of the worker's own, bound to the address its requests leave from. A
 transfer is taken when every packet of it has arrived: nothing of a pull may be lost.
-A pull quiet for a while (no packet of it for a few round trips: its last packets
-lost, or the server still waiting for other workers) asks its server for what is
-missing (resend requests, psring.comm.datagrams.Nack), the wait doubling while nothing
-comes (at most MAX_WAIT_S, the wait of a pull not heard of at all), so a lost datagram
-costs a few round trips, never TCP's 200 ms retransmission timeout; a server sends
-only what it has sent before again.
+The server follows a pull's last packet with end markers: a pull whose markers came
+asks its server at once for what is missing (resend requests,
+psring.comm.datagrams.Nack: what has not come by its markers was lost), then again
+after a few of its round trips while the resends do not come. Only those round trips
+are measured (a request made after the markers is answered by resends alone, Karn's
+rule; one made while the server still streams, or waits for the other workers'
+pushes, would time those). A pull quiet for a while whose markers were lost asks too,
+the wait doubling while nothing comes (at most MAX_WAIT_S, the wait of a pull not
+heard of at all), so a lost datagram costs a round trip or a few, never TCP's 200 ms
+retransmission timeout; a server sends only what it has sent before again.
 Datagrams of transfers this worker did not ask for are dropped unread.
 """
 
@@ -65,8 +69,12 @@ class _Expected:
     since: float
     #: resend requests in a row that nothing followed (the wait doubles with each)
     unanswered: int = 0
-    #: packets, once its first datagram said which dtype they carry
+    #: packets, once its first datagram (or its end marker) said how many
     packets: int = 0
+    #: its end markers came: every packet of it has left the server
+    ended: bool = False
+    #: a resend request went after the end markers: what comes now are resends
+    asked_ended: bool = False
 
 
 class DatagramPulls:
@@ -107,9 +115,12 @@ class DatagramPulls:
         for seq, e in list(self.expected.items()):
             heard = self.ingress.heard(self.worker, seq)
             if heard is not None and heard > e.since:
-                if e.unanswered:  # (a request answered: its round trip)
+                if e.unanswered and e.asked_ended:  # (resends: the request's round trip)
                     self.rtt = 0.7 * self.rtt + 0.3 * max(0.0, heard - e.since)
                 e.since, e.unanswered = heard, 0
+            end = self.ingress.ends.get((self.worker, seq))
+            if end is not None:
+                e.ended, e.packets = True, e.packets or end.count
             t = self.ingress.transfers.get((self.worker, seq))
             if t is not None:
                 e.packets = t.packets
@@ -120,8 +131,10 @@ class DatagramPulls:
         return done
 
     def wait_s(self, e: _Expected) -> float:
-        if not e.packets:  # (nothing heard of it)
-            return MAX_WAIT_S
+        if not e.ended:  # (still streaming, waiting for the other workers' pushes, or
+            return MAX_WAIT_S  # its end markers lost)
+        if not e.asked_ended:  # (what has not come by its end markers was lost)
+            return 0.0
         return min(MAX_WAIT_S, max(MIN_WAIT_S, WAIT_RTTS * self.rtt) * 2 ** e.unanswered)
 
     def due(self) -> float | None:
@@ -150,6 +163,7 @@ class DatagramPulls:
                 except OSError:
                     pass  # (as if lost on the way: asked again after the next wait)
             e.since, e.unanswered = now, e.unanswered + 1
+            e.asked_ended = e.ended
         self.counts["pull_nacks"] += sent
         return sent
 

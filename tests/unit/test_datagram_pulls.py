@@ -140,6 +140,62 @@ def test_a_pull_not_yet_answered_asks_seldom_and_gets_nothing_twice(pair_of):
     assert torch.equal(p.until_done()[9], values)
 
 
+def _drop_packet(p: Pair, index: int) -> None:
+    """The ``index``-th datagram the server's sender sends (counted from 0) lost."""
+    sender = p.egress.senders[(run_tag(RUN), 3)]
+    send, count = sender._send, [0]
+
+    def dropping(data, k, size, tos=None):
+        whole = b"".join(bytes(d) for d in data)
+        for m in range(k):
+            if count[0] != index:
+                send([memoryview(whole[m * size:(m + 1) * size])], 1, size, tos)
+            count[0] += 1
+
+    sender._send = dropping
+
+
+def test_a_pull_asks_at_once_when_its_end_markers_say_the_rest_was_lost(pair_of,
+                                                                        monkeypatch):
+    # its last packet lost: the end markers behind it say so, the worker asks at once
+    # (not after its round trips: a second here) and the server, its markers gone,
+    # sends the packet again however lately it left (not after CROSSED_S: 10 s here)
+    monkeypatch.setattr("psring.comm.egress.CROSSED_S", 10.0)
+    p = pair_of()
+    p.pulls.rtt = 1.0
+    values = torch.randn(30_000)
+    packets = -(-values.numel() * 4 // 1408)
+    _drop_packet(p, packets - 1)
+    p.pulls.expect(seq=3, shard=0, numel=values.numel())
+    p.egress.piece(p.header(3), values.numel(), 0, values)
+    time.sleep(0.02)
+    assert p.pulls.receive() == [] and p.pulls.due() == 0
+    assert p.pulls.ask_again() == 1
+    time.sleep(0.005)
+    p.serve()
+    assert p.egress.counts["pull_resends"] == 1
+    assert torch.equal(p.until_done()[3], values)
+
+
+def test_only_requests_after_the_end_markers_time_a_round_trip(pair_of):
+    # Karn's rule: a request made while the server streams (or waits for the other
+    # workers) is followed by packets it did not cause; they time nothing
+    p = pair_of()
+    values = torch.randn(30_000)
+    p.pulls.expect(seq=4, shard=0, numel=values.numel())
+    p.egress.piece(p.header(4), values.numel(), 0, values[:10_000])
+    time.sleep(0.01)
+    p.pulls.receive()
+    first = p.pulls.rtt
+    p.pulls.expected[4].since -= 1.0  # (quiet long enough: it asks, mid-stream)
+    assert p.pulls.due() == 0 and p.pulls.ask_again() == 1
+    time.sleep(0.06)  # (the rest comes much later than any round trip)
+    p.egress.piece(p.header(4), values.numel(), 10_000, values[10_000:])
+    time.sleep(0.01)
+    assert torch.equal(dict(p.pulls.receive())[4], values)
+    assert p.pulls.rtt == first
+
+
 def test_datagrams_of_a_pull_not_asked_for_are_not_held(pair_of):
     p = pair_of()
     p.pulls.expect(seq=5, shard=0, numel=1_000)
