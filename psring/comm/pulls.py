@@ -13,12 +13,12 @@ transfer is taken when every packet of it has arrived: nothing of a pull may be 
 The server follows a pull's last packet with end markers: a pull whose markers came
 asks its server at once for what is missing (resend requests,
 psring.comm.datagrams.Nack: what has not come by its markers was lost), then again
-after a few of its round trips while the resends do not come. Only those round trips
-are measured (a request made after the markers is answered by resends alone, Karn's
-rule; one made while the server still streams, or waits for the other workers'
-pushes, would time those). A pull quiet for a while whose markers were lost asks too,
-the wait doubling while nothing comes (at most MAX_WAIT_S, the wait of a pull not
-heard of at all), so a lost datagram costs a round trip or a few, never TCP's 200 ms
+after a few of its round trips while the resends do not come, the wait doubling (at
+most MAX_WAIT_S). Only those round trips are measured (a request made after the
+markers is answered by resends alone, Karn's rule; one made while the server still
+streams, or waits for the other workers' pushes, would time those). A pull without
+its markers (still streaming, its server waiting, or the markers lost) asks every
+MAX_WAIT_S. So a lost datagram costs a round trip or a few, never TCP's 200 ms
 retransmission timeout; a server sends only what it has sent before again.
 Datagrams of transfers this worker did not ask for are dropped unread.
 """
@@ -47,13 +47,15 @@ from psring.comm.ingress import Ingress, drain, receiving_socket
 #: bytes of datagrams the kernel may hold for a worker's socket: every server's answer
 #: to one pull of the whole model, not dropped for want of room
 RECEIVE_BUFFER_BYTES = 64 << 20
-#: seconds a pull waits, at least, for a packet before it asks for what is missing
+#: seconds a pull whose end markers came waits, at least, for its resends before it
+#: asks again
 MIN_WAIT_S = 0.002
-#: ... or this many of its measured round trips (a resend request to its first packet)
+#: ... or this many of its measured round trips (a resend request made after the
+#: markers, to the first packet after it)
 WAIT_RTTS = 3
-#: the longest wait between requests while nothing comes, and the wait of a pull of
-#: which nothing has arrived yet (most likely its server still waits for the other
-#: workers' pushes, unless all of it was lost): asked this often
+#: the longest wait between requests while nothing comes, and the wait of a pull whose
+#: end markers have not come (most likely its server still streams it or waits for the
+#: other workers' pushes, unless the markers were lost): asked this often
 MAX_WAIT_S = 0.05
 #: resend requests at once, each naming up to NACK_MOST packets
 NACKS_AT_ONCE = 4
