@@ -38,8 +38,6 @@ from psring.comm.protocol import DTYPE_NAMES
 #: pulls per worker kept for its resend requests (a synchronous worker has one in
 #: flight per shard; the one before may still be asked for by a late request)
 KEPT = 2
-#: the ``left`` key's third part for a pull's end markers (packet numbers are >= 0)
-ENDED = -1
 #: seconds after a part has left during which a request for it is not answered: the
 #: request may have crossed it on the way, or waited in the server's socket while the
 #: server was busy (the worker asks again, a few milliseconds later, if it was lost)
@@ -132,7 +130,7 @@ class Egress:
             p.sent[i:j] = True
             self.counts["pulled_datagrams"] += j - i
         if ready.any() and p.sent.all():  # (its last packets: the end markers follow)
-            sender.send_end(transfer, p.shard, p.packets, token=(worker, transfer, ENDED))
+            sender.send_end(transfer, p.shard, p.packets)
 
     def _new(self, worker: int, transfer: int, shard: int, tag: int, numel: int,
              dtype: torch.dtype) -> _Pull:
@@ -145,7 +143,6 @@ class Egress:
         for k in mine[:-KEPT]:  # (oldest first)
             for first, _ in self.pulls.pop(k).parts:
                 self.left.pop((*k, first), None)
-            self.left.pop((*k, ENDED), None)
         return p
 
     def nacked(self, nack: Nack) -> int:
@@ -158,9 +155,11 @@ class Egress:
         asked = asked[asked < p.packets]
         asked = asked[p.sent[asked]]  # (a packet not yet sent goes when it is whole)
         again, now = 0, time.monotonic()
-        # (once its end markers have left, a request can only have come after them, or
-        # after a long quiet: what it names did not arrive, however lately it left)
-        ended = (nack.worker, nack.transfer, ENDED) in self.left
+        # (once all of it has left, its end markers right behind, a request can only
+        # have come after them, or after a long quiet: what it names did not arrive,
+        # however lately it left)
+        ended = p.sent.all() and all((nack.worker, nack.transfer, first) in self.left
+                                     for first, _ in p.parts)
         for first, t in p.parts:
             left = self.left.get((nack.worker, nack.transfer, first))
             if left is None or (now - left < CROSSED_S and not ended):

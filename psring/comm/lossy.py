@@ -212,12 +212,10 @@ class LossySender:
         self.jobs.put((t, range(t.count), token))
         return t
 
-    def send_end(self, transfer_id: int, shard: int, packets: int,
-                 token: object = None) -> None:
+    def send_end(self, transfer_id: int, shard: int, packets: int) -> None:
         """Queue the end markers of a transfer of ``packets`` sent in parts
-        (send_part), behind its last part: every packet of it has left. ``on_sent``
-        (token) once they have."""
-        self.jobs.put((End(self.worker, shard, self.tag, transfer_id, packets), None, token))
+        (send_part), behind its last part: every packet of it has left."""
+        self.jobs.put((End(self.worker, shard, self.tag, transfer_id, packets), None, None))
 
     def _transfer(self, transfer_id: int, shard: int, grad: torch.Tensor, first: int = 0,
                   packets: int | None = None) -> Transfer:
