@@ -168,11 +168,15 @@ class LossySender:
         #: the link's rate (bit/s) the datagrams leave at, as frames; None: unpaced
         #: (also to a server on this host: its datagrams never cross the link)
         self.pace_bits = None if same_host(self.addr) else pace_bits
-        #: bytes it may run ahead of the pace or catch up on in one go (the run's
-        #: Cluster.pacing_burst: a shallow port's half), 0: a millisecond's
+        #: bytes it may put on its port's queue at once (the run's Cluster.pacing_burst:
+        #: a shallow port's half), 0: a millisecond's. One send, what it may run ahead of
+        #: the pace and what it may catch up on after a late wakeup add up to them: a
+        #: quarter, a quarter and a half (the catching up the most: a loaded machine's
+        #: late wakeups would otherwise cost the link's time)
         self.burst_bytes = burst_bytes
-        self.burst_s = burst_bytes * 8 / self.pace_bits if burst_bytes and self.pace_bits \
-            else _Pacer.CREDIT_S
+        budget = burst_bytes * 8 / self.pace_bits if burst_bytes and self.pace_bits else 0
+        self.credit_s = budget / 2 if budget else _Pacer.CREDIT_S
+        self.ahead_s = budget / 4 if budget else _Pacer.AHEAD_S
         self.marks = marks
         #: --credit-window: a transfer's datagrams beyond the first UNSCHEDULED wait for
         #: the server's grants (psring.comm.credits), each wait bounded
@@ -347,7 +351,7 @@ class LossySender:
             self.datagrams += j - i
             if self.pace_bits:  # at the link's pace: a burst beyond it queues, or drops
                 pace(self.pace_bits, sum(len(d) for d in data) + FRAME_OVERHEAD * (j - i),
-                     self.burst_s, min(_Pacer.AHEAD_S, self.burst_s))
+                     self.credit_s, min(_Pacer.AHEAD_S, self.ahead_s))
 
     def batch_limit(self) -> int:
         """The most datagrams one send carries: what fits GSO_MAX_BYTES, and when paced
@@ -357,7 +361,7 @@ class LossySender:
         if self.pace_bits:
             most = min(most, int(self.pace_bits * 1e-3 / 8 / (size + FRAME_OVERHEAD)))
         if self.burst_bytes:  # (one send within what the port may take at once)
-            most = min(most, self.burst_bytes // (size + FRAME_OVERHEAD))
+            most = min(most, self.burst_bytes // 4 // (size + FRAME_OVERHEAD))
         return max(1, most) if self.gso else 1
 
     def _send(self, data: list[memoryview], k: int, size: int, tos: int | None = None) -> None:

@@ -330,18 +330,39 @@ def test_runs_are_consecutive_and_within_a_millisecond_of_the_link():
     slow.close()
 
 
-def test_a_shallow_ports_senders_keep_their_bursts_within_half_of_it():
+def test_a_shallow_ports_senders_keep_their_bursts_within_half_of_it(monkeypatch):
+    """Behind a 64 KB port a sender paces so that the port never holds more than half
+    of it from this sender: its sends, what it runs ahead of the link and what it
+    catches up on after a late wakeup add up to the half, however late it wakes."""
     from psring.cluster.spec import PACING_BURST_S, Cluster
 
     deep = Cluster.bare(hosts=2, link="1gbit")
     shallow = Cluster.bare(hosts=2, link="1gbit", link_buffer="64kb")
     assert deep.pacing_burst == int(1e9 / 8 * PACING_BURST_S)  # (the default port: deep)
     assert shallow.pacing_burst == 32_768 and Cluster.bare(hosts=2).pacing_burst == 0
-    sender = lossy.LossySender("tcp://127.0.0.1:9", "r", 0, burst_bytes=shallow.pacing_burst)
-    sender.pace_bits = 1e9  # (as to a server across a link)
-    frame = datagrams.DATAGRAM_HEADER + datagrams.DATAGRAM_PAYLOAD + lossy.FRAME_OVERHEAD
-    assert sender.batch_limit() == 32_768 // frame  # (22 frames, not GSO's 44)
+    clock, rate = [100.0], 250e6
+    late = iter([1e-4, 3e-4, 2e-5, 5e-4] * 1000)  # (each sleep wakes this much late)
+    monkeypatch.setattr(lossy.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(lossy.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s
+                                                                          + next(late)))
+    monkeypatch.setattr(lossy, "pace", lossy._Pacer())
+    monkeypatch.setattr(lossy, "same_host", lambda addr: False)  # (as across a link)
+    sender = lossy.LossySender("tcp://127.0.0.1:9", "r", 0, pace_bits=rate,
+                               burst_bytes=shallow.pacing_burst)
+    sends = []
+    sender._send = lambda data, k, size, tos=None: sends.append(
+        (clock[0], sum(len(d) for d in data) + lossy.FRAME_OVERHEAD * k))
+    t = sender._transfer(1, 0, torch.randn(500_000))
+    sender._runs(t, range(t.count))
     sender.close()
+    queue, at, most = 0.0, sends[0][0], 0.0
+    for when, nbytes in sends:  # (the port drains at the link's rate)
+        queue = max(0.0, queue - (when - at) * rate / 8) + nbytes
+        at, most = when, max(most, queue)
+    assert 16_000 < most <= 32_768
+    # and the link is kept busy: those late wakeups cost little of its rate
+    seconds = sum(n for _, n in sends) * 8 / rate
+    assert clock[0] - 100.0 < 1.05 * seconds
 
 
 def test_a_transfers_runs_are_its_datagrams_end_to_end():
