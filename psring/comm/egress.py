@@ -14,8 +14,11 @@ answers each range, the packets it completes leave at once (those wholly inside 
 straight from it, those it shares with a neighbouring range from a staging buffer;
 a sender thread per worker, paced at the run's link rate and batched by UDP GSO:
 psring.comm.lossy), so the pull streams as a TCP one does; end markers follow its last
-packet. Nothing of a pull may be lost (a replica must be the servers' parameters
-exactly): the worker asks for the packets it misses, at once when the end markers
+packet. The workers' pulls take turns on the server's link, in the order answered
+(psring.comm.turns): a synchronous server's first worker has its parameters after
+1/N of the pull phase, not at its end as over TCP, where they share the link.
+Nothing of a pull may be lost (a replica must be the servers' parameters exactly):
+the worker asks for the packets it misses, at once when the end markers
 say the rest was lost, else after a quiet spell, rather than after TCP's
 retransmission timeout, and the server sends those of them it has sent before again,
 as often as asked. Each worker's last KEPT pulls are kept for that.
@@ -34,6 +37,7 @@ import torch
 from psring.comm.datagrams import Nack, per_datagram, run_tag
 from psring.comm.lossy import LossySender, Transfer
 from psring.comm.protocol import DTYPE_NAMES
+from psring.comm.turns import Turns
 
 #: pulls per worker kept for its resend requests (a synchronous worker has one in
 #: flight per shard; the one before may still be asked for by a late request)
@@ -79,6 +83,8 @@ class Egress:
         #: asked, not what still waits for its turn (the pace, the other workers')
         self.left: dict[tuple[int, int, int], float] = {}
         self.counts = {"pulled_datagrams": 0, "pull_resends": 0}
+        #: the pulls leave the server's link one at a time, in the order answered
+        self.turns = Turns()
 
     def learn(self, run: str, worker: int, host: str, port: int, pace_bits: int,
               burst: int = 0) -> None:
@@ -94,7 +100,7 @@ class Egress:
         where = f"[{host}]" if ":" in host else host
         self.senders[key] = LossySender(f"tcp://{where}:{port}", run, worker, self.key,
                                         on_sent=self._left, pace_bits=pace_bits or None,
-                                        burst_bytes=burst)
+                                        burst_bytes=burst, turns=self.turns)
 
     def _left(self, token: object) -> None:
         if token is not None:  # (a resend's is None)

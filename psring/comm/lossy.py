@@ -60,6 +60,7 @@ from psring.comm.datagrams import (
     run_tag,
 )
 from psring.comm.protocol import DTYPE_NAMES, ProtocolError
+from psring.comm.turns import Turns
 
 #: bytes each datagram's frame adds: Ethernet 14, IPv4 20, UDP 8
 FRAME_OVERHEAD = 42
@@ -156,7 +157,8 @@ class LossySender:
     def __init__(self, endpoint: str, run: str, worker: int, key: bytes | None = None,
                  on_sent: Callable[[object], None] = lambda token: None,
                  pace_bits: float | None = None, marks: Marks | None = None,
-                 credits: bool = False, ends: bool = False, burst_bytes: int = 0):
+                 credits: bool = False, ends: bool = False, burst_bytes: int = 0,
+                 turns: Turns | None = None):
         u = urlparse(endpoint)
         if u.scheme != "tcp" or u.hostname is None or u.port is None:
             raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
@@ -178,6 +180,9 @@ class LossySender:
         self.credit_s = budget / 2 if budget else _Pacer.CREDIT_S
         self.ahead_s = budget / 4 if budget else _Pacer.AHEAD_S
         self.marks = marks
+        #: the turns it takes with the other senders on its link (a server's pulls:
+        #: one at a time, psring.comm.turns); None: it sends as soon as it can
+        self.turns = turns if self.pace_bits else None
         #: --credit-window: a transfer's datagrams beyond the first UNSCHEDULED wait for
         #: the server's grants (psring.comm.credits), each wait bounded
         self.credits = credits
@@ -203,7 +208,7 @@ class LossySender:
         t = self._transfer(transfer_id, shard, grad)
         if self.marks is not None:
             t.levels = self.marks.levels(grad, offset, t.per)
-        self.jobs.put((t, range(t.count), token))
+        self.jobs.put((t, range(t.count), token, None))
         return t
 
     def send_part(self, transfer_id: int, shard: int, part: torch.Tensor, first: int,
@@ -213,13 +218,15 @@ class LossySender:
         (psring.comm.egress). Unmarked: parameters rank above gradients at a
         priority switch, as TCP does."""
         t = self._transfer(transfer_id, shard, part, first, packets)
-        self.jobs.put((t, range(t.count), token))
+        ticket = self.turns.take() if self.turns is not None else None
+        self.jobs.put((t, range(t.count), token, ticket))
         return t
 
     def send_end(self, transfer_id: int, shard: int, packets: int) -> None:
         """Queue the end markers of a transfer of ``packets`` sent in parts
         (send_part), behind its last part: every packet of it has left."""
-        self.jobs.put((End(self.worker, shard, self.tag, transfer_id, packets), None, None))
+        self.jobs.put((End(self.worker, shard, self.tag, transfer_id, packets), None, None,
+                       None))
 
     def _transfer(self, transfer_id: int, shard: int, grad: torch.Tensor, first: int = 0,
                   packets: int | None = None) -> Transfer:
@@ -244,7 +251,7 @@ class LossySender:
         """Queue again ``need`` of the ``missing`` packets (at least one, chosen at
         random); returns how many."""
         chosen = self.choose(t, missing, need)
-        self.jobs.put((t, chosen, token))
+        self.jobs.put((t, chosen, token, None))  # (at once: not behind others' turns)
         return len(chosen)
 
     @staticmethod
@@ -260,9 +267,15 @@ class LossySender:
 
     def _loop(self) -> None:
         while (job := self.jobs.get()) is not None:
-            t, which, token = job
+            t, which, token, ticket = job
             if isinstance(t, End):
                 self._markers(t)
+            elif ticket is not None:
+                self.turns.wait(ticket)
+                try:
+                    self._out(t, which)
+                finally:
+                    self.turns.release(ticket)
             else:
                 self._out(t, which)
             if self.ends and isinstance(which, range) and len(which) == t.count:
@@ -349,6 +362,8 @@ class LossySender:
             tos = None if t.levels is None else PRIORITY_TOS[int(t.levels[i])]
             self._send(data, j - i, t.width if t.each is None else len(data[0]), tos)
             self.datagrams += j - i
+            if self.turns is not None:
+                self.turns.moving()
             if self.pace_bits:  # at the link's pace: a burst beyond it queues, or drops
                 pace(self.pace_bits, sum(len(d) for d in data) + FRAME_OVERHEAD * (j - i),
                      self.credit_s, min(_Pacer.AHEAD_S, self.ahead_s))

@@ -6,12 +6,14 @@ taken before all of it is there; datagrams nobody asked for are not held."""
 from __future__ import annotations
 
 import random
+import socket
+import threading
 import time
 
 import pytest
 import torch
 
-from psring.comm.datagrams import encode_block, run_tag
+from psring.comm.datagrams import encode_block, per_datagram, run_tag
 from psring.comm.egress import Egress
 from psring.comm.ingress import Ingress, drain, receiving_socket
 from psring.comm.pulls import DatagramPulls
@@ -263,3 +265,49 @@ def test_a_pull_whose_datagrams_never_arrive_fails_naming_them(monkeypatch):
             assert client.pulls.counts["pull_nacks"] > 0
         finally:
             client.close()
+
+
+def test_a_servers_pulls_leave_its_link_one_at_a_time(monkeypatch):
+    """Two workers' pulls answered together leave the server's (paced) link one after
+    the other, in the order answered: the first has all of its parameters before the
+    second's first packet leaves, instead of both sharing the link to its end
+    (psring.comm.turns)."""
+    from psring.comm import lossy
+
+    monkeypatch.setattr(lossy, "same_host", lambda addr: False)  # (as across a link)
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+    for s in socks:  # (plain sockets, no GRO: a receive a datagram)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        s.bind(("127.0.0.1", 0))
+    arrivals: list[list[float]] = [[], []]
+
+    def listen(i: int) -> None:
+        socks[i].settimeout(0.5)
+        try:
+            while True:
+                socks[i].recv(65536)
+                arrivals[i].append(time.monotonic())
+        except OSError:
+            return  # (quiet for half a second, or closed: done)
+
+    threads = [threading.Thread(target=listen, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    egress = Egress()
+    try:
+        values = torch.randn(60_000)  # (240 KB: some 40 ms at 50 Mbit/s)
+        for w in range(2):
+            egress.learn(RUN, w, "127.0.0.1", socks[w].getsockname()[1], pace_bits=50e6)
+        for w in range(2):
+            egress.piece({"run": RUN, "worker": w, "seq": 1, "shard": 0}, values.numel(), 0,
+                         values)
+        for th in threads:
+            th.join(timeout=15)
+    finally:
+        egress.close()
+        for s in socks:
+            s.close()
+    packets = -(-values.numel() // per_datagram("float32"))
+    assert len(arrivals[0]) >= packets and len(arrivals[1]) >= packets
+    # (the first's end markers may follow its last packet as the second's first leaves)
+    assert sorted(arrivals[0])[packets - 1] < min(arrivals[1])

@@ -1,0 +1,64 @@
+"""Turns (psring.comm.turns): senders sharing a link send first come, first served,
+whatever order their threads wake in, and a turn that never comes costs a bounded
+wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from psring.comm import turns as turns_mod
+from psring.comm.turns import Turns
+
+
+def test_jobs_are_sent_in_the_order_they_were_queued_whatever_their_threads_do():
+    turns, sent = Turns(), []
+    tickets = [turns.take() for _ in range(4)]
+
+    def job(ticket: int, delay: float) -> None:
+        time.sleep(delay)  # (the later tickets' threads are ready first)
+        turns.wait(ticket)
+        sent.append(ticket)
+        turns.release(ticket)
+
+    threads = [threading.Thread(target=job, args=(t, 0.02 * (4 - t))) for t in tickets]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=10)
+    assert sent == tickets
+
+
+def test_a_turn_that_never_comes_costs_a_bounded_wait(monkeypatch):
+    monkeypatch.setattr(turns_mod, "STILL_S", 0.05)
+    turns = Turns()
+    stuck, mine = turns.take(), turns.take()  # (the first never sends nor releases)
+    t0 = time.monotonic()
+    assert turns.wait(mine) is False
+    assert 0.04 < time.monotonic() - t0 < 2.0
+    turns.release(mine)  # (out of order: kept until the one before it is released)
+    assert turns.serving == 0
+    turns.release(stuck)
+    assert turns.serving == 2
+
+
+def test_a_link_still_moving_keeps_the_later_jobs_waiting(monkeypatch):
+    """A long job (a big pull at a slow rate) holds its turn for longer than STILL_S;
+    the ones behind it wait as long as it sends."""
+    monkeypatch.setattr(turns_mod, "STILL_S", 0.05)
+    turns = Turns()
+    first, second = turns.take(), turns.take()
+    done = threading.Event()
+
+    def long_job() -> None:
+        turns.wait(first)
+        for _ in range(15):  # (0.15 s of sending, three times STILL_S)
+            time.sleep(0.01)
+            turns.moving()
+        done.set()
+        turns.release(first)
+
+    th = threading.Thread(target=long_job)
+    th.start()
+    assert turns.wait(second) is True and done.is_set()
+    th.join(timeout=10)
