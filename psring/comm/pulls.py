@@ -17,9 +17,11 @@ after a few of its round trips while the resends do not come, the wait doubling 
 most MAX_WAIT_S). Only those round trips are measured (a request made after the
 markers is answered by resends alone, Karn's rule; one made while the server still
 streams, or waits for the other workers' pushes, would time those). A pull without
-its markers (still streaming, its server waiting, or the markers lost) asks every
-MAX_WAIT_S. So a lost datagram costs a round trip or a few, never TCP's 200 ms
-retransmission timeout; a server sends only what it has sent before again.
+its markers (still streaming, its server waiting, it waiting its turn on the server's
+link behind the other workers' pulls, or the markers lost) asks every MAX_WAIT_S; the
+server answers only for what has left (psring.comm.egress). So a lost datagram costs
+a round trip or a few, never TCP's 200 ms retransmission timeout; a server sends only
+what it has sent before again.
 Datagrams of transfers this worker did not ask for are dropped unread.
 """
 
@@ -54,8 +56,9 @@ MIN_WAIT_S = 0.002
 #: markers, to the first packet after it)
 WAIT_RTTS = 3
 #: the longest wait between requests while nothing comes, and the wait of a pull whose
-#: end markers have not come (most likely its server still streams it or waits for the
-#: other workers' pushes, unless the markers were lost): asked this often
+#: end markers have not come (most likely its server still streams it, waits for the
+#: other workers' pushes or sends their pulls first, unless the markers were lost):
+#: asked this often
 MAX_WAIT_S = 0.05
 #: resend requests at once, each naming up to NACK_MOST packets
 NACKS_AT_ONCE = 4
