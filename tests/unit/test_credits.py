@@ -167,8 +167,13 @@ def test_a_credited_sender_sends_what_it_is_granted_and_gets_through(drop_grants
         assert got.all(), f"{int(got.sum())} of {tr.count}"
         assert state["most"] <= g.window + credits.UNSCHEDULED
         assert g.counts["grants"] > 0
-        # a lost grant is made good by the sender's bounded wait (one packet on its own)
-        assert (sender.probes > 0) == (drop_grants > 0)
+        # a lost grant is made good by the sender's bounded wait (one packet on its own);
+        # without losses the grants carry the transfer (a grant late on a loaded machine
+        # may still cost a probe, so the bound is loose, but a sender that ignored its
+        # grants would probe for nearly every packet)
+        if drop_grants:
+            assert sender.probes > 0
+        assert sender.probes < tr.count // 4, f"{sender.probes} probes of {tr.count}"
     finally:
         state["stop"] = True
         t.join(timeout=5)
