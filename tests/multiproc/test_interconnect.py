@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 
 import pytest
@@ -28,8 +29,10 @@ class _Entered:
 
     def __init__(self, error: BaseException | None = None):
         self.error = error
+        self.waited = threading.Event()  # (the stream has taken a collective up)
 
     def wait(self) -> bool:
+        self.waited.set()
         if self.error:
             raise self.error
         return True
@@ -90,7 +93,7 @@ def test_a_closed_interconnect_fails_what_is_queued_and_refuses_more():
     slow = interconnect.TimedComm(None, 2, 0, 0.0, 1e4, enter=lambda: gate)  # 0.1 s each
     first = slow.all_gather(torch.zeros(2000), torch.ones(1000))
     queued = slow.all_gather(torch.zeros(2000), torch.ones(1000))
-    time.sleep(0.03)  # the first under way
+    assert gate.waited.wait(5)  # the first under way
     slow.close()
     assert first.wait()  # (the one under way finishes)
     with pytest.raises(RuntimeError, match="closed"):

@@ -20,9 +20,11 @@ from tests.helpers import SMALL, assert_no_processes, load_model, max_rel_diff, 
     ("allreduce", ["--credit-window", "16kb"])])
 def test_bounded_loss_without_loss_trains_singles_model(tmp_path, small_runs, strategy,
                                                         extra):
-    # (loopback loses nothing: every datagram arrives, the sums are exact)
+    # (loopback loses nothing: every datagram arrives, the sums are exact. The bound is
+    # below one datagram a part, so a receiver that a loaded machine leaves quiet for a
+    # spell asks again rather than scaling up a part that is still on its way)
     out = tmp_path / f"lossless-{strategy}"
-    psring("run", "--strategy", strategy, "--workers", "2", "--loss-tolerance", "0.05",
+    psring("run", "--strategy", strategy, "--workers", "2", "--loss-tolerance", "0.0001",
            *extra, *SMALL, "--out", out, timeout=100)
     assert max_rel_diff(load_model(out), load_model(small_runs["single"])) < 1e-4
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]

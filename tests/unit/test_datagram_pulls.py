@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from psring.comm import pulls as pulls_mod
 from psring.comm.datagrams import encode_block, per_datagram, run_tag
 from psring.comm.egress import Egress
 from psring.comm.ingress import Ingress, drain, receiving_socket
@@ -127,15 +128,17 @@ def test_a_pull_not_yet_answered_asks_seldom_and_gets_nothing_twice(pair_of):
     # its requests, seldom, are answered with nothing
     p = pair_of()
     p.pulls.expect(seq=9, shard=0, numel=5_000)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.3:
+    # (a pull not heard of asks once a MAX_WAIT_S: the gaps between its requests are
+    # checked, not how many fit a span of wall time a loaded machine stretches)
+    asks, deadline = [], time.monotonic() + 5
+    while len(asks) < 4 and time.monotonic() < deadline:
         p.pulls.receive()
-        if p.pulls.due() == 0:
-            p.pulls.ask_again()
+        if p.pulls.due() == 0 and p.pulls.ask_again():
+            asks.append(time.monotonic())
         p.serve()
         time.sleep(0.0005)
-    asked = p.pulls.counts["pull_nacks"]
-    assert 3 <= asked <= 8  # (a pull not heard of asks every 50 ms: about 6 in 0.3 s)
+    assert len(asks) == 4 and p.pulls.counts["pull_nacks"] == 4
+    assert min(b - a for a, b in zip(asks, asks[1:])) >= pulls_mod.MAX_WAIT_S
     assert p.egress.counts["pull_resends"] == 0
     values = torch.randn(5_000)
     p.egress.piece(p.header(9), 5_000, 0, values)

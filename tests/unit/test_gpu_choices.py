@@ -95,8 +95,9 @@ def test_device_mode_spends_a_gpus_host_copies_at_the_time_scale():
     t = time.perf_counter()
     dev.copy("d2h", 10_000_000)  # (0.02 s + 10 MB at 1 GB/s) x 2
     assert 0.06 <= time.perf_counter() - t < 0.5
-    t = time.perf_counter()
     plain = DeviceCompute(DeviceTimes.of(dataclasses.replace(prof, host_copy=None), 1.0, 4),
                           0, 0, "features", 2)
+    taken = []  # (what it would sleep, not a wall clock a loaded machine stretches)
+    plain.on_time.take = taken.append
     plain.copy("d2h", 10_000_000)  # a profile without host copies: a CPU's, nothing
-    assert time.perf_counter() - t < 0.01
+    assert taken == []

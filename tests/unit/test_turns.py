@@ -45,14 +45,16 @@ def test_a_turn_that_never_comes_costs_a_bounded_wait(monkeypatch):
 def test_a_link_still_moving_keeps_the_later_jobs_waiting(monkeypatch):
     """A long job (a big pull at a slow rate) holds its turn for longer than STILL_S;
     the ones behind it wait as long as it sends."""
-    monkeypatch.setattr(turns_mod, "STILL_S", 0.05)
+    # (STILL_S well above a loaded machine's scheduling stalls: only a link that
+    # really stops may let the second job go)
+    monkeypatch.setattr(turns_mod, "STILL_S", 0.3)
     turns = Turns()
     first, second = turns.take(), turns.take()
     done = threading.Event()
 
     def long_job() -> None:
         turns.wait(first)
-        for _ in range(15):  # (0.15 s of sending, three times STILL_S)
+        for _ in range(50):  # (0.5 s of sending, longer than STILL_S)
             time.sleep(0.01)
             turns.moving()
         done.set()
