@@ -232,6 +232,8 @@ class Ingress:
         self.held = 0
         self.counts = {"datagrams": 0, "bad_datagrams": 0, "evicted": 0, "late": 0}
         self.ends: OrderedDict[tuple[int, int], End] = OrderedDict()
+        #: end markers kept so far (a waiter wakes when it grows)
+        self.marked = 0
         self.finished: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.nacks: list[Nack] = []
         self.buffers = buffers.SHARED
@@ -349,6 +351,7 @@ class Ingress:
         e = self._control(data, decode_end)
         if e is not None and (e.worker, e.transfer) not in self.finished:  # (not a copy
             _remember(self.ends, (e.worker, e.transfer), e)                # come late)
+            self.marked += 1
 
     def _nack(self, data: bytes | memoryview) -> None:
         n = self._control(data, decode_nack)

@@ -47,9 +47,10 @@ from psring.comm.protocol import Message, decode, encode
 #: bytes of datagrams the kernel may hold for the receiving socket: a bucket's shards
 #: from every peer, not dropped for want of room
 RECEIVE_BUFFER_BYTES = 64 << 20
-#: seconds the waiting thread sleeps between looks at the parts (the receiving thread
-#: wakes it at each receive)
-WAIT_S = 2e-3
+#: seconds the waiting thread sleeps between looks at the parts (a quarter of
+#: IDLE_MIN_S: a quiet source is noticed within it); the receiving thread wakes it
+#: sooner when an end marker arrives, and at each receive while a resend request is out
+WAIT_S = 5e-3
 #: the run id the datagrams carry (the group's own: every rank the same)
 RUN = "transpose"
 #: seconds a source may be quiet, at least, before what has not arrived of its part
@@ -112,6 +113,9 @@ class TransposeAllReduce:
         self.delivered = self.expected = 0
         # every datagram is received, and every request answered, by one thread
         self.cond = threading.Condition()
+        #: whether the waiting thread has a resend request out (then each receive may
+        #: complete a part, and wakes it)
+        self.asking = False
         self.stopping = False
         self.receiver = threading.Thread(target=self._receive, daemon=True,
                                          name="transpose-receive")
@@ -172,7 +176,9 @@ class TransposeAllReduce:
                     late = sorted(set(self.senders) - set(parts))
                     raise TimeoutError(f"transpose all-reduce: the parts of rank(s) {late} "
                                        f"did not come within --timeout")
+                self.asking = bool(asked)
                 self.cond.wait(WAIT_S)
+            self.asking = False
             if self.granter is not None:  # (nothing more comes of this transfer's)
                 for key in [k for k in self.granter.flows if k[1] == self.transfer]:
                     self.granter.done(key)
@@ -244,6 +250,7 @@ class TransposeAllReduce:
             except (OSError, ValueError):  # (closed)
                 return
             with self.cond:
+                marked = self.ingress.marked
                 if ready:
                     drain(self.sock, self.ingress,
                           heard=self.granter.heard if self.granter is not None else None)
@@ -251,7 +258,10 @@ class TransposeAllReduce:
                         self._answer(n)
                 if self.granter is not None:
                     self.granter.expire()
-                self.cond.notify_all()
+                # (the waiter wakes for news only: a receive of a part still streaming
+                # changes nothing it acts on, and each wake costs the cores a switch)
+                if self.ingress.marked != marked or (ready and self.asking):
+                    self.cond.notify_all()
 
     def _answer(self, n: Nack) -> None:
         """Send again ``n.need`` of the packets rank ``n.worker`` asks for, if the
