@@ -20,8 +20,11 @@ lost, markers included; a straggler ignores a request for a transfer it has not 
 yet). Each rank answers requests on a thread of its own, which receives every
 datagram, so a rank already in the all-gather still answers. The owner sums the parts,
 and an all-gather over gloo, reliable, gives every rank the same result: the replicas
-cannot drift apart, whatever was lost. One exchange over TCP a bucket, in flight while
-the next bucket's datagrams go out (:meth:`TransposeAllReduce.start`).
+cannot drift apart, whatever was lost. A bucket's datagrams are queued as soon as it is
+ready (:meth:`TransposeAllReduce.scatter`, from the gradient hook), so they leave while
+the bucket before is still collected; collecting and the all-gather, one exchange over
+TCP a bucket, run on the communication thread in the buckets' order
+(:meth:`TransposeAllReduce.finish`).
 
 The datagrams' addresses are exchanged once, as tensors (nothing is pickled).
 """
@@ -34,6 +37,7 @@ import random
 import select
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -70,6 +74,18 @@ SILENT_S = 1.0
 KEPT = 4
 #: copies of a resend request, back to back
 NACK_COPIES = 2
+
+
+@dataclass
+class Scattered:
+    """A bucket scattered (:meth:`TransposeAllReduce.scatter`): its transfer id, its
+    shards' size, this rank's own shard (where the others' parts are summed), and the
+    bucket the sum goes back into."""
+
+    transfer: int
+    size: int
+    mine: torch.Tensor
+    buf: torch.Tensor
 
 
 class Gathering:
@@ -136,28 +152,41 @@ class TransposeAllReduce:
     def start(self, buf: torch.Tensor, offset: int = 0) -> "Gathering":
         """:meth:`all_reduce` up to its all-gather: the reduce-scatter done, the
         all-gather launched; ``buf`` holds the sum once the handle's ``wait()`` returns.
-        Buckets started one after another on one thread keep gloo's all-gathers in the
-        same order on every rank, and a bucket's datagrams go out while the one before
-        it is gathered: the links do not idle while a phase ends and the next begins."""
-        self.transfer += 1
-        size = math.ceil(buf.numel() / self.world)
-        padded = torch.zeros(size * self.world, dtype=torch.float32)
-        padded[:buf.numel()] = buf
-        shards = padded.view(self.world, size)
+        (:meth:`scatter` then :meth:`finish`, on one thread.)"""
+        return self.finish(self.scatter(buf, offset))
+
+    def scatter(self, buf: torch.Tensor, offset: int = 0) -> "Scattered":
+        """Queue ``buf``'s shards for their owners and return at once (its datagrams go
+        out on the senders' threads). A bucket's scatter may run as soon as the bucket
+        is ready, while the bucket before it is still being collected: the links do not
+        idle while an owner waits for its parts."""
         with self.cond:  # (before any request for it can come)
-            self.outgoing[self.transfer] = {
-                p: s.send(self.transfer, p, shards[p], offset=offset + p * size)
+            self.transfer += 1
+            transfer = self.transfer
+            size = math.ceil(buf.numel() / self.world)
+            padded = torch.zeros(size * self.world, dtype=torch.float32)
+            padded[:buf.numel()] = buf
+            shards = padded.view(self.world, size)
+            self.outgoing[transfer] = {
+                p: s.send(transfer, p, shards[p], offset=offset + p * size)
                 for p, s in self.senders.items()}
-            for old in [t for t in self.outgoing if t <= self.transfer - KEPT]:
+            for old in [t for t in self.outgoing if t <= transfer - KEPT]:
                 del self.outgoing[old]
-        mine = shards[self.rank].clone()
-        for part in self._collect(size):
+        return Scattered(transfer, size, shards[self.rank].clone(), buf)
+
+    def finish(self, sc: "Scattered") -> "Gathering":
+        """The rest of a :meth:`scatter`: this rank's shard summed from the others'
+        parts (waited for, within the bound) and the all-gather launched. Called in the
+        order of the scatters on one thread, every rank the same: gloo's all-gathers
+        pair up in that order."""
+        mine = sc.mine
+        for part in self._collect(sc.transfer, sc.size):
             mine += part
-        gathered = [torch.empty(size, dtype=torch.float32) for _ in range(self.world)]
-        return Gathering(dist.all_gather(gathered, mine, async_op=True), gathered, buf)
+        gathered = [torch.empty(sc.size, dtype=torch.float32) for _ in range(self.world)]
+        return Gathering(dist.all_gather(gathered, mine, async_op=True), gathered, sc.buf)
 
     # -- the owner's side: the parts of its shard -----------------------------------------
-    def _collect(self, size: int) -> list[torch.Tensor]:
+    def _collect(self, transfer: int, size: int) -> list[torch.Tensor]:
         """Each other rank's part of this rank's shard, within the bound: waited for,
         and asked for again (resend requests) until it is; bounded by --timeout."""
         start = time.monotonic()
@@ -169,7 +198,7 @@ class TransposeAllReduce:
                 now = time.monotonic()
                 for p in self.senders:
                     if p not in parts:
-                        self._look(p, size, now, start, parts, last, asked)
+                        self._look(p, transfer, size, now, start, parts, last, asked)
                 if len(parts) == len(self.senders):
                     break
                 if now - start > self.timeout:
@@ -180,7 +209,7 @@ class TransposeAllReduce:
                 self.cond.wait(WAIT_S)
             self.asking = False
             if self.granter is not None:  # (nothing more comes of this transfer's)
-                for key in [k for k in self.granter.flows if k[1] == self.transfer]:
+                for key in [k for k in self.granter.flows if k[1] == transfer]:
                     self.granter.done(key)
         out = []
         for p in self.senders:
@@ -189,11 +218,11 @@ class TransposeAllReduce:
             out.append(parts[p].tensors[0])
         return out
 
-    def _look(self, p: int, size: int, now: float, start: float, parts: dict,
-              last: dict, asked: dict) -> None:
+    def _look(self, p: int, transfer: int, size: int, now: float, start: float,
+              parts: dict, last: dict, asked: dict) -> None:
         """Source ``p``'s part: kept once in (its end marker, or quiet) and within the
         bound; asked for again when it is not, and quiet."""
-        heard = self.ingress.heard(p, self.transfer)
+        heard = self.ingress.heard(p, transfer)
         if heard is not None and last[p] is not None and heard > last[p]:
             gap = heard - last[p]
             self.gaps[p] = 0.8 * self.gaps[p] + 0.2 * gap if self.gaps[p] else gap
@@ -210,21 +239,22 @@ class TransposeAllReduce:
             if (p in asked and quiet) or (p not in asked and others_in
                                           and now - start > SILENT_S):
                 packets = math.ceil(size / per_datagram("float32"))
-                self._ask(p, packets, list(range(packets)), now, asked)
+                self._ask(p, transfer, packets, list(range(packets)), now, asked)
             return
-        if not (self.ingress.ended(p, self.transfer) or quiet or p in asked):
+        if not (self.ingress.ended(p, transfer) or quiet or p in asked):
             return
-        got = self.ingress.complete(self._header(p, size))
+        got = self.ingress.complete(self._header(p, transfer, size))
         if isinstance(got, Message):
             parts[p] = got
         elif p not in asked or quiet:
             need, missing = got
-            self._ask(p, need, missing, now, asked)
+            self._ask(p, transfer, need, missing, now, asked)
 
-    def _ask(self, p: int, need: int, missing: list[int], now: float, asked: dict) -> None:
+    def _ask(self, p: int, transfer: int, need: int, missing: list[int], now: float,
+             asked: dict) -> None:
         """A resend request to source ``p``: ``need`` packets, some of ``missing``."""
         listed = sorted(random.sample(missing, min(len(missing), NACK_MOST)))
-        wire = encode_nack(Nack(self.rank, self.rank, run_tag(RUN), self.transfer,
+        wire = encode_nack(Nack(self.rank, self.rank, run_tag(RUN), transfer,
                                 min(need, len(listed)), tuple(listed)), self.key)
         for _ in range(NACK_COPIES):
             try:
@@ -233,14 +263,14 @@ class TransposeAllReduce:
                 pass  # (as if lost on the wire: asked again after the idle timeout)
         asked[p] = now
 
-    def _header(self, source: int, numel: int) -> Message:
+    def _header(self, source: int, transfer: int, numel: int) -> Message:
         """The end marker of ``source``'s shard of this transfer, as a server gets it
         (made by the protocol module, and checked by it, as one from the wire)."""
         packets = math.ceil(numel / per_datagram("float32"))
         return decode(encode("lossy_push", {
-            "run": RUN, "worker": source, "seq": self.transfer, "shard": self.rank,
+            "run": RUN, "worker": source, "seq": transfer, "shard": self.rank,
             "step": 0, "offset": 0, "numel": numel, "packets": packets, "dtype": "float32",
-            "tolerance": self.tolerance, "transfer": self.transfer}))
+            "tolerance": self.tolerance, "transfer": transfer}))
 
     # -- the receiving thread: every datagram, every request answered ------------------------
     def _receive(self) -> None:

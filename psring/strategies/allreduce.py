@@ -135,8 +135,10 @@ class AllReduce(Strategy):
 
     def _launch(self, bucket: Bucket) -> Handle:
         if self.tar is not None:
-            return self._on_thread(self.tar.start, bucket.buffer,
-                                   self.bucket_offset[bucket.index], then_wait=True)
+            # the datagrams queued from the hook (they leave while the thread still
+            # collects the bucket before); collecting and the all-gather on the thread
+            scattered = self.tar.scatter(bucket.buffer, self.bucket_offset[bucket.index])
+            return self._on_thread(self.tar.finish, scattered, then_wait=True)
         if self.adasum:
             counts = [p.numel() for p in bucket.params]
             return self._on_thread(adasum.reduce, bucket.buffer, counts, self.comm)
