@@ -30,7 +30,6 @@ The receiving side is psring.comm.ingress.
 from __future__ import annotations
 
 import errno
-import queue
 import random
 import select
 import socket
@@ -59,6 +58,7 @@ from psring.comm.datagrams import (
     per_datagram,
     run_tag,
 )
+from psring.comm.outbox import Outbox
 from psring.comm.protocol import DTYPE_NAMES, ProtocolError
 from psring.comm.turns import Turns
 
@@ -158,7 +158,7 @@ class LossySender:
                  on_sent: Callable[[object], None] = lambda token: None,
                  pace_bits: float | None = None, marks: Marks | None = None,
                  credits: bool = False, ends: bool = False, burst_bytes: int = 0,
-                 turns: Turns | None = None):
+                 turns: Turns | None = None, outbox: Outbox | None = None):
         u = urlparse(endpoint)
         if u.scheme != "tcp" or u.hostname is None or u.port is None:
             raise ValueError(f"bounded-loss pushes need a tcp:// server, not {endpoint}")
@@ -196,10 +196,10 @@ class LossySender:
         #: the blocks of datagrams, kept for the next transfers (psring.comm.buffers)
         self.buffers = buffers.SHARED
         self.stopping = False
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, daemon=True,
-                                       name=f"datagrams-{endpoint}")
-        self.thread.start()
+        #: the thread its jobs run on: its own, or one its owner shares among senders
+        #: (then the owner closes it, before the senders)
+        self.own_outbox = outbox is None
+        self.outbox = Outbox(f"datagrams-{endpoint}") if outbox is None else outbox
 
     def send(self, transfer_id: int, shard: int, grad: torch.Tensor,
              token: object = None, offset: int = 0) -> Transfer:
@@ -208,7 +208,7 @@ class LossySender:
         t = self._transfer(transfer_id, shard, grad)
         if self.marks is not None:
             t.levels = self.marks.levels(grad, offset, t.per)
-        self.jobs.put((t, range(t.count), token, None))
+        self.outbox.put(self._job, (t, range(t.count), token, None))
         return t
 
     def send_part(self, transfer_id: int, shard: int, part: torch.Tensor, first: int,
@@ -219,14 +219,14 @@ class LossySender:
         priority switch, as TCP does."""
         t = self._transfer(transfer_id, shard, part, first, packets)
         ticket = self.turns.take() if self.turns is not None else None
-        self.jobs.put((t, range(t.count), token, ticket))
+        self.outbox.put(self._job, (t, range(t.count), token, ticket))
         return t
 
     def send_end(self, transfer_id: int, shard: int, packets: int) -> None:
         """Queue the end markers of a transfer of ``packets`` sent in parts
         (send_part), behind its last part: every packet of it has left."""
-        self.jobs.put((End(self.worker, shard, self.tag, transfer_id, packets), None, None,
-                       None))
+        self.outbox.put(self._job, (End(self.worker, shard, self.tag, transfer_id, packets),
+                                    None, None, None))
 
     def _transfer(self, transfer_id: int, shard: int, grad: torch.Tensor, first: int = 0,
                   packets: int | None = None) -> Transfer:
@@ -251,7 +251,7 @@ class LossySender:
         """Queue again ``need`` of the ``missing`` packets (at least one, chosen at
         random); returns how many."""
         chosen = self.choose(t, missing, need)
-        self.jobs.put((t, chosen, token, None))  # (at once: not behind others' turns)
+        self.outbox.put(self._job, (t, chosen, token, None))  # (not behind others' turns)
         return len(chosen)
 
     @staticmethod
@@ -265,23 +265,23 @@ class LossySender:
         rng = random.Random(t.count * 1_000_003 + len(valid) * 1009 + need)
         return sorted(rng.sample(valid, take))
 
-    def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            t, which, token, ticket = job
-            if isinstance(t, End):
-                self._markers(t)
-            elif ticket is not None:
-                self.turns.wait(ticket)
-                try:
-                    self._out(t, which)
-                finally:
-                    self.turns.release(ticket)
-            else:
+    def _job(self, job: tuple) -> None:
+        """One queued job, on the outbox's thread: a transfer's packets (in their turn,
+        if it takes turns), or end markers; then ``on_sent``."""
+        t, which, token, ticket = job
+        if isinstance(t, End):
+            self._markers(t)
+        elif ticket is not None:
+            self.turns.wait(ticket)
+            try:
                 self._out(t, which)
-            if self.ends and isinstance(which, range) and len(which) == t.count:
-                self._end(t)
-            self.on_sent(token)
-            job = t = None  # (its block goes back to the buffers once its sender is done)
+            finally:
+                self.turns.release(ticket)
+        else:
+            self._out(t, which)
+        if self.ends and isinstance(which, range) and len(which) == t.count:
+            self._end(t)
+        self.on_sent(token)
 
     def _end(self, t: Transfer) -> None:
         """The end markers of transfer ``t``: all of its packets have left."""
@@ -405,8 +405,8 @@ class LossySender:
 
     def close(self) -> None:
         self.stopping = True
-        self.jobs.put(None)
-        self.thread.join(timeout=5.0)
+        if self.own_outbox:
+            self.outbox.close()
         self.sock.close()
 
 

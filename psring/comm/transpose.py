@@ -46,6 +46,7 @@ from psring.comm.credits import Granter
 from psring.comm.datagrams import NACK_MOST, Nack, encode_nack, per_datagram, run_tag
 from psring.comm.ingress import Ingress, drain, receiving_socket
 from psring.comm.lossy import LossySender, Marks
+from psring.comm.outbox import Outbox
 from psring.comm.protocol import Message, decode, encode
 
 #: bytes of datagrams the kernel may hold for the receiving socket: a bucket's shards
@@ -112,10 +113,17 @@ class TransposeAllReduce:
         self.ingress = Ingress(key)  # (with the run's secret: signed datagrams only)
         #: --credit-window: this rank grants the others what they may send it
         self.granter = Granter(self.sock, credit_window, key) if credit_window else None
+        # one thread sends to every peer, each shard whole in turn; rank r's first to
+        # r + 1, so that at any moment each rank's downlink has one sender, not an incast.
+        # (With credits each sender keeps its own: a wait for a grant would hold up the
+        # other peers' shards.)
+        self.outbox = None if credit_window else Outbox("transpose-send")
         self.senders = {p: LossySender(f"tcp://{a}:{port}", RUN, rank, key,
                                        pace_bits=pace_bits, marks=marks,
-                                       credits=bool(credit_window), ends=True)
-                        for p, (a, port) in enumerate(self.peers) if p != rank}
+                                       credits=bool(credit_window), ends=True,
+                                       outbox=self.outbox)
+                        for p, (a, port) in ((q % world, self.peers[q % world])
+                                             for q in range(rank + 1, rank + world))}
         self.transfer = 0
         #: the last KEPT transfers' datagrams, by transfer and receiver: what a resend
         #: request may ask for
@@ -304,6 +312,8 @@ class TransposeAllReduce:
     def close(self) -> None:
         self.stopping = True
         self.receiver.join(timeout=5.0)
+        if self.outbox is not None:
+            self.outbox.close()
         for s in self.senders.values():
             s.close()
         self.sock.close()

@@ -14,6 +14,7 @@ import math
 import queue
 import random
 import socket
+import threading
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psring.comm import buffers, datagrams, ingress, lossy, protocol
+from psring.comm import buffers, datagrams, ingress, lossy, outbox, protocol
 from psring.comm.datagrams import Datagram
 from psring.comm.ingress import Ingress
 from psring.comm.protocol import Message, ProtocolError
@@ -238,7 +239,7 @@ def test_the_sender_sends_every_datagram_then_says_so_and_resends_at_random():
     assert got == again
     sender.close()
     rx.close()
-    assert not sender.thread.is_alive()
+    assert not sender.outbox.thread.is_alive()
 
 
 def _drain_all(rx: socket.socket, ing: Ingress, count: int) -> int:
@@ -474,6 +475,40 @@ def test_a_datagram_claiming_more_than_may_be_held_is_refused(monkeypatch):
     for p in packets_of(torch.randn(352 * 10))[:2]:  # (10 packets: 14 kB)
         ing.datagram(p)
     assert ing.counts["bad_datagrams"] == 2 and ing.held == 0 and not ing.transfers
+
+
+def test_senders_sharing_an_outbox_send_on_one_thread_in_the_order_queued():
+    # (the transpose all-reduce's peers: one thread for all of them, each shard whole)
+    rxs = [ingress.receiving_socket("127.0.0.1", 0, 1 << 22) for _ in range(2)]
+    done = queue.SimpleQueue()
+    box = outbox.Outbox("test-send")
+    senders = [lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
+                                 on_sent=lambda token: done.put(
+                                     (token, threading.get_ident())), outbox=box)
+               for rx in rxs]
+    try:
+        grads = [torch.randn(352 * 40), torch.randn(352 * 7)]
+        for k in range(3):  # (interleaved: 0, 1, 0, 1, 0, 1)
+            for w, (s, g) in enumerate(zip(senders, grads)):
+                s.send(k, 0, g, token=(k, w))
+        got = [done.get(timeout=5) for _ in range(6)]
+        assert [token for token, _ in got] == [(k, w) for k in range(3) for w in (0, 1)]
+        assert {ident for _, ident in got} == {box.thread.ident}
+        for rx, g in zip(rxs, grads):
+            ing = Ingress()
+            packets = -(-g.numel() // 352)
+            assert _drain_all(rx, ing, 3 * packets) == 3 * packets
+            for k in range(3):
+                assert torch.equal(ing.complete(lossy_push(g, 0.0, transfer=k, worker=0))
+                                   .tensors[0], g)
+    finally:
+        for s in senders:
+            s.close()  # (a shared outbox is its owner's to close: still running)
+        assert box.thread.is_alive()
+        box.close()
+        assert not box.thread.is_alive()
+        for rx in rxs:
+            rx.close()
 
 
 def test_segmented_sends_arrive_coalesced_and_whole():

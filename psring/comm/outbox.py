@@ -1,0 +1,44 @@
+"""One thread that runs the jobs several senders queue, in the order they were queued.
+
+    outbox = Outbox("transpose-send")
+    sender = LossySender(endpoint, run, worker, outbox=outbox)  # its jobs run here
+    ...
+    outbox.close()  # after the last job; then the senders' sockets
+
+A datagram sender (psring.comm.lossy.LossySender) hands its jobs to an outbox so that
+a gradient hook never waits for the link; by default each sender has an outbox of its
+own. A transpose all-reduce's senders to every peer share one: its rank has one link,
+the pace is shared anyway, and one thread instead of one per peer spares the cores a
+thread switch for every wakeup of each.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+
+class Outbox:
+    """A thread running ``run(job)`` for each :meth:`put`, one at a time, in order."""
+
+    def __init__(self, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self.thread.start()
+
+    def put(self, run: Callable[[Any], None], job: Any) -> None:
+        self.jobs.put((run, job))
+
+    def _loop(self) -> None:
+        while (item := self.jobs.get()) is not None:
+            run, job = item
+            run(job)
+            # (nothing of the job held while waiting for the next: a sender's block
+            # goes back to its buffers once the sender is done with it)
+            item = run = job = None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Run what is queued, then stop the thread (waiting at most ``timeout``)."""
+        self.jobs.put(None)
+        self.thread.join(timeout=timeout)
