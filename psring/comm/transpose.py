@@ -18,13 +18,16 @@ them, chosen at random), again after each quiet spell, until the part is within 
 a source never heard at all is asked for everything after a while (all of its part
 lost, markers included; a straggler ignores a request for a transfer it has not sent
 yet). Each rank answers requests on a thread of its own, which receives every
-datagram, so a rank already in the all-gather still answers. The owner sums the parts,
-and an all-gather over gloo, reliable, gives every rank the same result: the replicas
-cannot drift apart, whatever was lost. A bucket's datagrams are queued as soon as it is
-ready (:meth:`TransposeAllReduce.scatter`, from the gradient hook), so they leave while
-the bucket before is still collected; collecting and the all-gather, one exchange over
-TCP a bucket, run on the communication thread in the buckets' order
-(:meth:`TransposeAllReduce.finish`).
+datagram, so a rank already in the all-gather still answers. The owner sums the parts
+and sends the sum to every other rank as datagrams too, the all-gather: the same
+machinery with no bound (a part is kept only whole, every missing packet asked for
+again), so every rank holds the same bytes and the replicas cannot drift apart,
+whatever was lost, and no TCP retransmission timeout holds up a step. A bucket's
+datagrams are queued as soon as it is ready (:meth:`TransposeAllReduce.scatter`, from
+the gradient hook), so they leave while the bucket before is still collected;
+collecting and queueing the sums run on the communication thread in the buckets' order
+(:meth:`TransposeAllReduce.finish`), collecting the others' sums where the step waits
+(:meth:`Gathering.wait`).
 
 The datagrams' addresses are exchanged once, as tensors (nothing is pickled).
 """
@@ -71,7 +74,8 @@ IDLE_GAPS = 4
 #: its end markers too, or a straggler (which ignores a request for a transfer it has
 #: not sent yet, or sends the part twice if the request comes just as it sends)
 SILENT_S = 1.0
-#: transfers whose datagrams a rank keeps to answer resend requests
+#: buckets whose datagrams (their scatter's and their gather's) a rank keeps to answer
+#: resend requests
 KEPT = 4
 #: copies of a resend request, back to back
 NACK_COPIES = 2
@@ -79,26 +83,32 @@ NACK_COPIES = 2
 
 @dataclass
 class Scattered:
-    """A bucket scattered (:meth:`TransposeAllReduce.scatter`): its transfer id, its
-    shards' size, this rank's own shard (where the others' parts are summed), and the
-    bucket the sum goes back into."""
+    """A bucket scattered (:meth:`TransposeAllReduce.scatter`): its transfer id (its
+    all-gather's is the next), its shards' size, this rank's own shard (where the
+    others' parts are summed), and the bucket the sum goes back into."""
 
     transfer: int
     size: int
     mine: torch.Tensor
     buf: torch.Tensor
+    #: where the bucket begins in the flat model (the marks)
+    offset: int = 0
 
 
 class Gathering:
-    """A transpose all-reduce's all-gather in flight (gloo's, reliable): ``wait()``
-    ends it and writes the gathered sum into the bucket."""
+    """A transpose all-reduce's all-gather in flight: each owner's sum sent to every
+    other rank as datagrams, every packet of it asked for again until in (no bound:
+    the replicas cannot drift apart). ``wait()`` collects the others' sums and writes
+    the whole into the bucket."""
 
-    def __init__(self, work: dist.Work, gathered: list[torch.Tensor], buf: torch.Tensor):
-        self.work, self.gathered, self.buf = work, gathered, buf
+    def __init__(self, tar: "TransposeAllReduce", sc: Scattered):
+        self.tar, self.sc = tar, sc
 
     def wait(self) -> None:
-        self.work.wait()
-        self.buf.copy_(torch.cat(self.gathered)[:self.buf.numel()])
+        tar, sc = self.tar, self.sc
+        sums = tar._collect(sc.transfer + 1, sc.size, gather=True)
+        whole = torch.cat([sums.get(p, sc.mine) for p in range(tar.world)])
+        sc.buf.copy_(whole[:sc.buf.numel()])
 
 
 class TransposeAllReduce:
@@ -137,9 +147,9 @@ class TransposeAllReduce:
         self.delivered = self.expected = 0
         # every datagram is received, and every request answered, by one thread
         self.cond = threading.Condition()
-        #: whether the waiting thread has a resend request out (then each receive may
-        #: complete a part, and wakes it)
-        self.asking = False
+        #: the transfers a waiting thread has resend requests out for (then each
+        #: receive may complete a part, and wakes it)
+        self.asking: set[int] = set()
         self.stopping = False
         self.receiver = threading.Thread(target=self._receive, daemon=True,
                                          name="transpose-receive")
@@ -169,8 +179,10 @@ class TransposeAllReduce:
         is ready, while the bucket before it is still being collected: the links do not
         idle while an owner waits for its parts."""
         with self.cond:  # (before any request for it can come)
-            self.transfer += 1
-            transfer = self.transfer
+            # (a bucket's scatter an odd id, its gather the next: the k-th bucket's ids
+            # are the same on every rank, whatever its threads' order)
+            self.transfer += 2
+            transfer = self.transfer - 1
             size = math.ceil(buf.numel() / self.world)
             padded = torch.zeros(size * self.world, dtype=torch.float32)
             padded[:buf.numel()] = buf
@@ -178,25 +190,33 @@ class TransposeAllReduce:
             self.outgoing[transfer] = {
                 p: s.send(transfer, p, shards[p], offset=offset + p * size)
                 for p, s in self.senders.items()}
-            for old in [t for t in self.outgoing if t <= transfer - KEPT]:
-                del self.outgoing[old]
-        return Scattered(transfer, size, shards[self.rank].clone(), buf)
+            self._forget_old(transfer)
+        return Scattered(transfer, size, shards[self.rank].clone(), buf, offset)
+
+    def _forget_old(self, transfer: int) -> None:
+        for old in [t for t in self.outgoing if t <= transfer - 2 * KEPT]:
+            del self.outgoing[old]
 
     def finish(self, sc: "Scattered") -> "Gathering":
         """The rest of a :meth:`scatter`: this rank's shard summed from the others'
-        parts (waited for, within the bound) and the all-gather launched. Called in the
-        order of the scatters on one thread, every rank the same: gloo's all-gathers
-        pair up in that order."""
-        mine = sc.mine
-        for part in self._collect(sc.transfer, sc.size):
-            mine += part
-        gathered = [torch.empty(sc.size, dtype=torch.float32) for _ in range(self.world)]
-        return Gathering(dist.all_gather(gathered, mine, async_op=True), gathered, sc.buf)
+        parts (waited for, within the bound), and the sum queued for every other rank
+        (the all-gather; the handle's ``wait()`` collects theirs)."""
+        for part in self._collect(sc.transfer, sc.size).values():
+            sc.mine += part
+        with self.cond:
+            self.outgoing[sc.transfer + 1] = {
+                p: s.send(sc.transfer + 1, self.rank, sc.mine,
+                          offset=sc.offset + self.rank * sc.size)
+                for p, s in self.senders.items()}
+            self._forget_old(sc.transfer + 1)
+        return Gathering(self, sc)
 
     # -- the owner's side: the parts of its shard -----------------------------------------
-    def _collect(self, transfer: int, size: int) -> list[torch.Tensor]:
-        """Each other rank's part of this rank's shard, within the bound: waited for,
-        and asked for again (resend requests) until it is; bounded by --timeout."""
+    def _collect(self, transfer: int, size: int,
+                 gather: bool = False) -> dict[int, torch.Tensor]:
+        """Each other rank's part of this rank's shard, within the bound (``gather``:
+        each other rank's own shard, summed, whole): waited for, and asked for again
+        (resend requests) until it is; bounded by --timeout."""
         start = time.monotonic()
         parts: dict[int, Message] = {}
         last = dict.fromkeys(self.senders)  # (when each was last heard)
@@ -206,28 +226,28 @@ class TransposeAllReduce:
                 now = time.monotonic()
                 for p in self.senders:
                     if p not in parts:
-                        self._look(p, transfer, size, now, start, parts, last, asked)
+                        self._look(p, transfer, size, gather, now, start, parts, last,
+                                   asked)
                 if len(parts) == len(self.senders):
                     break
                 if now - start > self.timeout:
                     late = sorted(set(self.senders) - set(parts))
                     raise TimeoutError(f"transpose all-reduce: the parts of rank(s) {late} "
                                        f"did not come within --timeout")
-                self.asking = bool(asked)
+                if asked:
+                    self.asking.add(transfer)
                 self.cond.wait(WAIT_S)
-            self.asking = False
+            self.asking.discard(transfer)
             if self.granter is not None:  # (nothing more comes of this transfer's)
                 for key in [k for k in self.granter.flows if k[1] == transfer]:
                     self.granter.done(key)
-        out = []
-        for p in self.senders:
-            self.delivered += parts[p].header["delivered"]
-            self.expected += size
-            out.append(parts[p].tensors[0])
-        return out
+        if not gather:  # (an all-gather's parts arrive whole, or not at all)
+            self.delivered += sum(parts[p].header["delivered"] for p in self.senders)
+            self.expected += size * len(self.senders)
+        return {p: parts[p].tensors[0] for p in self.senders}
 
-    def _look(self, p: int, transfer: int, size: int, now: float, start: float,
-              parts: dict, last: dict, asked: dict) -> None:
+    def _look(self, p: int, transfer: int, size: int, gather: bool, now: float,
+              start: float, parts: dict, last: dict, asked: dict) -> None:
         """Source ``p``'s part: kept once in (its end marker, or quiet) and within the
         bound; asked for again when it is not, and quiet."""
         heard = self.ingress.heard(p, transfer)
@@ -251,7 +271,7 @@ class TransposeAllReduce:
             return
         if not (self.ingress.ended(p, transfer) or quiet or p in asked):
             return
-        got = self.ingress.complete(self._header(p, transfer, size))
+        got = self.ingress.complete(self._header(p, transfer, size, gather))
         if isinstance(got, Message):
             parts[p] = got
         elif p not in asked or quiet:
@@ -271,14 +291,15 @@ class TransposeAllReduce:
                 pass  # (as if lost on the wire: asked again after the idle timeout)
         asked[p] = now
 
-    def _header(self, source: int, transfer: int, numel: int) -> Message:
+    def _header(self, source: int, transfer: int, numel: int, gather: bool) -> Message:
         """The end marker of ``source``'s shard of this transfer, as a server gets it
         (made by the protocol module, and checked by it, as one from the wire)."""
         packets = math.ceil(numel / per_datagram("float32"))
         return decode(encode("lossy_push", {
-            "run": RUN, "worker": source, "seq": transfer, "shard": self.rank,
+            "run": RUN, "worker": source, "seq": transfer,
+            "shard": source if gather else self.rank,
             "step": 0, "offset": 0, "numel": numel, "packets": packets, "dtype": "float32",
-            "tolerance": self.tolerance, "transfer": transfer}))
+            "tolerance": 0.0 if gather else self.tolerance, "transfer": transfer}))
 
     # -- the receiving thread: every datagram, every request answered ------------------------
     def _receive(self) -> None:
