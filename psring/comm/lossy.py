@@ -251,7 +251,7 @@ class LossySender:
         """Queue again ``need`` of the ``missing`` packets (at least one, chosen at
         random); returns how many."""
         chosen = self.choose(t, missing, need)
-        self.outbox.put(self._job, (t, chosen, token, None))  # (not behind others' turns)
+        self.outbox.put(self._job, (t, chosen, token, None), urgent=True)  # (its receiver waits)
         return len(chosen)
 
     @staticmethod
