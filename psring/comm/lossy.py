@@ -149,10 +149,11 @@ class Transfer:
 
 
 class LossySender:
-    """Datagrams to one server, sent by a thread of their own so that a push from a
-    gradient hook never waits for the link; ``on_sent(token)`` runs in that thread
-    once a job's datagrams are all handed to the kernel (the client then sends the
-    lossy_push behind them)."""
+    """Datagrams to one server, sent by an outbox's thread (its own, or one ``outbox``
+    shared with other senders: psring.comm.outbox) so that a push from a gradient hook
+    never waits for the link; ``on_sent(token)`` runs in that thread once a job's
+    datagrams are all handed to the kernel (the client then sends the lossy_push
+    behind them)."""
 
     def __init__(self, endpoint: str, run: str, worker: int, key: bytes | None = None,
                  on_sent: Callable[[object], None] = lambda token: None,

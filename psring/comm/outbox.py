@@ -1,4 +1,5 @@
-"""One thread that runs the jobs several senders queue, in the order they were queued.
+"""One thread that runs the jobs several senders queue: resends first, then the rest in
+the order they were queued.
 
     outbox = Outbox("transpose-send")
     sender = LossySender(endpoint, run, worker, outbox=outbox)  # its jobs run here

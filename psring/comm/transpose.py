@@ -128,15 +128,15 @@ class TransposeAllReduce:
         # (With credits each sender keeps its own: a wait for a grant would hold up the
         # other peers' shards.)
         self.outbox = None if credit_window else Outbox("transpose-send")
-        self.senders = {p: LossySender(f"tcp://{a}:{port}", RUN, rank, key,
-                                       pace_bits=pace_bits, marks=marks,
+        order = [(rank + k) % world for k in range(1, world)]
+        self.senders = {p: LossySender(f"tcp://{self.peers[p][0]}:{self.peers[p][1]}",
+                                       RUN, rank, key, pace_bits=pace_bits, marks=marks,
                                        credits=bool(credit_window), ends=True,
                                        outbox=self.outbox)
-                        for p, (a, port) in ((q % world, self.peers[q % world])
-                                             for q in range(rank + 1, rank + world))}
+                        for p in order}
         self.transfer = 0
-        #: the last KEPT transfers' datagrams, by transfer and receiver: what a resend
-        #: request may ask for
+        #: the last KEPT buckets' transfers (scatter and gather), by transfer and
+        #: receiver: what a resend request may ask for
         self.outgoing: dict[int, dict] = {}
         #: per source: the usual gap between its receives (smoothed)
         self.gaps = dict.fromkeys(self.senders, 0.0)
@@ -178,15 +178,15 @@ class TransposeAllReduce:
         out on the senders' threads). A bucket's scatter may run as soon as the bucket
         is ready, while the bucket before it is still being collected: the links do not
         idle while an owner waits for its parts."""
+        size = math.ceil(buf.numel() / self.world)
+        padded = torch.zeros(size * self.world, dtype=torch.float32)
+        padded[:buf.numel()] = buf
+        shards = padded.view(self.world, size)
         with self.cond:  # (before any request for it can come)
             # (a bucket's scatter an odd id, its gather the next: the k-th bucket's ids
             # are the same on every rank, whatever its threads' order)
             self.transfer += 2
             transfer = self.transfer - 1
-            size = math.ceil(buf.numel() / self.world)
-            padded = torch.zeros(size * self.world, dtype=torch.float32)
-            padded[:buf.numel()] = buf
-            shards = padded.view(self.world, size)
             self.outgoing[transfer] = {
                 p: s.send(transfer, p, shards[p], offset=offset + p * size)
                 for p, s in self.senders.items()}

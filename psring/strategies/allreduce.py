@@ -9,8 +9,9 @@ implementation of the same algorithm.
 ``--device-link`` (device mode): the ring runs as point-to-point sends whose hops
 inside a host take the device interconnect's time (psring.comm.hostring).
 
-``--loss-tolerance F`` reduces each bucket by a transpose all-reduce whose datagrams may
-lose at most F of each shard (psring.comm.transpose), on the communication thread.
+``--loss-tolerance F`` reduces each bucket by a transpose all-reduce over datagrams
+(psring.comm.transpose): its reduce-scatter may lose at most F of each shard, its
+all-gather is kept only whole (the replicas stay identical).
 
 ``--reduce adasum`` combines the buckets by Adasum instead (psring.comm.adasum: recursive
 vector halving over point-to-point swaps, each parameter's tensor on its own; no
@@ -136,7 +137,8 @@ class AllReduce(Strategy):
     def _launch(self, bucket: Bucket) -> Handle:
         if self.tar is not None:
             # the datagrams queued from the hook (they leave while the thread still
-            # collects the bucket before); collecting and the all-gather on the thread
+            # collects the bucket before); collecting the parts and queueing the sum on
+            # the thread; the others' sums collected where the step waits
             scattered = self.tar.scatter(bucket.buffer, self.bucket_offset[bucket.index])
             return self._on_thread(self.tar.finish, scattered, then_wait=True)
         if self.adasum:
