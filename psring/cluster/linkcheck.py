@@ -86,7 +86,9 @@ def _marked_sink(addr: str, quiet_s: float) -> None:
 
 def _marked_train(peer: str, count: int, gap_s: float, marks: list[int]) -> None:
     """``count`` datagrams of 1400 bytes, each TOS of ``marks`` in turn (one socket a
-    mark), ``gap_s`` apart (0: as fast as the socket takes them)."""
+    mark), on a schedule ``gap_s`` apart (0: as fast as the socket takes them). The
+    schedule, not a sleep per datagram, sets the rate: a sleep that wakes late is made
+    up by sending the next ones at once, so a slow machine offers the same load."""
     socks = []
     for tos in marks:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -94,15 +96,16 @@ def _marked_train(peer: str, count: int, gap_s: float, marks: list[int]) -> None
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         socks.append(s)
     payload = b"p" * 1400
+    start = time.perf_counter()
     for i in range(count):
+        if gap_s and (wait := start + i * gap_s - time.perf_counter()) > 0:
+            time.sleep(wait)
         while True:
             try:
                 socks[i % len(socks)].sendto(payload, (peer, PORT))
                 break
             except OSError:  # ENOBUFS: the host's own queue is full; a moment
                 time.sleep(1e-4)
-        if gap_s:
-            time.sleep(gap_s)
 
 
 def marks_delivered(link: str = "", loss: float = 0.0, link_buffer: str = "",
