@@ -100,11 +100,12 @@ print("closed", flush=True)
 """
 
 
-@pytest.mark.timeout(60)
+# (~5 s alone; beside the rest of the suite on two cores it has taken up to 49 s)
+@pytest.mark.timeout(150)
 def test_a_script_exits_cleanly_while_the_heartbeat_is_in_a_store_call():
     """close() waits for the heartbeat's store call: a script under torchrun that
     trained and called dist.finish() aborted at its exit otherwise (SIGABRT)."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXIT_IN_A_STORE_CALL),
-                           str(free_port())], capture_output=True, text=True, timeout=50)
+                           str(free_port())], capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr
     assert "closed" in proc.stdout and "terminate called" not in proc.stderr
