@@ -3,10 +3,10 @@ processes ping-pong messages over ZeroMQ or gloo along a ladder of sizes, on thi
 on two emulated hosts joined by a link (:class:`Link`), and send back their one-way
 times.
 
-Every measuring process runs under a hard deadline (:func:`run_pair`): it is joined, and
-killed if it overruns; it also dies with its parent (PR_SET_PDEATHSIG), so nothing
-outlives it. The processes import zmq and torch themselves: the parent needs neither to
-run them.
+Every measuring process runs under a deadline (:func:`run_pair`): it is joined, and
+killed once the pair makes no progress for the deadline (or runs past four of them); it
+also dies with its parent (PR_SET_PDEATHSIG), so nothing outlives it. The processes
+import zmq and torch themselves: the parent needs neither to run them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 from psring.cluster.emulate import HOST_IFACE, enter
 from psring.comm.endpoints import ABSTRACT_IPC, abstract_ipc_endpoint
-from psring.comm.interconnect import flat_collectives
 from psring.errors import PsringError
 from psring.runtime.process import die_with_parent, free_port
 
@@ -36,8 +35,23 @@ SIZES = [1 * KB, 4 * KB, 16 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB]
 QUICK_SIZES = [1 * KB, 16 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB]
 #: pyzmq's own threshold (zmq.COPY_THRESHOLD): below it a copy is cheaper than zero-copy
 ZERO_COPY_FROM = 64 * KB
-#: hard deadline for one pair of measuring processes (start-up included)
+#: deadline for one pair of measuring processes: without progress (start-up included),
+#: and each blocking call's own timeout inside them
 PAIR_TIMEOUT_S, QUICK_PAIR_TIMEOUT_S = 60.0, 25.0
+#: a pair that keeps making progress may run this many deadlines in all: a loaded machine
+#: (a test suite beside it) slows every round trip, and the ladder's hundreds of them
+#: then outlast one deadline without anything being stuck
+PAIR_DEADLINES = 4
+#: seconds between a measuring process's progress reports at most
+TICK_S = 0.5
+
+
+def _no_progress_report() -> None:
+    """The parent's own calls (no pair to report to) report nothing."""
+
+
+#: a measuring process reports progress to run_pair through this (_child sets it)
+progress: Callable[[], None] = _no_progress_report
 
 
 def _reps(size: int, quick: bool, budget: int | None = None) -> int:
@@ -75,10 +89,12 @@ def ladder(sizes: list[int], quick: bool, roundtrip: Callable[[int], float],
     for size in sizes:
         for _ in range(WARMUP):
             roundtrip(size)
+        progress()
     for k in range(passes):
         for size in (sizes if k % 2 == 0 else sizes[::-1]):
             for _ in range(-(-_reps(size, quick, budget) // passes)):
                 times[size].append(roundtrip(size))
+            progress()
     rows = []
     for size in sizes:
         q1, _, q3 = st.quantiles(times[size], n=4)
@@ -88,14 +104,30 @@ def ladder(sizes: list[int], quick: bool, roundtrip: Callable[[int], float],
 
 # -- running measuring processes -------------------------------------------------------
 
+def _ticker(conn) -> Callable[[], None]:
+    """A measuring process's progress report: ("tick", None) to run_pair, at most one
+    every TICK_S."""
+    last = [time.monotonic()]
+
+    def tick() -> None:
+        now = time.monotonic()
+        if now - last[0] >= TICK_S:
+            last[0] = now
+            conn.send(("tick", None))
+
+    return tick
+
+
 def _child(fn: Callable[..., Any], rank: int, args: tuple, conn, parent_pid: int,
            where: tuple[list[dict], str] | None = None) -> None:
     """Entry of every measuring process: die with the parent, move onto its emulated
     host if ``where`` = (hosts' states, mode) says so, run ``fn``, send back ("ok",
     result) or ("error", traceback), then leave without interpreter finalization
     (gloo's C++ static destructors can abort a cleanly finished process at exit)."""
+    global progress
     os.environ["PSRING_PARENT_PID"] = str(parent_pid)
     die_with_parent()
+    progress = _ticker(conn)
     try:
         if where is not None:
 
@@ -118,10 +150,13 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str,
              where: tuple[list[dict], str] | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` for ranks 0 and 1 in two spawned processes; return their
     results. ``where``: (two emulated hosts' states, the cluster's mode), rank r runs on
-    host r. The pair has ``timeout`` seconds in all; a process still alive then is
-    killed, and every process is joined before this returns or raises."""
+    host r. The pair has ``timeout`` seconds from its start or from either process's
+    last progress report (:data:`progress`), and PAIR_DEADLINES of them in all; a process
+    still alive then is killed, and every process is joined before this returns or
+    raises."""
     ctx = mp.get_context("spawn")
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, last_call = start + timeout, start + PAIR_DEADLINES * timeout
     procs, conns = [], []
     finished = False
     try:
@@ -139,10 +174,8 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str,
             pending = [c for r, c in enumerate(conns) if r not in got]
             ready = mp_connection.wait(pending, timeout=max(0.0, left)) if left > 0 else []
             if not ready:
-                late = [r for r in range(len(conns)) if r not in got]
-                raise PsringError(f"calibrate: the {what} measurement did not finish within "
-                                  f"{timeout:.0f} s (process {late} still running); the "
-                                  f"machine may be overloaded — retry, or use --quick.")
+                raise PsringError(_overdue(what, timeout, time.monotonic() - start,
+                                           [r for r in range(len(conns)) if r not in got]))
             for conn in ready:
                 rank = conns.index(conn)
                 try:
@@ -151,6 +184,9 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str,
                     raise PsringError(f"calibrate: the {what} measuring process {rank} died "
                                       f"(exit code {procs[rank].exitcode}) without a "
                                       f"result.") from None
+                if status == "tick":
+                    deadline = min(last_call, time.monotonic() + timeout)
+                    continue
                 # the first failure is the cause; the other process then only times out
                 if status != "ok":
                     raise PsringError(f"calibrate: the {what} measurement failed in "
@@ -169,6 +205,17 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str,
                 p.join()
         for c in conns:
             c.close()
+
+
+def _overdue(what: str, timeout: float, ran: float, late: list[int]) -> str:
+    """run_pair's error for a pair past its deadline: stalled, or slow throughout."""
+    if ran < PAIR_DEADLINES * timeout - 1e-3:
+        why = f"made no progress for {timeout:.0f} s (after {ran:.0f} s)"
+    else:
+        why = f"did not finish within {ran:.0f} s, though it kept making progress"
+    return (f"calibrate: the {what} measurement {why}; process {late} still running. "
+            f"The machine may be overloaded (other work on its cores): retry when it is "
+            f"quieter.")
 
 
 # -- ZeroMQ ------------------------------------------------------------------------------
@@ -268,6 +315,8 @@ def _gloo_pingpong(rank: int, port: int, sizes: list[int], quick: bool,
         out = ladder(sizes, quick, roundtrip, budget)
         ops = {"dist_allreduce": lambda size: dist.all_reduce(bufs[size])}
         if collectives:  # what one host's strategies call besides all_reduce
+            # (imported here, as torch is: the parent and the ZeroMQ pair run without it)
+            from psring.comm.interconnect import flat_collectives
 
             rs, ag = flat_collectives()  # (as psring.comm.interconnect calls them)
             half = {size: torch.empty(size // 8, dtype=torch.float32) for size in sizes}
@@ -304,6 +353,7 @@ def _time_op(dist: Any, op: Callable[[int], Any], size: int, reps: int) -> float
         t0 = time.perf_counter()
         op(size)
         times.append(time.perf_counter() - t0)
+    progress()
     return st.median(times[WARMUP:])
 
 

@@ -10,14 +10,16 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from psring.commands.calibrate import main as calibrate_main
 from psring.errors import ConfigError, PsringError
-from psring.predict import analytic
+from psring.predict import analytic, pingpong
 from psring.predict import calibration as calib
 from psring.predict.analytic import crossover_bytes, predict_comm
 from psring.predict.calibration import (
@@ -30,6 +32,7 @@ from psring.predict.measure import fit, fit_collectives
 from psring.predict.pingpong import run_pair
 from psring.strategies import STRATEGIES
 from tests.helpers import assert_no_processes, live_processes
+from tests.multiproc import pair_bodies
 
 # The worked example: n = 4 workers, M = 1e6 bytes, α = 1e-5 s, β = 1e-9 s/B, γ = 2e-10 s/B.
 N, M, A, B, G = 4, 1e6, 1e-5, 1e-9, 2e-10
@@ -308,10 +311,6 @@ def test_fit_refuses_times_that_do_not_grow():
 
 # -- the measuring processes ------------------------------------------------------------------
 
-def _hang(rank: int) -> None:
-    time.sleep(120)
-
-
 def _spawned_children() -> list[int]:
     """Live multiprocessing children of this process."""
     return [pid for pid, stat, cmd in live_processes()
@@ -321,9 +320,31 @@ def _spawned_children() -> list[int]:
 @pytest.mark.timeout(60)
 def test_run_pair_kills_overrunning_processes():
     t0 = time.monotonic()
-    with pytest.raises(PsringError, match="did not finish within 3 s"):
-        run_pair(_hang, (), 3.0, "test")
+    with pytest.raises(PsringError, match="made no progress for 3 s"):
+        run_pair(pair_bodies.hang, (), 3.0, "test")
     assert time.monotonic() - t0 < 30
+    assert _spawned_children() == []
+
+
+@pytest.mark.timeout(120)
+def test_run_pair_gives_a_pair_that_makes_progress_more_time_not_a_stalled_one(monkeypatch):
+    # a loaded machine slows every round trip of a ladder: progress keeps a pair alive
+    # past one deadline (4 s), up to PAIR_DEADLINES of them (3 here: 12 s). Three pairs
+    # at once: one finishing at 6 s, one stalling at 2 s, one never done
+    monkeypatch.setattr(pingpong, "PAIR_DEADLINES", 3)
+
+    def pair(seconds: float, stall_after: float | None) -> Any:
+        try:
+            return run_pair(pair_bodies.slow_but_moving, (seconds, stall_after), 4.0, "test")
+        except PsringError as e:
+            return str(e)
+
+    with ThreadPoolExecutor(3) as pool:
+        done, stalled, endless = pool.map(lambda a: pair(*a),
+                                          [(6.0, None), (60.0, 2.0), (60.0, None)])
+    assert done == ["done", "done"]
+    assert "made no progress for 4 s" in stalled, stalled
+    assert "did not finish within 12 s, though it kept making progress" in endless, endless
     assert _spawned_children() == []
 
 
