@@ -138,7 +138,9 @@ def test_a_pull_not_yet_answered_asks_seldom_and_gets_nothing_twice(pair_of):
         p.serve()
         time.sleep(0.0005)
     assert len(asks) == 4 and p.pulls.counts["pull_nacks"] == 4
-    assert min(b - a for a, b in zip(asks, asks[1:])) >= pulls_mod.MAX_WAIT_S
+    # (less 10%: the times are taken after ask_again returns, and a late return after
+    # one ask shortens the gap to the next as this loop sees it)
+    assert min(b - a for a, b in zip(asks, asks[1:])) >= 0.9 * pulls_mod.MAX_WAIT_S
     assert p.egress.counts["pull_resends"] == 0
     values = torch.randn(5_000)
     p.egress.piece(p.header(9), 5_000, 0, values)
