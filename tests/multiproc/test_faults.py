@@ -285,6 +285,8 @@ def _torchrun_two_nodes(tmp_path, worker_args: list[str]) -> list:
 
     from psring.runtime.process import free_port
 
+    # --timeout 60: a restarted worker's start (a torch import) has taken 30 s beside the
+    # examples test's seventeen runs on the 2 cores, and its peer gave up at 30
     port, dirs, nodes = free_port("127.0.0.1"), [tmp_path / "host0", tmp_path / "host1"], []
     for i, out in enumerate(dirs):
         log = tmp_path / f"node{i}.log"
@@ -293,7 +295,7 @@ def _torchrun_two_nodes(tmp_path, worker_args: list[str]) -> list:
                 [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--node-rank",
                  str(i), "--nproc-per-node", "1", "--max-restarts", "1", "--master-addr",
                  "127.0.0.1", "--master-port", str(port), "--rdzv-conf", "timeout=60",
-                 "-m", "psring.workers", *worker_args, "--threads", "1", "--timeout", "30",
+                 "-m", "psring.workers", *worker_args, "--threads", "1", "--timeout", "60",
                  "--out", str(out)],
                 env=user_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         nodes.append(Node(proc, log))
