@@ -13,8 +13,9 @@ round, as bench_ps.py's round does. ``Calibration.ps_round`` keeps the fitted li
 round(M) = α + M·β; the cost models read it through ``Calibration.link`` (the PS's
 transport is then never priced faster than this round allows).
 
-Every process runs under the pair's hard deadline (pingpong.run_pair) and dies with
-this one; the server is killed and reaped before this returns or raises.
+Every process runs under the pair's deadline (pingpong.run_pair: each round reports
+progress) and dies with this one; the server is killed and reaped before this returns or
+raises.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 
 from psring.comm.endpoints import ABSTRACT_IPC, abstract_ipc_endpoint
 from psring.errors import PsringError
+from psring.predict import pingpong
 from psring.predict.calibration import PS_ROUND_WORKERS
 from psring.predict.pingpong import MB, QUICK_PAIR_TIMEOUT_S, run_pair
 from psring.runtime.process import free_port, server_threads
@@ -105,6 +107,7 @@ def _rounds(client, grad, rounds: int) -> float:
         client.wait(keys, "round")
         if step >= WARMUP:
             times.append(time.perf_counter() - t0)
+        pingpong.progress()  # (the module's: run_pair's child sets it)
     return st.median(times)
 
 
