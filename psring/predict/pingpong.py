@@ -174,7 +174,8 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str,
             pending = [c for r, c in enumerate(conns) if r not in got]
             ready = mp_connection.wait(pending, timeout=max(0.0, left)) if left > 0 else []
             if not ready:
-                raise PsringError(_overdue(what, timeout, time.monotonic() - start,
+                raise PsringError(_overdue(what, timeout, deadline >= last_call,
+                                           time.monotonic() - start,
                                            [r for r in range(len(conns)) if r not in got]))
             for conn in ready:
                 rank = conns.index(conn)
@@ -207,12 +208,14 @@ def run_pair(fn: Callable[..., Any], args: tuple, timeout: float, what: str,
             c.close()
 
 
-def _overdue(what: str, timeout: float, ran: float, late: list[int]) -> str:
-    """run_pair's error for a pair past its deadline: stalled, or slow throughout."""
-    if ran < PAIR_DEADLINES * timeout - 1e-3:
-        why = f"made no progress for {timeout:.0f} s (after {ran:.0f} s)"
+def _overdue(what: str, timeout: float, capped: bool, ran: float, late: list[int]) -> str:
+    """run_pair's error for a pair past its deadline: stalled, or (``capped``: the
+    deadline was the last of PAIR_DEADLINES) slow throughout."""
+    if capped:
+        why = (f"did not finish within {PAIR_DEADLINES * timeout:.0f} s, though it kept "
+               f"making progress")
     else:
-        why = f"did not finish within {ran:.0f} s, though it kept making progress"
+        why = f"made no progress for {timeout:.0f} s (after {ran:.0f} s)"
     return (f"calibrate: the {what} measurement {why}; process {late} still running. "
             f"The machine may be overloaded (other work on its cores): retry when it is "
             f"quieter.")
