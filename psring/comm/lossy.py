@@ -219,7 +219,10 @@ class LossySender:
         (psring.comm.egress). Unmarked: parameters rank above gradients at a
         priority switch, as TCP does."""
         t = self._transfer(transfer_id, shard, part, first, packets)
-        ticket = self.turns.take() if self.turns is not None else None
+        # (a pull's parts one after another: its later ranges ahead of the pulls
+        # answered after it)
+        ticket = self.turns.take((self.worker, transfer_id)) \
+            if self.turns is not None else None
         self.outbox.put(self._job, (t, range(t.count), token, ticket))
         return t
 

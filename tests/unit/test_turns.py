@@ -1,6 +1,6 @@
 """Turns (psring.comm.turns): senders sharing a link send first come, first served,
-whatever order their threads wake in, and a turn that never comes costs a bounded
-wait."""
+whatever order their threads wake in, a pull's later parts ahead of the pulls begun
+after it, and a turn that never comes costs a bounded wait."""
 
 from __future__ import annotations
 
@@ -29,6 +29,23 @@ def test_jobs_are_sent_in_the_order_they_were_queued_whatever_their_threads_do()
     assert sent == tickets
 
 
+def test_a_groups_later_tickets_go_ahead_of_the_groups_begun_after_it():
+    """A synchronous server answers each pull range by range: the second range's parts
+    are queued after every worker's first. Grouped by pull, each worker's pull is sent
+    whole before the next worker's (the first has its parameters after 1/N of the
+    pull phase), not range by range among them all (every pull ending near the end)."""
+    turns, sent = Turns(), []
+    first = {w: turns.take(("pull", w)) for w in range(3)}   # the first range's parts
+    second = {w: turns.take(("pull", w)) for w in range(3)}  # then the second's
+    alone = turns.take()  # (no group: behind every group begun before it)
+    late = turns.take(("pull", 0))  # (a group's part queued later still goes first)
+    while (t := turns.turn()) is not None:
+        sent.append(t)
+        turns.release(t)
+    assert sent == [first[0], second[0], late, first[1], second[1], first[2], second[2],
+                    alone]
+
+
 def test_a_turn_that_never_comes_costs_a_bounded_wait(monkeypatch):
     monkeypatch.setattr(turns_mod, "STILL_S", 0.05)
     turns = Turns()
@@ -36,10 +53,10 @@ def test_a_turn_that_never_comes_costs_a_bounded_wait(monkeypatch):
     t0 = time.monotonic()
     assert turns.wait(mine) is False
     assert 0.04 < time.monotonic() - t0 < 2.0
-    turns.release(mine)  # (out of order: kept until the one before it is released)
-    assert turns.serving == 0
+    turns.release(mine)  # (out of order: the one before it keeps the turn)
+    assert turns.turn() == stuck
     turns.release(stuck)
-    assert turns.serving == 2
+    assert turns.turn() is None
 
 
 def test_a_link_still_moving_keeps_the_later_jobs_waiting(monkeypatch):
