@@ -220,8 +220,8 @@ class LossySender:
         priority switch, as TCP does."""
         t = self._transfer(transfer_id, shard, part, first, packets)
         # (a pull's parts one after another: its later ranges ahead of the pulls
-        # answered after it)
-        ticket = self.turns.take((self.worker, transfer_id)) \
+        # answered after it, but never ahead of this sender's own queued jobs)
+        ticket = self.turns.take((self.worker, transfer_id), lane=id(self)) \
             if self.turns is not None else None
         self.outbox.put(self._job, (t, range(t.count), token, ticket))
         return t

@@ -46,17 +46,24 @@ class Turns:
         self.issued = 0   # tickets handed out
         self.pending: dict[int, tuple[int, int]] = {}  # ticket -> (group's rank, ticket)
         self.ranks: OrderedDict = OrderedDict()  # group -> its first ticket
+        self.lanes: dict = {}  # lane -> the rank of its last ticket
         self.moved = time.monotonic()  # the last send or release
 
-    def take(self, group: Hashable = None) -> int:
+    def take(self, group: Hashable = None, lane: Hashable = None) -> int:
         """A ticket, behind every pending ticket of the groups begun before ``group``
-        (None: a group of its own)."""
+        (None: a group of its own), and behind every ticket taken before on ``lane``:
+        the jobs one thread runs in the order queued (a sender's) must have their
+        turns in that order too, or a thread waiting for a later job's turn would hold
+        up the earlier one the turn went to (until the link was still for
+        :data:`STILL_S`)."""
         with self.cond:
             ticket = self.issued
             self.issued += 1
             rank = ticket if group is None else self.ranks.setdefault(group, ticket)
             if group is not None and len(self.ranks) > self.GROUPS:
                 self.ranks.popitem(last=False)
+            if lane is not None:
+                rank = self.lanes[lane] = max(rank, self.lanes.get(lane, rank))
             self.pending[ticket] = (rank, ticket)
             return ticket
 

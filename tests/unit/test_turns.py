@@ -46,6 +46,39 @@ def test_a_groups_later_tickets_go_ahead_of_the_groups_begun_after_it():
                     alone]
 
 
+def test_a_lanes_jobs_have_their_turns_in_the_order_it_runs_them(monkeypatch):
+    """byteps pulls bucket by bucket: a sender may queue a job of its second pull
+    before a later range of its first arrives. The later range's group is older, but
+    the sender's thread runs its jobs in order: the turn must not go to a job queued
+    behind the one its thread waits on (it waited out STILL_S for the link to go
+    still, a second or more a step)."""
+    monkeypatch.setattr(turns_mod, "STILL_S", 5.0)  # (a fallback would fail the test)
+    turns = Turns()
+    queued = {"a": [], "b": []}  # each lane's jobs, run in order by one thread
+    for lane, group in (("a", "a-x"), ("b", "b-x"), ("a", "a-y"), ("b", "b-y"),
+                        ("a", "a-x"), ("b", "b-x")):  # (the last two: x's later ranges)
+        queued[lane].append(turns.take(group, lane=lane))
+    sent, fell_back = [], []
+
+    def run(lane: str) -> None:
+        for ticket in queued[lane]:
+            if not turns.wait(ticket):
+                fell_back.append(ticket)
+            sent.append(ticket)
+            turns.release(ticket)
+
+    threads = [threading.Thread(target=run, args=(lane,)) for lane in queued]
+    t0 = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert not fell_back and time.monotonic() - t0 < 2.0
+    assert sorted(sent) == sorted(queued["a"] + queued["b"])
+    for lane in queued:  # (each lane's in its own order)
+        assert [t for t in sent if t in queued[lane]] == queued[lane]
+
+
 def test_a_turn_that_never_comes_costs_a_bounded_wait(monkeypatch):
     monkeypatch.setattr(turns_mod, "STILL_S", 0.05)
     turns = Turns()
