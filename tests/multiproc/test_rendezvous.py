@@ -47,10 +47,13 @@ print("not reached", flush=True)
 """
 
 
-@pytest.mark.timeout(60)
+# (~6 s alone; in a full suite on two cores it once did not end within 50 s, its
+# "still here" printed: as the exit test below, which has taken up to 49 s there.
+# Unexplained: what holds these small processes that long on a loaded machine)
+@pytest.mark.timeout(150)
 def test_the_watchdog_bounds_waits_on_others_not_work_of_ones_own():
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_WATCHED), str(free_port())],
-                          capture_output=True, text=True, timeout=50)
+                          capture_output=True, text=True, timeout=140)
     assert proc.returncode == 1, proc.stderr
     assert "still here" in proc.stdout and "not reached" not in proc.stdout
     assert re.search(r"no progress for \d+ s \(--timeout 1 s \+ 0.5 s grace\) at: waiting "
