@@ -2,7 +2,8 @@
 server's datagram pulls leave one at a time (psring.comm.egress).
 
     turns = Turns()
-    ticket = turns.take(group)   # where the job is queued (one thread: the handler)
+    ticket = turns.take(group, lane)  # queued (one thread: the handler); group: one
+                                      # pull's parts, lane: one sender's jobs
     turns.wait(ticket)           # on the job's sender thread: its turn has come
     ...                          # its datagrams at the link's pace, turns.moving()
     turns.release(ticket)        # the next one's turn
