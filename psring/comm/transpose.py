@@ -69,6 +69,9 @@ IDLE_MIN_S = 0.02
 #: ... or this many times the usual gap between its receives (smoothed: one long pause
 #: must not stretch every later wait), or this many round trips of a resend request
 IDLE_GAPS = 4
+#: ... but never more than this (a bound whatever was measured: a spurious resend
+#: request costs packets sent twice, a runaway timeout a step)
+IDLE_MAX_S = 0.5
 #: seconds a source never heard is waited for, once every other part is in, before it
 #: is asked for everything, then again after each idle timeout: all of its part lost,
 #: its end markers too, or a straggler (which ignores a request for a transfer it has
@@ -79,6 +82,37 @@ SILENT_S = 1.0
 KEPT = 4
 #: copies of a resend request, back to back
 NACK_COPIES = 2
+
+
+class Timeouts:
+    """How long each source may be quiet before what has not arrived of its part counts
+    as lost (OptiReduce's adaptive timeouts): IDLE_GAPS times the larger of the usual
+    gap between the source's receives and a resend request's round trip, within
+    [IDLE_MIN_S, IDLE_MAX_S].
+
+    A receive that ends a quiet spell a request of ours ended measures the round trip,
+    not a gap: the spell was this rank's own wait, and counted as a gap it lengthened the
+    next wait, so under steady loss each timeout grew the next by half again (steps of
+    tens of seconds after a few dozen)."""
+
+    def __init__(self, sources):
+        self.gaps = dict.fromkeys(sources, 0.0)
+        self.rtt = 0.0
+
+    def heard(self, p: int, before: float, heard: float, asked: float | None) -> None:
+        """Source ``p``'s newest receive went from ``before`` to ``heard``; ``asked``:
+        when it was last asked for packets (None: not in this transfer)."""
+        if asked is not None and before < asked <= heard:  # (what a request brought)
+            self.rtt = _smooth(self.rtt, heard - asked)
+        else:
+            self.gaps[p] = _smooth(self.gaps[p], heard - before)
+
+    def idle(self, p: int) -> float:
+        return min(IDLE_MAX_S, max(IDLE_MIN_S, IDLE_GAPS * max(self.gaps[p], self.rtt)))
+
+
+def _smooth(mean: float, sample: float) -> float:
+    return 0.8 * mean + 0.2 * sample if mean else sample
 
 
 @dataclass
@@ -138,10 +172,8 @@ class TransposeAllReduce:
         #: the last KEPT buckets' transfers (scatter and gather), by transfer and
         #: receiver: what a resend request may ask for
         self.outgoing: dict[int, dict] = {}
-        #: per source: the usual gap between its receives (smoothed)
-        self.gaps = dict.fromkeys(self.senders, 0.0)
-        #: seconds from a resend request to the first packet it brought (smoothed)
-        self.rtt = 0.0
+        #: when a quiet source's missing packets count as lost
+        self.timeouts = Timeouts(self.senders)
         #: elements of this rank's shard that arrived from the others (resends
         #: included), and that they sent: the delivered fraction is their ratio
         self.delivered = self.expected = 0
@@ -252,14 +284,9 @@ class TransposeAllReduce:
         bound; asked for again when it is not, and quiet."""
         heard = self.ingress.heard(p, transfer)
         if heard is not None and last[p] is not None and heard > last[p]:
-            gap = heard - last[p]
-            self.gaps[p] = 0.8 * self.gaps[p] + 0.2 * gap if self.gaps[p] else gap
-            if p in asked and last[p] < asked[p] <= heard:  # (what a request brought)
-                self.rtt = 0.8 * self.rtt + 0.2 * (heard - asked[p]) if self.rtt \
-                    else heard - asked[p]
+            self.timeouts.heard(p, last[p], heard, asked.get(p))
         last[p] = heard
-        idle = max(IDLE_MIN_S, IDLE_GAPS * max(self.gaps[p], self.rtt))
-        quiet = now - max(heard or 0.0, asked.get(p, 0.0)) > idle
+        quiet = now - max(heard or 0.0, asked.get(p, 0.0)) > self.timeouts.idle(p)
         if heard is None:
             # never heard: asked for everything once the others are in (or it was
             # asked before and has stayed quiet)
