@@ -125,7 +125,7 @@ class DatagramPulls:
                 e.since, e.unanswered = heard, 0
             end = self.ingress.ends.get((self.worker, seq))
             if end is not None:
-                e.ended, e.packets = True, e.packets or end.count
+                e.ended, e.packets = True, e.packets or end.packets
             t = self.ingress.transfers.get((self.worker, seq))
             if t is not None:
                 e.packets = t.packets

@@ -147,15 +147,16 @@ def test_a_pull_not_yet_answered_asks_seldom_and_gets_nothing_twice(pair_of):
     assert torch.equal(p.until_done()[9], values)
 
 
-def _drop_packet(p: Pair, index: int) -> None:
-    """The ``index``-th datagram the server's sender sends (counted from 0) lost."""
+def _drop_packet(p: Pair, *index: int) -> None:
+    """The ``index``-th datagrams the server's sender sends (counted from 0, its end
+    markers among them) lost."""
     sender = p.egress.senders[(run_tag(RUN), 3)]
     send, count = sender._send, [0]
 
     def dropping(data, k, size, tos=None):
         whole = b"".join(bytes(d) for d in data)
         for m in range(k):
-            if count[0] != index:
+            if count[0] not in index:
                 send([memoryview(whole[m * size:(m + 1) * size])], 1, size, tos)
             count[0] += 1
 
@@ -185,6 +186,25 @@ def test_a_pull_asks_at_once_when_its_end_markers_say_the_rest_was_lost(pair_of,
     p.serve()
     assert p.egress.counts["pull_resends"] == 1
     assert torch.equal(p.until_done()[3], values)
+
+
+def _until_ended(p: Pair, seq: int) -> None:
+    deadline = time.monotonic() + 5  # (until the end markers are in, however loaded)
+    while not p.pulls.expected[seq].ended and time.monotonic() < deadline:
+        assert p.pulls.receive() == []
+        time.sleep(0.002)
+
+
+def test_a_pull_of_one_packet_lost_whole_asks_by_its_end_markers(pair_of):
+    # (the markers say how many packets when none came: asked for, not a crash)
+    p = pair_of()
+    values = torch.randn(100)
+    _drop_packet(p, 0)
+    p.pulls.expect(seq=6, shard=0, numel=values.numel())
+    p.egress.piece(p.header(6), values.numel(), 0, values)
+    _until_ended(p, 6)
+    assert p.pulls.expected[6].packets == 1 and p.pulls.due() == 0
+    assert torch.equal(p.until_done()[6], values)
 
 
 def test_only_requests_after_the_end_markers_time_a_round_trip(pair_of):
