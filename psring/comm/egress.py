@@ -21,7 +21,8 @@ Nothing of a pull may be lost (a replica must be the servers' parameters exactly
 the worker asks for the packets it misses, at once when the end markers
 say the rest was lost, else after a quiet spell, rather than after TCP's
 retransmission timeout, and the server sends those of them it has sent before again,
-as often as asked. Each worker's last KEPT pulls are kept for that.
+as often as asked, each round followed by end markers (the worker asks at once for
+what a round did not bring). Each worker's last KEPT pulls are kept for that.
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class Egress:
             mine = asked[(asked >= first) & (asked < first + t.count)] - first
             if mine.size:
                 again += sender.resend(t, mine.tolist(), int(mine.size))
+        if again:  # (the round's end: the worker asks at once for what it did not bring)
+            sender.send_end(nack.transfer, p.shard, p.packets, urgent=True)
         self.counts["pull_resends"] += again
         return again
 

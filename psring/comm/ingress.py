@@ -232,6 +232,9 @@ class Ingress:
         self.held = 0
         self.counts = {"datagrams": 0, "bad_datagrams": 0, "evicted": 0, "late": 0}
         self.ends: OrderedDict[tuple[int, int], End] = OrderedDict()
+        #: when each transfer's latest end marker came (time.monotonic): a resend
+        #: round is followed by markers too (psring.comm.pulls)
+        self.marked_times: OrderedDict[tuple[int, int], float] = OrderedDict()
         #: end markers kept so far (a waiter wakes when it grows)
         self.marked = 0
         self.finished: OrderedDict[tuple[int, int], None] = OrderedDict()
@@ -243,6 +246,10 @@ class Ingress:
     def ended(self, worker: int, transfer: int) -> bool:
         """Whether the transfer's end marker arrived (all of its packets have left)."""
         return (worker, transfer) in self.ends
+
+    def marked_at(self, worker: int, transfer: int) -> float | None:
+        """When the transfer's latest end marker arrived (time.monotonic), None if none."""
+        return self.marked_times.get((worker, transfer))
 
     def heard(self, worker: int, transfer: int) -> float | None:
         """When a packet of the transfer last arrived (time.monotonic), None if none."""
@@ -351,6 +358,7 @@ class Ingress:
         e = self._control(data, decode_end)
         if e is not None and (e.worker, e.transfer) not in self.finished:  # (not a copy
             _remember(self.ends, (e.worker, e.transfer), e)                # come late)
+            _remember(self.marked_times, (e.worker, e.transfer), time.monotonic())
             self.marked += 1
 
     def _nack(self, data: bytes | memoryview) -> None:
@@ -444,6 +452,7 @@ class Ingress:
         if self.transfers.pop(key, None) is not None:
             self.held -= t.nbytes
         self.ends.pop(key, None)
+        self.marked_times.pop(key, None)
         _remember(self.finished, key, None)
         header = {"v": h["v"], "op": "push", "run": h["run"], "worker": h["worker"],
                   "seq": h["seq"], "shard": h["shard"], "step": h["step"],
@@ -465,6 +474,7 @@ class Ingress:
         del self.transfers[key]
         self.held -= t.nbytes
         self.ends.pop(key, None)
+        self.marked_times.pop(key, None)
         _remember(self.finished, key, None)
         return torch.frombuffer(t.data, dtype=DTYPES[t.dtype], count=numel)
 

@@ -226,11 +226,14 @@ class LossySender:
         self.outbox.put(self._job, (t, range(t.count), token, ticket))
         return t
 
-    def send_end(self, transfer_id: int, shard: int, packets: int) -> None:
+    def send_end(self, transfer_id: int, shard: int, packets: int,
+                 urgent: bool = False) -> None:
         """Queue the end markers of a transfer of ``packets`` sent in parts
-        (send_part), behind its last part: every packet of it has left."""
+        (send_part), behind its last part: every packet of it has left. ``urgent``:
+        behind the resends queued before them instead (a resend round's end: what it
+        did not bring was lost, and its receiver may ask again at once)."""
         self.outbox.put(self._job, (End(self.worker, shard, self.tag, transfer_id, packets),
-                                    None, None, None))
+                                    None, None, None), urgent=urgent)
 
     def _transfer(self, transfer_id: int, shard: int, grad: torch.Tensor, first: int = 0,
                   packets: int | None = None) -> Transfer:

@@ -12,11 +12,13 @@ UDP socket of the worker's own, bound to the address its requests leave from. A
 transfer is taken when every packet of it has arrived: nothing of a pull may be lost.
 The server follows a pull's last packet with end markers: a pull whose markers came
 asks its server at once for what is missing (resend requests,
-psring.comm.datagrams.Nack: what has not come by its markers was lost), then again
-after a few of its round trips while the resends do not come, the wait doubling (at
-most MAX_WAIT_S). Only those round trips are measured (a request made after the
-markers is answered by resends alone, Karn's rule; one made while the server still
-streams, or waits for the other workers' pushes, would time those). A pull without
+psring.comm.datagrams.Nack: what has not come by its markers was lost); the server
+follows each round of resends with end markers too, and what a round did not bring is
+asked for at once when they come; without them (lost too), again after a few of its
+round trips while the resends do not come, the wait doubling (at most MAX_WAIT_S).
+Only those round trips are measured (a request made after the markers is answered by
+resends alone, Karn's rule; one made while the server still streams, or waits for the
+other workers' pushes, would time those). A pull without
 its markers (still streaming, its server waiting, it waiting its turn on the server's
 link behind the other workers' pulls, or the markers lost) asks every MAX_WAIT_S; the
 server answers only for what has left (psring.comm.egress). So a lost datagram costs
@@ -80,6 +82,11 @@ class _Expected:
     ended: bool = False
     #: a resend request went after the end markers: what comes now are resends
     asked_ended: bool = False
+    #: when it last asked (0: not yet)
+    asked_at: float = 0.0
+    #: end markers came after its last request: the resend round is over, and what it
+    #: did not bring was lost (asked for at once)
+    round_over: bool = False
 
 
 class DatagramPulls:
@@ -126,6 +133,8 @@ class DatagramPulls:
             end = self.ingress.ends.get((self.worker, seq))
             if end is not None:
                 e.ended, e.packets = True, e.packets or end.packets
+                marked = self.ingress.marked_at(self.worker, seq)
+                e.round_over = e.asked_ended and marked is not None and marked > e.asked_at
             t = self.ingress.transfers.get((self.worker, seq))
             if t is not None:
                 e.packets = t.packets
@@ -138,8 +147,8 @@ class DatagramPulls:
     def wait_s(self, e: _Expected) -> float:
         if not e.ended:  # (still streaming, waiting for the other workers' pushes, or
             return MAX_WAIT_S  # its end markers lost)
-        if not e.asked_ended:  # (what has not come by its end markers was lost)
-            return 0.0
+        if not e.asked_ended or e.round_over:  # (what has not come by its end markers,
+            return 0.0                         # or a resend round's, was lost)
         return min(MAX_WAIT_S, max(MIN_WAIT_S, WAIT_RTTS * self.rtt) * 2 ** e.unanswered)
 
     def due(self) -> float | None:
@@ -168,7 +177,7 @@ class DatagramPulls:
                 except OSError:
                     pass  # (as if lost on the way: asked again after the next wait)
             e.since, e.unanswered = now, e.unanswered + 1
-            e.asked_ended = e.ended
+            e.asked_ended, e.asked_at, e.round_over = e.ended, now, False
         self.counts["pull_nacks"] += sent
         return sent
 

@@ -195,6 +195,32 @@ def _until_ended(p: Pair, seq: int) -> None:
         time.sleep(0.002)
 
 
+def test_a_resend_rounds_end_markers_say_what_it_did_not_bring_was_lost(pair_of,
+                                                                         monkeypatch):
+    # its last packet lost, and the resend of it: the server ends each round of
+    # resends with markers, and the worker asks again as they come, not after its
+    # round trips (ten seconds here, longer than the test waits)
+    monkeypatch.setattr(pulls_mod, "MAX_WAIT_S", 10.0)
+    p = pair_of()
+    p.pulls.rtt = 10.0
+    values = torch.randn(30_000)
+    packets = -(-values.numel() * 4 // 1408)
+    markers = 3  # (psring.comm.lossy.END_COPIES, back to back after the last packet)
+    _drop_packet(p, packets - 1, packets + markers)
+    p.pulls.expect(seq=5, shard=0, numel=values.numel())
+    p.egress.piece(p.header(5), values.numel(), 0, values)
+    _until_ended(p, 5)
+    asks, deadline = 0, time.monotonic() + 5
+    while 5 in p.pulls.expected and time.monotonic() < deadline:
+        done = p.pulls.receive()
+        if p.pulls.due() == 0:
+            asks += p.pulls.ask_again()
+        p.serve()
+        time.sleep(0.002)
+    assert asks == 2 and p.egress.counts["pull_resends"] == 2
+    assert torch.equal(done[0][1], values)
+
+
 def test_a_pull_of_one_packet_lost_whole_asks_by_its_end_markers(pair_of):
     # (the markers say how many packets when none came: asked for, not a crash)
     p = pair_of()
