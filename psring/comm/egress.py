@@ -174,7 +174,8 @@ class Egress:
             mine = asked[(asked >= first) & (asked < first + t.count)] - first
             if mine.size:
                 again += sender.resend(t, mine.tolist(), int(mine.size))
-        if again:  # (the round's end: the worker asks at once for what it did not bring)
+        if again and ended:  # (the round's end: the worker asks at once for what it
+            # did not bring. Not before the pull has left whole: its markers say so)
             sender.send_end(nack.transfer, p.shard, p.packets, urgent=True)
         self.counts["pull_resends"] += again
         return again

@@ -221,6 +221,27 @@ def test_a_resend_rounds_end_markers_say_what_it_did_not_bring_was_lost(pair_of,
     assert torch.equal(done[0][1], values)
 
 
+def test_a_resend_before_the_pull_has_left_whole_is_not_followed_by_markers(pair_of):
+    # (markers say every packet has left: after a resend mid-stream they would not)
+    p = pair_of()
+    values = torch.randn(30_000)
+    _drop_packet(p, 0)
+    p.pulls.expect(seq=8, shard=0, numel=values.numel())
+    p.egress.piece(p.header(8), values.numel(), 0, values[:10_000])
+    time.sleep(0.01)
+    p.pulls.receive()
+    p.pulls.expected[8].since -= 1.0  # (quiet long enough: it asks, mid-stream)
+    assert p.pulls.ask_again() == 1
+    deadline = time.monotonic() + 5
+    while p.egress.counts["pull_resends"] == 0 and time.monotonic() < deadline:
+        p.serve()
+        time.sleep(0.002)
+    time.sleep(0.02)
+    assert p.pulls.receive() == [] and not p.pulls.expected[8].ended
+    p.egress.piece(p.header(8), values.numel(), 10_000, values[10_000:])
+    assert torch.equal(p.until_done()[8], values)
+
+
 def test_a_pull_of_one_packet_lost_whole_asks_by_its_end_markers(pair_of):
     # (the markers say how many packets when none came: asked for, not a crash)
     p = pair_of()
