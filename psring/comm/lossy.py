@@ -136,6 +136,8 @@ class Transfer:
     transfer: int = 0
     #: the shard it is a part of (the receiver's)
     shard: int = 0
+    #: all of it has left, its end markers behind it (a sender with ``ends``)
+    ended: bool = False
 
     def run(self, i: int, j: int) -> list[memoryview]:
         """Packets i to j − 1, as the buffers of one send."""
@@ -287,7 +289,11 @@ class LossySender:
         else:
             self._out(t, which)
         if self.ends and isinstance(which, range) and len(which) == t.count:
+            t.ended = True
             self._end(t)
+        elif self.ends and isinstance(t, Transfer) and t.ended:
+            self._end(t)  # (a resend round's: what it did not bring was lost, and its
+            #              receiver may ask again at once)
         self.on_sent(token)
 
     def _end(self, t: Transfer) -> None:

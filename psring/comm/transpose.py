@@ -14,7 +14,8 @@ quiet for an idle timeout that adapts to the gaps between its datagrams (its mar
 lost). The owner keeps the part when at most the fraction F of it is missing (the
 missing elements zero, the rest scaled by numel / delivered: unbiased); beyond F it
 asks the source for the missing packets (a resend request, a datagram naming some of
-them, chosen at random), again after each quiet spell, until the part is within F;
+them, chosen at random), again after each quiet spell or as the markers that end
+each round of resends come, until the part is within F;
 a source never heard at all is asked for everything after a while (all of its part
 lost, markers included; a straggler ignores a request for a transfer it has not sent
 yet). Each rank answers requests on a thread of its own, which receives every
@@ -299,9 +300,11 @@ class TransposeAllReduce:
         if not (self.ingress.ended(p, transfer) or quiet or p in asked):
             return
         got = self.ingress.complete(self._header(p, transfer, size, gather))
+        # (markers after this rank's last request: the resend round is over)
+        round_over = p in asked and (self.ingress.marked_at(p, transfer) or 0.0) > asked[p]
         if isinstance(got, Message):
             parts[p] = got
-        elif p not in asked or quiet:
+        elif p not in asked or quiet or round_over:
             need, missing = got
             self._ask(p, transfer, need, missing, now, asked)
 

@@ -469,6 +469,38 @@ def test_end_markers_follow_a_transfer_and_late_datagrams_are_not_held():
     rx.close()
 
 
+def test_a_resend_round_of_a_transfer_that_has_left_ends_with_markers():
+    # (the transpose's owner asks again as they come, not after its idle timeout; a
+    # resend jumping ahead of the transfer itself is no round's end)
+    rx = ingress.receiving_socket("127.0.0.1", 0, 1 << 24)
+    done = queue.SimpleQueue()
+    sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 1,
+                               on_sent=done.put, ends=True)
+    ing = Ingress()
+
+    def markers_after(t0: float, seconds: float = 5.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ingress.drain(rx, ing)
+            if (ing.marked_at(1, 7) or 0.0) > t0:
+                return True
+        return False
+
+    held = torch.randn(352 * 30)
+    early = sender._transfer(7, 0, held)  # (not sent: as if queued behind others)
+    t0 = time.monotonic()
+    sender.resend(early, [2, 5], 2, token="early")
+    # (the job's markers would have left before on_sent: on loopback, here at once)
+    assert done.get(timeout=5) == "early" and not markers_after(t0, 0.2)
+    t = sender.send(7, 0, torch.randn(352 * 30), token="sent")
+    assert done.get(timeout=5) == "sent" and markers_after(t0)
+    t1 = time.monotonic()
+    sender.resend(t, [2, 5], 2, token="resent")
+    assert done.get(timeout=5) == "resent" and markers_after(t1)
+    sender.close()
+    rx.close()
+
+
 def test_a_datagram_claiming_more_than_may_be_held_is_refused(monkeypatch):
     monkeypatch.setattr(ingress, "MAX_HELD_BYTES", 10_000)
     ing = Ingress()
