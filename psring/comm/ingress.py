@@ -247,9 +247,10 @@ class Ingress:
         """Whether the transfer's end marker arrived (all of its packets have left)."""
         return (worker, transfer) in self.ends
 
-    def marked_at(self, worker: int, transfer: int) -> float | None:
-        """When the transfer's latest end marker arrived (time.monotonic), None if none."""
-        return self.marked_times.get((worker, transfer))
+    def marked_since(self, worker: int, transfer: int, since: float) -> bool:
+        """Whether an end marker of the transfer arrived after ``since`` (time.monotonic):
+        after a resend request, the end of its round of resends."""
+        return self.marked_times.get((worker, transfer), float("-inf")) > since
 
     def heard(self, worker: int, transfer: int) -> float | None:
         """When a packet of the transfer last arrived (time.monotonic), None if none."""

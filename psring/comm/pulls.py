@@ -133,8 +133,8 @@ class DatagramPulls:
             end = self.ingress.ends.get((self.worker, seq))
             if end is not None:
                 e.ended, e.packets = True, e.packets or end.packets
-                marked = self.ingress.marked_at(self.worker, seq)
-                e.round_over = e.asked_ended and marked is not None and marked > e.asked_at
+                e.round_over = e.asked_ended and self.ingress.marked_since(self.worker, seq,
+                                                                            e.asked_at)
             t = self.ingress.transfers.get((self.worker, seq))
             if t is not None:
                 e.packets = t.packets

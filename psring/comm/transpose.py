@@ -301,7 +301,7 @@ class TransposeAllReduce:
             return
         got = self.ingress.complete(self._header(p, transfer, size, gather))
         # (markers after this rank's last request: the resend round is over)
-        round_over = p in asked and (self.ingress.marked_at(p, transfer) or 0.0) > asked[p]
+        round_over = p in asked and self.ingress.marked_since(p, transfer, asked[p])
         if isinstance(got, Message):
             parts[p] = got
         elif p not in asked or quiet or round_over:

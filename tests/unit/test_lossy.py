@@ -482,7 +482,7 @@ def test_a_resend_round_of_a_transfer_that_has_left_ends_with_markers():
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             ingress.drain(rx, ing)
-            if (ing.marked_at(1, 7) or 0.0) > t0:
+            if ing.marked_since(1, 7, t0):
                 return True
         return False
 
