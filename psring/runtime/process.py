@@ -179,6 +179,8 @@ _CASCADE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Br
                     "caused by a remote worker hanging",
                     # (a worker's own word for it: workers/entry.py, broken_connections_named)
                     "the connection to another worker broke")
+#: what psring's worker prints last when it fails (workers/entry.py: "[worker R/N] error:")
+_OWN_ERROR = "] error: "
 #: seconds to wait for the cause of a failure to show when only peers' cascades have
 BLAME_WAIT_S = 2.0
 
@@ -278,8 +280,9 @@ class Supervisor:
                         and any(self._poll(c) is None for c in self.children):
                     time.sleep(POLL_S)
                     failed = self._unexpected()
+                reported = self._reported(failed)
                 self.stop()
-                raise RunFailed(self._failure_message(failed))
+                raise RunFailed(self._failure_message(reported + failed, reported))
             if all(self._poll(c) == 0 for c in self.children
                    if not c.spec.service and c not in self.lost):
                 return
@@ -313,16 +316,30 @@ class Supervisor:
             _signal_group(c.proc, signal.SIGKILL)
         return c.proc.poll()
 
+    def _reported(self, failed: list[Child]) -> list[Child]:
+        """When every failure seen is a peer's cascade: the children still running whose
+        log already names an error of their own (a worker prints its error line before it
+        closes its connections, which may take seconds on a loaded machine)."""
+        if not all(self._cascade(c) for c in failed):
+            return []
+        return [c for c in self.children if c not in failed and self._poll(c) is None
+                and _OWN_ERROR in tail(c.log_path, 20) and not self._cascade(c)]
+
     @staticmethod
     def _cascade(c: Child) -> bool:
         """Did ``c`` fail only because a peer did (its log says a peer went away)?"""
         text = tail(c.log_path, 20)
         return any(m in text for m in _CASCADE_MARKERS)
 
-    def _failure_message(self, failed: list[Child]) -> str:
-        culprit = next((c for c in failed if not self._cascade(c)), failed[0])
+    def _failure_message(self, failed: list[Child], reported: list[Child]) -> str:
+        """``reported``: children that had named their error but not yet exited (the
+        cause, stopped with the rest: their exit status is the stop's)."""
+        culprit = reported[0] if reported else \
+            next((c for c in failed if not self._cascade(c)), failed[0])
+        how = "it reported an error" if culprit in reported else \
+            describe_exit(culprit.proc.returncode)
         others = [c.spec.name for c in failed if c is not culprit]
-        msg = (f"{culprit.spec.name} failed ({describe_exit(culprit.proc.returncode)}); "
+        msg = (f"{culprit.spec.name} failed ({how}); "
                f"the other processes were stopped. Its log is {culprit.log_path}")
         if others:
             msg += f" (also failed: {', '.join(others)})"
