@@ -43,6 +43,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                              "0 = no grants, every sender paces itself (default). A run "
                              "with --credit-window and --server-addrs needs its servers "
                              "started with it: its senders wait for grants")
+    parser.add_argument("--control-rto-min-us", type=int, default=0, metavar="US",
+                        help="least TCP retransmission timeout, in microseconds, of the "
+                             "connections the server accepts (Linux 6.15+; elsewhere "
+                             "unchanged): a bounded-loss run's TCP carries only one-segment "
+                             "control messages, and a lost one otherwise waits the kernel's "
+                             "200 ms. 0 = the kernel's (default); runs with "
+                             "--loss-tolerance start their servers with 5000")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -66,7 +73,8 @@ def run_server(args: argparse.Namespace) -> int:
     secret = load_secret(args.secret_file)
     server = Server(args.bind, args.name, Path(args.log) if args.log else None,
                     secret=secret, max_frame_bytes=int(args.max_frame_mb * 2**20),
-                    io_threads=args.io_threads, credit_window=args.credit_window)
+                    io_threads=args.io_threads, credit_window=args.credit_window,
+                    rto_min_us=args.control_rto_min_us)
     try:
         print(f"[{args.name}] listening on {server.endpoint}"
               + (" (signed messages only)" if secret else ""), flush=True)

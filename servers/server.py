@@ -42,6 +42,7 @@ from psring.comm.protocol import (
     encode,
     error_frames,
 )
+from psring.comm.tcp_timers import lower_rto_min
 from psring.errors import ConfigError
 from psring.records.runlog import host_name, usable_cores
 from psring.servers.handler import Handler
@@ -144,7 +145,7 @@ class Server:
     def __init__(self, bind: str, name: str = "server", log_path: Path | None = None,
                  secret: bytes | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, io_threads: int = 0,
-                 credit_window: int = 0):
+                 credit_window: int = 0, rto_min_us: int = 0):
         check_endpoint(bind)
         if secret is None and not is_local(bind) and not private_to_cluster(bind):
             raise ConfigError(
@@ -180,6 +181,13 @@ class Server:
             raise ConfigError(f"the server cannot bind {bind}: {e.strerror}; pick another "
                               f"port (or :0 for a free one).") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if rto_min_us < 0:
+            raise ConfigError(f"--control-rto-min-us is microseconds, >= 0 (got "
+                              f"{rto_min_us}).")
+        #: --control-rto-min-us: the least TCP retransmission timeout of the connections
+        #: it accepts, where the kernel lets it be set (psring.comm.tcp_timers)
+        self.rto_min_us = rto_min_us if rto_min_us and self.endpoint.startswith("tcp://") \
+            and lower_rto_min(rto_min_us, port=urlparse(self.endpoint).port) else 0
         self.udp = _udp_socket(self.endpoint)
         self.ingress = Ingress(secret)
         if credit_window < 0:
@@ -201,7 +209,8 @@ class Server:
                 "unauthenticated": self.unauthenticated,
                 **({k: v for k, v in self.ingress.counts.items() if v} if self.udp else {}),
                 **(self.granter.counts if self.granter is not None else {}),
-                **{k: v for k, v in self.egress.counts.items() if v}}
+                **{k: v for k, v in self.egress.counts.items() if v},
+                **({"control_rto_min_us": self.rto_min_us} if self.rto_min_us else {})}
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         poller = zmq.Poller()

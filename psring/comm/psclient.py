@@ -30,6 +30,7 @@ from psring.comm.protocol import (
     encode,
 )
 from psring.comm.pulls import DatagramPulls
+from psring.comm.tcp_timers import CONTROL_RTO_MIN_US, lower_rto_min, tcp_peers
 from psring.errors import PsringError
 
 
@@ -60,6 +61,10 @@ class PSClient:
             self.poller.register(s, zmq.POLLIN)
             self.socks.append(s)
         self.index = {s: k for k, s in enumerate(self.socks)}
+        #: the shards whose connection has had its least retransmission timeout lowered:
+        #: once this client pushes with bounded loss, its TCP carries only control
+        #: (psring.comm.tcp_timers; the servers' side: --control-rto-min-us)
+        self._timed: set[int] = set()
         # Seqs start at the clock (µs), so a client's seqs are above those of any earlier
         # client of the same (run, worker), which a server with a secret drops as replays.
         self.seq = time.time_ns() // 1000
@@ -310,6 +315,9 @@ class PSClient:
     def _receive(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart(copy=False)
         shard = self.index[sock]
+        if self.lossy_elements and shard not in self._timed:
+            self._timed.add(shard)
+            lower_rto_min(CONTROL_RTO_MIN_US, peers=tcp_peers(self.addrs[shard]))
         try:
             msg = decode(frames, expect=REPLIES, key=self.key)
         except AuthenticationError as e:

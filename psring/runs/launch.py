@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 from psring.cluster.emulate import network_for
 from psring.comm.endpoints import ABSTRACT_IPC, abstract_ipc_endpoint
+from psring.comm.tcp_timers import CONTROL_RTO_MIN_US
 from psring.config import RunConfig, validate
 from psring.errors import ConfigError, PsringError, RunFailed
 from psring.records.runlog import (
@@ -210,6 +211,8 @@ def server_specs(cfg: RunConfig, run_dir: Path) -> tuple[dict[str, str], list[Pr
         extra += ["--max-frame-mb", f"{limit / 2**20:.6f}"]
     if cfg.credit_window:  # (the servers grant their bounded-loss senders: psring.comm.credits)
         extra += ["--credit-window", str(parse_window(cfg.credit_window))]
+    if cfg.loss_tolerance:  # (their TCP carries only control: psring.comm.tcp_timers)
+        extra += ["--control-rto-min-us", str(CONTROL_RTO_MIN_US)]
     specs = [ProcessSpec(f"server-{k}", [sys.executable, "-m", "psring.servers",
                                          "--bind", addr, "--name", f"server-{k}",
                                          "--log", str(run_dir / "servers.jsonl"), *extra],
