@@ -155,6 +155,9 @@ class Server:
         if max_frame_bytes < MAX_HEADER_BYTES + SIGNATURE_BYTES:
             raise ConfigError(f"the frame limit ({max_frame_bytes} bytes) must be at least "
                               f"{MAX_HEADER_BYTES + SIGNATURE_BYTES} bytes (one header).")
+        if rto_min_us < 0:
+            raise ConfigError(f"--control-rto-min-us is microseconds, >= 0 (got "
+                              f"{rto_min_us}).")
         self.secret = secret
         self.max_frame_bytes = max_frame_bytes
         if io_threads < 0:
@@ -181,9 +184,6 @@ class Server:
             raise ConfigError(f"the server cannot bind {bind}: {e.strerror}; pick another "
                               f"port (or :0 for a free one).") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if rto_min_us < 0:
-            raise ConfigError(f"--control-rto-min-us is microseconds, >= 0 (got "
-                              f"{rto_min_us}).")
         #: --control-rto-min-us: the least TCP retransmission timeout of the connections
         #: it accepts, where the kernel lets it be set (psring.comm.tcp_timers)
         self.rto_min_us = rto_min_us if rto_min_us and self.endpoint.startswith("tcp://") \

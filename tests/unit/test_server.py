@@ -267,3 +267,5 @@ def test_server_copies_connections_on_one_io_thread_per_core():
         server.close()
     with pytest.raises(ConfigError, match="--io-threads must be >= 0"):
         Server("tcp://127.0.0.1:0", io_threads=-1)
+    with pytest.raises(ConfigError, match="--control-rto-min-us is microseconds"):
+        Server("tcp://127.0.0.1:0", rto_min_us=-1)
