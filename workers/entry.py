@@ -39,7 +39,12 @@ from psring.errors import ConfigError, PsringError
 from psring.records.runlog import MODEL, WORKERS, StepLog, append_record, host_name, save_state_dict
 from psring.runtime import elastic, rendezvous
 from psring.runtime.allocator import keep_freed_memory
-from psring.runtime.process import die_with_parent, set_process_name, worker_threads
+from psring.runtime.process import (
+    die_with_parent,
+    error_line,
+    set_process_name,
+    worker_threads,
+)
 from psring.strategies import STRATEGIES, Strategy, WorkerContext
 from psring.train import checkpoint
 from psring.train import device as psring_device
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(cfg, rank, cfg.workers, local_rank, local_world, log, prefix)
     except PsringError as e:
         message = " ".join(filter(None, [str(e), rendezvous.current().explain()]))
-        print(f"{prefix} error: {message}", file=sys.stderr, flush=True)
+        print(error_line(prefix, message), file=sys.stderr, flush=True)
         rendezvous.report_failure(rank, message)
         return e.exit_code
     except SystemExit:
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - last line must name the failure
         traceback.print_exc()
         message = f"{type(e).__name__}: {e}"
-        print(f"{prefix} error: {message}", file=sys.stderr, flush=True)
+        print(error_line(prefix, message), file=sys.stderr, flush=True)
         rendezvous.report_failure(rank, message)
         return 1
     finally:

@@ -179,8 +179,15 @@ _CASCADE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Br
                     "caused by a remote worker hanging",
                     # (a worker's own word for it: workers/entry.py, broken_connections_named)
                     "the connection to another worker broke")
-#: what psring's worker prints last when it fails (workers/entry.py: "[worker R/N] error:")
+#: what psring's worker prints last when it fails (:func:`error_line`), after its prefix
 _OWN_ERROR = "] error: "
+
+
+def error_line(prefix: str, message: str) -> str:
+    """The last line a psring worker prints when it fails (``prefix``: "[worker R/N]"):
+    the supervisor reads a child still closing down as the cause by it."""
+    return f"{prefix}{_OWN_ERROR[1:]}{message}"
+
 #: seconds to wait for the cause of a failure to show when only peers' cascades have
 BLAME_WAIT_S = 2.0
 

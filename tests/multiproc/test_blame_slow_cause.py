@@ -11,13 +11,13 @@ import pytest
 
 from psring.errors import RunFailed
 from psring.runtime import process
-from psring.runtime.process import ProcessSpec, Supervisor
+from psring.runtime.process import ProcessSpec, Supervisor, error_line
 from tests.helpers import pid_alive
 
 #: the cause: prints psring's worker error line, then takes long to close (as a worker
 #: tearing down its process group on a loaded machine does)
-CAUSE = ("import sys, time; print('[worker 1/2] error: RuntimeError: injected failure in "
-         "worker 1', file=sys.stderr, flush=True); time.sleep(60)")
+_LINE = error_line("[worker 1/2]", "RuntimeError: injected failure in worker 1")
+CAUSE = f"import sys, time; print({_LINE!r}, file=sys.stderr, flush=True); time.sleep(60)"
 #: the peer: fails at once with gloo's word for the cause's silence
 CASCADE = ("import sys, time; time.sleep(0.3); print('[worker 0/2] error: Application "
            "timeout caused by a remote worker hanging', file=sys.stderr, flush=True); "
