@@ -231,11 +231,12 @@ def test_a_congested_priority_port_serves_high_marks_and_drops_low_ones():
 @pytest.mark.timeout(240)
 def test_credits_keep_an_incast_of_pushes_within_the_servers_port(tmp_path):
     # four workers' bounded-loss pushes into one server host's 64 KB port: paced only to
-    # their own links they overflow it (resends); granted by the server, they do not
+    # their own links they overflow it (resends); granted by the server, they do not.
+    # Ten steps: how many pushes collide varies from run to run (6 steps once saw only 6)
     common = ["--strategy", "ps", "--workers", "4", "--hosts", "4", "--server-placement",
               "own-hosts", "--link", "200mbit", "--link-buffer", "64kb",
               "--loss-tolerance", "0.02", "--model", "mlp", "--width", "512", "--depth", "2",
-              "--features", "256", "--batch-size", "64", "--steps", "6", "--eval-every", "0"]
+              "--features", "256", "--batch-size", "64", "--steps", "10", "--eval-every", "0"]
     psring_together(["run", *common, "--out", tmp_path / "paced"],
                     ["run", *common, "--credit-window", "64kb", "--out", tmp_path / "credited"],
                     timeout=200)
@@ -250,7 +251,7 @@ def test_credits_keep_an_incast_of_pushes_within_the_servers_port(tmp_path):
     assert credited <= paced // 5 and stats["grants"] > 0, (credited, stats)
     steps = [json.loads(x) for x in (tmp_path / "credited" / "steps.jsonl").read_text()
              .splitlines()]
-    assert len(steps) == 24 and min(r["delivered"] for r in steps) >= 0.98
+    assert len(steps) == 40 and min(r["delivered"] for r in steps) >= 0.98
     assert_cluster_gone(tmp_path / "paced")
     assert_cluster_gone(tmp_path / "credited")
     assert_no_processes(tmp_path)
