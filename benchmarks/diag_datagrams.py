@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from psring.comm import ingress, lossy
+from psring.comm import ingress, lossy, receiving
 from psring.comm.protocol import VERSION, Message
 
 
@@ -34,7 +34,7 @@ def one(rx, sender: lossy.LossySender, done: queue.SimpleQueue,
     done.get(timeout=60)
     c1 = time.process_time()
     c2 = time.process_time()
-    n = ingress.drain(rx, arriving)
+    n = receiving.drain(rx, arriving)
     push = arriving.complete(Message({
         "v": VERSION, "op": "lossy_push", "run": "diag", "worker": 0, "seq": transfer,
         "shard": 0, "step": 0, "offset": 0, "numel": grad.numel(), "packets": n,
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rx = ingress.receiving_socket("127.0.0.1", 0, 200 << 20)
+    rx = receiving.receiving_socket("127.0.0.1", 0, 200 << 20)
     grad = torch.randn(10_000_000)
     done: queue.SimpleQueue = queue.SimpleQueue()
     sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "diag", 0,

@@ -31,7 +31,7 @@ from psring.cluster.spec import in_network
 from psring.comm.credits import Granter
 from psring.comm.egress import Egress
 from psring.comm.endpoints import HOW_TO_SET_A_SECRET, is_local
-from psring.comm.ingress import Ingress, drain, receiving_socket
+from psring.comm.ingress import Ingress
 from psring.comm.protocol import (
     MAX_HEADER_BYTES,
     REQUESTS,
@@ -42,6 +42,7 @@ from psring.comm.protocol import (
     encode,
     error_frames,
 )
+from psring.comm.receiving import drain, receiving_socket
 from psring.comm.tcp_timers import lower_rto_min
 from psring.errors import ConfigError
 from psring.records.runlog import host_name, usable_cores

@@ -2,9 +2,8 @@
 (servers.server) or a transpose all-reduce's (psring.comm.transpose). The sending side
 is psring.comm.lossy.
 
-    sock = receiving_socket("198.18.0.3", 5555, 64 << 20)
     ingress = Ingress(key)
-    drain(sock, ingress)               # every datagram waiting, kept or counted as bad
+    drain(sock, ingress)               # psring.comm.receiving: what waits on the socket
     push = ingress.complete(lossy_msg)  # a push Message, or (need, missing packets)
 
 When a push's end marker arrives (a lossy_push; the datagrams sent ahead of it on the
@@ -14,16 +13,14 @@ numel / delivered (an unbiased estimate of the gradient when packets are lost at
 random: DLCP's bounded loss), if at most the fraction F is missing; else it says which
 packets to send again. Datagrams are validated (and with a shared secret authenticated)
 before use; what is kept waiting is bounded (MAX_HELD_BYTES, counted from each
-transfer's whole size; oldest transfers dropped first). The socket asks for UDP GRO: a
-coalesced receive's whole datagrams, and those of the receives of the same transfer
-that follow it (received one after another into the ingress's arena), are checked
-together (numpy) and written in place.
+transfer's whole size; oldest transfers dropped first). Many whole datagrams (a
+coalesced receive's, or drain's batches in the ingress's arena) are checked together
+(numpy), a transfer at a time, and written in place.
 """
 
 from __future__ import annotations
 
 import math
-import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -54,116 +51,9 @@ from psring.comm.datagrams import (
 )
 from psring.comm.protocol import DTYPES, Message, ProtocolError
 
-#: Linux's UDP_GRO option: the kernel hands a socket many datagrams of one flow in one
-#: receive, with their size (an int) in a control message
-UDP_GRO = getattr(socket, "UDP_GRO", 104)
-
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
-
-
-def receiving_socket(host: str, port: int, buffer_bytes: int) -> socket.socket:
-    """A non-blocking UDP socket bound to (``host``, ``port``; 0: any free one) whose
-    kernel buffer holds ``buffer_bytes`` of datagrams (root may go beyond
-    net.core.rmem_max, 208 KiB by default; others get what it allows). OSError when
-    the port cannot be bound."""
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        try:
-            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, buffer_bytes)
-        except OSError:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-        s.bind((host, port))
-    except OSError:
-        s.close()
-        raise
-    try:  # (many datagrams a receive where the kernel coalesces them; else one)
-        s.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
-    except OSError:
-        pass
-    s.setblocking(False)
-    return s
-
-
-#: bytes one receive may return: a coalesced receive's (UDP GRO) 64 KiB at most
-RECEIVE_MOST = 65536
-#: bytes of consecutive receives a drain keeps together (psring.comm.ingress.drain)
+#: bytes of consecutive receives a drain keeps together (psring.comm.receiving.drain)
 ARENA_BYTES = 1 << 20
 
-
-@dataclass
-class _Run:
-    """Consecutive coalesced receives of one transfer's whole datagrams, end to end in
-    the ingress's arena, kept together: one numpy check for many receives."""
-
-    start: int = 0
-    end: int = 0
-    size: int = 0
-    #: the header of its first datagram but the packet's number
-    head: bytes = b""
-    #: where each of its receives ends, from ``start``
-    receives: list[int] = field(default_factory=list)
-
-    def joins(self, data: memoryview, size: int) -> bool:
-        """Whether ``data`` (just received at ``end``) continues this run."""
-        head = bytes(data[:_INDEX.start]) + bytes(data[_INDEX.stop:DATAGRAM_HEADER])
-        if self.end > self.start and (size != self.size or head != self.head):
-            return False
-        if self.end == self.start:
-            self.size, self.head = size, head
-        self.end += len(data)
-        self.receives.append(self.end - self.start)
-        return True
-
-
-def drain(sock: socket.socket, ingress: "Ingress", most: int | None = None,
-          heard: Callable[[tuple, bytes, int], None] | None = None) -> int:
-    """Hand the datagrams waiting on ``sock`` to ``ingress`` (all, or about ``most``:
-    a coalesced receive is handed whole); returns how many. ``heard(addr, first
-    header, count)`` hears of each receive (psring.comm.credits.Granter.heard).
-    Receives go into the ingress's arena; consecutive coalesced receives of one
-    transfer's whole, unsigned datagrams are kept together, once the arena is full
-    or the run ends."""
-    n = 0
-    control = socket.CMSG_SPACE(4)
-    arena = ingress.arena
-    run = _Run()
-    try:
-        while most is None or n < most:
-            if run.end + RECEIVE_MOST > len(arena):
-                run = _flush(ingress, run)
-            room = memoryview(arena)[run.end:run.end + RECEIVE_MOST]
-            try:
-                got, ancillary, _, addr = sock.recvmsg_into([room], control)
-            except (BlockingIOError, InterruptedError):
-                break
-            data = room[:got]
-            size = next((int.from_bytes(c[2][:4], "little") for c in ancillary
-                         if c[0] == socket.SOL_UDP and c[1] == UDP_GRO), 0)
-            k = -(-got // size) if size and got > size else 1
-            if k > 1 and ingress.key is None and got % size == 0 \
-                    and size > DATAGRAM_HEADER:
-                if not run.joins(data, size):  # (another transfer's: it starts a run)
-                    _flush(ingress, run)
-                    run = _Run(run.end, run.end)
-                    run.joins(data, size)
-            elif k > 1:  # (coalesced, signed or with a short last datagram)
-                ingress.datagrams(data, size)
-            else:
-                ingress.datagram(data)
-            n += k
-            if heard is not None:
-                heard(addr, data[:DATAGRAM_HEADER], k)
-    finally:  # (what was received is kept, even when a receive or a callback fails)
-        _flush(ingress, run)
-    return n
-
-
-def _flush(ingress: "Ingress", run: _Run) -> _Run:
-    """Keep ``run``'s datagrams; an empty run at the arena's start."""
-    if run.end > run.start:
-        ingress.datagrams(memoryview(ingress.arena)[run.start:run.end], run.size,
-                          run.receives)
-    return _Run()
 
 
 #: end markers and completed transfers an Ingress remembers (the oldest forgotten first)
@@ -211,6 +101,20 @@ class _Arriving:
 _INDEX = slice(DATAGRAM_DTYPE.fields["index"][1], DATAGRAM_DTYPE.fields["index"][1] + 4)
 
 
+def _transfers(rows: np.ndarray) -> list[np.ndarray] | None:
+    """The rows (datagrams, whole) of each transfer among ``rows``, in arrival order
+    within each: indices into them; None when every row's header but the packet's
+    number is the first's (one transfer's, as a coalesced receive's)."""
+    heads = np.concatenate([rows[:, :_INDEX.start], rows[:, _INDEX.stop:DATAGRAM_HEADER]],
+                           axis=1)
+    if (heads == heads[0]).all():
+        return None
+    keys = heads.view(np.dtype((np.void, heads.shape[1]))).ravel()
+    _, inverse = np.unique(keys, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    return np.split(order, np.flatnonzero(np.diff(inverse[order])) + 1)
+
+
 def whole_bytes(dtype: str) -> int:
     """A full datagram's payload bytes of ``dtype``."""
     return per_datagram(dtype) * DTYPES[dtype].itemsize
@@ -240,7 +144,7 @@ class Ingress:
         self.finished: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.nacks: list[Nack] = []
         self.buffers = buffers.SHARED
-        #: where drain receives (psring.comm.ingress.drain)
+        #: where drain receives (psring.comm.receiving.drain)
         self.arena = bytearray(ARENA_BYTES)
 
     def ended(self, worker: int, transfer: int) -> bool:
@@ -251,6 +155,12 @@ class Ingress:
         """Whether an end marker of the transfer arrived after ``since`` (time.monotonic):
         after a resend request, the end of its round of resends."""
         return self.marked_times.get((worker, transfer), float("-inf")) > since
+
+    def streaming(self, least: int) -> bool:
+        """Whether a transfer of at least ``least`` packets is arriving (held, its end
+        marker not come yet)."""
+        return any(t.packets >= least and key not in self.ends
+                   for key, t in self.transfers.items())
 
     def heard(self, worker: int, transfer: int) -> float | None:
         """When a packet of the transfer last arrived (time.monotonic), None if none."""
@@ -276,22 +186,30 @@ class Ingress:
 
     def datagrams(self, data: bytes | memoryview, size: int,
                   receives: list[int] | None = None) -> None:
-        """Keep the datagrams of one coalesced receive (UDP GRO): ``data`` cut every
-        ``size`` bytes, the last piece perhaps shorter. Unsigned ones of one transfer,
-        whole, are checked and kept all at once (numpy); any other piece one by one.
-        ``receives``: where in ``data`` each of several receives ends (drain's runs):
-        when the whole cannot be kept at once, each receive is tried at once first."""
+        """Keep the datagrams of one coalesced receive (UDP GRO) or of drain's runs:
+        ``data`` cut every ``size`` bytes, the last piece perhaps shorter. Unsigned
+        whole ones are checked and kept a transfer at a time (numpy); any other piece
+        one by one. ``receives``: where in ``data`` each of several receives ends
+        (drain's runs): when one transfer's whole cannot be kept at once, each receive
+        is tried at once first."""
         buf = memoryview(data)
         k = len(buf) // size
         if self.key is None and k > 1 and size > DATAGRAM_HEADER:
             rows = np.frombuffer(buf, np.uint8, count=k * size).reshape(k, size)
-            kept = self._keep_rows(rows)
-            if not kept and receives and len(receives) > 1:  # (a packet seen before)
+            groups = _transfers(rows)
+            if groups is not None:  # (several transfers' datagrams, interleaved)
+                for rows_of_one in (rows[g] for g in groups):
+                    if len(rows_of_one) < 2 or not self._keep_rows(rows_of_one):
+                        for row in rows_of_one:
+                            self.datagram(row.data)
+            elif self._keep_rows(rows):
+                pass
+            elif receives and len(receives) > 1:  # (a packet seen before)
                 begin = 0
                 for end in receives:
                     self.datagrams(buf[begin:end], size)
                     begin = end
-            elif not kept:
+            else:
                 for i in range(k):
                     self.datagram(buf[i * size:(i + 1) * size])
         else:

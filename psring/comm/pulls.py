@@ -46,7 +46,8 @@ from psring.comm.datagrams import (
     per_datagram,
     run_tag,
 )
-from psring.comm.ingress import Ingress, drain, receiving_socket
+from psring.comm.ingress import Ingress
+from psring.comm.receiving import drain, receiving_socket
 
 #: bytes of datagrams the kernel may hold for a worker's socket: every server's answer
 #: to one pull of the whole model, not dropped for want of room

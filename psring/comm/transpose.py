@@ -48,10 +48,11 @@ import torch.distributed as dist
 
 from psring.comm.credits import Granter
 from psring.comm.datagrams import NACK_MOST, Nack, encode_nack, per_datagram, run_tag
-from psring.comm.ingress import Ingress, drain, receiving_socket
+from psring.comm.ingress import Ingress
 from psring.comm.lossy import LossySender, Marks
 from psring.comm.outbox import Outbox
 from psring.comm.protocol import Message, decode, encode
+from psring.comm.receiving import drain, receiving_socket
 
 #: bytes of datagrams the kernel may hold for the receiving socket: a bucket's shards
 #: from every peer, not dropped for want of room

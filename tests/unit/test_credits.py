@@ -14,8 +14,9 @@ import torch
 
 from psring.comm import credits, datagrams, lossy
 from psring.comm.datagrams import End, Grant, Nack
-from psring.comm.ingress import Ingress, drain, receiving_socket
+from psring.comm.ingress import Ingress
 from psring.comm.protocol import ProtocolError
+from psring.comm.receiving import drain, receiving_socket
 
 KEY = b"k" * 32
 

@@ -16,8 +16,9 @@ import torch
 from psring.comm import pulls as pulls_mod
 from psring.comm.datagrams import encode_block, per_datagram, run_tag
 from psring.comm.egress import Egress
-from psring.comm.ingress import Ingress, drain, receiving_socket
+from psring.comm.ingress import Ingress
 from psring.comm.pulls import DatagramPulls
+from psring.comm.receiving import drain, receiving_socket
 
 RUN = "pulls-test"
 

@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psring.comm import buffers, datagrams, ingress, lossy, outbox, protocol
+from psring.comm import buffers, datagrams, ingress, lossy, outbox, protocol, receiving
 from psring.comm.datagrams import Datagram
 from psring.comm.ingress import Ingress
 from psring.comm.protocol import Message, ProtocolError
@@ -160,7 +160,7 @@ def test_buffers_are_kept_up_to_their_bound_and_lent_once():
 
 def test_a_senders_blocks_are_reused_once_sent():
     sent: queue.SimpleQueue = queue.SimpleQueue()
-    rx = ingress.receiving_socket("127.0.0.1", 0, 8 << 20)
+    rx = receiving.receiving_socket("127.0.0.1", 0, 8 << 20)
     sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
                                on_sent=sent.put)
     sender.buffers = buffers.Buffers()  # (its own pool: no other test's buffers in it)
@@ -248,7 +248,7 @@ def _drain_all(rx: socket.socket, ing: Ingress, count: int) -> int:
     socket a moment later. Returns how many came."""
     n, deadline = 0, time.monotonic() + 5
     while n < count and time.monotonic() < deadline:
-        n += ingress.drain(rx, ing)
+        n += receiving.drain(rx, ing)
     return n
 
 
@@ -444,7 +444,7 @@ def test_coalesced_receives_out_of_order_or_seen_before_keep_each_packet_once():
 def test_end_markers_follow_a_transfer_and_late_datagrams_are_not_held():
     # (the transpose all-reduce's senders end each part with markers; its receivers
     # wait for them, and drop what comes of a part after it was completed)
-    rx = ingress.receiving_socket("127.0.0.1", 0, 1 << 24)
+    rx = receiving.receiving_socket("127.0.0.1", 0, 1 << 24)
     done = queue.SimpleQueue()
     sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 1,
                                on_sent=done.put, ends=True)
@@ -455,7 +455,7 @@ def test_end_markers_follow_a_transfer_and_late_datagrams_are_not_held():
     assert not ing.ended(1, 7)
     deadline = time.monotonic() + 5
     while not ing.ended(1, 7) and time.monotonic() < deadline:
-        ingress.drain(rx, ing)
+        receiving.drain(rx, ing)
     assert ing.ended(1, 7) and ing.ends[(1, 7)].packets == 30
     assert ing.heard(1, 7) is not None and ing.counts["bad_datagrams"] == 0
     assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=7)).tensors[0], grad)
@@ -472,7 +472,7 @@ def test_end_markers_follow_a_transfer_and_late_datagrams_are_not_held():
 def test_a_resend_round_of_a_transfer_that_has_left_ends_with_markers():
     # (the transpose's owner asks again as they come, not after its idle timeout; a
     # resend jumping ahead of the transfer itself is no round's end)
-    rx = ingress.receiving_socket("127.0.0.1", 0, 1 << 24)
+    rx = receiving.receiving_socket("127.0.0.1", 0, 1 << 24)
     done = queue.SimpleQueue()
     sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 1,
                                on_sent=done.put, ends=True)
@@ -481,7 +481,7 @@ def test_a_resend_round_of_a_transfer_that_has_left_ends_with_markers():
     def markers_after(t0: float, seconds: float = 5.0) -> bool:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            ingress.drain(rx, ing)
+            receiving.drain(rx, ing)
             if ing.marked_since(1, 7, t0):
                 return True
         return False
@@ -511,7 +511,7 @@ def test_a_datagram_claiming_more_than_may_be_held_is_refused(monkeypatch):
 
 def test_senders_sharing_an_outbox_send_on_one_thread_in_the_order_queued():
     # (the transpose all-reduce's peers: one thread for all of them, each shard whole)
-    rxs = [ingress.receiving_socket("127.0.0.1", 0, 1 << 22) for _ in range(2)]
+    rxs = [receiving.receiving_socket("127.0.0.1", 0, 1 << 22) for _ in range(2)]
     done = queue.SimpleQueue()
     box = outbox.Outbox("test-send")
     senders = [lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
@@ -545,7 +545,7 @@ def test_senders_sharing_an_outbox_send_on_one_thread_in_the_order_queued():
 
 def test_segmented_sends_arrive_coalesced_and_whole():
     # the sender's UDP GSO and the receiver's UDP GRO, end to end on loopback
-    rx = ingress.receiving_socket("127.0.0.1", 0, 1 << 24)
+    rx = receiving.receiving_socket("127.0.0.1", 0, 1 << 24)
     done = queue.SimpleQueue()
     sender = lossy.LossySender(f"tcp://127.0.0.1:{rx.getsockname()[1]}", "r", 0,
                                on_sent=done.put)
@@ -565,7 +565,7 @@ def test_interleaved_transfers_beyond_the_arena_are_each_kept_whole():
     # two workers' pushes at once, 2.6 MB in all (the drain's arena holds 1 MB): runs of
     # one transfer's receives are kept together, a receive of the other ends a run, a
     # datagram sent twice is kept once, and both pushes are their gradients exactly
-    rx = ingress.receiving_socket("127.0.0.1", 0, 1 << 24)
+    rx = receiving.receiving_socket("127.0.0.1", 0, 1 << 24)
     done = queue.SimpleQueue()
     port = rx.getsockname()[1]
     senders = [lossy.LossySender(f"tcp://127.0.0.1:{port}", "r", w, on_sent=done.put)
@@ -829,3 +829,31 @@ def test_a_pull_goes_behind_the_lossy_pushes_to_its_server():
         ctx.term()
     assert ops == ["lossy_push", "pull"]
     assert [p.header["offset"] for p in pieces] == [0, 2000]
+
+
+def test_single_datagrams_of_interleaved_transfers_are_kept_in_batches(monkeypatch):
+    # (where the kernel coalesces nothing, as through the emulation's TAP links, each
+    # receive is one datagram and several sources' interleave: drain still keeps them
+    # a transfer at a time with numpy, one by one only a transfer's short last one)
+    a, b = torch.randn(352 * 40 + 5), torch.randn(352 * 40 + 9)
+    pa, pb = packets_of(a, transfer=7, worker=1), packets_of(b, transfer=9, worker=2)
+    rx = receiving.receiving_socket("127.0.0.1", 0, 1 << 24)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    ing, alone = Ingress(), []
+    real = Ingress.datagram
+    monkeypatch.setattr(Ingress, "datagram", lambda self, d: (alone.append(len(d)),
+                                                              real(self, d))[1])
+    try:
+        for x, y in zip(pa, pb):  # (packet by packet, taking turns)
+            tx.sendto(x, rx.getsockname())
+            tx.sendto(y, rx.getsockname())
+        assert _drain_all(rx, ing, len(pa) + len(pb)) == len(pa) + len(pb)
+        assert torch.equal(ing.complete(lossy_push(a, 0.0, transfer=7, worker=1))
+                           .tensors[0], a)
+        assert torch.equal(ing.complete(lossy_push(b, 0.0, transfer=9, worker=2))
+                           .tensors[0], b)
+        assert sorted(alone) == [34 + 5 * 4, 34 + 9 * 4]  # (the two short last ones)
+        assert ing.counts == {"datagrams": 82, "bad_datagrams": 0, "evicted": 0, "late": 0}
+    finally:
+        tx.close()
+        rx.close()
