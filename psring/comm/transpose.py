@@ -19,7 +19,8 @@ each round of resends come, until the part is within F;
 a source never heard at all is asked for everything after a while (all of its part
 lost, markers included; a straggler ignores a request for a transfer it has not sent
 yet). Each rank answers requests on a thread of its own, which receives every
-datagram, so a rank already in the all-gather still answers. The owner sums the parts
+datagram (in batches while a part streams in), so a rank already in the all-gather
+still answers. The owner sums the parts
 and sends the sum to every other rank as datagrams too, the all-gather: the same
 machinery with no bound (a part is kept only whole, every missing packet asked for
 again), so every rank holds the same bytes and the replicas cannot drift apart,
@@ -84,6 +85,15 @@ SILENT_S = 1.0
 KEPT = 4
 #: copies of a resend request, back to back
 NACK_COPIES = 2
+#: where the kernel coalesces nothing (no GRO on the path, or several sources
+#: interleaved), a receiving thread woken for each datagram spends the cores on its
+#: wakes: while a transfer of at least STREAM_PACKETS streams in, it waits after each
+#: drain until about RECEIVE_BATCH datagrams may have come, by the rate they came at,
+#: at most RECEIVE_PAUSE_S (as a NIC moderates its interrupts). What it adds: a wait of
+#: at most that before a part's end marker is seen.
+RECEIVE_BATCH = 32
+RECEIVE_PAUSE_S = 1e-3
+STREAM_PACKETS = 64
 
 
 class Timeouts:
@@ -334,16 +344,19 @@ class TransposeAllReduce:
 
     # -- the receiving thread: every datagram, every request answered ------------------------
     def _receive(self) -> None:
+        last = time.monotonic()
         while not self.stopping:
             try:
                 ready, _, _ = select.select([self.sock], [], [], 0.05)
             except (OSError, ValueError):  # (closed)
                 return
+            got = 0
             with self.cond:
                 marked = self.ingress.marked
                 if ready:
-                    drain(self.sock, self.ingress,
-                          heard=self.granter.heard if self.granter is not None else None)
+                    got = drain(self.sock, self.ingress,
+                                heard=self.granter.heard if self.granter is not None
+                                else None)
                     for n in self.ingress.take_nacks():
                         self._answer(n)
                 if self.granter is not None:
@@ -352,6 +365,11 @@ class TransposeAllReduce:
                 # changes nothing it acts on, and each wake costs the cores a switch)
                 if self.ingress.marked != marked or (ready and self.asking):
                     self.cond.notify_all()
+                streaming = got > 0 and self.ingress.streaming(STREAM_PACKETS)
+            if streaming:  # (the datagrams wait in the socket's buffer meanwhile)
+                since = time.monotonic() - last
+                time.sleep(min(RECEIVE_PAUSE_S, RECEIVE_BATCH * since / got))
+            last = time.monotonic()
 
     def _answer(self, n: Nack) -> None:
         """Send again ``n.need`` of the packets rank ``n.worker`` asks for, if the
