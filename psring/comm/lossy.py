@@ -79,6 +79,10 @@ GRANT_WAIT_S = 0.004
 #: copies of a transfer's end marker, back to back: all of them lost (p**3 at a loss
 #: rate p) costs its receiver an idle timeout (psring.comm.transpose)
 END_COPIES = 3
+#: the most packets a resend sends twice, when every one of them is needed (an
+#: all-gather's, or beyond a push's bound): one lost again (p at a loss rate p) would
+#: cost its receiver another round trip; both copies, p**2
+TWICE_MOST = 32
 #: errors that say the kernel or the route cannot segment (then one send a datagram)
 NO_GSO = {errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EIO}
 #: the IPv4 TOS byte of a datagram of each priority level, lowest first (DSCP class
@@ -260,7 +264,10 @@ class LossySender:
         """Queue again ``need`` of the ``missing`` packets (at least one, chosen at
         random); returns how many."""
         chosen = self.choose(t, missing, need)
-        self.outbox.put(self._job, (t, chosen, token, None), urgent=True)  # (its receiver waits)
+        # (none to spare, and few: each goes twice, so that one lost again costs no
+        # further round trip)
+        again = chosen * 2 if len(chosen) <= min(need, TWICE_MOST) else chosen
+        self.outbox.put(self._job, (t, again, token, None), urgent=True)  # (its receiver waits)
         return len(chosen)
 
     @staticmethod

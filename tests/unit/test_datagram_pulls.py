@@ -198,7 +198,8 @@ def _until_ended(p: Pair, seq: int) -> None:
 
 def test_a_resend_rounds_end_markers_say_what_it_did_not_bring_was_lost(pair_of,
                                                                          monkeypatch):
-    # its last packet lost, and the resend of it: the server ends each round of
+    # its last packet lost, and the resend of it (both copies: a resend of packets all
+    # needed sends each twice, psring.comm.lossy.TWICE_MOST): the server ends each round of
     # resends with markers, and the worker asks again as they come, not after its
     # round trips (ten seconds here, longer than the test waits)
     monkeypatch.setattr(pulls_mod, "MAX_WAIT_S", 10.0)
@@ -207,7 +208,7 @@ def test_a_resend_rounds_end_markers_say_what_it_did_not_bring_was_lost(pair_of,
     values = torch.randn(30_000)
     packets = -(-values.numel() * 4 // 1408)
     markers = 3  # (psring.comm.lossy.END_COPIES, back to back after the last packet)
-    _drop_packet(p, packets - 1, packets + markers)
+    _drop_packet(p, packets - 1, packets + markers, packets + markers + 1)
     p.pulls.expect(seq=5, shard=0, numel=values.numel())
     p.egress.piece(p.header(5), values.numel(), 0, values)
     _until_ended(p, 5)

@@ -237,6 +237,15 @@ def test_the_sender_sends_every_datagram_then_says_so_and_resends_at_random():
     assert done.get(timeout=5) == "again"
     got = sorted(datagrams.decode_datagram(rx.recv(2048)).index for _ in range(2))
     assert got == again
+    # every packet asked for needed, none to spare (an all-gather's): each goes twice,
+    # so that one lost again costs no further round trip
+    assert sender.resend(t, [1, 3], need=2, token="both") == 2
+    assert done.get(timeout=5) == "both"
+    got = sorted(datagrams.decode_datagram(rx.recv(2048)).index for _ in range(4))
+    assert got == [1, 1, 3, 3]
+    rx.settimeout(0.2)
+    with pytest.raises(socket.timeout):  # (nothing more)
+        rx.recv(2048)
     sender.close()
     rx.close()
     assert not sender.outbox.thread.is_alive()
