@@ -287,6 +287,7 @@ class Supervisor:
                         and any(self._poll(c) is None for c in self.children):
                     time.sleep(POLL_S)
                     failed = self._unexpected()
+                failed = self._unexpected()  # (the cause may have exited since the last look)
                 reported = self._reported(failed)
                 self.stop()
                 raise RunFailed(self._failure_message(reported + failed, reported))

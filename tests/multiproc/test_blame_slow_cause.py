@@ -43,3 +43,30 @@ def test_a_slow_exiting_cause_is_named_not_its_peers_cascade(tmp_path, monkeypat
     else:  # nothing names a cause: the cascade is all there is to report
         assert first.startswith("worker-0 failed (exit code 2)"), first
     assert not pid_alive(peer.proc.pid) and not pid_alive(cause.proc.pid)
+
+
+@pytest.mark.timeout(60)
+def test_a_cause_that_exits_just_after_the_last_look_is_named(tmp_path, monkeypatch):
+    # the cause exits between the supervisor's look at who failed and its check that
+    # nothing runs any more: the failures it reports are looked at again, not the last
+    # look's (which held only the peer's cascade)
+    exits = ("import sys, time; time.sleep(0.6); print("
+             f"{_LINE!r}, file=sys.stderr, flush=True); sys.exit(1)")
+    sup = Supervisor(tmp_path / "logs")
+    peer = sup.start(ProcessSpec("worker-0", [sys.executable, "-c", CASCADE]))
+    cause = sup.start(ProcessSpec("worker-1", [sys.executable, "-c", exits]))
+    look = Supervisor._unexpected
+
+    def look_then_let_it_exit(self):
+        failed = look(self)
+        if failed == [peer] and cause.proc.returncode is None:
+            cause.proc.wait(timeout=30)  # (it exits right after this look)
+        return failed
+
+    monkeypatch.setattr(Supervisor, "_unexpected", look_then_let_it_exit)
+    with pytest.raises(RunFailed) as e:
+        sup.wait()
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("worker-1 failed (exit code 1)"), first
+    assert "also failed: worker-0" in first
+    assert not pid_alive(peer.proc.pid) and not pid_alive(cause.proc.pid)
