@@ -61,7 +61,7 @@ class _Run:
     arena, kept together: one numpy check for many receives. Coalesced receives (UDP
     GRO) and single datagrams alike, of any transfers (kept a transfer at a time when
     it is flushed): where the kernel coalesces nothing (a link whose frames it does not
-    gather, several sources interleaved), datagrams still cost no Python each."""
+    gather, several sources interleaved), a datagram costs its receive and no more."""
 
     start: int = 0
     end: int = 0
