@@ -55,6 +55,7 @@ WHOLE = DATAGRAM_HEADER + DATAGRAM_PAYLOAD
 #: bytes one receive may return: a coalesced receive's (UDP GRO) 64 KiB at most
 RECEIVE_MOST = 65536
 
+
 @dataclass
 class _Run:
     """Consecutive receives of whole datagrams of one size, end to end in the ingress's

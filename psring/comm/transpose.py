@@ -20,8 +20,8 @@ a source never heard at all is asked for everything after a while (all of its pa
 lost, markers included; a straggler ignores a request for a transfer it has not sent
 yet). Each rank answers requests on a thread of its own, which receives every
 datagram (in batches while a part streams in), so a rank already in the all-gather
-still answers. The owner sums the parts
-and sends the sum to every other rank as datagrams too, the all-gather: the same
+still answers. The owner sums the parts and sends the sum to every other rank as
+datagrams too, the all-gather: the same
 machinery with no bound (a part is kept only whole, every missing packet asked for
 again), so every rank holds the same bytes and the replicas cannot drift apart,
 whatever was lost, and no TCP retransmission timeout holds up a step. A bucket's
