@@ -101,18 +101,25 @@ class _Arriving:
 _INDEX = slice(DATAGRAM_DTYPE.fields["index"][1], DATAGRAM_DTYPE.fields["index"][1] + 4)
 
 
+#: where a datagram's header has its worker and its transfer id
+_WORKER = DATAGRAM_DTYPE.fields["worker"][1]
+_TRANSFER = DATAGRAM_DTYPE.fields["transfer"][1]
+
+
 def _transfers(rows: np.ndarray) -> list[np.ndarray] | None:
-    """The rows (datagrams, whole) of each transfer among ``rows``, in arrival order
-    within each: indices into them; None when every row's header but the packet's
-    number is the first's (one transfer's, as a coalesced receive's)."""
-    heads = np.concatenate([rows[:, :_INDEX.start], rows[:, _INDEX.stop:DATAGRAM_HEADER]],
-                           axis=1)
-    if (heads == heads[0]).all():
+    """The rows (datagrams, whole; ``rows`` contiguous) of each transfer among ``rows``,
+    by worker and transfer id, in arrival order within each: indices into them; None
+    when all are one transfer's (as a coalesced receive's). The other fields of a
+    transfer's headers are checked when it is kept (:meth:`Ingress._keep_rows`)."""
+    k, size = rows.shape
+    keys = np.ndarray((k,), "<u8", rows, _TRANSFER, (size,)) * np.uint64(1 << 16) \
+        + np.ndarray((k,), "<u2", rows, _WORKER, (size,))
+    if (keys == keys[0]).all():
         return None
-    keys = heads.view(np.dtype((np.void, heads.shape[1]))).ravel()
-    _, inverse = np.unique(keys, return_inverse=True)
-    order = np.argsort(inverse, kind="stable")
-    return np.split(order, np.flatnonzero(np.diff(inverse[order])) + 1)
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    bounds = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), k]
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def whole_bytes(dtype: str) -> int:
