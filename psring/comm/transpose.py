@@ -91,8 +91,8 @@ NACK_COPIES = 2
 #: drain until about RECEIVE_BATCH datagrams may have come, by the rate they came at,
 #: at most RECEIVE_PAUSE_S (as a NIC moderates its interrupts). What it adds: a wait of
 #: at most that before a part's end marker is seen.
-RECEIVE_BATCH = 32
-RECEIVE_PAUSE_S = 1e-3
+RECEIVE_BATCH = 160
+RECEIVE_PAUSE_S = 5e-3
 STREAM_PACKETS = 64
 
 
