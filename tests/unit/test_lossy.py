@@ -251,13 +251,13 @@ def test_the_sender_sends_every_datagram_then_says_so_and_resends_at_random():
     assert not sender.outbox.thread.is_alive()
 
 
-def _drain_all(rx: socket.socket, ing: Ingress, count: int) -> int:
-    """Drain until ``count`` datagrams are in (5 s at most): a sender's on_sent comes
-    once its sends return, and a loaded machine may hand loopback's datagrams to the
-    socket a moment later. Returns how many came."""
+def _drain_all(rx: socket.socket, ing: Ingress, count: int, **kw) -> int:
+    """Drain (``kw``: drain's) until ``count`` datagrams are in (5 s at most): a
+    sender's on_sent comes once its sends return, and a loaded machine may hand
+    loopback's datagrams to the socket a moment later. Returns how many came."""
     n, deadline = 0, time.monotonic() + 5
     while n < count and time.monotonic() < deadline:
-        n += receiving.drain(rx, ing)
+        n += receiving.drain(rx, ing, **kw)
     return n
 
 

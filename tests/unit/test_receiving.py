@@ -4,7 +4,6 @@ datagrams, coalesced receives after single ones, cut ones, and who sent each."""
 from __future__ import annotations
 
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import torch
 from psring.comm import receiving
 from psring.comm.datagrams import DATAGRAM_DTYPE
 from psring.comm.ingress import Ingress
-from tests.unit.test_lossy import lossy_push, packets_of
+from tests.unit.test_lossy import _drain_all, lossy_push, packets_of
 
 #: bytes of a whole unsigned datagram (float32: 352 elements)
 WHOLE = receiving.WHOLE
@@ -29,13 +28,6 @@ def pair():
     yield rx, tx
     tx.close()
     rx.close()
-
-
-def _drain_all(rx, ing: Ingress, count: int, **kw) -> int:
-    n, deadline = 0, time.monotonic() + 5
-    while n < count and time.monotonic() < deadline:
-        n += receiving.drain(rx, ing, **kw)
-    return n
 
 
 def test_signed_datagrams_arrive_whole(pair):
