@@ -62,6 +62,12 @@ def _carried(end, delivered, instant):
     return end <= delivered + np.maximum(1e-6 * np.maximum(1.0, end), instant)
 
 
+def _carried_one(end: float, delivered: float, instant: float) -> bool:
+    """:func:`_carried` of one message, in Python's floats (the events ask it of every
+    message they hand over)."""
+    return end <= delivered + max(1e-6 * max(1.0, end), instant)
+
+
 class Link:
     """Something flows share at once (one direction of a host's link, a process's
     transport): ``beta`` seconds a byte at its full rate, divided among the flows on it.
@@ -117,8 +123,12 @@ class Flows:
         self.head = np.zeros(0)       # where the first queued message ends
         self.rate = np.zeros(0)
         self.active = np.zeros(0, dtype=bool)
-        self.carried = np.zeros(1)  # bytes each link carried so far
-        self.marks: dict[float, np.ndarray] = {}  # t -> carried then (mark)
+        # bytes each connection's rate carried so far (delivered, but for the remnant a
+        # finished message is rounded up by): a link's carriage is the sum over the
+        # connections crossing it, summed only where it is read (mark), not each advance
+        self.counted = np.zeros(0)
+        self.marks: dict[float, np.ndarray] = {}  # t -> each link's carriage then (mark)
+        self._act: np.ndarray | None = np.zeros(0, dtype=np.int64)  # active, cached
         self.flushing = False
         # the active connections or their weights changed since the last sharing: the
         # shares depend on nothing else, so a message carried on a connection that stays
@@ -132,7 +142,6 @@ class Flows:
             self._link_ix[id(link)] = len(self.links)
             self.links.append(link)
             self.link_rate = np.append(self.link_rate, link.rate)
-            self.carried = np.append(self.carried, 0.0)
         return self._link_ix[id(link)]
 
     def connection(self, links: list[Link], alpha: float) -> Connection:
@@ -142,7 +151,7 @@ class Flows:
         c = Connection(self, len(self.conns), alpha)
         self.conns.append(c)
         self.paths = np.vstack([self.paths, path])
-        for name in ("weight", "sent", "delivered", "head", "rate"):
+        for name in ("weight", "sent", "delivered", "head", "rate", "counted"):
             setattr(self, name, np.append(getattr(self, name), 0.0))
         self.active = np.append(self.active, False)
         return c
@@ -152,9 +161,10 @@ class Flows:
         self.advance(t)
         i = c.index
         self.sent[i] += nbytes
-        c.queue.append((self.sent[i], arrived))
+        c.queue.append((float(self.sent[i]), arrived))
         if not self.active[i]:
             self.active[i] = True
+            self._act = None
             self.dirty = True
             self.head[i] = self.sent[i]
             self.weight[i] = math.exp(self.spread * self.rng.gauss(0.0, 1.0)) \
@@ -170,18 +180,24 @@ class Flows:
         dt = t - self.now
         if dt <= 0:
             return
-        act = np.flatnonzero(self.active)
+        act = self.busy_conns()
         if len(act):
             moved = np.minimum(self.rate[act] * dt, self.sent[act] - self.delivered[act])
             self.delivered[act] += moved
-            self.carried += np.bincount(self.paths[act].ravel(), np.repeat(moved, self.WIDTH),
-                                        minlength=len(self.links))
+            self.counted[act] += moved
         self.now = t
+
+    def busy_conns(self) -> np.ndarray:
+        """The indices of the connections with bytes queued (kept until one changes)."""
+        if self._act is None:
+            self._act = np.flatnonzero(self.active)
+        return self._act
 
     def mark(self, t: float) -> None:
         """Remember what every link has carried by t (an event's time), for :meth:`busy`."""
         self.advance(t)
-        self.marks[t] = self.carried.copy()
+        self.marks[t] = np.bincount(self.paths.ravel(), np.repeat(self.counted, self.WIDTH),
+                                    minlength=len(self.links))
 
     def busy(self, link: Link, a: float, b: float) -> float:
         """Seconds of its full rate ``link`` carried between two marked times."""
@@ -205,20 +221,22 @@ class Flows:
         """Hand over the messages carried by now, then share the links anew and wait for
         the next message to be carried."""
         t = self.now
-        act = np.flatnonzero(self.active)
+        act = self.busy_conns()
         # what the rate moves in the last few representable instants of t: a later tick
         # could not move the clock to carry it
         instant = self.rate[act] * 8 * math.ulp(max(t, 1.0))
         due = _carried(self.head[act], self.delivered[act], instant)
         for i, last in zip(act[due], instant[due]):
             c = self.conns[i]
-            while c.queue and _carried(c.queue[0][0], self.delivered[i], last):
+            delivered, last = float(self.delivered[i]), float(last)
+            while c.queue and _carried_one(c.queue[0][0], delivered, last):
                 self.ev.at(t + c.alpha, c.queue.pop(0)[1])
             if c.queue:
                 self.head[i] = c.queue[0][0]
             else:
                 self.delivered[i] = self.sent[i]
                 self.active[i] = False
+                self._act = None
                 self.rate[i] = 0.0
                 self.dirty = True
         act = act[self.active[act]]
