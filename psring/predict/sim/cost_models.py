@@ -188,6 +188,8 @@ def finish(sim: Sim, cost_model: str | None, period: float, *,
     return Prediction(cost_model, sim.cluster, period, phases,
                       samples_per_s=n * sim.profile.batch_size / period if period else 0.0,
                       efficiency=min(1.0, alone / period) if period else 1.0, bound=bound,
-                      utilization={k: round(v, 4) for k, v in util.items()},
+                      # (as Python floats: numpy's scalars round ten times slower, and
+                      # the scaling question rounds millions of them)
+                      utilization={k: round(float(v), 4) for k, v in util.items()},
                       buckets=bucket_times or [], gradient_bytes=sim.total,
                       starts=starts or [])

@@ -83,25 +83,27 @@ class _Resources:
                       + [f"host {h} link out" for h in hosts]
                       + [f"host {h} link in" for h in hosts] + ["worker transport"])
 
-    def job(self, pieces: np.ndarray, wire: float, cpu: np.ndarray, per_sender: float,
-            up: bool) -> np.ndarray:
-        """Seconds a job loads each resource: ``pieces`` (K,) float32 bytes each sender
-        sends to (``up``) or gets from each server, ``cpu`` (K,) seconds on each
-        server's CPU, ``per_sender`` a sender's transport's bytes."""
-        K, S = self.K, self.S
-        load = np.empty(self.R)
-        load[:K] = S * pieces * wire * self.b_loc
-        load[K:2 * K] = cpu
+    def jobs(self, pieces: np.ndarray, wire: float, cpu: np.ndarray,
+             per_sender: np.ndarray, up: bool) -> np.ndarray:
+        """Seconds each of m jobs loads each resource, (m, R): ``pieces`` (m, K)
+        float32 bytes each sender sends to (``up``) or gets from each server, ``cpu``
+        (m, K) seconds on each server's CPU, ``per_sender`` (m,) a sender's
+        transport's bytes."""
+        K, S, H = self.K, self.S, len(self.hosts)
+        load = np.empty((len(pieces), self.R))
+        load[:, :K] = S * pieces * wire * self.b_loc
+        load[:, K:2 * K] = cpu
         # a host's servers' share, q: its senders send the rest across its link (out,
         # for a push), the senders elsewhere send q across it (in)
-        q = np.bincount(self.col, weights=pieces, minlength=len(self.hosts))
-        links_a = self.on * (pieces.sum() - q) * wire * self.b_link  # senders' side
+        q = np.zeros((len(pieces), H))
+        np.add.at(q, (slice(None), self.col), pieces)
+        links_a = self.on * (pieces.sum(axis=1, keepdims=True) - q) * wire \
+            * self.b_link                                             # senders' side
         links_b = q * (S - self.on) * wire * self.b_link             # servers' side
-        H = len(self.hosts)
         out, inn = (links_a, links_b) if up else (links_b, links_a)
-        load[2 * K:2 * K + H] = out
-        load[2 * K + H:2 * K + 2 * H] = inn
-        load[-1] = per_sender * wire * self.b_loc
+        load[:, 2 * K:2 * K + H] = out
+        load[:, 2 * K + H:2 * K + 2 * H] = inn
+        load[:, -1] = per_sender * wire * self.b_loc
         return load
 
 
@@ -133,19 +135,36 @@ class _Round:
         self.free = np.zeros(self.res.R)
         self.busy = np.zeros(self.res.R)
 
-    def run(self, p: np.ndarray, start: float, up: bool) -> float:
-        """A push (``up``) or pull of pieces ``p`` ready at ``start``: when it is done."""
+    def loads(self, pieces: list[np.ndarray], up: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Pushes (``up``) or pulls of each of ``pieces``: the resources each loads
+        (their indices) and its seconds on each. (All of a round's at once: a job's own
+        handful of vector operations would cost more than its arithmetic.)"""
+        if not pieces:
+            return []
+        P = np.stack(pieces)
         # a server adds every push (and under ps-async applies it); synchronous, it
         # updates each range once
-        cpu = np.zeros(self.res.K)
+        cpu = np.zeros_like(P)
         if up:
-            cpu = self.res.S * p * self.per_push \
-                + (0.0 if self.mode == "ps-async" else p * self.apply)
-        load = self.res.job(p, self.sim.wire, cpu, p.sum() / self.G, up=up)
-        begin = np.maximum(self.free, start)
-        self.free = np.where(load > 0, begin + load, self.free)
-        self.busy += load
-        return float(np.max(self.free[load > 0], initial=start))
+            cpu = self.res.S * P * self.per_push \
+                + (0.0 if self.mode == "ps-async" else P * self.apply)
+        L = self.res.jobs(P, self.sim.wire, cpu, P.sum(axis=1) / self.G, up=up)
+        out = []
+        for row in L:
+            on = np.flatnonzero(row > 0)
+            out.append((on, row[on]))
+        return out
+
+    def run(self, job: tuple[np.ndarray, np.ndarray], start: float) -> float:
+        """A job (:meth:`load`) ready at ``start``, served by each resource it loads
+        once that resource is free: when its last one is done."""
+        on, load = job
+        if not len(on):
+            return start
+        end = np.maximum(self.free[on], start) + load
+        self.free[on] = end
+        self.busy[on] += load
+        return max(float(end.max()), start)
 
     def pushes(self) -> list[tuple[float, int, bool, np.ndarray]]:
         """Each bucket's push, ready once its stages are done (the host's reduce-scatter,
@@ -196,13 +215,17 @@ class _Round:
         shared = self.shared_out(sorted(jobs))
         shard = self.pieces.sum(axis=0)
         left = (self.pieces > 0).sum(axis=0)  # pushes still to come to each server
+        # every push's loads, and byteps's pull of the same pieces, by the push's order
+        rows = [p for _, _, _, p in sorted(jobs, key=lambda j: j[1])]
+        ups = self.loads(rows, up=True)
+        downs = self.loads(rows, up=False) if self.byteps else []
         pulled, pulls = 0.0, []
         while jobs:
             ready, order, push, p = heapq.heappop(jobs)
             if not push:
-                pulled = max(pulled, self.run(p, ready, up=False))
+                pulled = max(pulled, self.run(downs[order], ready))
                 continue
-            done = max(self.run(p, ready, up=True), shared.get(order, 0.0))
+            done = max(self.run(ups[order], ready), shared.get(order, 0.0))
             if self.byteps:
                 heapq.heappush(jobs, (done + alpha, order, False, p))
                 continue
@@ -210,8 +233,9 @@ class _Round:
             last = (p > 0) & (left == 0)
             if last.any():  # (servers whose last push this was: their shards, one pull)
                 pulls.append((max(done + alpha, D + F + B), order, np.where(last, shard, 0.0)))
-        for ready, _, p in sorted(pulls, key=lambda j: j[:2]):
-            pulled = max(pulled, self.run(p, ready, up=False))
+        pulls.sort(key=lambda j: j[:2])
+        for (ready, _, _), job in zip(pulls, self.loads([p for *_, p in pulls], up=False)):
+            pulled = max(pulled, self.run(job, ready))
         return pulled
 
     def prediction(self) -> Prediction:
