@@ -156,7 +156,7 @@ class _Round:
         return out
 
     def run(self, job: tuple[np.ndarray, np.ndarray], start: float) -> float:
-        """A job (:meth:`load`) ready at ``start``, served by each resource it loads
+        """A job (:meth:`loads`) ready at ``start``, served by each resource it loads
         once that resource is free: when its last one is done."""
         on, load = job
         if not len(on):
