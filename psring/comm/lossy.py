@@ -434,6 +434,9 @@ def runs(which, limit: int, levels: np.ndarray | None = None) -> list[tuple[int,
     """``which`` (ascending packet numbers) as the [i, j) runs one segmented send can
     carry: consecutive numbers of one priority level (``levels``, per packet: one
     send has one TOS), at most ``limit`` of them."""
+    if isinstance(which, range) and which.step == 1 and levels is None:
+        # (a whole transfer, or what a grant allows: one run, cut every limit)
+        return [(i, min(i + limit, which.stop)) for i in range(which.start, which.stop, limit)]
     idx = np.asarray(which, np.int64)
     if idx.size == 0:
         return []

@@ -94,6 +94,11 @@ NACK_COPIES = 2
 RECEIVE_BATCH = 160
 RECEIVE_PAUSE_S = 5e-3
 STREAM_PACKETS = 64
+#: the header a part is looked at with (TransposeAllReduce._header): its fields but
+#: the part's own, as the protocol module makes and checks them
+LOOKED_AT = decode(encode("lossy_push", {
+    "run": RUN, "worker": 0, "seq": 1, "shard": 0, "step": 0, "offset": 0, "numel": 1,
+    "packets": 1, "dtype": "float32", "tolerance": 0.0, "transfer": 1}))
 
 
 class Timeouts:
@@ -333,14 +338,15 @@ class TransposeAllReduce:
         asked[p] = now
 
     def _header(self, source: int, transfer: int, numel: int, gather: bool) -> Message:
-        """The end marker of ``source``'s shard of this transfer, as a server gets it
-        (made by the protocol module, and checked by it, as one from the wire)."""
-        packets = math.ceil(numel / per_datagram("float32"))
-        return decode(encode("lossy_push", {
-            "run": RUN, "worker": source, "seq": transfer,
-            "shard": source if gather else self.rank,
-            "step": 0, "offset": 0, "numel": numel, "packets": packets, "dtype": "float32",
-            "tolerance": 0.0 if gather else self.tolerance, "transfer": transfer}))
+        """The end marker of ``source``'s shard of this transfer, as a server gets it:
+        the fields of :data:`LOOKED_AT` made by the protocol module and checked by it,
+        as one from the wire, once; this part's own filled in (Ingress.complete checks
+        them)."""
+        return Message({**LOOKED_AT.header, "worker": source, "seq": transfer,
+                        "shard": source if gather else self.rank, "numel": numel,
+                        "packets": math.ceil(numel / per_datagram("float32")),
+                        "tolerance": 0.0 if gather else self.tolerance,
+                        "transfer": transfer})
 
     # -- the receiving thread: every datagram, every request answered ------------------------
     def _receive(self) -> None:

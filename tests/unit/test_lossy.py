@@ -338,6 +338,10 @@ def test_runs_are_consecutive_and_within_a_millisecond_of_the_link():
     assert lossy.runs([0, 1, 2, 4, 5, 8, 9], limit=2) == [(0, 2), (2, 3), (4, 6), (8, 10)]
     assert lossy.runs(range(10), limit=64) == [(0, 10)]
     assert lossy.runs([], limit=4) == []
+    # a range (a whole transfer, a grant's packets) cut as its numbers listed are
+    for which in (range(3, 20), range(0, 1), range(5, 5), range(7, 135)):
+        for limit in (1, 4, 64):
+            assert lossy.runs(which, limit) == lossy.runs(list(which), limit), (which, limit)
     # paced, a batch is at most a millisecond of the link: 1 Gbit/s carries about 84
     # frames of 1.5 kB a millisecond (GSO's 64 KiB caps it at 44), 10 Mbit/s under one
     fast = lossy.LossySender("tcp://127.0.0.1:9", "r", 0)
