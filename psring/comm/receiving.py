@@ -88,22 +88,24 @@ def drain(sock: socket.socket, ingress: Ingress, most: int | None = None,
     once the arena is full, the size changes or nothing more is waiting."""
     n = 0
     control = socket.CMSG_SPACE(4)
-    arena = ingress.arena
+    arena = memoryview(ingress.arena)
+    last = len(arena) - RECEIVE_MOST  # (where a receive still fits the arena)
+    unsigned = ingress.key is None
     run = _Run()
     try:
         while most is None or n < most:
-            if run.end + RECEIVE_MOST > len(arena):
+            if run.end > last:
                 run = _flush(ingress, run)
-            room = memoryview(arena)[run.end:run.end + RECEIVE_MOST]
+            room = arena[run.end:run.end + RECEIVE_MOST]
             try:
                 got, ancillary, _, addr = sock.recvmsg_into([room], control)
             except (BlockingIOError, InterruptedError):
                 break
             data = room[:got]
-            size = next((int.from_bytes(c[2][:4], "little") for c in ancillary
-                         if c[0] == socket.SOL_UDP and c[1] == UDP_GRO), 0)
+            # (no control message: a datagram alone, as where nothing is coalesced)
+            size = _coalesced(ancillary) if ancillary else 0
             k = -(-got // size) if size and got > size else 1
-            piece = _piece(data, got, size, k) if ingress.key is None else 0
+            piece = _piece(data, got, size, k) if unsigned else 0
             if piece and run.end > run.start and piece != run.size:
                 _flush(ingress, run)  # (datagrams of another size: they start a run)
                 run = _Run(run.end, run.end)
@@ -119,6 +121,14 @@ def drain(sock: socket.socket, ingress: Ingress, most: int | None = None,
     finally:  # (what was received is kept, even when a receive or a callback fails)
         _flush(ingress, run)
     return n
+
+
+def _coalesced(ancillary: list) -> int:
+    """The datagrams' size of a coalesced receive (UDP GRO's control message), else 0."""
+    for level, kind, value in ancillary:
+        if level == socket.SOL_UDP and kind == UDP_GRO:
+            return int.from_bytes(value[:4], "little")
+    return 0
 
 
 def _piece(data: memoryview, got: int, size: int, k: int) -> int:
