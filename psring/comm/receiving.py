@@ -106,11 +106,19 @@ def drain(sock: socket.socket, ingress: Ingress, most: int | None = None,
             size = _coalesced(ancillary) if ancillary else 0
             k = -(-got // size) if size and got > size else 1
             piece = _piece(data, got, size, k) if unsigned else 0
+            # (a transfer's last receive: its whole datagrams join the run, the short
+            # last one is kept at once, before the next receive goes where it lies)
+            short = got % size if unsigned and not piece and k > 2 \
+                and size > DATAGRAM_HEADER else 0
+            if short:
+                piece = size
             if piece and run.end > run.start and piece != run.size:
                 _flush(ingress, run)  # (datagrams of another size: they start a run)
                 run = _Run(run.end, run.end)
             if piece:
-                run.add(got, piece)
+                run.add(got - short, piece)
+                if short:
+                    ingress.datagram(data[got - short:])
             elif k > 1:  # (coalesced, signed or with a short last datagram)
                 ingress.datagrams(data, size)
             else:  # (a marker, a request, a signed or a short last datagram)

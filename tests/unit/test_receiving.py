@@ -65,7 +65,14 @@ def test_a_coalesced_receive_after_single_ones_is_kept_whole(pair):
         tx.send(joined[at:at + 40 * WHOLE])
     assert _drain_all(rx, ing, len(packets)) == len(packets)
     assert ing.counts["datagrams"] == 80 + len(packets) and ing.counts["bad_datagrams"] == 0
-    for grad, transfer in ((first, 1), (second, 2)):
+    # one send whose last datagram is short (a transfer's last receive): its whole
+    # datagrams join the run, the short one is kept on its own
+    third = torch.randn(352 * 30 + 5)
+    tx.send(b"".join(packets_of(third, transfer=3)))
+    assert _drain_all(rx, ing, 31) == 31
+    assert ing.counts["datagrams"] == 80 + len(packets) + 31
+    assert ing.counts["bad_datagrams"] == 0
+    for grad, transfer in ((first, 1), (second, 2), (third, 3)):
         assert torch.equal(ing.complete(lossy_push(grad, 0.0, transfer=transfer))
                            .tensors[0], grad)
 
