@@ -346,7 +346,7 @@ class TransposeAllReduce:
                         "shard": source if gather else self.rank, "numel": numel,
                         "packets": math.ceil(numel / per_datagram("float32")),
                         "tolerance": 0.0 if gather else self.tolerance,
-                        "transfer": transfer})
+                        "transfer": transfer, "tensors": []})  # (nothing shared)
 
     # -- the receiving thread: every datagram, every request answered ------------------------
     def _receive(self) -> None:
